@@ -1,0 +1,65 @@
+"""What the operating system says about a path: its mount, file system type and free space.
+
+Used by the pool (ramfs/tmpfs expected), the storage tier (auto capacity) and `hpkv doctor`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+MEMORY_FS = frozenset({"ramfs", "tmpfs"})
+
+
+@dataclass(frozen=True)
+class Mount:
+    mount_point: str
+    fs_type: str
+    source: str
+
+
+def _unescape(field: str) -> str:
+    # /proc/self/mountinfo escapes space, tab, newline and backslash as octal.
+    return field.encode().decode("unicode_escape") if "\\" in field else field
+
+
+def mount_of(path: str | os.PathLike) -> Mount:
+    """The mount holding `path` (the longest mount point that is a prefix of its real path)."""
+    target = os.path.realpath(_existing_ancestor(Path(path)))
+    best = Mount("/", "unknown", "unknown")
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            point = _unescape(left.split()[4])
+            fs_type, source = (right.split() + ["", ""])[:2]
+            inside = target == point or target.startswith(point.rstrip("/") + "/")
+            if inside and len(point) >= len(best.mount_point):
+                best = Mount(point, fs_type, source)
+    return best
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Bytes an unprivileged writer may still use on the file system holding `path`."""
+    st = os.statvfs(_existing_ancestor(Path(path)))
+    return st.f_bavail * st.f_frsize
+
+
+def total_bytes(path: str | os.PathLike) -> int:
+    st = os.statvfs(_existing_ancestor(Path(path)))
+    return st.f_blocks * st.f_frsize
+
+
+def mem_available_bytes() -> int:
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path

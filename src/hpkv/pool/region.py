@@ -1,0 +1,206 @@
+"""The shared-memory region: one file in the pool directory, mapped by every process.
+
+The owner (the HPKV server, or an in-process store) creates the file with `create`; any number of
+other processes `attach` to it and copy bytes in and out of the offsets the owner hands out.
+
+Why the choices:
+- `O_CREAT|O_EXCL`: two owners of one pool would hand out the same slots. A file left by a dead
+  owner is recognised because the owner holds an exclusive `flock` on it for its lifetime; a file
+  whose lock can be taken is stale and is replaced.
+- `posix_fallocate`: on tmpfs a sparse file would fault pages in lazily and a full mount would kill
+  a writer with SIGBUS in the middle of a copy; reserving every page up front turns that into a
+  clear error at start.
+- `mlock` on tmpfs: tmpfs pages can be swapped; ramfs pages never are. Locking needs
+  `RLIMIT_MEMLOCK` (or CAP_IPC_LOCK); without it we warn and go on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import resource
+from pathlib import Path
+
+from ..errors import PoolError
+from ..fsinfo import MEMORY_FS, free_bytes, mem_available_bytes, mount_of
+
+log = logging.getLogger(__name__)
+
+POOL_FILE_NAME = "hpkv.pool"
+MIN_POOL_BYTES = 1 << 20
+
+
+def _human(num_bytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if num_bytes < 1024 or unit == "TiB":
+            return f"{num_bytes:.1f} {unit}" if unit != "B" else f"{num_bytes} B"
+        num_bytes /= 1024
+    raise AssertionError
+
+
+class PoolRegion:
+    """A mapped pool file. Use `create` (owner) or `attach` (any other process)."""
+
+    def __init__(self, path: Path, fd: int, size_bytes: int, owner: bool) -> None:
+        self.path = path
+        self.size_bytes = size_bytes
+        self.owner = owner
+        self.locked_in_memory = False
+        self._fd = fd
+        self._map = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.buf = memoryview(self._map)
+        self.inode = os.fstat(fd).st_ino
+
+    @classmethod
+    def create(cls, directory: Path, size_bytes: int) -> "PoolRegion":
+        """Create the pool file exclusively, reserve its memory and map it.
+
+        Raises PoolError naming the path and the fix when the directory is unusable, the pool
+        does not fit, or a live owner already holds the file.
+        """
+        if size_bytes < MIN_POOL_BYTES:
+            raise PoolError(f"HPKV_KV_MEM_POOL_SIZE={size_bytes} bytes is too small; use at least 1m")
+        directory = Path(directory)
+        _prepare_directory(directory)
+        path = directory / POOL_FILE_NAME
+        _check_space(directory, size_bytes)
+        fd = _create_exclusive(path)
+        try:
+            _reserve(fd, path, size_bytes)
+            region = cls(path, fd, size_bytes, owner=True)
+        except BaseException:
+            os.unlink(path)
+            os.close(fd)
+            raise
+        region._lock_in_memory(mount_of(directory).fs_type)
+        return region
+
+    @classmethod
+    def attach(cls, path: Path) -> "PoolRegion":
+        """Map an existing pool file (a client process)."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise PoolError(f"cannot open the HPKV pool file {path}: {exc.strerror}") from None
+        return cls(Path(path), fd, os.fstat(fd).st_size, owner=False)
+
+    def view(self, offset: int, num_bytes: int) -> memoryview:
+        return self.buf[offset : offset + num_bytes]
+
+    def close(self) -> None:
+        """Unmap; the owner also removes the file (mappings held by others stay valid)."""
+        if self._fd < 0:
+            return
+        self.buf.release()
+        try:
+            self._map.close()
+        except BufferError:
+            # Someone still holds a view of the map: leave it to the garbage collector.
+            log.debug("pool map still exported; leaving unmap to the collector")
+        if self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        os.close(self._fd)
+        self._fd = -1
+
+    def __enter__(self) -> "PoolRegion":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _lock_in_memory(self, fs_type: str) -> None:
+        if fs_type == "ramfs":
+            return  # ramfs pages are never swapped
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        address = ctypes.c_void_p.from_buffer(self._map)
+        result = libc.mlock(ctypes.c_void_p(ctypes.addressof(address)), ctypes.c_size_t(self.size_bytes))
+        del address
+        if result != 0:
+            soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+            limit = "unlimited" if soft == resource.RLIM_INFINITY else _human(soft)
+            log.warning(
+                "cannot lock the %s pool in memory (%s; RLIMIT_MEMLOCK is %s): it may be swapped. "
+                "Fix: raise the memlock limit (ulimit -l unlimited, LimitMEMLOCK=infinity) or mount ramfs",
+                _human(self.size_bytes), os.strerror(ctypes.get_errno()), limit)
+            return
+        self.locked_in_memory = True
+
+
+def _prepare_directory(directory: Path) -> None:
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PoolError(
+            f"cannot create the pool directory {directory} (HPKV_SHARE_MEM_FILE_PATH): {exc.strerror}; "
+            "create it or point HPKV_SHARE_MEM_FILE_PATH at a writable ramfs/tmpfs directory") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise PoolError(f"the pool directory {directory} (HPKV_SHARE_MEM_FILE_PATH) is not writable by "
+                        f"uid {os.geteuid()}; fix its permissions or choose another directory")
+    mount = mount_of(directory)
+    if mount.fs_type not in MEMORY_FS:
+        log.warning(
+            "the pool directory %s is on %s (%s), not ramfs/tmpfs: pool pages are backed by that file "
+            "system and may be written back to disk, which makes copies slow. Fix: mount ramfs "
+            "(mount -t ramfs nodev %s) or use a tmpfs directory such as /dev/shm/hpkv",
+            directory, mount.fs_type, mount.mount_point, directory)
+
+
+def _check_space(directory: Path, size_bytes: int) -> None:
+    mount = mount_of(directory)
+    # ramfs reports no size at all; the memory it can take is what the machine has free.
+    available = mem_available_bytes() if mount.fs_type == "ramfs" else free_bytes(directory)
+    if size_bytes > available:
+        raise PoolError(
+            f"the DRAM pool does not fit: HPKV_KV_MEM_POOL_SIZE asks for {_human(size_bytes)} in "
+            f"{directory} ({mount.fs_type} at {mount.mount_point}) but only {_human(available)} is free; "
+            "lower HPKV_KV_MEM_POOL_SIZE or enlarge the mount")
+
+
+def _create_exclusive(path: Path) -> int:
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    for _ in range(2):
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError:
+            _remove_if_stale(path)
+            continue
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    raise PoolError(f"cannot create the pool file {path}: it keeps reappearing; is another server starting?")
+
+
+def _remove_if_stale(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise PoolError(
+            f"the pool file {path} is owned by a running HPKV process; use that server, or stop it "
+            "first, or give this one another HPKV_SHARE_MEM_FILE_PATH") from None
+    log.warning("removing stale pool file %s left by a process that is gone", path)
+    os.unlink(path)
+    os.close(fd)
+
+
+def _reserve(fd: int, path: Path, size_bytes: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size_bytes)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            os.ftruncate(fd, size_bytes)  # ramfs has no fallocate; its pages are allocated on touch
+            return
+        raise PoolError(
+            f"cannot reserve {_human(size_bytes)} for the pool file {path}: {exc.strerror}; lower "
+            "HPKV_KV_MEM_POOL_SIZE or free space on that mount") from None

@@ -1,0 +1,67 @@
+"""The on-disk format of one entry: a small header, then the payload.
+
+    offset  size  field
+    0       8     magic  b"HPKVKV\\r\\n" (the CR LF catches text-mode mangling)
+    8       2     format version (1)
+    10      2     key length
+    12      4     reserved, 0
+    16      16    namespace digest
+    32      8     payload length
+    40      8     xxh3-64 of the payload
+    48      4     xxh32 of bytes 0..48 and the key
+    52      n     key
+    52+n    pad   zeros up to a multiple of 8
+
+All little-endian. A reader knows the namespace, the key and the payload length it expects, so it
+can read header and payload with one `preadv` and check every field; any difference (magic,
+version, namespace, key, length, either checksum, file size) makes the file bad.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import xxhash
+
+MAGIC = b"HPKVKV\r\n"
+VERSION = 1
+_FIXED = struct.Struct("<8sHHI16sQQ")
+_HEADER_SUM = struct.Struct("<I")
+
+
+def header_bytes(key_len: int) -> int:
+    return -(-(_FIXED.size + _HEADER_SUM.size + key_len) // 8) * 8
+
+
+def encode_header(ns_digest: bytes, key: bytes, payload: memoryview | bytes) -> bytes:
+    fixed = _FIXED.pack(MAGIC, VERSION, len(key), 0, ns_digest, len(payload), xxhash.xxh3_64_intdigest(payload))
+    summed = fixed + key
+    out = bytearray(header_bytes(len(key)))
+    out[: len(fixed)] = fixed
+    out[len(fixed) : len(fixed) + 4] = _HEADER_SUM.pack(xxhash.xxh32_intdigest(summed))
+    out[len(fixed) + 4 : len(fixed) + 4 + len(key)] = key
+    return bytes(out)
+
+
+def check(header: bytes | memoryview, ns_digest: bytes, key: bytes, payload: memoryview) -> str | None:
+    """None when header and payload are exactly what was written for (ns, key); else the reason."""
+    if len(header) < _FIXED.size + 4:
+        return "short header"
+    magic, version, key_len, _, digest, length, payload_sum = _FIXED.unpack_from(header)
+    if magic != MAGIC:
+        return "not an HPKV file"
+    if version != VERSION:
+        return f"format version {version}, expected {VERSION}"
+    stored_key = bytes(header[_FIXED.size + 4 : _FIXED.size + 4 + key_len])
+    (header_sum,) = _HEADER_SUM.unpack_from(header, _FIXED.size)
+    if xxhash.xxh32_intdigest(bytes(header[: _FIXED.size]) + stored_key) != header_sum:
+        return "header checksum mismatch"
+    if digest != ns_digest:
+        return "belongs to another namespace"
+    if stored_key != key:
+        return "holds another key"
+    if length != len(payload):
+        return f"payload of {length} bytes, expected {len(payload)}"
+    if xxhash.xxh3_64_intdigest(payload) != payload_sum:
+        return "payload checksum mismatch"
+    return None

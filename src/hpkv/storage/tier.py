@@ -1,0 +1,399 @@
+"""The storage tier: one checksummed file per entry, bounded, evicted LRU, shareable by nodes.
+
+Layout: `<root>/<ns>/<hex[0:2]>/<hex[2:4]>/<hex>.kv`, with `<root>/<ns>/namespace.json` holding
+the readable namespace description. Files are immutable once published: they are written to a
+temporary name in the same directory and renamed into place, so a reader sees a whole file or
+none. Every read checks length, header and payload checksum; a bad file is deleted and the read is
+a miss. Several tiers (nodes) may share one root: the index learns files it did not write when a
+lookup finds them, and a reader that loses a race with an evictor just misses.
+
+Primitives: `start`, `add_namespace`, `contains`, `read_into`, `write_from`, `submit`, `remove`,
+`stats`, `close`. Capacity is enforced on this tier's view; `ENOSPC` evicts and retries, and a
+write that still cannot happen is dropped (counted), never raised.
+Must not know: the pool, engines, devices.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import StorageConfig
+from ..errors import StorageError
+from ..fsinfo import free_bytes
+from . import format as fmt
+from .fileio import FileIO
+
+log = logging.getLogger(__name__)
+
+AUTO_CAPACITY_FRACTION = 0.8
+STALE_TEMP_S = 3600.0  # a temporary this old is from a writer that died, on whatever node
+TOUCH_EVERY_S = 60.0  # refresh a file's mtime (its LRU age across restarts) at most this often
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+@dataclass
+class StorageCounters:
+    reads: int = 0
+    read_bytes: int = 0
+    read_misses: int = 0
+    writes: int = 0
+    write_bytes: int = 0
+    write_failures: int = 0
+    bad_files: int = 0
+    evictions: int = 0
+    space_errors: int = 0
+    files_scanned: int = 0
+    temps_removed: int = 0
+
+
+class StorageTier:
+    def __init__(self, config: StorageConfig, io: FileIO | None = None) -> None:
+        self.root = Path(config.path)
+        self.config = config
+        self.io = io or FileIO()
+        self.counters = StorageCounters()
+        self.capacity_bytes = config.capacity_bytes or 0
+        self.used_bytes = 0
+        self.scan_done = threading.Event()
+        self._node = socket.gethostname().replace(".", "_")
+        self._lock = threading.Lock()
+        self._lru: OrderedDict[tuple[str, bytes], int] = OrderedDict()
+        self._inflight_bytes = 0
+        self._dirs: set[str] = set()
+        self._seq = 0
+        self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="hpkv-io")
+        self._warned: set[int] = set()
+
+    # -- life ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Make the root usable, size the tier, and rebuild the index in the background."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(
+                f"cannot create the storage directory {self.root} (HPKV_KV_STORAGE_PATH): {exc.strerror}; "
+                "create it with write permission for this user or point HPKV_KV_STORAGE_PATH elsewhere") from None
+        if not self.root.is_dir() or not os.access(self.root, os.W_OK | os.X_OK):
+            raise StorageError(
+                f"the storage directory {self.root} (HPKV_KV_STORAGE_PATH) is not a writable directory for "
+                f"uid {os.geteuid()}; fix its permissions or point HPKV_KV_STORAGE_PATH elsewhere")
+        if self.config.capacity_bytes is None:
+            self.capacity_bytes = int(free_bytes(self.root) * AUTO_CAPACITY_FRACTION)
+        threading.Thread(target=self._scan, name="hpkv-storage-scan", daemon=True).start()
+
+    def close(self) -> None:
+        """Finish queued writes, then stop the I/O threads."""
+        self._executor.shutdown(wait=True)
+
+    def submit(self, fn, *args) -> Future:
+        return self._executor.submit(fn, *args)
+
+    def add_namespace(self, ns: str, description_json: str) -> None:
+        ns_dir = self.root / ns
+        ns_dir.mkdir(exist_ok=True)
+        desc = ns_dir / "namespace.json"
+        if not desc.exists():
+            tmp = ns_dir / f".namespace.{self._node}.{os.getpid()}.tmp"
+            tmp.write_text(description_json + "\n")
+            os.replace(tmp, desc)
+
+    # -- lookups and I/O ----------------------------------------------------------------------
+
+    def path_of(self, ns: str, key: bytes) -> str:
+        name = key.hex()
+        return f"{self.root}/{ns}/{name[0:2]}/{name[2:4]}/{name}.kv"
+
+    def contains(self, ns: str, key: bytes) -> bool:
+        """Whether a file for (ns, key) exists, adopting files other tiers wrote."""
+        if (ns, key) in self._lru:
+            return True
+        try:
+            size = os.stat(self.path_of(ns, key)).st_size
+        except OSError:
+            return False
+        self._remember(ns, key, size, recent=True)
+        return True
+
+    def read_into(self, ns: str, key: bytes, dest: memoryview) -> bool:
+        """Read and verify (ns, key) into `dest` (exactly the payload size). False is a miss; the
+        content of `dest` is then undefined and must not be used."""
+        path = self.path_of(ns, key)
+        try:
+            fd = self.io.open(path, os.O_RDONLY)
+        except OSError:
+            self._forget(ns, key)
+            self.counters.read_misses += 1
+            return False
+        try:
+            header = bytearray(fmt.header_bytes(len(key)))
+            expected = len(header) + len(dest)
+            size = self.io.size(fd)
+            got = self.io.preadv(fd, [header, dest], 0) if size == expected else -1
+            reason = (fmt.check(header, bytes.fromhex(ns), key, dest) if got == expected
+                      else f"{size} bytes on disk, expected {expected}")
+            if reason is None and time.time() - os.fstat(fd).st_mtime > TOUCH_EVERY_S:
+                os.utime(fd)
+        except OSError as exc:
+            reason = f"read error: {exc.strerror}"
+        finally:
+            self.io.close(fd)
+        if reason is not None:
+            self._discard(ns, key, path, reason)
+            return False
+        self.counters.reads += 1
+        self.counters.read_bytes += len(dest)
+        with self._lock:
+            if (ns, key) in self._lru:
+                self._lru.move_to_end((ns, key))
+        return True
+
+    def write_from(self, ns: str, key: bytes, payload: memoryview) -> bool:
+        """Publish `payload` as (ns, key). False when it could not be written (counted, logged)."""
+        header = fmt.encode_header(bytes.fromhex(ns), key, payload)
+        size = len(header) + len(payload)
+        if not self._make_room(size):
+            self.counters.write_failures += 1
+            return False
+        try:
+            for _ in range(3):
+                error = self._write_file(ns, key, header, payload, size)
+                if error is None:
+                    self._remember(ns, key, size, recent=True)
+                    self.counters.writes += 1
+                    self.counters.write_bytes += len(payload)
+                    return True
+                if error.errno not in _SPACE_ERRNOS:
+                    break
+                self.counters.space_errors += 1
+                self._evict_bytes(max(4 * size, self.capacity_bytes // 100))
+        finally:
+            with self._lock:
+                self._inflight_bytes -= size
+        self._warn_once(error, f"cannot write KV files under {self.root}")
+        self.counters.write_failures += 1
+        return False
+
+    def _write_file(self, ns: str, key: bytes, header: bytes, payload: memoryview, size: int) -> OSError | None:
+        final = self.path_of(ns, key)
+        directory = final[: final.rfind("/")]
+        with self._lock:
+            self._seq += 1
+            tmp = f"{directory}/.{key.hex()}.{self._node}.{os.getpid()}.{self._seq}.tmp"
+        try:
+            if directory not in self._dirs:
+                os.makedirs(directory, exist_ok=True)
+                self._dirs.add(directory)
+            fd = self.io.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            try:
+                if self.io.pwritev(fd, [header, payload], 0) != size:
+                    raise OSError(errno.ENOSPC, "short write")
+                if self.config.fsync != "off":
+                    self.io.fdatasync(fd)
+            finally:
+                self.io.close(fd)
+            self.io.rename(tmp, final)
+            if self.config.fsync == "full":
+                self.io.fsync_dir(directory)
+            return None
+        except OSError as exc:
+            self._dirs.discard(directory)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return exc
+
+    # -- index, capacity, eviction ------------------------------------------------------------
+
+    def _remember(self, ns: str, key: bytes, size: int, recent: bool) -> None:
+        with self._lock:
+            old = self._lru.get((ns, key))
+            self._lru[(ns, key)] = size
+            self.used_bytes += size - (old or 0)
+            if recent:
+                self._lru.move_to_end((ns, key))
+            elif old is None:
+                self._lru.move_to_end((ns, key), last=False)
+
+    def _forget(self, ns: str, key: bytes) -> None:
+        with self._lock:
+            size = self._lru.pop((ns, key), None)
+            if size is not None:
+                self.used_bytes -= size
+
+    def _discard(self, ns: str, key: bytes, path: str, reason: str) -> None:
+        log.warning("removing bad KV file %s: %s (the request recomputes)", path, reason)
+        self.counters.bad_files += 1
+        self._forget(ns, key)
+        try:
+            self.io.unlink(path)
+        except OSError:
+            pass
+
+    def _make_room(self, size: int) -> bool:
+        if size > self.capacity_bytes:
+            return False
+        victims = []
+        with self._lock:
+            while self._lru and self.used_bytes + self._inflight_bytes + size > self.capacity_bytes:
+                (ns, key), victim_size = self._lru.popitem(last=False)
+                self.used_bytes -= victim_size
+                victims.append((ns, key))
+            self._inflight_bytes += size
+        self._unlink_all(victims)
+        return True
+
+    def _evict_bytes(self, num_bytes: int) -> None:
+        victims = []
+        with self._lock:
+            while self._lru and num_bytes > 0:
+                (ns, key), size = self._lru.popitem(last=False)
+                self.used_bytes -= size
+                num_bytes -= size
+                victims.append((ns, key))
+        self._unlink_all(victims)
+
+    def _unlink_all(self, victims: list[tuple[str, bytes]]) -> None:
+        for ns, key in victims:
+            try:
+                self.io.unlink(self.path_of(ns, key))
+            except OSError:
+                pass  # another node evicted it first
+        self.counters.evictions += len(victims)
+
+    def remove(self, ns: str | None = None) -> int:
+        """Delete every entry file (of one namespace), including files other nodes wrote."""
+        with self._lock:
+            for k in [k for k in self._lru if ns is None or k[0] == ns]:
+                self.used_bytes -= self._lru.pop(k)
+        num = 0
+        for ns_dir in self._namespace_dirs(ns):
+            for path, _ in _entry_files(ns_dir):
+                try:
+                    os.unlink(path)
+                    num += 1
+                except OSError:
+                    pass
+        return num
+
+    def stats(self) -> dict[str, int | bool]:
+        return {
+            "capacity_bytes": self.capacity_bytes,
+            "used_bytes": self.used_bytes,
+            "num_entries": len(self._lru),
+            "index_ready": self.scan_done.is_set(),
+            **vars(self.counters),
+        }
+
+    # -- start-up scan ------------------------------------------------------------------------
+
+    def _namespace_dirs(self, ns: str | None = None) -> list[str]:
+        if ns is not None:
+            return [str(self.root / ns)]
+        try:
+            return [e.path for e in os.scandir(self.root) if e.is_dir() and _is_ns(e.name)]
+        except OSError:
+            return []
+
+    def _scan(self) -> None:
+        """Index every entry file oldest-first (by mtime) and remove leftover temporaries."""
+        started = last_report = time.monotonic()
+        found = []
+        for ns_dir in self._namespace_dirs():
+            ns = os.path.basename(ns_dir)
+            for path, entry in _entry_files(ns_dir, temps=True):
+                if path.endswith(".tmp"):
+                    self._remove_temp_if_dead(path, entry)
+                    continue
+                try:
+                    st = entry.stat()
+                    key = bytes.fromhex(entry.name[:-3])
+                except (OSError, ValueError):
+                    continue
+                found.append((st.st_mtime, ns, key, st.st_size))
+                self.counters.files_scanned += 1
+                if time.monotonic() - last_report > 2.0:
+                    last_report = time.monotonic()
+                    log.info("storage index: %d files scanned under %s", len(found), self.root)
+        found.sort(key=lambda item: item[0], reverse=True)
+        for _, ns, key, size in found:
+            if (ns, key) not in self._lru:
+                self._remember(ns, key, size, recent=False)
+        if self.config.capacity_bytes is None:
+            self.capacity_bytes += int(self.used_bytes * AUTO_CAPACITY_FRACTION)
+        if len(found) > 10_000 or time.monotonic() - started > 2.0:
+            log.info("storage index ready: %d files in %.1f s", len(found), time.monotonic() - started)
+        self.scan_done.set()
+        if self.used_bytes > self.capacity_bytes:
+            self._make_room(0)
+            with self._lock:
+                self._inflight_bytes -= 0
+
+    def _remove_temp_if_dead(self, path: str, entry: os.DirEntry) -> None:
+        parts = entry.name.split(".")
+        try:
+            node, pid, mtime = parts[-4], int(parts[-3]), entry.stat().st_mtime
+        except (IndexError, ValueError, OSError):
+            return
+        mine_and_dead = node == self._node and not _pid_alive(pid)
+        if mine_and_dead or time.time() - mtime > STALE_TEMP_S:
+            try:
+                os.unlink(path)
+                self.counters.temps_removed += 1
+            except OSError:
+                pass
+
+    def _warn_once(self, exc: OSError | None, what: str) -> None:
+        code = exc.errno if exc else 0
+        if code not in self._warned:
+            self._warned.add(code)
+            log.warning("%s: %s; the entry stays in DRAM only (further errors of this kind are counted, "
+                        "not logged)", what, exc.strerror if exc else "no room within HPKV_KV_STORAGE_SIZE")
+
+
+def _is_ns(name: str) -> bool:
+    return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
+
+
+def _entry_files(ns_dir: str, temps: bool = False):
+    """(path, DirEntry) of every entry file (and temporary) under a namespace directory."""
+    try:
+        level1 = [e.path for e in os.scandir(ns_dir) if e.is_dir() and len(e.name) == 2]
+    except OSError:
+        return
+    for d1 in level1:
+        for d2 in _subdirs(d1):
+            try:
+                entries = list(os.scandir(d2))
+            except OSError:
+                continue
+            for e in entries:
+                if e.name.endswith(".kv") or (temps and e.name.endswith(".tmp")):
+                    yield e.path, e
+
+
+def _subdirs(path: str) -> list[str]:
+    try:
+        return [e.path for e in os.scandir(path) if e.is_dir() and len(e.name) == 2]
+    except OSError:
+        return []
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,329 @@
+"""The tiered store: one DRAM pool and one storage tier behind a small in-process API.
+
+Primitives (all keyed by namespace id `ns` and engine keys, in prefix order):
+- `lookup(ns, keys)`: how many leading keys hit, and in which tier each (DRAM before storage).
+- `reserve(ns, keys, owner)` -> pool offsets to copy into (None: skip this key), then
+  `commit(ns, keys, owner)` publishes them and queues the write-through to storage, or
+  `abort(ns, keys, owner)` gives the slots back. Uncommitted entries are invisible.
+- `lease(ns, keys, owner)` pins the leading hits in DRAM, promoting storage hits into DRAM slots
+  on the I/O threads; `Lease.wait()` says how many leading entries are ready to copy from.
+  `release(lease_id)` lets them go. Leased entries are never evicted or overwritten.
+- `drop_owner(owner)`: everything a vanished client held is aborted or released.
+- `clear(memory, storage, ns)`, `stats()`, `close()`.
+
+Thread-safe: one lock guards the DRAM index and the lease tables; file I/O runs outside it on the
+storage tier's threads. The bytes themselves are copied by callers through the mapped region.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from .config import PoolConfig, StorageConfig
+from .keys import NamespaceDesc
+from .pool.region import PoolRegion
+from .pool.tier import DramEntry, DramTier
+from .storage.tier import StorageTier
+
+log = logging.getLogger(__name__)
+
+
+class Tier(enum.IntEnum):
+    DRAM = 1
+    STORAGE = 2
+
+
+@dataclass(frozen=True)
+class Lookup:
+    tiers: tuple[Tier, ...]  # the tier of each leading hit key
+
+    @property
+    def num_hit(self) -> int:
+        return len(self.tiers)
+
+    @property
+    def num_dram(self) -> int:
+        return self.tiers.count(Tier.DRAM)
+
+    @property
+    def num_storage(self) -> int:
+        return self.tiers.count(Tier.STORAGE)
+
+
+@dataclass
+class Lease:
+    """Pinned entries for one reader. `offsets[i]` holds key i once `wait()` counts it ready."""
+
+    id: int
+    ns: str
+    owner: int
+    entries: list[DramEntry]
+    promotions: list[Future | None]
+    offsets: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.offsets = [e.offset for e in self.entries]
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Number of leading entries ready to copy from (promotions that failed end the run)."""
+        for num, promotion in enumerate(self.promotions):
+            if promotion is not None and not promotion.result(timeout):
+                return num
+        return len(self.entries)
+
+    @property
+    def done(self) -> bool:
+        return all(p is None or p.done() for p in self.promotions)
+
+
+@dataclass
+class StoreCounters:
+    lookups: int = 0
+    lookup_keys: int = 0
+    hit_keys_dram: int = 0
+    hit_keys_storage: int = 0
+    commits: int = 0
+    aborts: int = 0
+    skipped_present: int = 0
+    leases: int = 0
+    promotions: int = 0
+    promotion_failures: int = 0
+    write_through_skipped: int = 0
+
+
+class TieredStore:
+    def __init__(self, region: PoolRegion, storage: StorageTier | None, slab_bytes: int | None = None) -> None:
+        self.region = region
+        self.storage = storage
+        self.dram = DramTier(region.size_bytes, slab_bytes)
+        self.counters = StoreCounters()
+        self._lock = threading.Lock()
+        self._namespaces: dict[str, NamespaceDesc] = {}
+        self._reserved: dict[int, dict[tuple[str, bytes], DramEntry]] = {}
+        self._leases: dict[int, Lease] = {}
+        self._promoting: dict[DramEntry, Future] = {}
+        self._lease_ids = itertools.count(1)
+
+    @classmethod
+    def open(cls, pool: PoolConfig, storage: StorageConfig, slab_bytes: int | None = None) -> "TieredStore":
+        """Create the pool file and start the storage tier (when enabled)."""
+        region = PoolRegion.create(pool.dir, pool.size_bytes)
+        tier = None
+        try:
+            if storage.enabled:
+                tier = StorageTier(storage)
+                tier.start()
+        except BaseException:
+            region.close()
+            raise
+        return cls(region, tier, slab_bytes)
+
+    def close(self) -> None:
+        """Finish write-throughs in flight, then remove the pool."""
+        if self.storage is not None:
+            self.storage.close()
+        self.region.close()
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def register(self, desc: NamespaceDesc) -> str:
+        ns = desc.ns
+        with self._lock:
+            if ns not in self._namespaces:
+                self.dram.add_namespace(ns, desc.entry_bytes)
+                if self.storage is not None:
+                    self.storage.add_namespace(ns, desc.to_json())
+                self._namespaces[ns] = desc
+        return ns
+
+    def namespaces(self) -> dict[str, NamespaceDesc]:
+        return dict(self._namespaces)
+
+    def entry_bytes(self, ns: str) -> int:
+        return self._namespaces[ns].entry_bytes
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def lookup(self, ns: str, keys: list[bytes]) -> Lookup:
+        tiers: list[Tier] = []
+        index = self.dram.index_of(ns)
+        storage = self.storage
+        with self._lock:
+            for key in keys:
+                entry = index.get(key)
+                if entry is not None and entry.ready:
+                    tiers.append(Tier.DRAM)
+                elif storage is not None and storage.contains(ns, key):
+                    tiers.append(Tier.STORAGE)
+                else:
+                    break
+            c = self.counters
+            c.lookups += 1
+            c.lookup_keys += len(keys)
+            num_dram = tiers.count(Tier.DRAM)
+            c.hit_keys_dram += num_dram
+            c.hit_keys_storage += len(tiers) - num_dram
+        return Lookup(tuple(tiers))
+
+    def lease(self, ns: str, keys: list[bytes], owner: int = 0) -> Lease:
+        """Pin the leading hits; storage hits are read into DRAM slots in the background."""
+        entries: list[DramEntry] = []
+        promotions: list[Future | None] = []
+        with self._lock:
+            for key in keys:
+                entry, promotion = self._pin_for_read(ns, key)
+                if entry is None:
+                    break
+                entries.append(entry)
+                promotions.append(promotion)
+            lease = Lease(next(self._lease_ids), ns, owner, entries, promotions)
+            self._leases[lease.id] = lease
+            self.counters.leases += 1
+        return lease
+
+    def release(self, lease_id: int) -> bool:
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                return False
+            for entry in lease.entries:
+                self.dram.unpin(entry)
+        return True
+
+    def _pin_for_read(self, ns: str, key: bytes) -> tuple[DramEntry | None, Future | None]:
+        entry = self.dram.get(ns, key)
+        if entry is not None:
+            promotion = self._promoting.get(entry)
+            if not entry.ready and promotion is None:
+                return None, None  # a writer is still copying it in
+            self.dram.pin(entry)
+            self.dram.touch(entry)
+            return entry, promotion
+        if self.storage is None or not self.storage.contains(ns, key):
+            return None, None
+        entry = self.dram.reserve(ns, key)
+        if entry is None:
+            return None, None
+        self.dram.pin(entry)
+        promotion = self.storage.submit(self._promote, entry)
+        self._promoting[entry] = promotion
+        self.counters.promotions += 1
+        return entry, promotion
+
+    def _promote(self, entry: DramEntry) -> bool:
+        view = self.region.view(entry.offset, self.entry_bytes(entry.ns))
+        try:
+            ok = self.storage.read_into(entry.ns, entry.key, view)
+        except Exception:
+            log.exception("promotion of an entry from storage failed; the request recomputes it")
+            ok = False
+        finally:
+            view.release()
+        with self._lock:
+            del self._promoting[entry]
+            if ok:
+                ok = self.dram.commit(entry)
+            else:
+                self.dram.abort(entry)
+                self.counters.promotion_failures += 1
+        return ok
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def reserve(self, ns: str, keys: list[bytes], owner: int = 0) -> list[int | None]:
+        """Slots to copy each key's bytes into; None where the key is already held (nothing is
+        saved twice) or the pool has no slot that is not pinned."""
+        offsets: list[int | None] = []
+        with self._lock:
+            held = self._reserved.setdefault(owner, {})
+            for key in keys:
+                entry = self.dram.reserve(ns, key)
+                if entry is None:
+                    self.counters.skipped_present += 1
+                    offsets.append(None)
+                    continue
+                held[(ns, key)] = entry
+                offsets.append(entry.offset)
+        return offsets
+
+    def commit(self, ns: str, keys: list[bytes], owner: int = 0) -> int:
+        """Publish reserved keys and queue their write-through. Keys not reserved by `owner` are
+        ignored. Returns the number published."""
+        published = []
+        with self._lock:
+            held = self._reserved.get(owner, {})
+            for key in keys:
+                entry = held.pop((ns, key), None)
+                if entry is not None and self.dram.commit(entry):
+                    published.append(entry)
+                    if self.storage is not None:
+                        self.dram.pin(entry)  # the write-through reads the slot
+            self.counters.commits += len(published)
+        if self.storage is not None:
+            for entry in published:
+                self.storage.submit(self._write_through, entry)
+        return len(published)
+
+    def abort(self, ns: str, keys: list[bytes], owner: int = 0) -> None:
+        with self._lock:
+            held = self._reserved.get(owner, {})
+            for key in keys:
+                entry = held.pop((ns, key), None)
+                if entry is not None:
+                    self.dram.abort(entry)
+                    self.counters.aborts += 1
+
+    def _write_through(self, entry: DramEntry) -> None:
+        try:
+            if self.storage.contains(entry.ns, entry.key):
+                self.counters.write_through_skipped += 1
+                return
+            view = self.region.view(entry.offset, self.entry_bytes(entry.ns))
+            try:
+                self.storage.write_from(entry.ns, entry.key, view)
+            finally:
+                view.release()
+        except Exception:
+            log.exception("write-through to storage failed; the entry stays in DRAM only")
+        finally:
+            with self._lock:
+                self.dram.unpin(entry)
+
+    # -- owners, clearing, stats --------------------------------------------------------------
+
+    def drop_owner(self, owner: int) -> None:
+        """Abort the reservations and release the leases of a client that is gone."""
+        with self._lock:
+            for entry in self._reserved.pop(owner, {}).values():
+                self.dram.abort(entry)
+                self.counters.aborts += 1
+            lease_ids = [i for i, lease in self._leases.items() if lease.owner == owner]
+        for lease_id in lease_ids:
+            self.release(lease_id)
+
+    def clear(self, memory: bool = True, storage: bool = False, ns: str | None = None) -> dict[str, int]:
+        removed = {"memory": 0, "storage": 0}
+        if memory:
+            with self._lock:
+                removed["memory"] = self.dram.drop(ns) if ns is None or ns in self._namespaces else 0
+        if storage and self.storage is not None:
+            removed["storage"] = self.storage.remove(ns)
+        return removed
+
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            out: dict[str, object] = {"store": dict(vars(self.counters)), "dram": self.dram.stats()}
+            out["dram"]["locked_in_memory"] = self.region.locked_in_memory
+            out["leases"] = len(self._leases)
+            out["reservations"] = sum(len(h) for h in self._reserved.values())
+        out["storage"] = self.storage.stats() if self.storage is not None else None
+        return out
