@@ -9,7 +9,7 @@ Primitives (all keyed by namespace id `ns` and engine keys, in prefix order):
   on the I/O threads; `Lease.wait()` says how many leading entries are ready to copy from.
   `release(lease_id)` lets them go. Leased entries are never evicted or overwritten.
 - `drop_owner(owner)`: everything a vanished client held is aborted or released.
-- `clear(memory, storage, ns)`, `stats()`, `close()`.
+- `flush()` waits for queued write-throughs; `clear(memory, storage, ns)`, `stats()`, `close()`.
 
 Thread-safe: one lock guards the DRAM index and the lease tables; file I/O runs outside it on the
 storage tier's threads. The bytes themselves are copied by callers through the mapped region.
@@ -22,6 +22,7 @@ import itertools
 import logging
 import threading
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 
 from .config import PoolConfig, StorageConfig
@@ -107,6 +108,7 @@ class TieredStore:
         self._reserved: dict[int, dict[tuple[str, bytes], DramEntry]] = {}
         self._leases: dict[int, Lease] = {}
         self._promoting: dict[DramEntry, Future] = {}
+        self._writes: set[Future] = set()
         self._lease_ids = itertools.count(1)
 
     @classmethod
@@ -241,11 +243,15 @@ class TieredStore:
 
     def reserve(self, ns: str, keys: list[bytes], owner: int = 0) -> list[int | None]:
         """Slots to copy each key's bytes into; None where the key is already held (nothing is
-        saved twice) or the pool has no slot that is not pinned."""
+        saved twice) or the pool has no slot that is not pinned. An owner is one writer: its
+        reservations are its own until it commits or aborts them by key."""
         offsets: list[int | None] = []
         with self._lock:
             held = self._reserved.setdefault(owner, {})
             for key in keys:
+                stale = held.pop((ns, key), None)
+                if stale is not None:  # cleared while reserved, and reserved again
+                    self.dram.abort(stale)
                 entry = self.dram.reserve(ns, key)
                 if entry is None:
                     self.counters.skipped_present += 1
@@ -270,8 +276,21 @@ class TieredStore:
             self.counters.commits += len(published)
         if self.storage is not None:
             for entry in published:
-                self.storage.submit(self._write_through, entry)
+                write = self.storage.submit(self._write_through, entry)
+                with self._lock:
+                    self._writes.add(write)
+                write.add_done_callback(self._write_done)
         return len(published)
+
+    def _write_done(self, write: Future) -> None:
+        with self._lock:
+            self._writes.discard(write)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the write-throughs queued so far are on storage. False on timeout."""
+        with self._lock:
+            pending = list(self._writes)
+        return not futures_wait(pending, timeout).not_done
 
     def abort(self, ns: str, keys: list[bytes], owner: int = 0) -> None:
         with self._lock:

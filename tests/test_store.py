@@ -1,0 +1,271 @@
+"""Stories about the tiered store: DRAM before storage, two-phase writes, leases, promotion,
+owners that vanish, clearing, and the storage hit after a restart."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import make_pool_config, make_storage_config
+from hpkv.config import StorageConfig
+from hpkv.keys import NamespaceDesc, make_key
+from hpkv.store import Tier, TieredStore
+
+ENTRY = 64 << 10
+
+
+def desc(model: str = "tiny", entry_bytes: int = ENTRY, rank: int = 0) -> NamespaceDesc:
+    return NamespaceDesc(engine="test", model=model, dtype="float16", layout="blocks", block_size=32,
+                         num_layers=2, entry_bytes=entry_bytes, rank=rank)
+
+
+def keys(n: int, prefix: str = "req") -> list[bytes]:
+    return [make_key(hashlib.sha256(f"{prefix}-{i}".encode()).digest()) for i in range(n)]
+
+
+def payload(key: bytes, size: int = ENTRY) -> bytes:
+    block = hashlib.blake2b(key).digest()
+    return (block * (size // len(block) + 1))[:size]
+
+
+def save(store: TieredStore, ns: str, ks: list[bytes]) -> int:
+    offsets = store.reserve(ns, ks)
+    for key, offset in zip(ks, offsets):
+        if offset is not None:
+            store.region.buf[offset : offset + store.entry_bytes(ns)] = payload(key, store.entry_bytes(ns))
+    return store.commit(ns, ks)
+
+
+def load(store: TieredStore, ns: str, ks: list[bytes]) -> list[bytes]:
+    lease = store.lease(ns, ks)
+    try:
+        num_ready = lease.wait(timeout=10)
+        size = store.entry_bytes(ns)
+        return [bytes(store.region.buf[o : o + size]) for o in lease.offsets[:num_ready]]
+    finally:
+        store.release(lease.id)
+
+
+@pytest.fixture
+def open_store(shm_dir, storage_dir):
+    stores = []
+
+    def _open(pool_bytes: int = 16 << 20, capacity: int | None = None, storage: StorageConfig | None = None,
+              pool_dir: Path | None = None) -> TieredStore:
+        store = TieredStore.open(make_pool_config(pool_dir or shm_dir, pool_bytes),
+                                 storage or make_storage_config(storage_dir, capacity))
+        stores.append(store)
+        return store
+
+    yield _open
+    for store in stores:
+        if store.region._fd >= 0:
+            store.close()
+
+
+def test_a_saved_prefix_hits_in_dram_and_loads_the_same_bytes(open_store):
+    store = open_store()
+    ns = store.register(desc())
+    ks = keys(8)
+    assert save(store, ns, ks) == 8
+    hit = store.lookup(ns, ks + keys(2, "other"))
+    assert hit.num_hit == 8 and hit.num_dram == 8
+    assert load(store, ns, ks) == [payload(k) for k in ks]
+
+
+def test_lookup_stops_at_the_first_miss(open_store):
+    store = open_store()
+    ns = store.register(desc())
+    ks = keys(6)
+    save(store, ns, ks[:2] + ks[3:])
+    assert store.lookup(ns, ks).num_hit == 2
+
+
+def test_uncommitted_entries_are_invisible_to_lookups_and_leases(open_store):
+    store = open_store()
+    ns = store.register(desc())
+    ks = keys(3)
+    store.reserve(ns, ks)
+    assert store.lookup(ns, ks).num_hit == 0
+    lease = store.lease(ns, ks)
+    assert lease.wait() == 0
+    store.release(lease.id)
+    store.abort(ns, ks)
+    assert store.stats()["dram"]["num_entries"] == 0
+
+
+def test_nothing_is_saved_twice(open_store):
+    store = open_store()
+    ns = store.register(desc())
+    ks = keys(4)
+    save(store, ns, ks[:2])
+    offsets = store.reserve(ns, ks)
+    assert offsets[:2] == [None, None] and None not in offsets[2:]
+    store.abort(ns, ks)
+
+
+def test_commits_are_written_through_and_survive_a_dram_clear(open_store):
+    store = open_store()
+    ns = store.register(desc())
+    ks = keys(5)
+    save(store, ns, ks)
+    assert store.flush(timeout=10)
+    store.clear(memory=True)
+    hit = store.lookup(ns, ks)
+    assert hit.tiers == (Tier.STORAGE,) * 5
+    assert load(store, ns, ks) == [payload(k) for k in ks]
+    assert store.lookup(ns, ks).tiers == (Tier.DRAM,) * 5  # promoted for loading
+
+
+def test_dram_hits_are_listed_before_storage_hits_in_one_prefix(open_store):
+    store = open_store()
+    ns = store.register(desc())
+    ks = keys(4)
+    save(store, ns, ks)
+    store.flush(timeout=10)
+    store.clear(memory=True)
+    load(store, ns, ks[:2])  # the first two come back into DRAM
+    assert store.lookup(ns, ks).tiers == (Tier.DRAM, Tier.DRAM, Tier.STORAGE, Tier.STORAGE)
+
+
+def test_a_restarted_store_finds_its_storage_entries(open_store, shm_dir):
+    store = open_store()
+    ns = store.register(desc())
+    ks = keys(6)
+    save(store, ns, ks)
+    store.close()  # waits for the write-through, removes the pool: DRAM is gone
+    assert not any(shm_dir.iterdir())
+
+    again = open_store()
+    ns2 = again.register(desc())
+    assert ns2 == ns
+    assert again.lookup(ns, ks).tiers == (Tier.STORAGE,) * 6
+    assert load(again, ns, ks) == [payload(k) for k in ks]
+
+
+def test_a_corrupted_file_ends_the_loaded_prefix_and_is_removed(open_store, storage_dir):
+    store = open_store()
+    ns = store.register(desc())
+    ks = keys(4)
+    save(store, ns, ks)
+    store.flush(timeout=10)
+    store.clear(memory=True)
+    bad = store.storage.path_of(ns, ks[2])
+    with open(bad, "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        f.write(b"\x00" * 8)
+    assert load(store, ns, ks) == [payload(k) for k in ks[:2]]
+    assert not os.path.exists(bad)
+    assert store.lookup(ns, ks).num_hit == 2
+    assert store.stats()["store"]["promotion_failures"] == 1
+
+
+def test_the_same_key_in_another_namespace_is_another_entry(open_store):
+    store = open_store()
+    ns_a = store.register(desc(rank=0))
+    ns_b = store.register(desc(rank=1))
+    ks = keys(3)
+    save(store, ns_a, ks)
+    assert ns_a != ns_b
+    assert store.lookup(ns_b, ks).num_hit == 0
+
+
+def test_a_lease_keeps_its_entries_through_pressure(open_store):
+    store = open_store(pool_bytes=4 << 20)  # 1 MiB slabs: 16 entries of 64 KiB per slab
+    ns = store.register(desc())
+    first = keys(4, "first")
+    save(store, ns, first)
+    lease = store.lease(ns, first)
+    for round_ in range(5):
+        save(store, ns, keys(16, f"pressure-{round_}"))
+        store.flush(timeout=10)  # written through, so no longer pinned by the writer
+    assert [bytes(store.region.buf[o : o + ENTRY]) for o in lease.offsets] == [payload(k) for k in first]
+    assert store.stats()["dram"]["evictions"] > 0
+    store.release(lease.id)
+
+
+def test_a_vanished_owner_loses_its_reservations_and_leases(open_store):
+    store = open_store()
+    ns = store.register(desc())
+    saved, pending = keys(2, "saved"), keys(3, "pending")
+    save(store, ns, saved)
+    store.reserve(ns, pending, owner=7)
+    store.lease(ns, saved, owner=7)
+    assert store.stats()["reservations"] == 3 and store.stats()["leases"] == 1
+    store.drop_owner(7)
+    stats = store.stats()
+    assert stats["reservations"] == 0 and stats["leases"] == 0
+    assert store.commit(ns, pending, owner=7) == 0
+    assert store.lookup(ns, pending).num_hit == 0
+
+
+def test_commit_only_publishes_what_the_owner_reserved(open_store):
+    store = open_store()
+    ns = store.register(desc())
+    ks = keys(2)
+    store.reserve(ns, ks, owner=1)
+    assert store.commit(ns, ks, owner=2) == 0
+    assert store.commit(ns, ks, owner=1) == 2
+
+
+def test_clear_memory_of_one_namespace_leaves_the_other(open_store):
+    store = open_store()
+    ns_a = store.register(desc(model="a"))
+    ns_b = store.register(desc(model="b"))
+    ks = keys(3)
+    save(store, ns_a, ks)
+    save(store, ns_b, ks)
+    store.flush(timeout=10)
+    store.clear(memory=True, ns=ns_a)
+    assert store.lookup(ns_a, ks).tiers == (Tier.STORAGE,) * 3
+    assert store.lookup(ns_b, ks).tiers == (Tier.DRAM,) * 3
+
+
+def test_clear_storage_leaves_dram(open_store):
+    store = open_store()
+    ns = store.register(desc())
+    ks = keys(3)
+    save(store, ns, ks)
+    store.flush(timeout=10)
+    removed = store.clear(memory=False, storage=True)
+    assert removed["storage"] == 3
+    assert store.lookup(ns, ks).tiers == (Tier.DRAM,) * 3
+    store.clear(memory=True)
+    assert store.lookup(ns, ks).num_hit == 0
+
+
+def test_with_storage_disabled_entries_live_in_dram_only(open_store, storage_dir):
+    store = open_store(storage=StorageConfig(path=storage_dir, enabled=False, capacity_bytes=None,
+                                             fsync="off", io_threads=1))
+    ns = store.register(desc())
+    ks = keys(3)
+    save(store, ns, ks)
+    assert store.storage is None
+    assert store.lookup(ns, ks).num_dram == 3
+    assert not any(storage_dir.iterdir())
+
+
+def test_counters_follow_what_happened(open_store):
+    store = open_store()
+    ns = store.register(desc())
+    ks = keys(4)
+    save(store, ns, ks)
+    store.flush(timeout=10)
+    store.lookup(ns, ks)
+    stats = store.stats()
+    assert stats["store"]["commits"] == 4
+    assert stats["store"]["hit_keys_dram"] == 4
+    assert stats["storage"]["writes"] == 4
+    assert stats["storage"]["write_bytes"] == 4 * ENTRY
+
+
+def test_the_namespace_is_described_in_plain_text_beside_its_files(open_store, storage_dir):
+    store = open_store()
+    d = desc(model="qwen2.5-1.5b")
+    ns = store.register(d)
+    text = (storage_dir / ns / "namespace.json").read_text()
+    assert NamespaceDesc.from_json(text) == d
+    assert "qwen2.5-1.5b" in text
