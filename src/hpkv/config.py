@@ -73,6 +73,7 @@ class Settings:
     metrics_port: int
     metrics_host: str
     server_idle_exit_s: float
+    server_allow_uids: tuple[int, ...]
     config_file: Path
     settings: tuple[Setting, ...]
     warnings: tuple[str, ...]
@@ -163,6 +164,16 @@ def _parse_path(text: str) -> Path:
     return Path(os.path.abspath(text.strip()))
 
 
+def _parse_uids(text: str) -> tuple[int, ...]:
+    try:
+        uids = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError("not a list of user ids") from None
+    if any(uid < 0 for uid in uids):
+        raise ValueError("user ids are >= 0")
+    return uids
+
+
 def _parse_host(text: str) -> str:
     if not text.strip():
         raise ValueError("empty host")
@@ -220,6 +231,9 @@ KEYS: tuple[KeySpec, ...] = (
     KeySpec("HPKV_SERVER_IDLE_EXIT_S", "float", _parse_seconds, "10",
             "Seconds an auto-started server lingers after its last client leaves.",
             "a number of seconds >= 0 (e.g. 10, 2.5)"),
+    KeySpec("HPKV_SERVER_ALLOW_UIDS", "word", _parse_uids, "",
+            "Other user ids the server accepts as clients (its own uid always).",
+            "a comma-separated list of user ids, or empty"),
 )
 _BY_NAME = {spec.name: spec for spec in KEYS}
 
@@ -377,6 +391,7 @@ def _build(resolved: list[Setting], warnings: tuple[str, ...]) -> Settings:
         metrics_port=v["HPKV_METRICS_PORT"],
         metrics_host=v["HPKV_METRICS_HOST"],
         server_idle_exit_s=v["HPKV_SERVER_IDLE_EXIT_S"],
+        server_allow_uids=v["HPKV_SERVER_ALLOW_UIDS"],
         config_file=v[CONFIG_FILE_KEY],
         settings=tuple(resolved),
         warnings=warnings,

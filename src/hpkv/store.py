@@ -105,6 +105,7 @@ class TieredStore:
         self.counters = StoreCounters()
         self._lock = threading.Lock()
         self._namespaces: dict[str, NamespaceDesc] = {}
+        self._ns_hits: dict[str, list[int]] = {}  # ns -> [lookups, lookup keys, DRAM hits, storage hits]
         self._reserved: dict[int, dict[tuple[str, bytes], DramEntry]] = {}
         self._leases: dict[int, Lease] = {}
         self._promoting: dict[DramEntry, Future] = {}
@@ -145,6 +146,7 @@ class TieredStore:
                 if self.storage is not None:
                     self.storage.add_namespace(ns, desc.to_json())
                 self._namespaces[ns] = desc
+                self._ns_hits[ns] = [0, 0, 0, 0]
         return ns
 
     def namespaces(self) -> dict[str, NamespaceDesc]:
@@ -174,6 +176,11 @@ class TieredStore:
             num_dram = tiers.count(Tier.DRAM)
             c.hit_keys_dram += num_dram
             c.hit_keys_storage += len(tiers) - num_dram
+            per_ns = self._ns_hits[ns]
+            per_ns[0] += 1
+            per_ns[1] += len(keys)
+            per_ns[2] += num_dram
+            per_ns[3] += len(tiers) - num_dram
         return Lookup(tuple(tiers))
 
     def lease(self, ns: str, keys: list[bytes], owner: int = 0) -> Lease:
@@ -191,6 +198,9 @@ class TieredStore:
             self._leases[lease.id] = lease
             self.counters.leases += 1
         return lease
+
+    def get_lease(self, lease_id: int) -> Lease | None:
+        return self._leases.get(lease_id)
 
     def release(self, lease_id: int) -> bool:
         with self._lock:
@@ -342,6 +352,10 @@ class TieredStore:
         with self._lock:
             out: dict[str, object] = {"store": dict(vars(self.counters)), "dram": self.dram.stats()}
             out["dram"]["locked_in_memory"] = self.region.locked_in_memory
+            out["namespaces"] = {
+                ns: {"desc": desc.to_json(), "lookups": h[0], "lookup_keys": h[1], "hit_keys_dram": h[2],
+                     "hit_keys_storage": h[3]}
+                for ns, desc in self._namespaces.items() for h in [self._ns_hits[ns]]}
             out["leases"] = len(self._leases)
             out["reservations"] = sum(len(h) for h in self._reserved.values())
         out["storage"] = self.storage.stats() if self.storage is not None else None

@@ -1,0 +1,118 @@
+"""Finding the node's HPKV Server, and starting one when there is none.
+
+Many engine processes may start at once (a scheduler and eight TP workers). Each that finds no
+server takes an exclusive `flock` on `<dir>/hpkv.lock`, looks again, and only then starts a
+server, so exactly one is started. The lock dies with its holder, so a killed starter leaves
+nothing stale; a socket left by a killed server is removed by the next server.
+
+The server is started detached (its own session, stdio to `<dir>/server.log`) with the caller's
+environment, so it reads the same configuration; it exits on its own after its last client leaves.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..errors import HpkvError
+from . import protocol as p
+
+LOG_NAME = "server.log"
+
+
+class ServerUnavailable(HpkvError):
+    """No HPKV server could be reached (or started); callers treat everything as a miss."""
+
+
+def answers(socket_path: Path, timeout_s: float = 1.0) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(timeout_s)
+    try:
+        probe.connect(str(socket_path))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def ensure_server(directory: Path, timeout_s: float = 60.0) -> None:
+    """Return once a server answers on `<directory>/hpkv.sock`, starting one if needed."""
+    socket_path = directory / p.SOCKET_NAME
+    if answers(socket_path):
+        return
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        lock_fd = os.open(directory / p.LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise ServerUnavailable(f"cannot use {directory} (HPKV_SHARE_MEM_FILE_PATH): {exc.strerror}") from None
+    deadline = time.monotonic() + timeout_s
+    try:
+        _lock(lock_fd, deadline, directory)
+        if answers(socket_path):
+            return  # another process started it while we waited for the lock
+        _start_and_wait(directory, socket_path, deadline)
+    finally:
+        os.close(lock_fd)  # closing releases the flock
+
+
+def _lock(fd: int, deadline: float, directory: Path) -> None:
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise ServerUnavailable(f"timed out waiting for another process to start the HPKV server in "
+                                        f"{directory}; see {directory / LOG_NAME}") from None
+            time.sleep(0.05)
+
+
+# A launcher starts the server in a new session and exits at once, so the server is adopted by
+# init rather than staying a child (and later a zombie) of the engine process that started it.
+_LAUNCHER = (
+    "import subprocess, sys\n"
+    "log = open(sys.argv[1], 'ab')\n"
+    "proc = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, stdout=log, stderr=log,\n"
+    "                        start_new_session=True, close_fds=True, cwd='/')\n"
+    "print(proc.pid, flush=True)\n"
+)
+
+
+def _start_and_wait(directory: Path, socket_path: Path, deadline: float) -> None:
+    log_path = directory / LOG_NAME
+    launched = subprocess.run(
+        [sys.executable, "-c", _LAUNCHER, str(log_path), sys.executable, "-m", "hpkv.server.daemon", "--auto"],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()))
+    try:
+        pid = int(launched.stdout.strip())
+    except ValueError:
+        raise ServerUnavailable(f"could not start the HPKV server: {launched.stderr.strip()[-500:]}") from None
+    while time.monotonic() < deadline:
+        if answers(socket_path):
+            return
+        if not _alive(pid):
+            raise ServerUnavailable(f"the HPKV server exited at start: {_tail(log_path)}")
+        time.sleep(0.05)
+    raise ServerUnavailable(f"the HPKV server did not answer within the start timeout; see {log_path}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _tail(path: Path, num_lines: int = 3) -> str:
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    return " | ".join(lines[-num_lines:])

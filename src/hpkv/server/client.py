@@ -1,0 +1,226 @@
+"""The client library engine processes use to talk to the node's HPKV Server.
+
+    client = Client(settings.pool.dir, kind="worker")
+    ns = client.register(desc)
+    hit = client.lookup(ns, keys)                # leading hits and their tiers
+    res = client.reserve(ns, keys)               # copy into res.view(i), then:
+    client.commit(ns, keys)                      # or client.abort(ns, keys)
+    lease = client.lease(ns, keys)               # lease.wait() -> entries ready; copy from lease.view(i)
+    client.release(lease)
+
+Every call is bounded by `timeout_s`. When the server cannot be reached, or dies, a call raises
+`ServerUnavailable` at once and the caller treats everything as a miss (the engine recomputes);
+after `retry_interval_s` the next call tries again, starting a server when `autostart` is on,
+and re-registers the namespaces it knew, so a restarted server is picked up without the caller
+doing anything. Reservations and leases always name the pool mapping they were made in, so bytes
+never go to or come from the pool of another server generation.
+
+Thread-safe: one connection, calls serialised by a lock.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import HpkvError
+from ..keys import NamespaceDesc
+from ..pool.region import PoolRegion
+from ..store import Lookup, Tier
+from . import protocol as p
+from .autostart import ServerUnavailable, ensure_server
+
+
+class ServerError(HpkvError):
+    """The server refused a request; `code` says why (see protocol.Error)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Reservation:
+    region: PoolRegion
+    entry_bytes: int
+    offsets: list[int | None]  # None: skip this key (held already, or no room)
+
+    def view(self, i: int) -> memoryview:
+        return self.region.view(self.offsets[i], self.entry_bytes)
+
+
+@dataclass
+class LeaseHandle:
+    id: int
+    region: PoolRegion
+    entry_bytes: int
+    offsets: list[int]
+    num_ready: int | None
+    generation: int
+
+    def view(self, i: int) -> memoryview:
+        return self.region.view(self.offsets[i], self.entry_bytes)
+
+
+class Client:
+    def __init__(self, directory: str | os.PathLike, kind: str, timeout_s: float = 5.0,
+                 autostart: bool = True, retry_interval_s: float = 1.0, start_timeout_s: float = 60.0) -> None:
+        self.directory = Path(directory)
+        self.kind = kind
+        self.timeout_s = timeout_s
+        self.autostart = autostart
+        self.retry_interval_s = retry_interval_s
+        self.start_timeout_s = start_timeout_s
+        self.region: PoolRegion | None = None
+        self.client_id = 0
+        self.server_pid = 0
+        self.generation = 0  # bumps each time a (new) server is connected
+        self._sock: socket.socket | None = None
+        self._lock = threading.RLock()
+        self._retry_at = 0.0
+        self._last_error = ""
+        self._namespaces: dict[str, tuple[str, int]] = {}  # ns -> (desc json, entry bytes)
+
+    # -- connection ---------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        with self._lock:
+            self._ensure()
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop("closed")
+            self._retry_at = 0.0
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def _ensure(self) -> socket.socket:
+        if self._sock is not None:
+            return self._sock
+        now = time.monotonic()
+        if now < self._retry_at:
+            raise ServerUnavailable(f"HPKV server unavailable ({self._last_error}); retrying in "
+                                    f"{self._retry_at - now:.1f} s")
+        try:
+            self._open()
+        except ServerUnavailable as exc:
+            self._fail(str(exc))
+        except OSError as exc:
+            self._fail(f"cannot reach the HPKV server in {self.directory}: {exc.strerror or exc}")
+        return self._sock
+
+    def _open(self) -> None:
+        socket_path = self.directory / p.SOCKET_NAME
+        if self.autostart:
+            ensure_server(self.directory, self.start_timeout_s)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
+        try:
+            sock.connect(str(socket_path))
+            sock.sendall(p.encode(p.Hello(p.PROTOCOL_VERSION, self.kind, os.getpid())))
+            welcome = p.decode_reply(p.recv_frame(sock))
+        except (OSError, EOFError, p.FrameError) as exc:
+            sock.close()
+            raise ServerUnavailable(f"cannot reach the HPKV server at {socket_path}: {exc}") from None
+        if isinstance(welcome, p.Error):
+            sock.close()
+            raise ServerError(welcome.code, welcome.message)
+        if self.region is None or self.region.inode != welcome.pool_inode:
+            self.region = PoolRegion.attach(Path(welcome.pool_path))  # the old map lives on in old handles
+            self.generation += 1
+        self._sock = sock
+        self.client_id = welcome.client_id
+        self.server_pid = welcome.server_pid
+        for desc_json, _ in list(self._namespaces.values()):
+            self._roundtrip(p.Register(desc_json), self.timeout_s)
+
+    def _fail(self, message: str) -> None:
+        self._drop(message)
+        raise ServerUnavailable(message)
+
+    def _drop(self, reason: str) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._last_error = reason
+        self._retry_at = time.monotonic() + self.retry_interval_s
+
+    def _call(self, msg: p.Msg, timeout_s: float | None = None) -> p.Reply:
+        with self._lock:
+            self._ensure()
+            return self._roundtrip(msg, timeout_s or self.timeout_s)
+
+    def _roundtrip(self, msg: p.Msg, timeout_s: float) -> p.Reply:
+        sock = self._sock
+        try:
+            sock.settimeout(timeout_s)
+            sock.sendall(p.encode(msg))
+            reply = p.decode_reply(p.recv_frame(sock))
+        except socket.timeout:
+            self._fail(f"the HPKV server did not answer {type(msg).__name__} within {timeout_s:.1f} s")
+        except (OSError, EOFError, p.FrameError) as exc:
+            self._fail(f"lost the HPKV server: {exc or type(exc).__name__}")
+        if isinstance(reply, p.Error):
+            raise ServerError(reply.code, reply.message)
+        return reply
+
+    # -- operations ---------------------------------------------------------------------------
+
+    def register(self, desc: NamespaceDesc) -> str:
+        reply = self._call(p.Register(desc.to_json()))
+        self._namespaces[reply.ns] = (desc.to_json(), reply.entry_bytes)
+        return reply.ns
+
+    def lookup(self, ns: str, keys: list[bytes]) -> Lookup:
+        return Lookup(tuple(Tier(t) for t in self._call(p.Lookup(ns, keys)).tiers))
+
+    def reserve(self, ns: str, keys: list[bytes]) -> Reservation:
+        with self._lock:
+            offsets = self._call(p.Reserve(ns, keys)).offsets
+            return Reservation(self.region, self._namespaces[ns][1], offsets)
+
+    def commit(self, ns: str, keys: list[bytes]) -> int:
+        return self._call(p.Commit(ns, keys)).num
+
+    def abort(self, ns: str, keys: list[bytes]) -> None:
+        self._call(p.Abort(ns, keys))
+
+    def lease(self, ns: str, keys: list[bytes]) -> LeaseHandle:
+        with self._lock:
+            r = self._call(p.Lease(ns, keys))
+            return LeaseHandle(r.lease_id, self.region, self._namespaces[ns][1], r.offsets, r.num_ready,
+                               self.generation)
+
+    def wait(self, lease: LeaseHandle, timeout_s: float = 5.0) -> int | None:
+        """Entries of the lease ready to copy from, or None if promotions are still running."""
+        if lease.num_ready is not None:
+            return lease.num_ready
+        with self._lock:
+            if lease.generation != self.generation:
+                return 0  # the server that granted it is gone
+            r = self._call(p.LeaseWait(lease.id, timeout_s), timeout_s + self.timeout_s)
+        lease.num_ready = r.num_ready
+        return r.num_ready
+
+    def release(self, lease: LeaseHandle) -> None:
+        with self._lock:
+            if lease.generation == self.generation and self._sock is not None:
+                self._call(p.Release(lease.id))
+
+    def clear(self, memory: bool = True, storage: bool = False, ns: str | None = None) -> p.Cleared:
+        return self._call(p.Clear(memory, storage, ns), max(self.timeout_s, 300.0))
+
+    def stats(self) -> dict:
+        return self._call(p.Stats()).stats

@@ -1,0 +1,346 @@
+"""The HPKV Server process: the tiered store behind a Unix socket, one thread per client.
+
+Start-up: read the configuration (file > env > default) and log it with sources; make the pool
+directory (0700); refuse to start if a live server answers on the socket, remove a stale socket;
+create the store (pool file, storage tier); bind the socket with mode 0600.
+
+Clients: every connection is one owner in the store; when it closes, for whatever reason, its
+reservations are aborted and its leases released. Peers of another uid are refused (SO_PEERCRED)
+unless HPKV_SERVER_ALLOW_UIDS lists them. A bad frame gets an `Error` and closes only that
+connection.
+
+Stop: SIGTERM/SIGINT, or (auto-started servers only) no client for HPKV_SERVER_IDLE_EXIT_S. The
+server stops accepting, finishes the storage writes in flight, removes socket and pool, exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import __version__
+from ..config import Settings, load_settings
+from ..errors import HpkvError, PoolError
+from ..keys import NamespaceDesc
+from ..store import TieredStore
+from . import protocol as p
+
+log = logging.getLogger("hpkv.server")
+
+_PEERCRED = struct.Struct("3i")
+
+
+@dataclass
+class ClientInfo:
+    id: int
+    pid: int
+    uid: int
+    kind: str = "?"
+    connected_at: float = field(default_factory=time.time)
+    leases: set[int] = field(default_factory=set)
+
+
+class Server:
+    def __init__(self, settings: Settings, auto: bool = False) -> None:
+        self.settings = settings
+        self.auto = auto
+        self.directory = Path(settings.pool.dir)
+        self.socket_path = self.directory / p.SOCKET_NAME
+        self.store: TieredStore | None = None
+        self.metrics = None
+        self.started_at = time.time()
+        self._stop = threading.Event()
+        self._clients: dict[int, ClientInfo] = {}
+        self._clients_lock = threading.Lock()
+        self._next_id = 1
+        self._last_client_left = time.monotonic()
+        self._listener: socket.socket | None = None
+
+    # -- life ---------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Serve until stopped; returns the exit status."""
+        self._log_settings()
+        self._open()
+        try:
+            self._accept_loop()
+        finally:
+            self._shutdown()
+        return 0
+
+    def stop(self, *_args) -> None:
+        self._stop.set()
+
+    def _log_settings(self) -> None:
+        log.info("HPKV server %s (pid %d, protocol %d) starting%s", __version__, os.getpid(),
+                 p.PROTOCOL_VERSION, " (auto-started)" if self.auto else "")
+        for s in self.settings.settings:
+            log.info("  %s = %s  [%s]", s.key, s.raw, s.where)
+        for warning in self.settings.warnings:
+            log.warning("%s", warning)
+
+    def _open(self) -> None:
+        try:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise PoolError(f"cannot create {self.directory} (HPKV_SHARE_MEM_FILE_PATH): {exc.strerror}") from None
+        _claim_socket_path(self.socket_path)
+        self.store = TieredStore.open(self.settings.pool, self.settings.storage)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)  # the socket is born 0600: no window where others may connect
+        try:
+            listener.bind(str(self.socket_path))
+        finally:
+            os.umask(old_umask)
+        listener.listen(128)
+        listener.settimeout(0.2)
+        self._listener = listener
+        if self.settings.metrics_port:
+            from .metrics import Metrics
+
+            self.metrics = Metrics(self)
+            self.metrics.start(self.settings.metrics_host, self.settings.metrics_port)
+        log.info("HPKV server ready: socket %s, pool %s (%d bytes)", self.socket_path,
+                 self.store.region.path, self.store.region.size_bytes)
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except socket.timeout:
+                if self._idle_expired():
+                    log.info("no client for %.1f s: the auto-started server exits",
+                             self.settings.server_idle_exit_s)
+                    return
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                raise
+            threading.Thread(target=self._serve, args=(conn,), name="hpkv-client", daemon=True).start()
+
+    def _idle_expired(self) -> bool:
+        if not self.auto:
+            return False
+        with self._clients_lock:
+            if self._clients:
+                return False
+            return time.monotonic() - self._last_client_left > self.settings.server_idle_exit_s
+
+    def _shutdown(self) -> None:
+        log.info("HPKV server stopping: finishing storage writes in flight")
+        if self._listener is not None:
+            self._listener.close()
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+        if self.metrics is not None:
+            self.metrics.stop()
+        if self.store is not None:
+            self.store.close()
+        log.info("HPKV server stopped")
+
+    # -- one client ---------------------------------------------------------------------------
+
+    def _serve(self, conn: socket.socket) -> None:
+        pid, uid, _ = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        with self._clients_lock:
+            client = ClientInfo(self._next_id, pid, uid)
+            self._next_id += 1
+            self._clients[client.id] = client
+        try:
+            if self._admit(conn, client):
+                self._dialogue(conn, client)
+        except (EOFError, ConnectionError, socket.timeout, OSError):
+            pass  # the client went away; what it held is reclaimed below
+        finally:
+            conn.close()
+            self.store.drop_owner(client.id)
+            with self._clients_lock:
+                del self._clients[client.id]
+                self._last_client_left = time.monotonic()
+
+    def _admit(self, conn: socket.socket, client: ClientInfo) -> bool:
+        if client.uid != os.geteuid() and client.uid not in self.settings.server_allow_uids:
+            log.warning("refused a client of uid %d (pid %d): not this server's uid %d", client.uid,
+                        client.pid, os.geteuid())
+            _send(conn, p.Error("permission", f"uid {client.uid} may not use this HPKV server (uid "
+                                f"{os.geteuid()}); run as uid {os.geteuid()} or start the server with "
+                                f"HPKV_SERVER_ALLOW_UIDS={client.uid}"))
+            return False
+        conn.settimeout(30.0)
+        try:
+            hello = p.decode_request(p.recv_frame(conn))
+        except p.FrameError as exc:
+            _send(conn, p.Error(exc.code, str(exc)))
+            return False
+        if not isinstance(hello, p.Hello):
+            _send(conn, p.Error("bad_request", "the first message must be Hello"))
+            return False
+        if hello.version != p.PROTOCOL_VERSION:
+            log.warning("refused client pid %d: protocol %d, this server speaks %d", hello.pid, hello.version,
+                        p.PROTOCOL_VERSION)
+            _send(conn, p.Error("version", f"client speaks HPKV protocol {hello.version}, server (version "
+                                f"{__version__}) speaks {p.PROTOCOL_VERSION}; run the same hpkv version on both "
+                                "sides (restart the server after upgrading)"))
+            return False
+        client.kind = hello.kind[:32]
+        region = self.store.region
+        _send(conn, p.Welcome(p.PROTOCOL_VERSION, os.getpid(), str(region.path), region.size_bytes,
+                              region.inode, client.id))
+        conn.settimeout(None)
+        return True
+
+    def _dialogue(self, conn: socket.socket, client: ClientInfo) -> None:
+        while True:
+            try:
+                request = p.decode_request(p.recv_frame(conn))
+            except p.FrameError as exc:
+                _send(conn, p.Error(exc.code, str(exc)))
+                return  # framing is lost: close this connection only
+            started = time.perf_counter()
+            reply = self._handle(request, client)
+            if self.metrics is not None:
+                self.metrics.observe(type(request).__name__, time.perf_counter() - started)
+            _send(conn, reply)
+
+    def _handle(self, request: p.Request, client: ClientInfo) -> p.Reply:
+        handler = getattr(self, "_on_" + type(request).__name__, None)
+        if handler is None:
+            return p.Error("bad_request", f"{type(request).__name__} is not valid here")
+        try:
+            return handler(request, client)
+        except KeyError as exc:
+            return p.Error("unknown_namespace", f"namespace {exc.args[0]!r} is not registered; send Register first")
+        except (HpkvError, ValueError, TypeError) as exc:
+            return p.Error("bad_request", str(exc))
+        except Exception as exc:  # a bug: keep serving everyone else
+            log.exception("internal error handling %s", type(request).__name__)
+            return p.Error("internal", f"internal server error: {exc!r}")
+
+    # -- handlers -----------------------------------------------------------------------------
+
+    def _on_Register(self, r: p.Register, client: ClientInfo) -> p.Reply:
+        desc = NamespaceDesc.from_json(r.desc_json)
+        return p.Registered(self.store.register(desc), desc.entry_bytes)
+
+    def _on_Lookup(self, r: p.Lookup, client: ClientInfo) -> p.Reply:
+        return p.Hits(bytes(self.store.lookup(r.ns, r.keys).tiers))
+
+    def _on_Reserve(self, r: p.Reserve, client: ClientInfo) -> p.Reply:
+        self._check_ns(r.ns)
+        return p.Offsets(self.store.reserve(r.ns, r.keys, owner=client.id))
+
+    def _on_Commit(self, r: p.Commit, client: ClientInfo) -> p.Reply:
+        return p.Count(self.store.commit(r.ns, r.keys, owner=client.id))
+
+    def _on_Abort(self, r: p.Abort, client: ClientInfo) -> p.Reply:
+        self.store.abort(r.ns, r.keys, owner=client.id)
+        return p.Count(0)
+
+    def _on_Lease(self, r: p.Lease, client: ClientInfo) -> p.Reply:
+        self._check_ns(r.ns)
+        lease = self.store.lease(r.ns, r.keys, owner=client.id)
+        client.leases.add(lease.id)
+        return p.Leased(lease.id, lease.offsets, lease.wait() if lease.done else None)
+
+    def _on_LeaseWait(self, r: p.LeaseWait, client: ClientInfo) -> p.Reply:
+        lease = self.store.get_lease(r.lease_id) if r.lease_id in client.leases else None
+        if lease is None:
+            return p.Error("bad_request", f"lease {r.lease_id} is not held by this client")
+        try:
+            num_ready = lease.wait(timeout=max(0.0, min(r.timeout_s, 60.0)))
+        except FutureTimeout:
+            num_ready = None
+        return p.Leased(lease.id, lease.offsets, num_ready)
+
+    def _on_Release(self, r: p.Release, client: ClientInfo) -> p.Reply:
+        if r.lease_id not in client.leases:
+            return p.Count(0)
+        client.leases.discard(r.lease_id)
+        return p.Count(int(self.store.release(r.lease_id)))
+
+    def _on_Clear(self, r: p.Clear, client: ClientInfo) -> p.Reply:
+        removed = self.store.clear(memory=r.memory, storage=r.storage, ns=r.ns)
+        log.info("cleared %s%s (ns %s) at the request of pid %d: %s", "memory " if r.memory else "",
+                 "storage" if r.storage else "", r.ns or "all", client.pid, removed)
+        return p.Cleared(removed["memory"], removed["storage"])
+
+    def _on_Stats(self, r: p.Stats, client: ClientInfo) -> p.Reply:
+        return p.StatsReply(self.stats())
+
+    def _check_ns(self, ns: str) -> None:
+        if ns not in self.store.namespaces():
+            raise KeyError(ns)
+
+    def stats(self) -> dict:
+        out = self.store.stats()
+        with self._clients_lock:
+            clients = [{"id": c.id, "pid": c.pid, "uid": c.uid, "kind": c.kind,
+                        "connected_s": round(time.time() - c.connected_at, 1), "leases": len(c.leases)}
+                       for c in self._clients.values()]
+        out["server"] = {"pid": os.getpid(), "version": __version__, "protocol": p.PROTOCOL_VERSION,
+                         "auto": self.auto, "uptime_s": round(time.time() - self.started_at, 1),
+                         "socket": str(self.socket_path), "pool_path": str(self.store.region.path),
+                         "storage_path": str(self.settings.storage.path)}
+        out["clients"] = clients
+        return out
+
+
+def _send(conn: socket.socket, msg: p.Msg) -> None:
+    conn.sendall(p.encode(msg))
+
+
+def _claim_socket_path(path: Path) -> None:
+    """Refuse if a live server answers on `path`; remove a socket left by a dead one."""
+    if not path.exists():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2.0)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError, socket.timeout):
+        log.warning("removing stale socket %s left by a server that is gone", path)
+        path.unlink(missing_ok=True)
+        return
+    finally:
+        probe.close()
+    raise PoolError(f"an HPKV server is already running on {path}; use it (hpkv status), or stop it "
+                    "first, or give this one another HPKV_SHARE_MEM_FILE_PATH")
+
+
+def serve(auto: bool = False, settings: Settings | None = None) -> int:
+    """Entry point of `hpkv server` and of auto-started servers."""
+    settings = settings or load_settings()
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    server = Server(settings, auto=auto)
+    signal.signal(signal.SIGTERM, server.stop)
+    signal.signal(signal.SIGINT, server.stop)
+    try:
+        return server.run()
+    except HpkvError as exc:
+        log.error("%s", exc)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpkv.server.daemon")
+    parser.add_argument("--auto", action="store_true", help="exit after the last client leaves")
+    args = parser.parse_args(argv)
+    return serve(auto=args.auto)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""The wire protocol between engine processes and the HPKV Server.
+
+Frames: a 4-byte big-endian length, then one msgpack-encoded message (a tagged msgspec Struct).
+Only metadata crosses the socket (keys, offsets, counts); KV bytes go through the shared pool.
+Every request gets exactly one reply, in order: its result or an `Error`. A frame longer than
+`MAX_FRAME_BYTES`, undecodable, or of an unknown type is answered with an `Error`; the server
+then closes that connection (its framing can no longer be trusted) and nobody else notices.
+
+Version rule: the first message on a connection is `Hello`; a different `PROTOCOL_VERSION` is
+refused with an error that names both versions, and the client raises it.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 16 << 20
+SOCKET_NAME = "hpkv.sock"
+LOCK_NAME = "hpkv.lock"
+_LENGTH = struct.Struct(">I")
+
+
+class Msg(msgspec.Struct, tag=True, forbid_unknown_fields=True, array_like=True):
+    pass
+
+
+# -- requests ------------------------------------------------------------------------------------
+
+class Hello(Msg):
+    version: int
+    kind: str  # "scheduler", "worker", "sglang", "cli", ...
+    pid: int
+
+
+class Register(Msg):
+    desc_json: str  # a NamespaceDesc as JSON
+
+
+class Lookup(Msg):
+    ns: str
+    keys: list[bytes]
+
+
+class Reserve(Msg):
+    ns: str
+    keys: list[bytes]
+
+
+class Commit(Msg):
+    ns: str
+    keys: list[bytes]
+
+
+class Abort(Msg):
+    ns: str
+    keys: list[bytes]
+
+
+class Lease(Msg):
+    ns: str
+    keys: list[bytes]
+
+
+class LeaseWait(Msg):
+    lease_id: int
+    timeout_s: float  # 0: just poll
+
+
+class Release(Msg):
+    lease_id: int
+
+
+class Clear(Msg):
+    memory: bool
+    storage: bool
+    ns: str | None = None
+
+
+class Stats(Msg):
+    pass
+
+
+Request = Union[Hello, Register, Lookup, Reserve, Commit, Abort, Lease, LeaseWait, Release, Clear, Stats]
+
+
+# -- replies -------------------------------------------------------------------------------------
+
+class Welcome(Msg):
+    version: int
+    server_pid: int
+    pool_path: str
+    pool_bytes: int
+    pool_inode: int
+    client_id: int
+
+
+class Registered(Msg):
+    ns: str
+    entry_bytes: int
+
+
+class Hits(Msg):
+    tiers: bytes  # one byte per leading hit: 1 DRAM, 2 storage
+
+
+class Offsets(Msg):
+    offsets: list[int | None]
+
+
+class Count(Msg):
+    num: int
+
+
+class Leased(Msg):
+    lease_id: int
+    offsets: list[int]
+    num_ready: int | None  # None while promotions from storage are still running
+
+
+class Cleared(Msg):
+    memory: int
+    storage: int
+
+
+class StatsReply(Msg):
+    stats: dict
+
+
+class Error(Msg):
+    code: str  # "version", "malformed", "too_large", "unknown_namespace", "bad_request", "internal"
+    message: str
+
+
+Reply = Union[Welcome, Registered, Hits, Offsets, Count, Leased, Cleared, StatsReply, Error]
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+class FrameError(Exception):
+    """The peer sent something that is not a valid frame; `code` says what kind of problem."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def encode(msg: Msg) -> bytes:
+    body = _encoder.encode(msg)
+    return _LENGTH.pack(len(body)) + body
+
+
+def frame_length(prefix: bytes) -> int:
+    (length,) = _LENGTH.unpack(prefix)
+    if length > MAX_FRAME_BYTES:
+        raise FrameError("too_large", f"frame of {length} bytes exceeds the limit of {MAX_FRAME_BYTES}")
+    return length
+
+
+def decode_request(body: bytes) -> Request:
+    try:
+        return _request_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise FrameError("malformed", f"malformed request: {exc}") from None
+
+
+def decode_reply(body: bytes) -> Reply:
+    try:
+        return _reply_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise FrameError("malformed", f"malformed reply: {exc}") from None
+
+
+def recv_exact(sock, num_bytes: int) -> bytes:
+    """Read exactly `num_bytes`; EOFError if the peer closed first."""
+    chunks = bytearray()
+    while len(chunks) < num_bytes:
+        chunk = sock.recv(num_bytes - len(chunks))
+        if not chunk:
+            raise EOFError("connection closed")
+        chunks += chunk
+    return bytes(chunks)
+
+
+def recv_frame(sock) -> bytes:
+    return recv_exact(sock, frame_length(recv_exact(sock, _LENGTH.size)))
