@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from hpkv import __version__
-from hpkv.config import KEYS, Setting, Settings, load_settings
+from hpkv.config import KEYS, Setting, Settings, load_settings, parse_size
 from hpkv.errors import HpkvError
 
 # Exit status for a problem the user must fix (bad config, paths, space); click uses 2 for
@@ -111,3 +111,236 @@ def config(as_json: bool) -> None:
         _print_json(settings)
     else:
         _print_table(settings)
+
+
+# --- hpkv bench ----------------------------------------------------------------------------
+
+def _size_option(text: str, option: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise click.BadParameter(f"{text!r}: {exc}; use bytes or a number with k, m, g or t",
+                                 param_hint=option) from None
+
+
+@main.command()
+@click.option("--sizes", default="64k,256k,1m,4m", show_default=True,
+              help="Entry sizes, comma-separated.")
+@click.option("--total", default="256m", show_default=True,
+              help="Bytes moved per entry size and round.")
+@click.option("--lookup-keys", default=1_000_000, show_default=True, type=click.IntRange(min=4096),
+              help="Keys the store holds for the lookup benchmark.")
+@click.option("--storage-dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Where the storage temporaries go (default: the current directory).")
+@click.option("--pool-dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Where the pool temporaries go (default: /dev/shm).")
+@click.option("--io-threads", default=8, show_default=True, type=click.IntRange(1, 256),
+              help="Storage I/O threads.")
+@click.option("--reps", default=5, show_default=True, type=click.IntRange(min=1),
+              help="Timed rounds per figure (the median is reported).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def bench(sizes: str, total: str, lookup_keys: int, storage_dir: Path | None, pool_dir: Path | None,
+          io_threads: int, reps: int, as_json: bool) -> None:
+    """Measure DRAM and storage throughput and lookup time against this machine's limits."""
+    from hpkv.benchmark import BenchConfig, report, run  # numpy and the store: only for this command
+
+    entry_sizes = tuple(_size_option(s, "--sizes") for s in sizes.split(",") if s.strip())
+    try:
+        bench_config = BenchConfig(entry_sizes=entry_sizes, total_bytes=_size_option(total, "--total"),
+                                   num_lookup_keys=lookup_keys, pool_parent=pool_dir,
+                                   storage_parent=storage_dir, io_threads=io_threads, reps=reps)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    progress = Console(stderr=True, highlight=False)
+    result = run(bench_config, lambda message: progress.print(f"measuring {message}..."))
+    if as_json:
+        click.echo(report.to_json(result))
+    else:
+        report.print_table(result, Console(width=None if sys.stdout.isatty() else 1000, highlight=False))
+
+
+# --- hpkv server, status, clear, doctor -------------------------------------------------------
+# The server's modules (and doctor's probes) are imported inside the commands: `hpkv --help`
+# and `hpkv config` stay quick and need none of them.
+
+# `status` finding no server is an answer, not a mistake to fix: exit 1, as `systemctl status` does.
+EXIT_NO_SERVER = 1
+EXIT_DOCTOR_FAILED = 1
+_VERDICT_STYLE = {"ok": "green", "info": "cyan", "warn": "yellow", "fail": "bold red"}
+
+
+def _stdout_console() -> Console:
+    return Console(width=None if sys.stdout.isatty() else 1000, highlight=False)
+
+
+def _connect(settings: Settings):
+    """A connected `Client` of the running server, or None when no server answers. Never starts one."""
+    from hpkv.server.autostart import ServerUnavailable
+    from hpkv.server.client import Client
+
+    client = Client(settings.pool.dir, kind="cli", autostart=False)
+    try:
+        client.connect()
+    except ServerUnavailable:
+        return None
+    return client
+
+
+def _no_server_message(settings: Settings) -> str:
+    from hpkv.server.protocol import SOCKET_NAME
+
+    return (f"no HPKV server is running on {Path(settings.pool.dir) / SOCKET_NAME}; it starts with the first "
+            "engine process, or run `hpkv server`")
+
+
+@main.command("server")
+@click.option("--auto", is_flag=True, hidden=True, help="Exit after the last client leaves.")
+@click.pass_context
+def server_command(ctx: click.Context, auto: bool) -> None:
+    """Run the node's HPKV Server in the foreground until SIGTERM or Ctrl-C.
+
+    A server started this way stays up across engine restarts, so the DRAM tier stays warm
+    (an auto-started one exits after its last engine leaves). Settings are read once, now.
+    """
+    from hpkv.server.daemon import serve
+
+    ctx.exit(serve(auto=auto))
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the server's raw stats as JSON.")
+@click.pass_context
+def status(ctx: click.Context, as_json: bool) -> None:
+    """Show the running server: tiers, namespaces with hit rates, clients. Never starts one."""
+    from hpkv.status import print_status
+
+    settings = load_settings()
+    client = _connect(settings)
+    if client is None:
+        click.echo(_no_server_message(settings), err=True)
+        ctx.exit(EXIT_NO_SERVER)
+    with client:
+        stats = client.stats()
+    if as_json:
+        click.echo(json.dumps(stats, indent=2))
+    else:
+        print_status(stats, _stdout_console())
+
+
+def _storage_namespaces(storage_path: Path) -> list[str]:
+    from hpkv.keys import NS_DIGEST_BYTES
+
+    try:
+        names = [entry.name for entry in storage_path.iterdir() if entry.is_dir()]
+    except OSError:
+        return []
+    return [n for n in names if len(n) == 2 * NS_DIGEST_BYTES and all(c in "0123456789abcdef" for c in n)]
+
+
+def _resolve_ns(prefix: str | None, known: list[str]) -> str | None:
+    """A namespace id from an id or a unique prefix of one (as `hpkv status` shows them)."""
+    if prefix is None:
+        return None
+    prefix = prefix.lower()
+    if not prefix or len(prefix) > 32 or any(c not in "0123456789abcdef" for c in prefix):
+        raise click.BadParameter(f"{prefix!r} is not a namespace id (hex, as `hpkv status` shows)",
+                                 param_hint="--namespace")
+    matches = sorted({ns for ns in known if ns.startswith(prefix)})
+    if len(matches) == 1:
+        return matches[0]
+    if len(matches) > 1:
+        raise click.BadParameter(f"{prefix!r} matches several namespaces: {', '.join(matches)}; give more of it",
+                                 param_hint="--namespace")
+    if len(prefix) == 32:
+        return prefix
+    raise click.BadParameter(f"no namespace id starts with {prefix!r}", param_hint="--namespace")
+
+
+def _ns_words(ns: str | None) -> str:
+    return f" of namespace {ns}" if ns else ""
+
+
+def _clear_storage_directly(settings: Settings, ns: str | None) -> None:
+    from hpkv.storage.tier import StorageTier
+
+    path = Path(settings.storage.path)
+    if not path.is_dir():
+        click.echo(f"storage: {path} does not exist; nothing to remove")
+        return
+    tier = StorageTier(settings.storage)
+    tier.start()
+    try:
+        num = tier.remove(ns)
+    finally:
+        tier.close()
+    click.echo(f"storage: removed {num} entry files{_ns_words(ns)} from {path}")
+
+
+@main.command()
+@click.option("--memory", is_flag=True, help="Drop the entries in the DRAM pool (needs the running server).")
+@click.option("--storage", is_flag=True, help="Delete the entry files in the storage directory (works "
+              "without a server).")
+@click.option("--namespace", "namespace", metavar="NS", help="Only this namespace: its id, or a prefix as "
+              "`hpkv status` shows it.")
+def clear(memory: bool, storage: bool, namespace: str | None) -> None:
+    """Remove cached KV. With neither --memory nor --storage, clears memory (the DRAM pool) only.
+
+    This is the DRAM clear endpoint: after it, the next request can only hit storage.
+    """
+    from hpkv.server.protocol import SOCKET_NAME
+
+    memory = memory or not storage
+    settings = load_settings()
+    client = _connect(settings)
+    if client is None:
+        ns = _resolve_ns(namespace, _storage_namespaces(Path(settings.storage.path)))
+        if memory:
+            click.echo(f"memory: no HPKV server is running on {Path(settings.pool.dir) / SOCKET_NAME}, so the "
+                       "DRAM pool is already empty (it lives only as long as a server)")
+        if storage:
+            _clear_storage_directly(settings, ns)
+        return
+    with client:
+        stats = client.stats()
+        ns = _resolve_ns(namespace, list(stats["namespaces"]) + _storage_namespaces(Path(settings.storage.path)))
+        server_has_storage = stats.get("storage") is not None
+        cleared = client.clear(memory=memory, storage=storage and server_has_storage, ns=ns)
+    if memory:
+        click.echo(f"memory: dropped {cleared.memory} entries{_ns_words(ns)} from the DRAM pool of the server "
+                   f"(pid {stats['server']['pid']})")
+    if storage and server_has_storage:
+        click.echo(f"storage: removed {cleared.storage} entry files{_ns_words(ns)} from {settings.storage.path}")
+    elif storage:
+        _clear_storage_directly(settings, ns)  # the server runs with its storage tier off
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.pass_context
+def doctor(ctx: click.Context, as_json: bool) -> None:
+    """Check this node's setup: mounts, permissions, free space, memlock, the server, hash stability.
+
+    Exits 1 when a check fails; every problem comes with a fix.
+    """
+    from hpkv.doctor import Verdict, run_checks
+
+    checks = run_checks()
+    failed = sum(c.verdict is Verdict.FAIL for c in checks)
+    if as_json:
+        click.echo(json.dumps({"checks": [{"name": c.name, "verdict": c.verdict.value, "detail": c.detail,
+                                           "fix": c.fix} for c in checks], "failed": failed}, indent=2))
+    else:
+        table = Table(title="HPKV doctor")
+        table.add_column("check", no_wrap=True)
+        table.add_column("verdict", no_wrap=True)
+        table.add_column("detail")
+        table.add_column("fix")
+        for c in checks:
+            table.add_row(Text(c.name), Text(c.verdict.value, style=_VERDICT_STYLE[c.verdict.value]),
+                          Text(c.detail), Text(c.fix))
+        console = _stdout_console()
+        console.print(table)
+        counts = {v.value: sum(c.verdict is v for c in checks) for v in Verdict}
+        console.print(", ".join(f"{num} {name}" for name, num in counts.items()), markup=False)
+    if failed:
+        ctx.exit(EXIT_DOCTOR_FAILED)

@@ -6,10 +6,12 @@ Used by the pool (ramfs/tmpfs expected), the storage tier (auto capacity) and `h
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 MEMORY_FS = frozenset({"ramfs", "tmpfs"})
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
 
 
 @dataclass(frozen=True)
@@ -20,8 +22,9 @@ class Mount:
 
 
 def _unescape(field: str) -> str:
-    # /proc/self/mountinfo escapes space, tab, newline and backslash as octal.
-    return field.encode().decode("unicode_escape") if "\\" in field else field
+    # /proc/self/mountinfo escapes space, tab, newline and backslash as octal; other characters,
+    # UTF-8 included, stand as they are (so no "unicode_escape", which would mangle them).
+    return _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), field)
 
 
 def mount_of(path: str | os.PathLike) -> Mount:

@@ -68,9 +68,10 @@ class PoolRegion:
         directory = Path(directory)
         _prepare_directory(directory)
         path = directory / POOL_FILE_NAME
-        _check_space(directory, size_bytes)
         fd = _create_exclusive(path)
         try:
+            # Only now: a stale pool left by a crashed owner has been removed and frees its space.
+            _check_space(directory, size_bytes)
             _reserve(fd, path, size_bytes)
             region = cls(path, fd, size_bytes, owner=True)
         except BaseException:
@@ -87,7 +88,11 @@ class PoolRegion:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
             raise PoolError(f"cannot open the HPKV pool file {path}: {exc.strerror}") from None
-        return cls(Path(path), fd, os.fstat(fd).st_size, owner=False)
+        try:
+            return cls(Path(path), fd, os.fstat(fd).st_size, owner=False)
+        except (OSError, ValueError) as exc:  # ValueError: an empty file (its owner is still starting)
+            os.close(fd)
+            raise PoolError(f"cannot map the HPKV pool file {path}: {exc}; is its server running?") from None
 
     def view(self, offset: int, num_bytes: int) -> memoryview:
         return self.buf[offset : offset + num_bytes]
@@ -118,7 +123,8 @@ class PoolRegion:
 
     def _lock_in_memory(self, fs_type: str) -> None:
         if fs_type == "ramfs":
-            return  # ramfs pages are never swapped
+            self.locked_in_memory = True  # ramfs pages are never swapped
+            return
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         address = ctypes.c_void_p.from_buffer(self._map)
         result = libc.mlock(ctypes.c_void_p(ctypes.addressof(address)), ctypes.c_size_t(self.size_bytes))

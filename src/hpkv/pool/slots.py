@@ -38,6 +38,9 @@ class _Slab:
 class SlotAllocator:
     def __init__(self, pool_bytes: int, slab_bytes: int | None = None) -> None:
         self.slab_bytes = slab_bytes or default_slab_bytes(pool_bytes)
+        if self.slab_bytes % SLOT_ALIGN:
+            # Slot offsets are slab starts plus multiples of the slot size: an odd slab misaligns them all.
+            raise ValueError(f"slab of {self.slab_bytes} bytes is not a multiple of {SLOT_ALIGN}")
         if self.slab_bytes > pool_bytes:
             raise ValueError(f"slab of {self.slab_bytes} bytes is larger than the pool ({pool_bytes})")
         self.num_slabs = pool_bytes // self.slab_bytes

@@ -13,8 +13,10 @@ serialises calls.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..errors import PoolError
@@ -154,7 +156,9 @@ class DramTier:
 
     def _to_lru(self, entry: DramEntry) -> None:
         entry.stamp = next(self._clock)
-        self._lru.setdefault(entry.slot_bytes, OrderedDict())[entry] = None
+        lru = self._lru.setdefault(entry.slot_bytes, OrderedDict())
+        lru[entry] = None
+        lru.move_to_end(entry)  # keeps each LRU in stamp order, which `_make_room` relies on
 
     def _remove(self, entry: DramEntry) -> None:
         del self._index[entry.ns][entry.key]
@@ -176,10 +180,17 @@ class DramTier:
     def _make_room(self, slot_bytes: int) -> int | None:
         own = self._lru.get(slot_bytes)
         own_oldest = next(iter(own)) if own else None
-        for other in self._oldest_heads(exclude=slot_bytes):
+        # Walk the other classes' entries oldest first, not just their heads: the slab of a head
+        # may hold a pinned entry while a later slab of that class is free to move.
+        tried: set[int] = set()
+        for other in self._others_oldest_first(exclude=slot_bytes):
             if own_oldest is not None and own_oldest.stamp < other.stamp:
                 break
-            if self._drain_slab(self.alloc.slab_of(other.offset)):
+            slab_index = self.alloc.slab_of(other.offset)
+            if slab_index in tried:
+                continue
+            tried.add(slab_index)
+            if self._drain_slab(slab_index):  # mutates the LRUs: leave the walk at once
                 self.counters.slab_moves += 1
                 return self.alloc.alloc(slot_bytes)
         if own_oldest is None:
@@ -187,9 +198,10 @@ class DramTier:
         self._evict(own_oldest)
         return self.alloc.alloc(slot_bytes)
 
-    def _oldest_heads(self, exclude: int) -> list[DramEntry]:
-        heads = [next(iter(lru)) for size, lru in self._lru.items() if size != exclude and lru]
-        return sorted(heads, key=lambda e: e.stamp)
+    def _others_oldest_first(self, exclude: int) -> Iterator[DramEntry]:
+        # Each LRU is in stamp order (an entry gets a new stamp whenever it moves to the end).
+        lrus = [lru for size, lru in self._lru.items() if size != exclude and lru]
+        return heapq.merge(*lrus, key=lambda e: e.stamp)
 
     def _drain_slab(self, slab_index: int) -> bool:
         entries = [self._by_offset[o] for o in self.alloc.used_in_slab(slab_index)]

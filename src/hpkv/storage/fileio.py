@@ -11,7 +11,8 @@ import os
 
 
 class FileIO:
-    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+    # Files are 0600 and directories 0700: KV is computed from users' prompts.
+    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
         return os.open(path, flags | os.O_CLOEXEC, mode)
 
     def close(self, fd: int) -> None:

@@ -14,7 +14,7 @@
 
 All little-endian. A reader knows the namespace, the key and the payload length it expects, so it
 can read header and payload with one `preadv` and check every field; any difference (magic,
-version, namespace, key, length, either checksum, file size) makes the file bad.
+version, namespace, key, length, either checksum, padding, file size) makes the file bad.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ def check(header: bytes | memoryview, ns_digest: bytes, key: bytes, payload: mem
         return "belongs to another namespace"
     if stored_key != key:
         return "holds another key"
+    if any(header[_FIXED.size + 4 + key_len :]):
+        return "padding is not zero"  # outside both checksums, so checked on its own
     if length != len(payload):
         return f"payload of {length} bytes, expected {len(payload)}"
     if xxhash.xxh3_64_intdigest(payload) != payload_sum:

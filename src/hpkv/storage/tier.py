@@ -16,6 +16,7 @@ Must not know: the pool, engines, devices.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import socket
@@ -38,6 +39,9 @@ AUTO_CAPACITY_FRACTION = 0.8
 STALE_TEMP_S = 3600.0  # a temporary this old is from a writer that died, on whatever node
 TOUCH_EVERY_S = 60.0  # refresh a file's mtime (its LRU age across restarts) at most this often
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# One sequence for every tier in the process: two tiers on one root (same node, same pid) must
+# never pick the same temporary name, or one's O_EXCL fails and its clean-up deletes the other's.
+_TEMP_SEQ = itertools.count(1)
 
 
 @dataclass
@@ -69,7 +73,6 @@ class StorageTier:
         self._lru: OrderedDict[tuple[str, bytes], int] = OrderedDict()
         self._inflight_bytes = 0
         self._dirs: set[str] = set()
-        self._seq = 0
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="hpkv-io")
         self._warned: set[int] = set()
 
@@ -78,7 +81,9 @@ class StorageTier:
     def start(self) -> None:
         """Make the root usable, size the tier, and rebuild the index in the background."""
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except FileExistsError:
+            pass  # a file in the way: reported just below as not a directory
         except OSError as exc:
             raise StorageError(
                 f"cannot create the storage directory {self.root} (HPKV_KV_STORAGE_PATH): {exc.strerror}; "
@@ -99,19 +104,26 @@ class StorageTier:
         return self._executor.submit(fn, *args)
 
     def add_namespace(self, ns: str, description_json: str) -> None:
+        """Keep the readable description beside the data. Best effort: a full disk must not stop
+        the store from starting (the entries themselves do not need the description)."""
         ns_dir = self.root / ns
-        ns_dir.mkdir(exist_ok=True)
         desc = ns_dir / "namespace.json"
-        if not desc.exists():
-            tmp = ns_dir / f".namespace.{self._node}.{os.getpid()}.tmp"
-            tmp.write_text(description_json + "\n")
-            os.replace(tmp, desc)
+        tmp = ns_dir / f".namespace.{self._node}.{os.getpid()}.{next(_TEMP_SEQ)}.tmp"
+        try:
+            ns_dir.mkdir(mode=0o700, exist_ok=True)
+            if not desc.exists():
+                tmp.write_text(description_json + "\n")
+                os.replace(tmp, desc)
+        except OSError as exc:
+            log.warning("cannot write %s: %s; going on without it", desc, exc.strerror)
+            tmp.unlink(missing_ok=True)
 
     # -- lookups and I/O ----------------------------------------------------------------------
 
     def path_of(self, ns: str, key: bytes) -> str:
         name = key.hex()
-        return f"{self.root}/{ns}/{name[0:2]}/{name[2:4]}/{name}.kv"
+        fan = name.ljust(4, "0")  # keys under 2 bytes still get both levels, where the scan looks
+        return f"{self.root}/{ns}/{fan[0:2]}/{fan[2:4]}/{name}.kv"
 
     def contains(self, ns: str, key: bytes) -> bool:
         """Whether a file for (ns, key) exists, adopting files other tiers wrote."""
@@ -144,7 +156,10 @@ class StorageTier:
             if reason is None and time.time() - os.fstat(fd).st_mtime > TOUCH_EVERY_S:
                 os.utime(fd)
         except OSError as exc:
-            reason = f"read error: {exc.strerror}"
+            # The medium failed, not the file's content: a miss, but the file may be fine later.
+            log.warning("cannot read KV file %s: %s (the request recomputes)", path, exc.strerror)
+            self.counters.read_misses += 1
+            return False
         finally:
             self.io.close(fd)
         if reason is not None:
@@ -186,14 +201,14 @@ class StorageTier:
     def _write_file(self, ns: str, key: bytes, header: bytes, payload: memoryview, size: int) -> OSError | None:
         final = self.path_of(ns, key)
         directory = final[: final.rfind("/")]
-        with self._lock:
-            self._seq += 1
-            tmp = f"{directory}/.{key.hex()}.{self._node}.{os.getpid()}.{self._seq}.tmp"
+        tmp = f"{directory}/.{key.hex()}.{self._node}.{os.getpid()}.{next(_TEMP_SEQ)}.tmp"
+        created = False
         try:
             if directory not in self._dirs:
-                os.makedirs(directory, exist_ok=True)
+                os.makedirs(directory, mode=0o700, exist_ok=True)
                 self._dirs.add(directory)
             fd = self.io.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            created = True
             try:
                 if self.io.pwritev(fd, [header, payload], 0) != size:
                     raise OSError(errno.ENOSPC, "short write")
@@ -207,10 +222,11 @@ class StorageTier:
             return None
         except OSError as exc:
             self._dirs.discard(directory)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            if created:  # never a temporary of the same name that someone else created
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
             return exc
 
     # -- index, capacity, eviction ------------------------------------------------------------
@@ -333,11 +349,9 @@ class StorageTier:
             self.capacity_bytes += int(self.used_bytes * AUTO_CAPACITY_FRACTION)
         if len(found) > 10_000 or time.monotonic() - started > 2.0:
             log.info("storage index ready: %d files in %.1f s", len(found), time.monotonic() - started)
-        self.scan_done.set()
         if self.used_bytes > self.capacity_bytes:
-            self._make_room(0)
-            with self._lock:
-                self._inflight_bytes -= 0
+            self._evict_bytes(self.used_bytes - self.capacity_bytes)
+        self.scan_done.set()
 
     def _remove_temp_if_dead(self, path: str, entry: os.DirEntry) -> None:
         parts = entry.name.split(".")

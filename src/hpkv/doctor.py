@@ -1,0 +1,362 @@
+"""`hpkv doctor`: checks of this node's setup, each with a verdict and, for a problem, a fix.
+
+Primitives: `Check(name, verdict, detail, fix)`, `Verdict`, `run_checks(env)`. Each check is a
+small function of the settings (and of what the running server says, when one answers); none
+changes anything on the machine. A `fail` means HPKV cannot work as configured; a `warn` means
+it works, worse than it could; `info` is something to know.
+Must not know: how checks are shown (the CLI renders them).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from . import __version__
+from .config import PoolConfig, Settings, StorageConfig, load_settings
+from .errors import ConfigError, HpkvError
+from .fsinfo import free_bytes, mem_available_bytes, mount_of
+from .pool.region import POOL_FILE_NAME
+from .server import protocol as p
+from .server.autostart import ServerUnavailable
+from .server.client import Client
+from .status import human_bytes, human_duration
+
+NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "fuse.sshfs", "sshfs", "9p"})
+PARALLEL_FS = frozenset({"lustre", "gpfs", "beegfs", "ceph", "cephfs", "fuse.3fs", "fuse.hf3fs", "glusterfs",
+                         "fuse.glusterfs", "weka", "wekafs"})
+# virtio and Xen disks say "rotational" whatever backs them.
+_VIRTUAL_DISKS = ("vd", "xvd")
+_CAP_IPC_LOCK = 14
+_MAX_SOCKET_PATH_BYTES = 107  # sun_path holds 108 bytes, the last one a NUL
+
+
+class Verdict(str, enum.Enum):
+    OK = "ok"
+    INFO = "info"
+    WARN = "warn"
+    FAIL = "fail"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    verdict: Verdict
+    detail: str
+    fix: str = ""
+
+
+@dataclass(frozen=True)
+class ServerProbe:
+    """What the node's server said: its stats, or why there are none."""
+
+    socket: Path
+    stats: dict | None = None
+    error: HpkvError | None = None
+
+
+def run_checks(env: Mapping[str, str] | None = None) -> list[Check]:
+    env = os.environ if env is None else env
+    try:
+        settings = load_settings(env)
+    except ConfigError as exc:
+        return [Check("config", Verdict.FAIL, str(exc), "correct that key (see `hpkv config` and "
+                      "docs/configuration.md), then run hpkv doctor again")]
+    server = probe_server(settings.pool.dir)
+    checks = check_config(settings)
+    checks += [check_pool_fs(settings.pool), check_pool_permissions(settings.pool),
+               check_socket_path(settings.pool), check_pool_space(settings.pool),
+               check_memlock(settings.pool, server)]
+    checks += check_storage(settings.storage, server)
+    checks += [check_server(server), check_hash_seed(env)]
+    return checks
+
+
+def probe_server(directory: Path) -> ServerProbe:
+    socket_path = Path(directory) / p.SOCKET_NAME
+    if not socket_path.exists():
+        return ServerProbe(socket_path)
+    try:
+        with Client(directory, kind="doctor", autostart=False) as client:
+            return ServerProbe(socket_path, stats=client.stats())
+    except HpkvError as exc:
+        return ServerProbe(socket_path, error=exc)
+
+
+# -- configuration --------------------------------------------------------------------------------
+
+def check_config(settings: Settings) -> list[Check]:
+    if not settings.warnings:
+        source = settings.config_file if settings.config_file.exists() else "none found"
+        return [Check("config", Verdict.OK, f"settings resolve without warnings (config file: {source})")]
+    return [Check("config", Verdict.WARN, warning, "see `hpkv config` for every key and its source")
+            for warning in settings.warnings]
+
+
+def check_hash_seed(env: Mapping[str, str]) -> Check:
+    # vLLM 0.32 (v1/core/kv_cache_utils.py, resolve_none_hash_seed): PYTHONHASHSEED wins when set;
+    # otherwise sha256/sha256_cbor chain from a fixed seed and xxhash/xxhash_cbor from random bytes.
+    seed = env.get("PYTHONHASHSEED")
+    if seed is None:
+        return Check("hash stability", Verdict.INFO,
+                     "PYTHONHASHSEED is not set here: vLLM's default sha256 block hashes are stable across "
+                     "restarts, but with --prefix-caching-hash-algo xxhash (or xxhash_cbor) they are random per "
+                     "process and KV saved to storage never hits after a restart",
+                     "with xxhash, export PYTHONHASHSEED (one fixed value for every engine sharing the storage "
+                     "directory) before starting the engine; with sha256 nothing is needed")
+    return Check("hash stability", Verdict.OK,
+                 f"PYTHONHASHSEED={seed}: vLLM's block hashes are reproducible across restarts with any hash "
+                 "algorithm (every engine sharing one storage directory needs the same value; changing it "
+                 "changes every key)")
+
+
+# -- the pool directory ----------------------------------------------------------------------------
+
+def check_pool_fs(pool: PoolConfig) -> Check:
+    name = "pool directory: file system"
+    mount = mount_of(pool.dir)
+    where = f"{pool.dir} is on {mount.fs_type} ({mount.mount_point})"
+    if mount.fs_type == "ramfs":
+        return Check(name, Verdict.OK, f"{where}: pages are never swapped")
+    if mount.fs_type == "tmpfs":
+        return Check(name, Verdict.OK, f"{where}: the server locks the pool in memory so it is not swapped "
+                     "(see memlock)")
+    return Check(name, Verdict.WARN,
+                 f"{where}, not ramfs/tmpfs (HPKV_SHARE_MEM_FILE_PATH): the pool's pages are backed by that file "
+                 "system, so they are written back to disk (slow copies) and can be paged out",
+                 f"mount ramfs there as root (mount -t ramfs nodev {pool.dir}), or point "
+                 "HPKV_SHARE_MEM_FILE_PATH at a directory under /dev/shm")
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_pool_permissions(pool: PoolConfig) -> Check:
+    name = "pool directory: permissions"
+    directory = Path(pool.dir)
+    uid = os.geteuid()
+    if not directory.exists():
+        parent = _nearest_existing(directory)
+        if os.access(parent, os.W_OK | os.X_OK):
+            return Check(name, Verdict.OK, f"{directory} does not exist yet; the server creates it with mode 0700")
+        return Check(name, Verdict.FAIL, f"{directory} does not exist and {parent} is not writable by uid {uid}",
+                     f"create it as root: mkdir -p {directory} && chown {uid} {directory} && chmod 700 {directory}")
+    if not directory.is_dir():
+        return Check(name, Verdict.FAIL, f"{directory} exists and is not a directory",
+                     "point HPKV_SHARE_MEM_FILE_PATH at a directory")
+    if not os.access(directory, os.R_OK | os.W_OK | os.X_OK):
+        return Check(name, Verdict.FAIL, f"{directory} is not writable by uid {uid}",
+                     f"as root: chown {uid} {directory} && chmod 700 {directory}, or choose another directory")
+    st = directory.stat()
+    mode = st.st_mode & 0o777
+    if mode & 0o077:
+        return Check(name, Verdict.WARN,
+                     f"{directory} has mode {mode:04o} (owner uid {st.st_uid}): other users can see and replace "
+                     "the names in it; the socket and pool file are 0600, but a 0700 directory is recommended",
+                     f"chmod 700 {directory}" if st.st_uid == uid else
+                     f"use a directory of your own, e.g. HPKV_SHARE_MEM_FILE_PATH={directory}/hpkv-{uid}")
+    return Check(name, Verdict.OK, f"{directory} has mode {mode:04o}, owner uid {st.st_uid}, writable")
+
+
+def check_socket_path(pool: PoolConfig) -> Check:
+    name = "pool directory: socket path"
+    path = Path(pool.dir) / p.SOCKET_NAME
+    num_bytes = len(os.fsencode(path))
+    if num_bytes > _MAX_SOCKET_PATH_BYTES:
+        return Check(name, Verdict.FAIL, f"the server socket {path} would be {num_bytes} bytes long; Unix "
+                     f"sockets allow {_MAX_SOCKET_PATH_BYTES}, so no server could listen there",
+                     "point HPKV_SHARE_MEM_FILE_PATH at a shorter path, e.g. /dev/shm/hpkv")
+    return Check(name, Verdict.OK, f"{path} ({num_bytes} bytes, the limit is {_MAX_SOCKET_PATH_BYTES})")
+
+
+def _pool_file_bytes(directory: Path) -> int:
+    """Space the current pool file holds: a new server replaces it, so it counts as free."""
+    try:
+        return (directory / POOL_FILE_NAME).stat().st_blocks * 512
+    except OSError:
+        return 0
+
+
+def check_pool_space(pool: PoolConfig) -> Check:
+    name = "pool directory: free space"
+    mount = mount_of(pool.dir)
+    held = _pool_file_bytes(Path(pool.dir))
+    # ramfs reports no size: what it can take is the machine's available memory (as the pool does).
+    available = (mem_available_bytes() if mount.fs_type == "ramfs" else free_bytes(pool.dir)) + held
+    asked = f"HPKV_KV_MEM_POOL_SIZE={human_bytes(pool.size_bytes)}"
+    if pool.size_bytes > available:
+        return Check(name, Verdict.FAIL,
+                     f"the pool does not fit: {asked} but only {human_bytes(available)} is free on "
+                     f"{mount.fs_type} at {mount.mount_point}",
+                     f"lower HPKV_KV_MEM_POOL_SIZE to at most {human_bytes(available)}, or enlarge the mount "
+                     f"(as root: mount -o remount,size=<size> {mount.mount_point})")
+    memory = mem_available_bytes() + held
+    if mount.fs_type == "tmpfs" and pool.size_bytes > memory:
+        return Check(name, Verdict.WARN,
+                     f"{asked} fits the tmpfs ({human_bytes(available)} free) but exceeds the memory available "
+                     f"({human_bytes(memory)}): the kernel would swap or kill processes",
+                     f"lower HPKV_KV_MEM_POOL_SIZE below {human_bytes(memory)}")
+    return Check(name, Verdict.OK, f"{asked} fits: {human_bytes(available)} free on {mount.fs_type} at "
+                 f"{mount.mount_point}")
+
+
+def _has_cap_ipc_lock() -> bool:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_IPC_LOCK & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def check_memlock(pool: PoolConfig, server: ServerProbe) -> Check:
+    name = "memlock"
+    if mount_of(pool.dir).fs_type == "ramfs":
+        return Check(name, Verdict.OK, "not needed: the pool is on ramfs, whose pages are never swapped")
+    if server.stats is not None:
+        pid = server.stats["server"]["pid"]
+        if server.stats["dram"]["locked_in_memory"]:
+            return Check(name, Verdict.OK, f"the running server (pid {pid}) has its pool locked in memory")
+        return Check(name, Verdict.WARN, f"the running server (pid {pid}) could not lock its pool in memory: "
+                     "it may be swapped", "restart the server with a higher memlock limit (ulimit -l unlimited; "
+                     "LimitMEMLOCK=infinity in its systemd unit), or mount ramfs for the pool")
+    if _has_cap_ipc_lock():
+        return Check(name, Verdict.OK, "this user has CAP_IPC_LOCK: a server started from here can lock any "
+                     "pool size")
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY or soft >= pool.size_bytes:
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else human_bytes(soft)
+        return Check(name, Verdict.OK, f"RLIMIT_MEMLOCK is {limit}: enough to lock the "
+                     f"{human_bytes(pool.size_bytes)} pool")
+    return Check(name, Verdict.WARN,
+                 f"RLIMIT_MEMLOCK is {human_bytes(soft)}, less than the {human_bytes(pool.size_bytes)} pool: a "
+                 "server started from here cannot lock it in memory, so it may be swapped",
+                 "raise the limit (ulimit -l unlimited, or memlock in /etc/security/limits.conf; "
+                 "LimitMEMLOCK=infinity for a systemd unit), or mount ramfs for the pool")
+
+
+# -- the storage directory -------------------------------------------------------------------------
+
+def check_storage(storage: StorageConfig, server: ServerProbe) -> list[Check]:
+    if not storage.enabled:
+        return [Check("storage directory", Verdict.INFO,
+                      "the storage tier is off (HPKV_KV_STORAGE_ENABLE=false): KV lives in DRAM only")]
+    checks = [check_storage_permissions(storage)]
+    if checks[0].verdict is not Verdict.FAIL:
+        checks += [check_storage_fs(storage), check_storage_space(storage, server)]
+    return checks
+
+
+def check_storage_permissions(storage: StorageConfig) -> Check:
+    name = "storage directory: permissions"
+    path = Path(storage.path)
+    uid = os.geteuid()
+    if not path.exists():
+        parent = _nearest_existing(path)
+        if os.access(parent, os.W_OK | os.X_OK):
+            return Check(name, Verdict.OK, f"{path} does not exist yet; the server creates it")
+        return Check(name, Verdict.FAIL, f"{path} does not exist and {parent} is not writable by uid {uid}",
+                     f"create it: mkdir -p {path} && chown {uid} {path} (as root if needed), or point "
+                     "HPKV_KV_STORAGE_PATH elsewhere")
+    if not path.is_dir():
+        return Check(name, Verdict.FAIL, f"{path} exists and is not a directory",
+                     "point HPKV_KV_STORAGE_PATH at a directory")
+    if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
+        return Check(name, Verdict.FAIL, f"{path} is not readable and writable by uid {uid}",
+                     f"as root: chown -R {uid} {path}, or point HPKV_KV_STORAGE_PATH elsewhere")
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o007:
+        return Check(name, Verdict.WARN,
+                     f"{path} is writable by uid {uid} but has mode {mode:04o}: other users can read the KV "
+                     "files, which hold what the model computed from users' prompts",
+                     f"chmod 700 {path} (or 750 with a group, for nodes sharing it)")
+    return Check(name, Verdict.OK, f"{path} has mode {mode:04o} and is writable by uid {uid}")
+
+
+def _rotational(source: str) -> bool | None:
+    """Whether the block device behind a mount source spins (None: not a local block device)."""
+    if not source.startswith("/dev/"):
+        return None
+    block = Path("/sys/class/block") / os.path.basename(os.path.realpath(source))
+    for queue in (block / "queue", block.resolve().parent / "queue"):  # a disk, or a partition's disk
+        try:
+            return (queue / "rotational").read_text().strip() == "1"
+        except OSError:
+            continue
+    return None
+
+
+def check_storage_fs(storage: StorageConfig) -> Check:
+    name = "storage directory: file system"
+    mount = mount_of(storage.path)
+    where = f"{storage.path} is on {mount.fs_type} ({mount.source} at {mount.mount_point})"
+    if mount.fs_type in NETWORK_FS:
+        return Check(name, Verdict.WARN, f"{where}: a network file system (NAS) is slow for KV cache files",
+                     "point HPKV_KV_STORAGE_PATH at a local SSD or a parallel file system (Lustre, GPFS, 3FS...)")
+    if mount.fs_type in ("tmpfs", "ramfs"):
+        return Check(name, Verdict.WARN, f"{where}: a memory file system, so storage takes RAM and is lost at "
+                     "reboot", "point HPKV_KV_STORAGE_PATH at an SSD or a parallel file system")
+    if mount.fs_type in PARALLEL_FS:
+        return Check(name, Verdict.OK, f"{where}: a parallel file system (shareable by several nodes)")
+    if _rotational(mount.source):
+        device = os.path.basename(os.path.realpath(mount.source))
+        if device.startswith(_VIRTUAL_DISKS):
+            return Check(name, Verdict.INFO, f"{where}: a virtual disk that calls itself rotational, as most do; "
+                         "make sure the host backs it with an SSD, not an HDD or NAS")
+        return Check(name, Verdict.WARN, f"{where}: a spinning disk (HDD) is slow for KV cache files",
+                     "point HPKV_KV_STORAGE_PATH at an SSD or a parallel file system")
+    return Check(name, Verdict.OK, where)
+
+
+def check_storage_space(storage: StorageConfig, server: ServerProbe) -> Check:
+    name = "storage directory: free space"
+    free = free_bytes(storage.path)
+    ours = 0
+    if server.stats is not None and server.stats.get("storage") is not None:
+        ours = server.stats["storage"]["used_bytes"]
+    if storage.capacity_bytes is None:
+        return Check(name, Verdict.OK, f"HPKV_KV_STORAGE_SIZE=auto: a server sizes the tier to 80% of the "
+                     f"space available when it starts ({human_bytes(free)} free now)")
+    held = f" plus {human_bytes(ours)} HPKV holds there" if server.stats is not None else ""
+    if storage.capacity_bytes > free + ours:
+        return Check(name, Verdict.WARN,
+                     f"HPKV_KV_STORAGE_SIZE={human_bytes(storage.capacity_bytes)} is more than the "
+                     f"{human_bytes(free)} free{held}: writes will meet a full disk and evict early or be dropped",
+                     f"lower HPKV_KV_STORAGE_SIZE to at most {human_bytes(free + ours)}, or set it to auto")
+    return Check(name, Verdict.OK, f"HPKV_KV_STORAGE_SIZE={human_bytes(storage.capacity_bytes)} fits: "
+                 f"{human_bytes(free)} free{held}")
+
+
+# -- the server ------------------------------------------------------------------------------------
+
+def check_server(server: ServerProbe) -> Check:
+    name = "server"
+    if server.stats is not None:
+        s = server.stats["server"]
+        mode = "auto-started" if s["auto"] else "managed"
+        detail = (f"pid {s['pid']}, version {s['version']} (protocol {s['protocol']}), up "
+                  f"{human_duration(s['uptime_s'])}, {mode}, {len(server.stats['clients']) - 1} other clients, "
+                  f"socket {server.socket}")
+        if s["version"] != __version__:
+            return Check(name, Verdict.WARN, f"{detail}; this hpkv is version {__version__}",
+                         "restart the server after upgrading, so both sides run the same version")
+        return Check(name, Verdict.OK, detail)
+    if server.error is None:
+        return Check(name, Verdict.INFO, f"no server is running on {server.socket}: the first engine process "
+                     "starts one (auto-start), or run `hpkv server`")
+    if isinstance(server.error, ServerUnavailable):
+        return Check(name, Verdict.WARN, f"a socket exists at {server.socket} but no server answers on it "
+                     f"({server.error}): the last server was killed, or it hangs",
+                     "nothing to do for a killed server: the next one removes the stale socket and pool file; "
+                     "a hung one must be stopped (kill its pid) first")
+    return Check(name, Verdict.FAIL, f"the server at {server.socket} refused this client: {server.error}",
+                 "follow the server's message above")

@@ -1,0 +1,140 @@
+"""Rendering of a server's stats snapshot (`Server.stats()`) for `hpkv status`.
+
+Primitives: `print_status(stats, console)`, and the small formatters `human_bytes`,
+`human_duration`, `hit_rate` that other operator commands share.
+Must not know: how the snapshot was fetched (the CLI asks the server).
+"""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from .fsinfo import mount_of
+
+NS_PREFIX_CHARS = 12
+
+
+def human_bytes(num_bytes: float) -> str:
+    for unit, power in (("TiB", 4), ("GiB", 3), ("MiB", 2), ("KiB", 1)):
+        if num_bytes >= 1024 ** power:
+            return f"{num_bytes / 1024 ** power:.1f} {unit}"
+    return f"{int(num_bytes)} B"
+
+
+def human_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, seconds = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h {minutes}m"
+    if hours:
+        return f"{hours}h {minutes}m"
+    if minutes:
+        return f"{minutes}m {seconds}s"
+    return f"{seconds}s"
+
+
+def hit_rate(hit_keys: int, lookup_keys: int) -> str:
+    return f"{100.0 * hit_keys / lookup_keys:.1f}%" if lookup_keys else "-"
+
+
+def print_status(stats: dict, console: Console) -> None:
+    console.print(_tiers_table(stats))
+    console.print(_namespaces_table(stats))
+    console.print(_clients_table(stats))
+    console.print(_server_table(stats))
+
+
+def _used(tier: dict) -> str:
+    capacity = tier["capacity_bytes"]
+    share = f" ({100.0 * tier['used_bytes'] / capacity:.1f}%)" if capacity else ""
+    return human_bytes(tier["used_bytes"]) + share
+
+
+def _pool_state(stats: dict) -> str:
+    if stats["dram"]["locked_in_memory"]:
+        return "locked in memory"
+    try:
+        on_ramfs = mount_of(stats["server"]["pool_path"]).fs_type == "ramfs"
+    except OSError:
+        on_ramfs = False
+    return "on ramfs (never swapped)" if on_ramfs else "NOT locked in memory (may be swapped)"
+
+
+def _tiers_table(stats: dict) -> Table:
+    table = Table(title="tiers", title_justify="left")
+    for column in ("tier", "path", "capacity", "used", "entries", "evictions", "state"):
+        table.add_column(column, no_wrap=True)
+    dram = stats["dram"]
+    table.add_row("DRAM", Text(stats["server"]["pool_path"]), human_bytes(dram["capacity_bytes"]), _used(dram),
+                  str(dram["num_entries"]), str(dram["evictions"]), _pool_state(stats))
+    storage = stats.get("storage")
+    path = Text(stats["server"]["storage_path"])
+    if storage is None:
+        table.add_row("storage", path, "-", "-", "-", "-", "disabled (HPKV_KV_STORAGE_ENABLE)")
+    else:
+        index = "index ready" if storage["index_ready"] else f"index building ({storage['files_scanned']} files)"
+        state = f"{index}, {storage['bad_files']} bad files, {storage['write_failures']} write failures"
+        table.add_row("storage", path, human_bytes(storage["capacity_bytes"]), _used(storage),
+                      str(storage["num_entries"]), str(storage["evictions"]), state)
+    return table
+
+
+def _namespaces_table(stats: dict) -> Table:
+    store = stats["store"]
+    table = Table(title="namespaces", title_justify="left")
+    for column in ("namespace", "engine", "model", "dtype", "tp/rank", "entry", "lookups", "keys",
+                   "DRAM hits", "storage hits", "all hits"):
+        table.add_column(column, no_wrap=column != "model")
+    for ns, entry in sorted(stats["namespaces"].items()):
+        desc = _desc(entry["desc"])
+        keys = entry["lookup_keys"]
+        table.add_row(ns[:NS_PREFIX_CHARS], Text(str(desc.get("engine", "?"))), Text(str(desc.get("model", "?"))),
+                      Text(str(desc.get("dtype", "?"))), f"{desc.get('tp_size', '?')}/{desc.get('rank', '?')}",
+                      human_bytes(desc["entry_bytes"]) if "entry_bytes" in desc else "?",
+                      str(entry["lookups"]), str(keys), hit_rate(entry["hit_keys_dram"], keys),
+                      hit_rate(entry["hit_keys_storage"], keys),
+                      hit_rate(entry["hit_keys_dram"] + entry["hit_keys_storage"], keys))
+    keys = store["lookup_keys"]
+    table.add_row("all", "", "", "", "", "", str(store["lookups"]), str(keys),
+                  hit_rate(store["hit_keys_dram"], keys), hit_rate(store["hit_keys_storage"], keys),
+                  hit_rate(store["hit_keys_dram"] + store["hit_keys_storage"], keys), style="bold")
+    return table
+
+
+def _desc(text: str) -> dict:
+    try:
+        desc = json.loads(text)
+    except ValueError:
+        return {}
+    return desc if isinstance(desc, dict) else {}
+
+
+def _clients_table(stats: dict) -> Table:
+    table = Table(title="clients", title_justify="left")
+    for column in ("id", "kind", "pid", "uid", "connected for", "leases"):
+        table.add_column(column, no_wrap=True)
+    for client in sorted(stats["clients"], key=lambda c: c["id"]):
+        table.add_row(str(client["id"]), Text(client["kind"]), str(client["pid"]), str(client["uid"]),
+                      human_duration(client["connected_s"]), str(client["leases"]))
+    return table
+
+
+def _server_table(stats: dict) -> Table:
+    server = stats["server"]
+    mode = ("auto-started (exits when its last client leaves)" if server["auto"]
+            else "managed (hpkv server; stays up across engine restarts)")
+    table = Table(title="server", title_justify="left", show_header=False)
+    table.add_column("what", no_wrap=True)
+    table.add_column("value")
+    rows = (("pid", str(server["pid"])), ("version", f"{server['version']} (protocol {server['protocol']})"),
+            ("uptime", human_duration(server["uptime_s"])), ("mode", mode), ("socket", server["socket"]),
+            ("held now", f"{stats['leases']} leases, {stats['reservations']} reservations"))
+    for what, value in rows:
+        table.add_row(what, Text(value))
+    return table

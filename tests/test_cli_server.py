@@ -1,0 +1,289 @@
+"""Stories about `hpkv server`, `hpkv status` and `hpkv clear`, against real server processes.
+
+The helpers here (`ServerProcess`, `hpkv_env`, `write_entries`...) are shared by
+test_metrics.py and test_doctor.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hpkv.cli import main
+from hpkv.keys import NamespaceDesc
+from hpkv.server.autostart import answers
+from hpkv.server.client import Client
+from hpkv.store import Tier
+
+HPKV_SCRIPT = Path(sys.executable).parent / "hpkv"
+ENTRY_BYTES = 4096
+DESC = NamespaceDesc(engine="vllm", model="Qwen/Qwen2.5-1.5B-Instruct", dtype="bfloat16", layout="nhd",
+                     block_size=16, num_layers=2, entry_bytes=ENTRY_BYTES)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hpkv_env(pool_dir: Path, storage_dir: Path, tmp_path: Path, **variables: str) -> dict[str, str]:
+    """The current environment without HPKV settings, pointed at test directories."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPKV_", "VLLM_HPKV_", "VLLM_ENABLE_HPKV"))}
+    env.update(HPKV_SHARE_MEM_FILE_PATH=str(pool_dir), HPKV_KV_STORAGE_PATH=str(storage_dir),
+               HPKV_KV_MEM_POOL_SIZE="64m", HPKV_CONFIG_FILE_PATH=str(tmp_path / "no-config.ini"),
+               HPKV_METRICS_PORT="0", HPKV_IO_THREADS="2")
+    env.update(variables)
+    return env
+
+
+def hpkv(env: dict[str, str], *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
+    return subprocess.run([str(HPKV_SCRIPT), *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+class ServerProcess:
+    """`hpkv server` as a child process; `stop()` sends SIGTERM and returns the exit status."""
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        self.env = env
+        self.pool_dir = Path(env["HPKV_SHARE_MEM_FILE_PATH"])
+        self.socket = self.pool_dir / "hpkv.sock"
+        self.log_path = log_path
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen([str(HPKV_SCRIPT), "server"], env=env, stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=log)
+        deadline = time.monotonic() + 20.0
+        while not (answers(self.socket, timeout_s=0.2) and self._metrics_answer()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"hpkv server did not start: {log_path.read_text()[-2000:]}")
+            time.sleep(0.05)
+
+    def _metrics_answer(self) -> bool:
+        """The metrics endpoint starts just after the socket: wait for it too, when it is on."""
+        port = int(self.env.get("HPKV_METRICS_PORT", "0"))
+        if not port:
+            return True
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return True
+        except OSError:
+            return False
+
+    def client(self, kind: str = "test-engine") -> Client:
+        return Client(self.pool_dir, kind=kind, autostart=False)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
+@pytest.fixture
+def pool_dir():
+    path = Path(tempfile.mkdtemp(prefix="hpkv-cli-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def env(pool_dir, tmp_path):
+    return hpkv_env(pool_dir, tmp_path / "storage", tmp_path, HPKV_METRICS_PORT=str(free_port()))
+
+
+@pytest.fixture
+def server(env, tmp_path):
+    process = ServerProcess(env, tmp_path / "server.log")
+    yield process
+    process.stop()
+
+
+def write_entries(client: Client, num: int, desc: NamespaceDesc = DESC) -> tuple[str, list[bytes]]:
+    """Register `desc` and save `num` entries through the pool, as an engine worker does."""
+    ns = client.register(desc)
+    keys = [bytes([i]) * 16 for i in range(num)]
+    reservation = client.reserve(ns, keys)
+    for i in range(num):
+        reservation.view(i)[:] = bytes([i]) * desc.entry_bytes
+    assert client.commit(ns, keys) == num
+    return ns, keys
+
+
+def wait_for_storage(client: Client, num_entries: int, timeout_s: float = 10.0) -> dict:
+    """Wait until the write-throughs are on storage; returns the stats then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = client.stats()
+        if stats["storage"]["num_entries"] >= num_entries or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)
+
+
+def kv_files(storage_dir: Path) -> list[Path]:
+    return sorted(storage_dir.rglob("*.kv"))
+
+
+# -- hpkv server -----------------------------------------------------------------------------------
+
+def test_sigterm_stops_the_server_with_status_0_and_removes_socket_and_pool(server):
+    assert server.socket.exists()
+    assert server.stop() == 0
+    assert not server.socket.exists()
+    assert not (server.pool_dir / "hpkv.pool").exists()
+    assert "HPKV server stopped" in server.log()
+
+
+def test_server_with_a_bad_setting_says_so_and_exits_2(pool_dir, tmp_path):
+    result = hpkv(hpkv_env(pool_dir, tmp_path / "storage", tmp_path, HPKV_KV_MEM_POOL_SIZE="lots"), "server")
+    assert result.returncode == 2
+    assert "HPKV_KV_MEM_POOL_SIZE" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_server_in_a_directory_too_deep_for_a_socket_says_so_and_leaves_nothing(pool_dir, tmp_path):
+    deep = pool_dir / ("d" * 100)
+    result = hpkv(hpkv_env(deep, tmp_path / "storage", tmp_path), "server")
+    assert result.returncode == 2
+    assert "cannot listen on" in result.stderr and "107 bytes" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert list(deep.iterdir()) == []  # the pool file it had made is gone
+
+
+# -- hpkv status -----------------------------------------------------------------------------------
+
+def test_status_shows_tiers_namespace_hit_rates_and_clients(server, env):
+    with server.client() as client:
+        ns, keys = write_entries(client, 4)
+        client.lookup(ns, keys + [b"missing" * 2])  # 4 of 5 keys hit DRAM
+        wait_for_storage(client, 4)
+        result = hpkv(env, "status")
+        engine_pid = os.getpid()
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for words in ("DRAM", "64.0 MiB", "locked in memory", "storage", env["HPKV_KV_STORAGE_PATH"], "index ready",
+                  "0 bad files", ns[:12], "vllm", "Qwen/Qwen2.5-1.5B-Instruct", "bfloat16", "80.0%",
+                  "test-engine", str(engine_pid), "cli", "managed", str(server.proc.pid)):
+        assert words in out, f"{words!r} missing from:\n{out}"
+
+
+def test_status_json_is_the_raw_stats(server, env):
+    with server.client() as client:
+        ns, keys = write_entries(client, 3)
+        client.lookup(ns, keys)
+        result = hpkv(env, "status", "--json")
+    assert result.returncode == 0, result.stderr
+    stats = json.loads(result.stdout)
+    assert stats["store"]["lookup_keys"] == 3 and stats["store"]["hit_keys_dram"] == 3
+    assert stats["namespaces"][ns]["hit_keys_dram"] == 3
+    assert stats["dram"]["num_entries"] == 3
+    assert stats["server"]["pid"] == server.proc.pid and stats["server"]["auto"] is False
+    assert {c["kind"] for c in stats["clients"]} == {"test-engine", "cli"}
+
+
+def test_status_without_a_server_says_how_one_starts_and_exits_1(env, pool_dir):
+    result = hpkv(env, "status")
+    assert result.returncode == 1
+    assert f"no HPKV server is running on {pool_dir / 'hpkv.sock'}" in result.stderr
+    assert "hpkv server" in result.stderr and "Traceback" not in result.stderr
+    assert not (pool_dir / "hpkv.sock").exists()  # status never starts a server
+
+
+def test_status_over_a_socket_left_by_a_killed_server_exits_1(env, pool_dir):
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(pool_dir / "hpkv.sock"))
+    stale.close()  # the file stays, nobody listens: what SIGKILL leaves behind
+    result = hpkv(env, "status")
+    assert result.returncode == 1
+    assert "no HPKV server is running" in result.stderr
+
+
+# -- hpkv clear ------------------------------------------------------------------------------------
+
+def test_clear_help_says_memory_is_the_default():
+    result = CliRunner().invoke(main, ["clear", "--help"])
+    assert result.exit_code == 0
+    assert "With neither --memory nor --storage, clears memory" in " ".join(result.output.split())
+
+
+def test_clear_memory_empties_dram_and_keeps_storage(server, env, tmp_path):
+    with server.client() as client:
+        ns, keys = write_entries(client, 4)
+        wait_for_storage(client, 4)
+        result = hpkv(env, "clear", "--memory")
+        assert result.returncode == 0, result.stderr
+        assert "memory: dropped 4 entries" in result.stdout
+        assert "storage" not in result.stdout
+        assert client.lookup(ns, keys).tiers == (Tier.STORAGE,) * 4  # the next request can only hit storage
+        stats = client.stats()
+    assert stats["dram"]["num_entries"] == 0
+    assert stats["storage"]["num_entries"] == 4
+    assert len(kv_files(tmp_path / "storage")) == 4
+
+
+def test_clear_without_flags_clears_memory_only(server, env, tmp_path):
+    with server.client() as client:
+        ns, keys = write_entries(client, 2)
+        wait_for_storage(client, 2)
+        result = hpkv(env, "clear")
+        assert result.returncode == 0, result.stderr
+        assert client.lookup(ns, keys).tiers == (Tier.STORAGE,) * 2
+    assert len(kv_files(tmp_path / "storage")) == 2
+
+
+def test_clear_storage_of_one_namespace_by_prefix_through_the_server(server, env, tmp_path):
+    other = NamespaceDesc(engine="sglang", model="other", dtype="float16", layout="nhd", block_size=64,
+                          num_layers=2, entry_bytes=ENTRY_BYTES)
+    with server.client() as client:
+        ns, keys = write_entries(client, 3)
+        other_ns, other_keys = write_entries(client, 2, other)
+        wait_for_storage(client, 5)
+        result = hpkv(env, "clear", "--memory", "--storage", "--namespace", ns[:8])
+        assert result.returncode == 0, result.stderr
+        assert f"memory: dropped 3 entries of namespace {ns}" in result.stdout
+        assert f"storage: removed 3 entry files of namespace {ns}" in result.stdout
+        assert client.lookup(ns, keys).num_hit == 0
+        assert client.lookup(other_ns, other_keys).tiers == (Tier.DRAM,) * 2
+    assert len(kv_files(tmp_path / "storage" / other_ns)) == 2
+
+
+def test_clear_storage_without_a_server_deletes_the_files(server, env, tmp_path):
+    with server.client() as client:
+        write_entries(client, 4)
+        wait_for_storage(client, 4)
+    assert server.stop() == 0
+    assert len(kv_files(tmp_path / "storage")) == 4
+    result = hpkv(env, "clear", "--storage")
+    assert result.returncode == 0, result.stderr
+    assert f"storage: removed 4 entry files from {tmp_path / 'storage'}" in result.stdout
+    assert kv_files(tmp_path / "storage") == []
+    assert not server.socket.exists()  # clearing never starts a server
+
+
+def test_clear_memory_without_a_server_says_the_pool_is_empty(env):
+    result = hpkv(env, "clear")
+    assert result.returncode == 0, result.stderr
+    assert "DRAM pool is already empty" in result.stdout
+
+
+def test_clear_rejects_a_namespace_that_is_not_an_id(env):
+    result = hpkv(env, "clear", "--storage", "--namespace", "../etc")
+    assert result.returncode == 2
+    assert "not a namespace id" in result.stderr

@@ -1,0 +1,158 @@
+"""Stories about `hpkv doctor`: a healthy node, a pool that cannot fit, a bad setting, a dead server."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpkv.config import PoolConfig, StorageConfig
+from hpkv.doctor import (Check, ServerProbe, Verdict, check_hash_seed, check_memlock, check_pool_permissions,
+                         check_socket_path, check_storage_permissions, run_checks)
+from test_cli_server import env, hpkv, hpkv_env, pool_dir, server  # noqa: F401
+
+
+def by_name(checks: list[dict]) -> dict[str, dict]:
+    return {c["name"]: c for c in checks}
+
+
+def doctor_json(env: dict[str, str]) -> tuple[int, dict[str, dict]]:
+    result = hpkv(env, "doctor", "--json")
+    assert "Traceback" not in result.stderr, result.stderr
+    return result.returncode, by_name(json.loads(result.stdout)["checks"])
+
+
+def test_doctor_reports_the_running_server_and_exits_0(server, env):
+    code, checks = doctor_json(env)
+    assert code == 0
+    s = checks["server"]
+    assert s["verdict"] == "ok"
+    assert f"pid {server.proc.pid}" in s["detail"] and "managed" in s["detail"]
+    assert checks["pool directory: file system"]["verdict"] == "ok"  # /dev/shm is tmpfs
+    assert checks["pool directory: free space"]["verdict"] == "ok"
+    assert checks["memlock"]["verdict"] == "ok"
+    assert checks["storage directory: permissions"]["verdict"] in ("ok", "warn")  # warn: its mode
+    assert "hash stability" in checks
+
+
+def test_doctor_table_names_every_check_and_counts_verdicts(server, env):
+    result = hpkv(env, "doctor")
+    assert result.returncode == 0, result.stderr
+    for name in ("pool directory: free space", "memlock", "storage directory: file system", "server",
+                 "hash stability"):
+        assert name in result.stdout
+    assert "0 fail" in result.stdout
+
+
+def test_doctor_without_a_server_says_auto_start_will_start_one(env, pool_dir):
+    code, checks = doctor_json(env)
+    assert code == 0
+    assert checks["server"]["verdict"] == "info"
+    assert "auto-start" in checks["server"]["detail"]
+    assert not (pool_dir / "hpkv.sock").exists()  # doctor never starts a server
+
+
+def test_doctor_warns_about_the_socket_of_a_killed_server(env, pool_dir):
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(pool_dir / "hpkv.sock"))
+    stale.close()
+    code, checks = doctor_json(env)
+    assert code == 0
+    assert checks["server"]["verdict"] == "warn"
+    assert "next one removes the stale socket" in checks["server"]["fix"]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 8 MiB tmpfs (needs root)."""
+    mount_point = tmp_path / "small-tmpfs"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(mount_point)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_doctor_fails_a_pool_larger_than_its_tmpfs_with_a_fix(small_tmpfs, tmp_path):
+    env = hpkv_env(small_tmpfs, tmp_path / "storage", tmp_path, HPKV_KV_MEM_POOL_SIZE="64m")
+    code, checks = doctor_json(env)
+    assert code == 1
+    space = checks["pool directory: free space"]
+    assert space["verdict"] == "fail"
+    assert "64.0 MiB" in space["detail"] and "8.0 MiB" in space["detail"]
+    assert "lower HPKV_KV_MEM_POOL_SIZE" in space["fix"] and str(small_tmpfs) in space["fix"]
+    table = hpkv(env, "doctor")
+    assert table.returncode == 1 and "1 fail" in table.stdout
+
+
+def test_doctor_reports_a_bad_setting_as_a_failed_check(pool_dir, tmp_path):
+    code, checks = doctor_json(hpkv_env(pool_dir, tmp_path / "storage", tmp_path, HPKV_KV_MEM_POOL_SIZE="lots"))
+    assert code == 1
+    assert checks["config"]["verdict"] == "fail"
+    assert "HPKV_KV_MEM_POOL_SIZE" in checks["config"]["detail"]
+
+
+def test_doctor_fails_a_storage_path_that_is_a_file(pool_dir, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    code, checks = doctor_json(hpkv_env(pool_dir, tmp_path / "a-file", tmp_path))
+    assert code == 1
+    assert checks["storage directory: permissions"]["verdict"] == "fail"
+
+
+# -- single checks, in process ---------------------------------------------------------------------
+
+def test_a_storage_directory_others_can_read_is_a_warning(tmp_path):
+    storage = tmp_path / "storage"
+    storage.mkdir()
+    os.chmod(storage, 0o755)
+    config = StorageConfig(path=storage, enabled=True, capacity_bytes=None, fsync="off", io_threads=1)
+    check = check_storage_permissions(config)
+    assert check.verdict is Verdict.WARN and "prompts" in check.detail and "chmod 700" in check.fix
+    os.chmod(storage, 0o700)
+    assert check_storage_permissions(config).verdict is Verdict.OK
+
+
+def test_a_pool_directory_others_can_read_gets_a_chmod_fix(tmp_path):
+    directory = tmp_path / "pool"
+    directory.mkdir(mode=0o755)
+    os.chmod(directory, 0o755)
+    check = check_pool_permissions(PoolConfig(dir=directory, size_bytes=1 << 20))
+    assert check.verdict is Verdict.WARN
+    assert "0755" in check.detail and check.fix == f"chmod 700 {directory}"
+
+
+def test_a_pool_directory_to_be_created_is_fine(tmp_path):
+    check = check_pool_permissions(PoolConfig(dir=tmp_path / "not" / "yet", size_bytes=1 << 20))
+    assert check.verdict is Verdict.OK and "0700" in check.detail
+
+
+def test_a_pool_directory_too_deep_for_a_unix_socket_fails(tmp_path):
+    deep = tmp_path / ("d" * 100)
+    check = check_socket_path(PoolConfig(dir=deep, size_bytes=1 << 20))
+    assert check.verdict is Verdict.FAIL and "shorter path" in check.fix
+    assert check_socket_path(PoolConfig(dir=Path("/dev/shm/hpkv"), size_bytes=1 << 20)).verdict is Verdict.OK
+
+
+def test_hash_stability_is_a_note_without_pythonhashseed():
+    unset = check_hash_seed({})
+    assert unset.verdict is Verdict.INFO and "PYTHONHASHSEED" in unset.fix and "xxhash" in unset.detail
+    assert check_hash_seed({"PYTHONHASHSEED": "0"}).verdict is Verdict.OK
+
+
+def test_memlock_trusts_what_the_running_server_says(pool_dir):
+    pool = PoolConfig(dir=pool_dir, size_bytes=64 << 20)
+    stats = {"server": {"pid": 42}, "dram": {"locked_in_memory": False}}
+    check = check_memlock(pool, ServerProbe(Path(pool_dir) / "hpkv.sock", stats=stats))
+    assert check.verdict is Verdict.WARN and "pid 42" in check.detail and "LimitMEMLOCK" in check.fix
+
+
+def test_every_check_has_a_fix_when_it_is_not_ok(pool_dir, tmp_path):
+    checks = run_checks(hpkv_env(pool_dir, tmp_path / "storage", tmp_path))
+    assert all(isinstance(c, Check) for c in checks)
+    assert all(c.fix for c in checks if c.verdict in (Verdict.WARN, Verdict.FAIL))

@@ -1,0 +1,93 @@
+"""Stories about the server's Prometheus endpoint: what a scrape says after a client's work."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from hpkv.server.metrics import op_label
+from hpkv.store import Tier
+from test_cli_server import (ENTRY_BYTES, ServerProcess, env, hpkv_env, pool_dir,  # noqa: F401
+                             server, wait_for_storage, write_entries)
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics as {(name, sorted labels): value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_count_what_the_client_did(server, env):
+    port = int(env["HPKV_METRICS_PORT"])
+    with server.client() as client:
+        ns, keys = write_entries(client, 4)
+        assert client.lookup(ns, keys + [b"x" * 16]).num_dram == 4  # 5 keys, 4 DRAM hits
+        wait_for_storage(client, 4)
+        client.clear(memory=True)
+        assert client.lookup(ns, keys).tiers == (Tier.STORAGE,) * 4  # 4 keys, 4 storage hits
+        lease = client.lease(ns, keys)  # promotes the four back into DRAM
+        assert client.wait(lease) == 4
+        client.release(lease)
+        m = scrape(port)
+
+    assert m[("hpkv_lookups_total", ())] == 2
+    assert m[("hpkv_lookup_keys_total", ())] == 9
+    assert m[("hpkv_hit_keys_total", (("tier", "dram"),))] == 4
+    assert m[("hpkv_hit_keys_total", (("tier", "storage"),))] == 4
+    assert m[("hpkv_namespace_lookup_keys_total", (("ns", ns),))] == 9
+    assert m[("hpkv_namespace_hit_keys_total", (("ns", ns), ("tier", "storage")))] == 4
+    assert m[("hpkv_commits_total", ())] == 4
+    assert m[("hpkv_promotions_total", ())] == 4
+    assert m[("hpkv_written_bytes_total", (("tier", "storage"),))] == 4 * ENTRY_BYTES
+    assert m[("hpkv_read_bytes_total", (("tier", "storage"),))] == 4 * ENTRY_BYTES
+    assert m[("hpkv_entries", (("tier", "dram"),))] == 4
+    assert m[("hpkv_entries", (("tier", "storage"),))] == 4
+    assert m[("hpkv_capacity_bytes", (("tier", "dram"),))] == 64 << 20
+    assert m[("hpkv_checksum_failures_total", ())] == 0
+    assert m[("hpkv_active_leases", ())] == 0
+    assert m[("hpkv_connected_clients", ())] == 1
+    assert m[("hpkv_clients", (("kind", "test-engine"),))] == 1
+    assert m[("hpkv_request_seconds_count", (("op", "lookup"),))] == 2
+    assert m[("hpkv_request_seconds_count", (("op", "commit"),))] == 1
+    info = [labels for (name, labels) in m if name == "hpkv_namespace_info"]
+    assert dict(info[0])["model"] == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert dict(next(labels for (name, labels) in m if name == "hpkv_server_info"))["mode"] == "managed"
+
+
+def test_metrics_listen_on_loopback_only_by_default(server, env):
+    port = int(env["HPKV_METRICS_PORT"])
+    with open("/proc/net/tcp", encoding="ascii") as f:
+        listeners = [line.split()[1] for line in f.readlines()[1:] if line.split()[3] == "0A"]  # 0A: LISTEN
+    assert f"0100007F:{port:04X}" in listeners  # 127.0.0.1, little-endian hex
+
+
+def test_a_taken_metrics_port_leaves_the_server_running_without_metrics(pool_dir, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        process = ServerProcess(hpkv_env(pool_dir, tmp_path / "storage", tmp_path, HPKV_METRICS_PORT=str(port)),
+                                tmp_path / "server.log")
+        try:
+            with process.client() as client:
+                assert client.stats()["server"]["pid"] == process.proc.pid
+        finally:
+            assert process.stop() == 0
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in process.log()
+
+
+def test_metrics_are_off_when_the_port_is_0(pool_dir, tmp_path):
+    process = ServerProcess(hpkv_env(pool_dir, tmp_path / "storage", tmp_path), tmp_path / "server.log")
+    try:
+        assert "metrics on" not in process.log()
+    finally:
+        assert process.stop() == 0
+
+
+def test_request_types_become_snake_case_op_labels():
+    assert op_label("Lookup") == "lookup"
+    assert op_label("LeaseWait") == "lease_wait"

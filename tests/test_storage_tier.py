@@ -1,0 +1,758 @@
+"""Stories about the storage tier: checksummed files that read back or become misses, a bounded
+capacity evicted LRU, restarts, temporaries of dead writers, several tiers on one root, a full disk
+and injected I/O faults."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import make_storage_config
+from hpkv.errors import StorageError
+from hpkv.keys import make_key
+from hpkv.storage import format as fmt
+from hpkv.storage.fileio import FileIO
+from hpkv.storage.tier import STALE_TEMP_S, StorageTier
+
+NS = "0123456789abcdef" * 2
+OTHER_NS = "fedcba9876543210" * 2
+ENTRY = 16 << 10
+
+
+def key(i: int | str) -> bytes:
+    return make_key(hashlib.sha256(f"key-{i}".encode()).digest())
+
+
+def payload(k: bytes, size: int = ENTRY) -> bytes:
+    block = hashlib.blake2b(k).digest()
+    return (block * (size // len(block) + 1))[:size]
+
+
+def file_bytes(k: bytes = key(0), size: int = ENTRY) -> int:
+    """What one entry takes on disk (and in the tier's capacity)."""
+    return fmt.header_bytes(len(k)) + size
+
+
+def write(tier: StorageTier, k: bytes, ns: str = NS, size: int = ENTRY) -> bool:
+    return tier.write_from(ns, k, memoryview(payload(k, size)))
+
+
+def read(tier: StorageTier, k: bytes, ns: str = NS, size: int = ENTRY) -> bytes | None:
+    dest = bytearray(size)
+    return bytes(dest) if tier.read_into(ns, k, memoryview(dest)) else None
+
+
+def temps(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.tmp"))
+
+
+def eventually(condition, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.fixture
+def open_tier(storage_dir):
+    tiers = []
+
+    def _open(root: Path = storage_dir, capacity: int | None = 64 * file_bytes(), io: FileIO | None = None,
+              fsync: str = "off", cls=StorageTier) -> StorageTier:
+        tier = cls(make_storage_config(root, capacity, fsync), io)
+        tiers.append(tier)
+        tier.start()
+        for ns in (NS, OTHER_NS):
+            tier.add_namespace(ns, '{"test": true}')
+        return tier
+
+    yield _open
+    for tier in tiers:
+        tier.close()
+
+
+@pytest.fixture
+def tier(open_tier):
+    tier = open_tier()
+    assert tier.scan_done.wait(10)
+    return tier
+
+
+def mount_tmpfs(point: Path, options: str) -> None:
+    point.mkdir(exist_ok=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (needs root): {result.stderr.strip()}")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 4 MiB file system to fill up."""
+    point = tmp_path / "disk-4m"
+    mount_tmpfs(point, "size=4m")
+    yield point
+    subprocess.run(["umount", "-l", str(point)], check=True)
+
+
+# -- files ---------------------------------------------------------------------------------------
+
+def test_an_entry_written_reads_back_identical(tier):
+    k = key(1)
+
+    assert write(tier, k)
+
+    assert tier.contains(NS, k)
+    assert read(tier, k) == payload(k)
+    assert tier.stats()["reads"] == 1 and tier.stats()["writes"] == 1
+
+
+def test_an_entry_lives_in_its_fanned_out_file_and_leaves_no_temporary(tier, storage_dir):
+    k = key(1)
+    write(tier, k)
+
+    name = k.hex()
+    path = storage_dir / NS / name[0:2] / name[2:4] / f"{name}.kv"
+    assert tier.path_of(NS, k) == str(path)
+    assert path.stat().st_size == file_bytes(k)
+    assert temps(storage_dir) == []
+
+
+def test_a_key_never_written_is_a_miss(tier):
+    assert not tier.contains(NS, key(1))
+    assert read(tier, key(1)) is None
+    assert tier.stats()["read_misses"] == 1
+
+
+def test_the_same_key_in_two_namespaces_is_two_entries(tier):
+    k = key(1)
+    tier.write_from(NS, k, memoryview(b"a" * ENTRY))
+    tier.write_from(OTHER_NS, k, memoryview(b"b" * ENTRY))
+
+    assert read(tier, k, NS) == b"a" * ENTRY
+    assert read(tier, k, OTHER_NS) == b"b" * ENTRY
+
+
+def test_the_namespace_description_is_kept_beside_the_data(tier, storage_dir):
+    assert (storage_dir / NS / "namespace.json").read_text() == '{"test": true}\n'
+
+
+# -- bad files become misses and go away ---------------------------------------------------------
+
+def flip_payload_bit(path: Path, storage_dir: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01
+    path.write_bytes(data)
+
+
+def flip_header_bit(path: Path, storage_dir: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[20] ^= 0x01  # inside the namespace digest
+    path.write_bytes(data)
+
+
+def truncate(path: Path, storage_dir: Path) -> None:
+    os.truncate(path, path.stat().st_size - 1)
+
+
+def extend(path: Path, storage_dir: Path) -> None:
+    with open(path, "ab") as f:
+        f.write(b"\0" * 8)
+
+
+def random_bytes(path: Path, storage_dir: Path) -> None:
+    path.write_bytes(os.urandom(path.stat().st_size))
+
+
+def another_namespace(path: Path, storage_dir: Path) -> None:
+    # The same key's file from the other namespace: a valid file, just not ours.
+    other = storage_dir / OTHER_NS / path.relative_to(storage_dir / NS)
+    path.write_bytes(other.read_bytes())
+
+
+def another_key(path: Path, storage_dir: Path) -> None:
+    name = key(2).hex()
+    path.write_bytes((storage_dir / NS / name[0:2] / name[2:4] / f"{name}.kv").read_bytes())
+
+
+@pytest.mark.parametrize("damage", [flip_payload_bit, flip_header_bit, truncate, extend, random_bytes,
+                                    another_namespace, another_key])
+def test_a_damaged_or_foreign_file_is_a_miss_and_is_removed(tier, storage_dir, damage):
+    k = key(1)
+    write(tier, k)
+    write(tier, key(2))
+    tier.write_from(OTHER_NS, k, memoryview(b"x" * ENTRY))  # same size, other bytes
+    path = Path(tier.path_of(NS, k))
+    damage(path, storage_dir)
+    entries_before = tier.stats()["num_entries"]
+
+    assert read(tier, k) is None
+
+    assert not path.exists()
+    assert not tier.contains(NS, k)
+    assert tier.stats()["bad_files"] == 1
+    assert tier.stats()["num_entries"] == entries_before - 1
+    assert read(tier, key(2)) == payload(key(2))  # its neighbour is fine
+
+
+def test_a_removed_bad_file_frees_its_capacity(tier):
+    k = key(1)
+    write(tier, k)
+    used = tier.stats()["used_bytes"]
+    random_bytes(Path(tier.path_of(NS, k)), tier.root)
+
+    read(tier, k)
+
+    assert tier.stats()["used_bytes"] == used - file_bytes(k)
+
+
+def test_a_read_with_the_wrong_entry_size_is_a_miss(tier):
+    k = key(1)
+    write(tier, k)
+
+    assert read(tier, k, size=ENTRY - 8) is None
+    assert tier.stats()["bad_files"] == 1
+
+
+# -- capacity and LRU ----------------------------------------------------------------------------
+
+def test_capacity_for_four_write_five_the_first_is_gone_from_disk(open_tier):
+    tier = open_tier(capacity=4 * file_bytes())
+    for i in range(5):
+        assert write(tier, key(i))
+
+    assert not os.path.exists(tier.path_of(NS, key(0)))
+    assert not tier.contains(NS, key(0))
+    assert all(read(tier, key(i)) == payload(key(i)) for i in range(1, 5))
+    assert tier.stats()["evictions"] == 1
+    assert tier.stats()["used_bytes"] == 4 * file_bytes()
+
+
+def test_a_read_makes_an_entry_the_most_recently_used(open_tier):
+    tier = open_tier(capacity=4 * file_bytes())
+    for i in range(4):
+        write(tier, key(i))
+
+    read(tier, key(0))
+    write(tier, key(4))
+
+    assert os.path.exists(tier.path_of(NS, key(0)))
+    assert not os.path.exists(tier.path_of(NS, key(1)))
+
+
+def test_an_entry_larger_than_the_capacity_is_not_written(open_tier):
+    tier = open_tier(capacity=file_bytes() - 1)
+
+    assert not write(tier, key(1))
+
+    assert not os.path.exists(tier.path_of(NS, key(1)))
+    assert tier.stats()["write_failures"] == 1
+    assert tier.stats()["evictions"] == 0
+
+
+def test_rewriting_an_entry_does_not_count_it_twice(open_tier):
+    tier = open_tier(capacity=4 * file_bytes())
+    write(tier, key(1))
+
+    write(tier, key(1))
+
+    assert tier.stats()["num_entries"] == 1
+    assert tier.stats()["used_bytes"] == file_bytes()
+
+
+# -- restart -------------------------------------------------------------------------------------
+
+def test_a_restarted_tier_finds_its_entries_again(open_tier, storage_dir):
+    first = open_tier()
+    for i in range(3):
+        write(first, key(i))
+    first.close()
+
+    again = open_tier()
+    assert again.scan_done.wait(10)
+
+    assert again.stats()["files_scanned"] == 3
+    assert again.stats()["num_entries"] == 3
+    assert again.stats()["used_bytes"] == 3 * file_bytes()
+    assert all(read(again, key(i)) == payload(key(i)) for i in range(3))
+
+
+def test_after_a_restart_the_file_used_longest_ago_is_evicted_first(open_tier):
+    first = open_tier()
+    for i in range(3):
+        write(first, key(i))
+    first.close()
+    now = time.time()
+    for i, age_s in ((0, 100), (1, 300), (2, 200)):  # key 1 was used longest ago, then key 2
+        os.utime(first.path_of(NS, key(i)), (now - age_s, now - age_s))
+
+    again = open_tier(capacity=3 * file_bytes())
+    assert again.scan_done.wait(10)
+    write(again, key(3))
+    assert not os.path.exists(again.path_of(NS, key(1)))
+    write(again, key(4))
+    assert not os.path.exists(again.path_of(NS, key(2)))
+    assert os.path.exists(again.path_of(NS, key(0)))
+
+
+def test_a_restart_with_a_smaller_capacity_evicts_the_oldest_files(open_tier):
+    first = open_tier()
+    for i in range(5):
+        write(first, key(i))
+        os.utime(first.path_of(NS, key(i)), (time.time() - 100 + i, time.time() - 100 + i))
+    first.close()
+
+    again = open_tier(capacity=3 * file_bytes())
+    assert again.scan_done.wait(10)
+
+    assert eventually(lambda: again.stats()["evictions"] == 2)
+    assert [os.path.exists(again.path_of(NS, key(i))) for i in range(5)] == [False, False, True, True, True]
+    assert again.stats()["used_bytes"] == 3 * file_bytes()
+
+
+def test_reading_an_old_file_refreshes_its_age_on_disk(tier):
+    k = key(1)
+    write(tier, k)
+    path = tier.path_of(NS, k)
+    old = time.time() - 3600
+    os.utime(path, (old, old))
+
+    read(tier, k)
+
+    assert os.stat(path).st_mtime > time.time() - 60
+
+
+def test_a_one_byte_key_survives_a_restart_and_a_remove(open_tier):
+    short = make_key(b"\x07")
+    first = open_tier()
+    write(first, short)
+    first.close()
+
+    again = open_tier()
+    assert again.scan_done.wait(10)
+    assert again.stats()["files_scanned"] == 1
+
+    assert again.remove(NS) == 1
+    assert not os.path.exists(again.path_of(NS, short))
+
+
+def test_lookups_work_while_the_start_up_scan_is_still_running(open_tier):
+    class HeldScan(StorageTier):
+        """A real tier whose background scan waits at a gate the test opens."""
+
+        gate = threading.Event()
+
+        def _scan(self) -> None:
+            self.gate.wait(10)
+            super()._scan()
+
+    first = open_tier()
+    write(first, key(1))
+    first.close()
+
+    started = time.monotonic()
+    again = open_tier(cls=HeldScan)
+    assert time.monotonic() - started < 5  # start() did not wait for the scan
+
+    assert not again.scan_done.is_set()
+    assert again.contains(NS, key(1))
+    assert read(again, key(1)) == payload(key(1))
+    assert not again.scan_done.is_set()
+
+    HeldScan.gate.set()
+    assert again.scan_done.wait(10)
+    assert again.stats()["num_entries"] == 1
+    assert again.stats()["used_bytes"] == file_bytes()  # the scan did not count it twice
+
+
+# -- temporaries ---------------------------------------------------------------------------------
+
+def make_temp(tier: StorageTier, k: bytes, node: str, pid: int, age_s: float = 0.0) -> Path:
+    final = Path(tier.path_of(NS, k))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    temp = final.parent / f".{k.hex()}.{node}.{pid}.1.tmp"
+    temp.write_bytes(b"half a file")
+    if age_s:
+        os.utime(temp, (time.time() - age_s, time.time() - age_s))
+    return temp
+
+
+def test_temporaries_of_dead_writers_are_removed_at_start_and_live_ones_kept(open_tier):
+    first = open_tier()
+    node = first._node
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    dead_mine = make_temp(first, key(1), node, finished.pid)
+    live_mine = make_temp(first, key(2), node, os.getpid())
+    fresh_elsewhere = make_temp(first, key(3), "othernode", 12345)
+    old_elsewhere = make_temp(first, key(4), "othernode", 12345, age_s=STALE_TEMP_S + 60)
+    first.close()
+
+    again = open_tier()
+    assert again.scan_done.wait(10)
+
+    assert not dead_mine.exists()
+    assert live_mine.exists()
+    assert fresh_elsewhere.exists()
+    assert not old_elsewhere.exists()
+    assert again.stats()["temps_removed"] == 2
+    assert again.stats()["num_entries"] == 0  # a temporary is never an entry
+
+
+# -- several tiers on one root -------------------------------------------------------------------
+
+def test_a_tier_adopts_an_entry_another_tier_wrote(open_tier):
+    a, b = open_tier(), open_tier()
+    assert a.scan_done.wait(10) and b.scan_done.wait(10)
+
+    write(a, key(1))
+
+    assert b.stats()["num_entries"] == 0
+    assert b.contains(NS, key(1))
+    assert b.stats()["num_entries"] == 1
+    assert read(b, key(1)) == payload(key(1))
+
+
+def test_an_entry_another_tier_evicted_is_a_miss_and_is_forgotten(open_tier):
+    a, b = open_tier(), open_tier()
+    write(a, key(1))
+    assert b.contains(NS, key(1))
+
+    a.remove(NS)
+
+    assert read(b, key(1)) is None
+    assert not b.contains(NS, key(1))
+    assert b.stats()["bad_files"] == 0
+
+
+class HeldWrites(FileIO):
+    """Real writes that wait, once started, until the test lets them go on."""
+
+    def __init__(self) -> None:
+        self.writing = threading.Event()
+        self.go_on = threading.Event()
+
+    def pwritev(self, fd, buffers, offset):
+        self.writing.set()
+        assert self.go_on.wait(10)
+        return super().pwritev(fd, buffers, offset)
+
+
+def test_two_tiers_writing_one_key_at_once_leave_one_valid_file(open_tier, storage_dir):
+    held = HeldWrites()
+    a, b = open_tier(io=held), open_tier()
+    k = key(1)
+
+    first = a.submit(write, a, k)
+    assert held.writing.wait(10)  # a's temporary is open and half written
+    second = write(b, k)
+    held.go_on.set()
+
+    assert second and first.result(10)
+    assert read(a, k) == payload(k) and read(b, k) == payload(k)
+    assert temps(storage_dir) == []
+    assert len(list(storage_dir.rglob("*.kv"))) == 1
+
+
+def test_many_threads_of_two_tiers_writing_one_key_leave_one_valid_file(open_tier, storage_dir):
+    a, b = open_tier(), open_tier()
+    k = key(1)
+    start = threading.Barrier(8)
+    results = []
+
+    def writer(tier: StorageTier) -> None:
+        start.wait()
+        results.extend(write(tier, k) for _ in range(20))
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in (a, b) * 4]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    assert all(results) and len(results) == 160
+    assert read(a, k) == payload(k)
+    assert temps(storage_dir) == []
+    assert len(list(storage_dir.rglob("*.kv"))) == 1
+
+
+def test_a_reader_racing_an_evictor_gets_a_miss_or_the_right_bytes(open_tier):
+    evictor, reader = open_tier(capacity=2 * file_bytes()), open_tier()
+    k = key("raced")
+    right = payload(k)
+    stop = threading.Event()
+
+    def churn() -> None:
+        i = 0
+        while not stop.is_set():  # k is written, then pushed out by two others, again and again
+            write(evictor, k)
+            write(evictor, key(i))
+            write(evictor, key(i + 1))
+            i += 2
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    hits = misses = wrong = 0
+    deadline = time.monotonic() + 3
+    try:
+        while time.monotonic() < deadline and (hits < 20 or misses < 20):
+            got = read(reader, k) if reader.contains(NS, k) else None
+            hits, misses = hits + (got is not None), misses + (got is None)
+            wrong += got is not None and got != right
+    finally:
+        stop.set()
+        thread.join()
+
+    assert wrong == 0
+    assert hits > 0 and misses > 0, (hits, misses)
+    assert reader.stats()["bad_files"] == 0  # a lost race is never mistaken for a bad file
+
+
+# -- a full disk ---------------------------------------------------------------------------------
+
+def test_a_full_disk_evicts_and_later_writes_succeed(open_tier, small_disk):
+    size = 256 << 10
+    tier = open_tier(root=small_disk, capacity=64 << 20)  # the tier believes it has room
+    assert tier.scan_done.wait(10)
+
+    results = [tier.write_from(NS, key(i), memoryview(payload(key(i), size))) for i in range(40)]
+
+    stats = tier.stats()
+    assert stats["space_errors"] > 0 and stats["evictions"] > 0
+    assert results[-5:] == [True] * 5
+    assert all(read(tier, key(i), size=size) == payload(key(i), size) for i in range(35, 40))
+    assert temps(small_disk) == []
+
+
+def test_a_disk_full_of_other_data_drops_the_write_without_raising(open_tier, small_disk):
+    fd = os.open(small_disk / "ballast", os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"\1" * (64 << 10)) == 64 << 10:
+            pass
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    tier = open_tier(root=small_disk, capacity=64 << 20)
+
+    assert not tier.write_from(NS, key(1), memoryview(payload(key(1), 256 << 10)))
+
+    assert tier.stats()["write_failures"] == 1
+    assert temps(small_disk) == []
+
+
+# -- injected I/O faults -------------------------------------------------------------------------
+
+class FailingIO(FileIO):
+    """Real system calls, except the ones the test says should fail."""
+
+    def __init__(self, read_errno: int = 0, write_errno: int = 0, short_writes: int = 0,
+                 no_space_writes: int = 0) -> None:
+        self.read_errno = read_errno
+        self.write_errno = write_errno
+        self.short_writes = short_writes  # how many writes stop halfway; -1 for all
+        self.no_space_writes = no_space_writes  # how many writes fail with ENOSPC
+
+    def preadv(self, fd, buffers, offset):
+        if self.read_errno:
+            raise OSError(self.read_errno, os.strerror(self.read_errno))
+        return super().preadv(fd, buffers, offset)
+
+    def pwritev(self, fd, buffers, offset):
+        if self.write_errno:
+            raise OSError(self.write_errno, os.strerror(self.write_errno))
+        if self.no_space_writes:
+            self.no_space_writes -= 1
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if self.short_writes:
+            self.short_writes -= 1
+            return os.pwrite(fd, bytes(buffers[0]), offset)  # the header only
+        return super().pwritev(fd, buffers, offset)
+
+
+def test_an_io_error_on_write_is_a_dropped_write(open_tier, storage_dir):
+    tier = open_tier(io=FailingIO(write_errno=errno.EIO))
+
+    assert not write(tier, key(1))
+
+    assert not tier.contains(NS, key(1))
+    assert tier.stats()["write_failures"] == 1
+    assert tier.stats()["used_bytes"] == 0
+    assert temps(storage_dir) == []
+
+
+def test_an_io_error_on_read_is_a_miss(open_tier, storage_dir):
+    io = FailingIO()
+    tier = open_tier(io=io)
+    write(tier, key(1))
+    io.read_errno = errno.EIO
+
+    assert read(tier, key(1)) is None
+    assert os.path.exists(tier.path_of(NS, key(1)))  # the medium failed, not the file: kept
+    io.read_errno = None
+    assert read(tier, key(1)) == payload(key(1))
+
+
+def test_an_injected_no_space_error_evicts_and_retries(open_tier, storage_dir):
+    io = FailingIO()
+    tier = open_tier(io=io)
+    write(tier, key(0))
+    io.no_space_writes = 1
+
+    assert write(tier, key(1))
+
+    assert tier.stats()["space_errors"] == 1
+    assert not os.path.exists(tier.path_of(NS, key(0)))  # evicted to make room
+    assert read(tier, key(1)) == payload(key(1))
+    assert temps(storage_dir) == []
+
+
+def test_one_short_write_is_retried_and_the_file_is_whole(open_tier, storage_dir):
+    tier = open_tier(io=FailingIO(short_writes=1))
+
+    assert write(tier, key(1))
+
+    assert read(tier, key(1)) == payload(key(1))
+    assert temps(storage_dir) == []
+
+
+def test_writes_that_always_stop_short_are_dropped_and_leave_nothing(open_tier, storage_dir):
+    tier = open_tier(io=FailingIO(short_writes=-1))
+
+    assert not write(tier, key(1))
+
+    assert not os.path.exists(tier.path_of(NS, key(1)))
+    assert temps(storage_dir) == []
+    assert tier.stats()["write_failures"] == 1
+
+
+# -- durability ----------------------------------------------------------------------------------
+
+class CountingIO(FileIO):
+    """Real system calls, counting the ones that make data durable."""
+
+    def __init__(self) -> None:
+        self.num_datasyncs = 0
+        self.num_dir_syncs = 0
+
+    def fdatasync(self, fd):
+        self.num_datasyncs += 1
+        super().fdatasync(fd)
+
+    def fsync_dir(self, path):
+        self.num_dir_syncs += 1
+        super().fsync_dir(path)
+
+
+@pytest.mark.parametrize("fsync, datasyncs, dir_syncs", [("off", 0, 0), ("data", 2, 0), ("full", 2, 2)])
+def test_fsync_modes_sync_what_they_promise(open_tier, fsync, datasyncs, dir_syncs):
+    io = CountingIO()
+    tier = open_tier(io=io, fsync=fsync)
+
+    assert write(tier, key(1)) and write(tier, key(2))
+
+    assert (io.num_datasyncs, io.num_dir_syncs) == (datasyncs, dir_syncs)
+    assert read(tier, key(1)) == payload(key(1))
+
+
+# -- the storage root ----------------------------------------------------------------------------
+
+def test_a_storage_root_that_is_a_file_is_refused_naming_path_and_setting(tmp_path):
+    root = tmp_path / "a-file"
+    root.write_text("not a directory")
+    tier = StorageTier(make_storage_config(root, 1 << 20))
+    try:
+        with pytest.raises(StorageError) as caught:
+            tier.start()
+    finally:
+        tier.close()
+
+    assert str(root) in str(caught.value)
+    assert "is not a writable directory" in str(caught.value)
+    assert "HPKV_KV_STORAGE_PATH" in str(caught.value)
+
+
+def test_a_storage_root_below_a_file_is_refused(tmp_path):
+    root = tmp_path / "a-file" / "storage"
+    root.parent.write_text("not a directory")
+    tier = StorageTier(make_storage_config(root, 1 << 20))
+    try:
+        with pytest.raises(StorageError, match="HPKV_KV_STORAGE_PATH"):
+            tier.start()
+    finally:
+        tier.close()
+
+
+def test_a_read_only_storage_root_is_refused_naming_path_and_setting(tmp_path):
+    root = tmp_path / "read-only"
+    mount_tmpfs(root, "ro,size=1m")
+    tier = StorageTier(make_storage_config(root, 1 << 20))
+    try:
+        with pytest.raises(StorageError) as caught:
+            tier.start()
+    finally:
+        tier.close()
+        subprocess.run(["umount", "-l", str(root)], check=True)
+
+    assert str(root) in str(caught.value)
+    assert "not a writable directory" in str(caught.value)
+    assert "HPKV_KV_STORAGE_PATH" in str(caught.value)
+
+
+def test_a_missing_storage_root_is_created(tmp_path, open_tier):
+    root = tmp_path / "new" / "storage"
+
+    tier = open_tier(root=root)
+
+    assert root.is_dir()
+    assert write(tier, key(1))
+
+
+def test_an_automatic_capacity_is_a_share_of_the_free_space(open_tier, small_disk):
+    tier = open_tier(root=small_disk, capacity=None)
+    assert tier.scan_done.wait(10)
+
+    assert 0.7 * (4 << 20) < tier.capacity_bytes <= 0.8 * (4 << 20)
+
+
+# -- remove --------------------------------------------------------------------------------------
+
+def test_remove_of_one_namespace_deletes_only_its_files(tier, storage_dir):
+    for i in range(3):
+        write(tier, key(i), NS)
+        write(tier, key(i), OTHER_NS)
+
+    assert tier.remove(NS) == 3
+
+    assert list((storage_dir / NS).rglob("*.kv")) == []
+    assert len(list((storage_dir / OTHER_NS).rglob("*.kv"))) == 3
+    assert read(tier, key(0), NS) is None
+    assert read(tier, key(0), OTHER_NS) == payload(key(0))
+    assert tier.stats()["num_entries"] == 3
+    assert tier.stats()["used_bytes"] == 3 * file_bytes()
+
+
+def test_remove_deletes_files_another_tier_wrote(open_tier, storage_dir):
+    a, b = open_tier(), open_tier()
+    write(a, key(1))
+
+    assert b.remove() == 1
+
+    assert list(storage_dir.rglob("*.kv")) == []
+
+
+def test_entry_files_and_directories_are_private_to_their_owner(open_tier, storage_dir):
+    tier = open_tier()
+    write(tier, key(3))
+    path = tier.path_of(NS, key(3))
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
