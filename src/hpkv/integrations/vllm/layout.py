@@ -1,0 +1,87 @@
+"""What one HPKV entry is for a vLLM engine: the layers of one block, and its namespace.
+
+An entry holds one vLLM block (all layers of the first KV cache group, this rank's shard): the
+bytes of each layer's page, concatenated in the group's layer order. Both connector halves
+derive the same description from the engine's config and `KVCacheConfig`, so the scheduler can
+look up the keys each worker rank writes without asking the workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...keys import NamespaceDesc
+
+ENGINE = "vllm"
+REQUIRED_LAYOUT = "LBHNC"  # blocks outermost in every layer: one byte row per block
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    layer_names: tuple[str, ...]
+    page_bytes: tuple[int, ...]  # per layer, in layer order
+    block_size: int
+    hashes_per_block: int  # vLLM block hashes per block (block_size / hash_block_size)
+    spec: str  # the attention spec's geometry, for the namespace
+
+    @property
+    def entry_bytes(self) -> int:
+        return sum(self.page_bytes)
+
+    @property
+    def layer_offsets(self) -> tuple[int, ...]:
+        offsets, total = [], 0
+        for page in self.page_bytes:
+            offsets.append(total)
+            total += page
+        return tuple(offsets)
+
+
+def block_layout(vllm_config, kv_cache_config) -> BlockLayout:
+    """The layout of an entry, from the first KV cache group (full attention)."""
+    group = kv_cache_config.kv_cache_groups[0]
+    group_spec = group.kv_cache_spec
+    per_layer = getattr(group_spec, "kv_cache_specs", None) or {}
+    pages, spec_text = [], ""
+    for name in group.layer_names:
+        spec = per_layer.get(name, group_spec)
+        pages.append(spec.page_size_bytes)
+        spec_text = (f"{type(spec).__name__}:kv_heads={getattr(spec, 'num_kv_heads', '?')},"
+                     f"head={getattr(spec, 'head_size', '?')},dtype={getattr(spec, 'dtype', '?')}")
+    block_size = vllm_config.cache_config.block_size
+    hash_block_size = kv_cache_config.hash_block_size or block_size
+    return BlockLayout(tuple(group.layer_names), tuple(pages), block_size,
+                       max(1, block_size // hash_block_size), spec_text)
+
+
+def world_ranks(vllm_config) -> int:
+    parallel = vllm_config.parallel_config
+    return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+
+
+def namespace(vllm_config, layout: BlockLayout, rank: int) -> NamespaceDesc:
+    """The namespace of one rank's entries; `rank` = pp_rank * tp_size + tp_rank."""
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    return NamespaceDesc(
+        engine=ENGINE,
+        model=f"{model.model}@{model.revision or 'main'}",
+        dtype=str(vllm_config.cache_config.cache_dtype if vllm_config.cache_config.cache_dtype != "auto"
+                  else model.dtype),
+        layout=f"{REQUIRED_LAYOUT};{layout.spec};pages={','.join(map(str, layout.page_bytes))}",
+        block_size=layout.block_size,
+        num_layers=len(layout.layer_names),
+        entry_bytes=layout.entry_bytes,
+        tp_size=parallel.tensor_parallel_size,
+        pp_size=parallel.pipeline_parallel_size,
+        cp_size=max(1, getattr(parallel, "prefill_context_parallel_size", 1)) *
+        max(1, getattr(parallel, "decode_context_parallel_size", 1)),
+        rank=rank,
+    )
+
+
+def block_keys(block_hashes, layout: BlockLayout, start: int, stop: int) -> list[bytes]:
+    """The entry keys of blocks [start, stop): the block hash at each block's last boundary."""
+    step = layout.hashes_per_block
+    stop = min(stop, len(block_hashes) // step)
+    return [bytes(block_hashes[(i + 1) * step - 1]) for i in range(start, stop)]

@@ -1,0 +1,50 @@
+"""vLLM plugin: registers HpkvConnectorV1 in every vLLM process (a `vllm.general_plugins` entry
+point), so `"kv_connector":"HpkvConnectorV1"` works with no module path.
+
+vLLM calls this unguarded in every process: it must be idempotent, import nothing heavy and
+never raise. The name is always registered; whether HPKV may run is decided (and explained)
+by the connector itself, so a user who asks for it without VLLM_ENABLE_HPKV=1 gets a message
+naming the variable instead of "Unsupported connector type".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("hpkv.vllm")
+
+CONNECTOR_NAME = "HpkvConnectorV1"
+_OUR_ENV = ("VLLM_ENABLE_HPKV", "VLLM_HPKV_TOKEN_THRESHOLD")
+
+
+def register() -> None:
+    try:
+        from vllm import envs
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        if CONNECTOR_NAME not in KVConnectorFactory._registry:
+            KVConnectorFactory.register_connector(
+                CONNECTOR_NAME, "hpkv.integrations.vllm.connector", CONNECTOR_NAME)
+        for name in _OUR_ENV:
+            # Known to vLLM, so its check of VLLM_* variables doesn't call them unknown.
+            envs.environment_variables.setdefault(name, lambda name=name: os.environ.get(name))
+        _log_like_vllm()
+    except Exception:  # never break vLLM's start-up
+        log.exception("HPKV could not register %s with vLLM", CONNECTOR_NAME)
+
+
+def _log_like_vllm() -> None:
+    """HPKV's log lines go wherever vLLM's go, at HPKV_LOG_LEVEL."""
+    ours, theirs = logging.getLogger("hpkv"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.propagate = False
+    try:
+        from ...config import load_settings
+
+        ours.setLevel(load_settings().log_level.upper())
+    except Exception:  # a bad config is reported by the connector, with its fix
+        ours.setLevel(logging.INFO)

@@ -1,0 +1,1 @@
+"""Device <-> pool copies (torch). The only place in HPKV that knows about devices."""

@@ -1,0 +1,106 @@
+"""Copies whole engine blocks between the engine's paged KV cache and pool entries.
+
+The engine's cache is given as one byte view per layer, `(num_blocks, page_bytes)` int8, on
+whatever device the engine uses (CUDA, Ascend NPU, CPU): copies are plain torch `copy_` and
+`index_select`/`index_copy_`, so no device-specific code is needed. An entry is the layers' pages
+of one block, concatenated in layer order.
+
+Copies are batched: block ids and pool offsets are split into runs where both advance by a
+constant step, and each run costs one strided copy per layer instead of one copy per block.
+
+The pool is mapped as a CPU tensor; on CUDA it is registered as pinned memory (cudaHostRegister)
+once per pool file, so device copies DMA straight into it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..pool.region import PoolRegion
+
+log = logging.getLogger(__name__)
+
+
+class PoolTensors:
+    """One int8 CPU tensor per pool file (by inode), pinned for the device when possible."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._by_inode: dict[int, tuple[PoolRegion, torch.Tensor]] = {}
+        self.pinned = False
+
+    def get(self, region: PoolRegion) -> torch.Tensor:
+        held = self._by_inode.get(region.inode)
+        if held is None:
+            tensor = torch.frombuffer(region.buf, dtype=torch.int8)
+            self._pin(tensor)
+            held = self._by_inode[region.inode] = (region, tensor)
+        return held[1]
+
+    def _pin(self, tensor: torch.Tensor) -> None:
+        if self.device.type != "cuda":
+            return  # CPU needs no pinning; other devices copy through pageable memory
+        result = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
+        code = result[0] if isinstance(result, tuple) else result
+        self.pinned = int(code) == 0
+        if not self.pinned:
+            log.warning("could not register the HPKV pool as pinned memory (cuda error %s); copies to and "
+                        "from the GPU will be slower", code)
+
+
+def _runs(block_ids: list[int], offsets: list[int]) -> list[tuple[int, int, int, int, int]]:
+    """Split into runs (first block, block step, first offset, offset step, length)."""
+    runs = []
+    i, n = 0, len(block_ids)
+    while i < n:
+        j = i + 1
+        if j < n:
+            block_step, offset_step = block_ids[j] - block_ids[i], offsets[j] - offsets[i]
+            while (j < n and block_ids[j] - block_ids[j - 1] == block_step
+                   and offsets[j] - offsets[j - 1] == offset_step and block_step > 0 and offset_step > 0):
+                j += 1
+            if j == i + 1:
+                block_step, offset_step = 1, 1
+        else:
+            block_step, offset_step = 1, 1
+        runs.append((block_ids[i], block_step, offsets[i], offset_step, j - i))
+        i = j
+    return runs
+
+
+class BlockCopier:
+    def __init__(self, layer_views: list[torch.Tensor], layer_offsets: tuple[int, ...]) -> None:
+        self.layer_views = layer_views
+        self.layer_offsets = layer_offsets
+        self.page_bytes = [v.shape[1] for v in layer_views]
+        self.entry_bytes = sum(self.page_bytes)
+        self.device = layer_views[0].device if layer_views else torch.device("cpu")
+        self.pools = PoolTensors(self.device)
+
+    def save(self, region: PoolRegion, block_ids: list[int], offsets: list[int]) -> None:
+        """Copy blocks into pool entries (device -> pool)."""
+        pool = self.pools.get(region)
+        for first_block, block_step, first_offset, offset_step, length in _runs(block_ids, offsets):
+            for view, layer_offset, page in zip(self.layer_views, self.layer_offsets, self.page_bytes):
+                src = view[first_block : first_block + block_step * (length - 1) + 1 : block_step]
+                dst = pool.as_strided((length, page), (offset_step, 1), first_offset + layer_offset)
+                dst.copy_(src)
+        self._sync()
+
+    def load(self, region: PoolRegion, block_ids: list[int], offsets: list[int]) -> None:
+        """Copy pool entries into blocks (pool -> device)."""
+        pool = self.pools.get(region)
+        for first_block, block_step, first_offset, offset_step, length in _runs(block_ids, offsets):
+            for view, layer_offset, page in zip(self.layer_views, self.layer_offsets, self.page_bytes):
+                src = pool.as_strided((length, page), (offset_step, 1), first_offset + layer_offset)
+                dst = view[first_block : first_block + block_step * (length - 1) + 1 : block_step]
+                dst.copy_(src, non_blocking=self.pools.pinned)
+        self._sync()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        elif self.device.type == "npu":
+            torch.npu.current_stream(self.device).synchronize()  # type: ignore[attr-defined]
