@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import HpkvError
+from ..errors import HpkvError, PoolError
 from ..keys import NamespaceDesc
 from ..pool.region import PoolRegion
 from ..store import Lookup, Tier
@@ -138,7 +138,12 @@ class Client:
             sock.close()
             raise ServerError(welcome.code, welcome.message)
         if self.region is None or self.region.inode != welcome.pool_inode:
-            self.region = PoolRegion.attach(Path(welcome.pool_path))  # the old map lives on in old handles
+            try:
+                region = PoolRegion.attach(Path(welcome.pool_path))
+            except PoolError as exc:  # e.g. a uid the server admits but the pool file's mode does not
+                sock.close()
+                raise ServerUnavailable(str(exc)) from None
+            self.region = region  # the old map lives on in old handles
             self.generation += 1
         self._sock = sock
         self.client_id = welcome.client_id

@@ -31,7 +31,7 @@ from pathlib import Path
 from .. import __version__
 from ..config import Settings, load_settings
 from ..errors import HpkvError, PoolError
-from ..keys import NamespaceDesc
+from ..keys import NS_DIGEST_BYTES, NamespaceDesc
 from ..store import TieredStore
 from . import protocol as p
 
@@ -100,6 +100,12 @@ class Server:
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where others may connect
         try:
             listener.bind(str(self.socket_path))
+        except OSError as exc:  # e.g. a path longer than a Unix socket allows
+            listener.close()
+            self.store.close()
+            raise PoolError(f"cannot listen on {self.socket_path}: {exc.strerror or exc}; point "
+                            "HPKV_SHARE_MEM_FILE_PATH at a short, writable directory (a Unix socket path "
+                            "holds at most 107 bytes)") from None
         finally:
             os.umask(old_umask)
         listener.listen(128)
@@ -232,7 +238,10 @@ class Server:
     # -- handlers -----------------------------------------------------------------------------
 
     def _on_Register(self, r: p.Register, client: ClientInfo) -> p.Reply:
-        desc = NamespaceDesc.from_json(r.desc_json)
+        try:
+            desc = NamespaceDesc.from_json(r.desc_json)
+        except (ValueError, TypeError, AttributeError) as exc:  # JSON of the wrong shape is the peer's fault
+            return p.Error("bad_request", f"not a namespace description ({exc}): {r.desc_json[:200]!r}")
         return p.Registered(self.store.register(desc), desc.entry_bytes)
 
     def _on_Lookup(self, r: p.Lookup, client: ClientInfo) -> p.Reply:
@@ -272,6 +281,9 @@ class Server:
         return p.Count(int(self.store.release(r.lease_id)))
 
     def _on_Clear(self, r: p.Clear, client: ClientInfo) -> p.Reply:
+        if r.ns is not None and not _is_ns_id(r.ns):  # it becomes a path under the storage root
+            return p.Error("bad_request", f"{r.ns[:80]!r} is not a namespace id ({2 * NS_DIGEST_BYTES} hex "
+                           "digits, as `hpkv status` shows them)")
         removed = self.store.clear(memory=r.memory, storage=r.storage, ns=r.ns)
         log.info("cleared %s%s (ns %s) at the request of pid %d: %s", "memory " if r.memory else "",
                  "storage" if r.storage else "", r.ns or "all", client.pid, removed)
@@ -296,6 +308,10 @@ class Server:
                          "storage_path": str(self.settings.storage.path)}
         out["clients"] = clients
         return out
+
+
+def _is_ns_id(text: str) -> bool:
+    return len(text) == 2 * NS_DIGEST_BYTES and all(c in "0123456789abcdef" for c in text)
 
 
 def _send(conn: socket.socket, msg: p.Msg) -> None:

@@ -1,0 +1,136 @@
+"""The quick-start scenarios, walked on a real vLLM: what `hpkv demo` runs.
+
+1. Start vLLM as documented (VLLM_ENABLE_HPKV=1, the HPKV_* variables, HpkvConnectorV1).
+2. A long request, cold: computed, and its KV saved; KV files appear under HPKV_KV_STORAGE_PATH.
+3. The same request: vLLM's own prefix-cache hit, the reference every hit is compared with.
+4. POST /reset_prefix_cache, the same request: loaded from HPKV's DRAM pool ("memory hit").
+5. Restart the engine (the auto-started HPKV server exits with it, emptying DRAM), the same
+   request: loaded from storage ("storage hit").
+Each step reports the tier that supplied the prefix, how many tokens, the time to first token and
+whether the output (token ids and logprobs) is identical to vLLM's own prefix-cache hit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..server import protocol
+from .engine import Completion, VllmServer
+from .model import build_model, prompt_text
+
+
+@dataclass
+class Step:
+    name: str
+    tier: str
+    hit_tokens: int
+    ttft_ms: float
+    identical: str  # "yes", "no", or "reference" / "-"
+
+
+@dataclass
+class DemoConfig:
+    workdir: Path
+    model: str | None = None  # None: build the tiny random model (CPU demo)
+    prompt_words: int = 2000
+    pool_size: str = "1g"
+    log: callable = print
+
+
+def has_accelerator() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available() or bool(getattr(torch, "npu", None) and torch.npu.is_available())
+    except Exception:
+        return False
+
+
+def documented_env(cfg: DemoConfig, pool_dir: Path, storage: Path) -> dict[str, str]:
+    """The documented exports (pool size scaled to this machine), isolated from user config."""
+    return {
+        "VLLM_ENABLE_HPKV": "1",
+        "HPKV_KV_MEM_POOL_SIZE": cfg.pool_size,
+        "HPKV_SHARE_MEM_FILE_PATH": str(pool_dir),
+        "HPKV_KV_STORAGE_PATH": str(storage),
+        "HPKV_CONFIG_FILE_PATH": str(cfg.workdir / "no-config.ini"),
+    }
+
+
+def run_demo(cfg: DemoConfig) -> list[Step]:
+    cfg.workdir.mkdir(parents=True, exist_ok=True)
+    model = cfg.model or str(build_model(cfg.workdir / "tiny-qwen2"))
+    storage = cfg.workdir / "storage"
+    shutil.rmtree(storage, ignore_errors=True)
+    pool_dir = Path(tempfile.mkdtemp(prefix="hpkv-demo-", dir="/dev/shm"))
+    env = documented_env(cfg, pool_dir, storage)
+    for key, value in env.items():
+        cfg.log(f"  export {key}={value}")
+    prompt = prompt_text(cfg.prompt_words, seed=2024)
+    steps: list[Step] = []
+    try:
+        with _engine(model, env, cfg) as engine:
+            cold = _measure(engine, prompt)
+            steps.append(Step("cold request (computed)", "-", 0, cold[0].ttft_s * 1e3, "-"))
+            files = sum(1 for _ in storage.rglob("*.kv"))
+            steps.append(Step(f"KV files under {storage}", "storage", files, 0.0, "-"))
+            reference = _measure(engine, prompt)
+            steps.append(Step("same request: vLLM's own prefix cache", "device", reference[1].get("device", 0),
+                              reference[0].ttft_s * 1e3, "reference"))
+            engine.reset_prefix_cache()
+            dram = _measure(engine, prompt)
+            steps.append(_hit_step("POST /reset_prefix_cache, same request", "host", dram, reference[0]))
+        _wait_for_hpkv_server_exit(pool_dir)
+        with _engine(model, env, cfg) as engine:
+            disk = _measure(engine, prompt)
+            steps.append(_hit_step("engine restarted, same request", "disk", disk, reference[0]))
+    finally:
+        shutil.rmtree(pool_dir, ignore_errors=True)
+    return steps
+
+
+def _engine(model: str, env: dict[str, str], cfg: DemoConfig) -> VllmServer:
+    cfg.log("starting vLLM (python -m vllm.entrypoints.openai.api_server ... --kv-transfer-config "
+            "'{\"kv_connector\":\"HpkvConnectorV1\", \"kv_role\":\"kv_both\"}') ...")
+    return VllmServer(model, env, log_path=cfg.workdir / "vllm.log")
+
+
+def _measure(engine: VllmServer, prompt: str) -> tuple[Completion, dict[str, float]]:
+    before = engine.cached_tokens_by_source()
+    completion = engine.complete(prompt)
+    after = engine.cached_tokens_by_source()
+    return completion, {k: after.get(k, 0) - before.get(k, 0) for k in after}
+
+
+def _hit_step(name: str, tier: str, measured: tuple[Completion, dict[str, float]], reference: Completion) -> Step:
+    completion, hits = measured
+    same = completion.token_ids == reference.token_ids and completion.logprobs == reference.logprobs
+    label = {"host": "DRAM", "disk": "storage"}[tier]
+    return Step(name, label if hits.get(tier, 0) else f"{label}: none", int(hits.get(tier, 0)),
+                completion.ttft_s * 1e3, "yes" if same else "no")
+
+
+def _wait_for_hpkv_server_exit(pool_dir: Path, timeout_s: float = 60.0) -> None:
+    """An auto-started server exits after its last client; until then DRAM is still warm."""
+    path = pool_dir / protocol.SOCKET_NAME
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and path.exists():
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return
+        finally:
+            probe.close()
+        time.sleep(0.5)
+
+
+def passed(steps: list[Step]) -> bool:
+    hits = [s for s in steps if s.identical in ("yes", "no")]
+    return bool(hits) and all(s.identical == "yes" and s.hit_tokens > 0 for s in hits) and steps[1].hit_tokens > 0

@@ -1,0 +1,225 @@
+"""Stories of things dying: the server killed with -9 in the middle of writes, a client killed
+while it holds reservations and leases, files left behind by the dead, a client that finds a new
+server by itself, and a server stopped with SIGTERM while storage writes are in flight."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from serverutil import Node, desc, entry_key, kill, payload, wait_for, wait_gone
+from hpkv.server import protocol as p
+from hpkv.store import Tier
+
+DRAM, STORAGE = int(Tier.DRAM), int(Tier.STORAGE)
+SMALL = 64 << 10
+BIG = 1 << 20  # 64 slots in the 64m pool
+
+
+@pytest.fixture
+def node(shm_dir, tmp_path):
+    node = Node(shm_dir, tmp_path)
+    yield node
+    node.close()
+
+
+def storage_entries(stats: dict) -> int:
+    return stats["storage"]["num_entries"]
+
+
+def read_back(client, ns: str, index: int, prefix: str, rank: int = 0, entry_bytes: int = SMALL) -> bytes | None:
+    """The bytes the server serves for one key (None on a miss)."""
+    key = entry_key(prefix, index)
+    if not client.lookup(ns, [key]).num_hit:
+        return None
+    lease = client.lease(ns, [key])
+    try:
+        if client.wait(lease, timeout_s=10) != 1:
+            return None
+        return bytes(lease.view(0))
+    finally:
+        client.release(lease)
+
+
+def test_server_killed_in_the_middle_of_writes(node):
+    """Calls fail fast, a new server starts cleanly, and no partial entry is ever visible."""
+    writer = node.agent("worker", timeout_s=2.0, retry_interval_s=0.3)
+    writer.call("register", rank=0, entry_bytes=SMALL)
+    old_pid = writer.call("stats")["server_pid"]
+    old_pool_inode = node.pool_path.stat().st_ino
+    writer.send("write_loop", prefix="loop", seconds=30, entry_bytes=SMALL, copy_pause_s=0.005,
+                until_commits_on_next_server=20)
+
+    watcher = node.client("watcher")
+    wait_for(lambda: watcher.stats()["store"]["commits"] >= 20, what="20 commits")
+    watcher.close()
+    kill(old_pid)
+    wait_gone(old_pid)
+    assert node.socket_path.exists() and node.pool_path.exists()  # what a -9 leaves behind
+
+    summary = writer.recv(timeout_s=30)
+    assert summary["max_call_s"] <= 2.0 + 1.0
+    assert summary["unavailable"] >= 1 and summary["other_errors"] == []
+    new_pid = writer.call("stats")["server_pid"]
+    assert new_pid != old_pid and node.server_pids() == [new_pid]
+    assert summary["server_pids"] == [old_pid, new_pid]  # it kept committing on the new server
+    assert "removing stale socket" in node.server_log()
+    assert "removing stale pool file" in node.server_log()
+    assert node.pool_path.stat().st_ino != old_pool_inode
+
+    checker = node.client("checker")
+    ns = checker.register(desc(0, SMALL))
+    commit_sent = set(summary["commit_sent"])
+    for i in range(summary["num_keys"]):
+        got = read_back(checker, ns, i, "loop")
+        if got is not None:
+            assert i in commit_sent, f"entry {i} was never committed, yet it is visible"
+            assert got == payload(entry_key("loop", i), 0, SMALL), f"entry {i} reads back other bytes"
+    committed_on_new = [i for i, pid in summary["committed"] if pid == new_pid]
+    assert committed_on_new
+    for i in committed_on_new:
+        assert read_back(checker, ns, i, "loop") == payload(entry_key("loop", i), 0, SMALL)
+
+
+def test_a_client_killed_with_reservations_and_leases_gives_them_back(node):
+    victim = node.agent("worker")
+    victim.call("register", rank=0, entry_bytes=BIG)
+    assert victim.call("save", prefix="leased", n=56, entry_bytes=BIG)["committed"] == 56
+    wait_for(lambda: storage_entries(victim.call("stats")["stats"]) == 56, what="write-through")
+    assert victim.call("load", prefix="leased", n=56, entry_bytes=BIG, release=False)["num_ready"] == 56
+    assert victim.call("reserve", prefix="pending", n=8, entry_bytes=BIG)["reserved"] == 8
+
+    other = node.client("other")
+    ns = other.register(desc(0, BIG))
+    stats = other.stats()
+    assert stats["reservations"] == 8 and stats["leases"] == 1
+    pending = [entry_key("pending", i) for i in range(8)]
+    fresh = [entry_key("fresh", i) for i in range(8)]
+    assert other.reserve(ns, pending).offsets == [None] * 8  # held by the victim
+    assert other.reserve(ns, fresh).offsets == [None] * 8  # every slot is leased or reserved
+
+    victim.kill()
+    wait_for(lambda: (lambda s: s["reservations"] == 0 and s["leases"] == 0)(other.stats()), what="reclaim")
+    assert None not in other.reserve(ns, pending).offsets  # the victim's keys are free again
+    assert None not in other.reserve(ns, fresh).offsets  # leased entries were evictable
+    other.abort(ns, pending + fresh)
+    assert other.stats()["dram"]["evictions"] >= 8
+
+
+def test_stale_socket_pool_and_lock_are_recovered_by_the_next_auto_start(node):
+    first = node.agent("worker")
+    old_pid = first.call("stats")["server_pid"]
+    first.kill()
+    kill(old_pid)
+    wait_gone(old_pid)
+    # a starter killed while it held the start lock
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(60)\n"), str(node.shm_dir / p.LOCK_NAME)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "locked\n"
+    holder.kill()
+    holder.wait()
+    for name in (p.SOCKET_NAME, p.LOCK_NAME, "hpkv.pool"):
+        assert (node.shm_dir / name).exists()
+
+    second = node.agent("worker")
+    answer = second.call("stats")
+    assert answer["elapsed_s"] < 10
+    assert answer["server_pid"] != old_pid and node.server_pids() == [answer["server_pid"]]
+    assert answer["stats"]["server"]["pool_path"] == str(node.pool_path)
+
+
+def test_lock_held_by_a_live_starter_is_waited_for_not_broken(node):
+    lock_fd = os.open(node.shm_dir / p.LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock_fd, fcntl.LOCK_EX)
+    starter = node.agent("worker")
+    starter.send("stats")
+    time.sleep(0.5)
+    assert node.server_pids() == []  # nobody starts a server while another starter holds the lock
+    os.close(lock_fd)
+    assert "error" not in starter.recv()
+    assert len(node.server_pids()) == 1
+
+
+def test_a_client_finds_a_new_server_by_itself_and_registers_again(node):
+    engine = node.agent("scheduler", retry_interval_s=1.0)
+    engine.call("register", rank=0)
+    assert engine.call("save", prefix="prompt", n=4)["committed"] == 4
+    wait_for(lambda: storage_entries(engine.call("stats")["stats"]) == 4, what="write-through")
+    old_pid = engine.call("stats")["server_pid"]
+    kill(old_pid)
+    wait_gone(old_pid)
+
+    first = engine.try_call("lookup", prefix="prompt", n=4)
+    assert first["error"] == "ServerUnavailable" and first["elapsed_s"] < 1
+    soon = engine.try_call("lookup", prefix="prompt", n=4)  # within the retry interval: no attempt
+    assert soon["error"] == "ServerUnavailable" and "retrying in" in soon["message"]
+    assert node.server_pids() == []
+    time.sleep(1.0)
+    later = engine.call("lookup", prefix="prompt", n=4)  # unregistered namespaces would be an error
+    assert later["tiers"] == [STORAGE] * 4
+    assert later["server_pid"] != old_pid
+    assert engine.call("load", prefix="prompt", n=4)["same"] == [True] * 4
+
+
+def test_a_client_without_autostart_picks_up_a_server_an_operator_restarted(node):
+    server = node.start_server()
+    engine = node.agent("scheduler", autostart=False, retry_interval_s=0.2)
+    engine.call("register", rank=0)
+    engine.call("save", prefix="prompt", n=2)
+    server.send_signal(signal.SIGTERM)
+    assert server.wait(timeout=10) == 0
+    assert engine.try_call("lookup", prefix="prompt", n=2)["error"] == "ServerUnavailable"
+    time.sleep(0.3)
+    assert engine.try_call("lookup", prefix="prompt", n=2)["error"] == "ServerUnavailable"  # none there
+    node.start_server()
+    time.sleep(0.3)
+    assert engine.call("lookup", prefix="prompt", n=2)["tiers"] == [STORAGE] * 2
+
+
+def test_a_server_that_stops_answering_costs_a_call_its_timeout_not_a_hang(node):
+    server = node.start_server()
+    engine = node.agent("scheduler", autostart=False, timeout_s=1.0, retry_interval_s=0.5)
+    engine.call("register", rank=0)
+    engine.call("save", prefix="prompt", n=2)
+    server.send_signal(signal.SIGSTOP)
+    try:
+        stuck = engine.try_call("lookup", prefix="prompt", n=2)
+        assert stuck["error"] == "ServerUnavailable" and 1.0 <= stuck["elapsed_s"] <= 1.0 + 1.0
+    finally:
+        server.send_signal(signal.SIGCONT)
+    time.sleep(0.5)
+    assert engine.call("lookup", prefix="prompt", n=2)["tiers"] == [DRAM] * 2  # same server, new connection
+
+
+def test_sigterm_finishes_storage_writes_in_flight_and_exits_cleanly(node):
+    server = node.start_server()
+    client = node.client("engine")
+    ns = client.register(desc(0, BIG))
+    keys = [entry_key("late", i) for i in range(48)]
+    res = client.reserve(ns, keys)
+    for i, key in enumerate(keys):
+        res.view(i)[:] = payload(key, 0, BIG)
+    assert client.commit(ns, keys) == 48
+    server.send_signal(signal.SIGTERM)  # at once: the write-throughs are queued, not done
+    assert server.wait(timeout=30) == 0
+    assert not node.socket_path.exists() and not node.pool_path.exists()
+    assert "finishing storage writes in flight" in node.foreground_log(server)
+
+    node.start_server()
+    reader = node.client("reader")
+    ns = reader.register(desc(0, BIG))
+    assert reader.lookup(ns, keys).tiers == (Tier.STORAGE,) * 48
+    lease = reader.lease(ns, keys)
+    assert reader.wait(lease, timeout_s=10) == 48
+    assert all(bytes(lease.view(i)) == payload(key, 0, BIG) for i, key in enumerate(keys))
+    reader.release(lease)

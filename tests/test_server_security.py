@@ -1,0 +1,148 @@
+"""Stories of who may talk to the server: the socket and directory modes, a peer of another uid
+refused unless HPKV_SERVER_ALLOW_UIDS admits it, and requests that name paths they should not."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+
+import pytest
+
+from serverutil import Node
+from hpkv.server import protocol as p
+
+NOBODY = 65534
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switching to another uid needs root")
+
+
+@pytest.fixture
+def node(shm_dir, tmp_path):
+    node = Node(shm_dir, tmp_path)
+    yield node
+    node.close()
+
+
+def as_other_uid(fn, uid: int = NOBODY) -> dict:
+    """Run `fn` in a forked child that has become `uid`; its JSON-able result, or what it raised."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        try:
+            os.close(read_fd)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            result = fn()
+        except BaseException as exc:
+            result = {"raised": type(exc).__name__, "message": str(exc), **vars(exc)}
+        finally:
+            try:
+                os.write(write_fd, json.dumps(result, default=str).encode())
+            finally:
+                os._exit(0)
+    os.close(write_fd)
+    chunks = []
+    while chunk := os.read(read_fd, 65536):
+        chunks.append(chunk)
+    os.close(read_fd)
+    os.waitpid(pid, 0)
+    return json.loads(b"".join(chunks))
+
+
+def open_to_others(node: Node) -> None:
+    """What an operator would do to let another uid reach the socket at all."""
+    os.chmod(node.shm_dir, 0o711)
+    os.chmod(node.socket_path, 0o666)
+
+
+def talk(node: Node, *requests: p.Msg) -> dict:
+    """Connect, send each request, and report every reply and whether the server then closed."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(str(node.socket_path))
+    replies, closed = [], False
+    for request in requests:
+        try:
+            sock.sendall(p.encode(request))
+        except OSError:
+            pass  # a refusing server may have closed already; its Error is still there to read
+        try:
+            replies.append(p.decode_reply(p.recv_frame(sock)))
+        except (EOFError, ConnectionResetError):
+            closed = True
+            break
+    if not closed:
+        sock.settimeout(1)
+        try:
+            closed = sock.recv(1) == b""
+        except ConnectionResetError:
+            closed = True
+        except socket.timeout:
+            pass
+    sock.close()
+    return {"uid": os.getuid(), "replies": [[type(r).__name__, getattr(r, "code", None)] for r in replies],
+            "messages": [getattr(r, "message", "") for r in replies], "closed": closed}
+
+
+def hello() -> p.Hello:
+    return p.Hello(p.PROTOCOL_VERSION, "intruder", os.getpid())
+
+
+def test_socket_is_0600_in_a_0700_directory(shm_dir, tmp_path):
+    node = Node(shm_dir / "fresh", tmp_path)  # the server makes the directory itself
+    try:
+        node.start_server()
+        assert stat.S_IMODE(node.shm_dir.stat().st_mode) == 0o700
+        assert stat.S_IMODE(node.socket_path.stat().st_mode) == 0o600
+        assert stat.S_IMODE(node.pool_path.stat().st_mode) == 0o600
+    finally:
+        node.close()
+
+
+def test_a_peer_of_another_uid_is_refused(node):
+    node.start_server()
+    open_to_others(node)
+    seen = as_other_uid(lambda: talk(node, hello()))
+    assert seen["uid"] == NOBODY
+    assert seen["replies"] == [["Error", "permission"]] and seen["closed"]
+    assert f"uid {NOBODY}" in seen["messages"][0] and "HPKV_SERVER_ALLOW_UIDS" in seen["messages"][0]
+    assert "refused a client of uid 65534" in node.foreground_log(node.servers[0])
+
+
+def test_hpkv_server_allow_uids_admits_that_uid(node):
+    node.start_server(HPKV_SERVER_ALLOW_UIDS=str(NOBODY))
+    open_to_others(node)
+    seen = as_other_uid(lambda: talk(node, hello(), p.Stats()))
+    assert seen["replies"] == [["Welcome", None], ["StatsReply", None]] and not seen["closed"]
+
+
+def test_an_admitted_uid_that_cannot_map_the_pool_gets_server_unavailable(node):
+    from hpkv.server.client import Client
+
+    node.start_server(HPKV_SERVER_ALLOW_UIDS=str(NOBODY))
+    open_to_others(node)  # the pool file itself stays 0600
+
+    def lookup() -> dict:
+        Client(node.shm_dir, "intruder", autostart=False).stats()
+        return {"raised": None}
+
+    seen = as_other_uid(lookup)
+    assert seen["raised"] == "ServerUnavailable"
+    assert str(node.pool_path) in seen["message"]
+
+
+def test_clear_refuses_a_namespace_that_is_not_a_namespace_id(node, tmp_path):
+    victim = tmp_path / "elsewhere" / "ab" / "cd" / "precious.kv"
+    victim.parent.mkdir(parents=True)
+    victim.write_bytes(b"not hpkv's")
+    node.start_server()
+    client = node.client("cli")
+    from hpkv.server.client import ServerError
+
+    with pytest.raises(ServerError) as raised:
+        client.clear(memory=True, storage=True, ns="../elsewhere")
+    assert raised.value.code == "bad_request"
+    assert victim.exists()
