@@ -19,9 +19,10 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/hpkv bench
+	$(VENV)/bin/hpkv demo
 
 test: $(STAMP)
 	$(VENV)/bin/pytest -q
 
-bench: demo
+bench: $(STAMP)
+	$(VENV)/bin/hpkv bench

@@ -81,7 +81,7 @@ def run_demo(cfg: DemoConfig) -> list[Step]:
             files = sum(1 for _ in storage.rglob("*.kv"))
             steps.append(Step(f"KV files under {storage}", "storage", files, 0.0, "-"))
             reference = _measure(engine, prompt)
-            steps.append(Step("same request: vLLM's own prefix cache", "device", reference[1].get("device", 0),
+            steps.append(Step("same request: vLLM's own prefix cache", "device", int(reference[1].get("device", 0)),
                               reference[0].ttft_s * 1e3, "reference"))
             engine.reset_prefix_cache()
             dram = _measure(engine, prompt)

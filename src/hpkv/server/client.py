@@ -15,6 +15,12 @@ and re-registers the namespaces it knew, so a restarted server is picked up with
 doing anything. Reservations and leases always name the pool mapping they were made in, so bytes
 never go to or come from the pool of another server generation.
 
+A handle is only as good as the connection that made it: when that connection closes (a timeout,
+a server restart), the server reclaims its reservations and leases, and their slots may be
+reused. `holds(handle)` says whether the connection that made a handle is still the live one; a
+reader checks it after copying out of a lease and discards the bytes if not. Give each thread
+that copies its own Client, so one thread's timeout cannot close another's connection mid-copy.
+
 Thread-safe: one connection, calls serialised by a lock.
 """
 
@@ -48,6 +54,7 @@ class Reservation:
     region: PoolRegion
     entry_bytes: int
     offsets: list[int | None]  # None: skip this key (held already, or no room)
+    epoch: int = 0
 
     def view(self, i: int) -> memoryview:
         return self.region.view(self.offsets[i], self.entry_bytes)
@@ -60,7 +67,7 @@ class LeaseHandle:
     entry_bytes: int
     offsets: list[int]
     num_ready: int | None
-    generation: int
+    epoch: int
 
     def view(self, i: int) -> memoryview:
         return self.region.view(self.offsets[i], self.entry_bytes)
@@ -78,7 +85,7 @@ class Client:
         self.region: PoolRegion | None = None
         self.client_id = 0
         self.server_pid = 0
-        self.generation = 0  # bumps each time a (new) server is connected
+        self.epoch = 0  # bumps on every new connection: handles of older ones are void
         self._sock: socket.socket | None = None
         self._lock = threading.RLock()
         self._retry_at = 0.0
@@ -144,8 +151,8 @@ class Client:
                 sock.close()
                 raise ServerUnavailable(str(exc)) from None
             self.region = region  # the old map lives on in old handles
-            self.generation += 1
         self._sock = sock
+        self.epoch += 1
         self.client_id = welcome.client_id
         self.server_pid = welcome.server_pid
         for desc_json, _ in list(self._namespaces.values()):
@@ -194,7 +201,7 @@ class Client:
     def reserve(self, ns: str, keys: list[bytes]) -> Reservation:
         with self._lock:
             offsets = self._call(p.Reserve(ns, keys)).offsets
-            return Reservation(self.region, self._namespaces[ns][1], offsets)
+            return Reservation(self.region, self._namespaces[ns][1], offsets, self.epoch)
 
     def commit(self, ns: str, keys: list[bytes]) -> int:
         return self._call(p.Commit(ns, keys)).num
@@ -206,23 +213,28 @@ class Client:
         with self._lock:
             r = self._call(p.Lease(ns, keys))
             return LeaseHandle(r.lease_id, self.region, self._namespaces[ns][1], r.offsets, r.num_ready,
-                               self.generation)
+                               self.epoch)
 
     def wait(self, lease: LeaseHandle, timeout_s: float = 5.0) -> int | None:
         """Entries of the lease ready to copy from, or None if promotions are still running."""
         if lease.num_ready is not None:
             return lease.num_ready
         with self._lock:
-            if lease.generation != self.generation:
-                return 0  # the server that granted it is gone
+            if lease.epoch != self.epoch:
+                return 0  # the connection that held it is gone, and the lease with it
             r = self._call(p.LeaseWait(lease.id, timeout_s), timeout_s + self.timeout_s)
         lease.num_ready = r.num_ready
         return r.num_ready
 
     def release(self, lease: LeaseHandle) -> None:
         with self._lock:
-            if lease.generation == self.generation and self._sock is not None:
+            if self.holds(lease):
                 self._call(p.Release(lease.id))
+
+    def holds(self, handle: LeaseHandle | Reservation) -> bool:
+        """Whether the connection that made `handle` is still the live one (so the server still
+        holds its slots for us)."""
+        return self._sock is not None and handle.epoch == self.epoch
 
     def clear(self, memory: bool = True, storage: bool = False, ns: str | None = None) -> p.Cleared:
         return self._call(p.Clear(memory, storage, ns), max(self.timeout_s, 300.0))

@@ -14,13 +14,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 @dataclass
 class LoadJob:
-    """Copy pool entries into blocks. Offsets are per rank, in the pool file `pool_inode`."""
+    """Copy the entries of `keys` into `block_ids`. The scheduler holds leases on them; each
+    worker takes its own lease for the copy, so its bytes are pinned for exactly as long as it
+    reads them, whatever happens to the scheduler's connection."""
 
     req_id: str
+    keys: list[bytes]
     block_ids: list[int]
-    offsets: dict[int, list[int]]  # rank -> pool offsets, one per block
-    pool_path: str
-    pool_inode: int
 
 
 @dataclass

@@ -147,11 +147,9 @@ class HpkvScheduler:
             return
         num_blocks = num_external_tokens // self.block_size
         block_ids = blocks.get_block_ids()[0][state.lease_start : state.lease_start + num_blocks]
-        lease = next(iter(state.leases.values()))
-        self._pending_loads.append(LoadJob(
-            req_id=request.request_id, block_ids=list(block_ids),
-            offsets={rank: held.offsets[:num_blocks] for rank, held in state.leases.items()},
-            pool_path=str(lease.region.path), pool_inode=lease.region.inode))
+        keys = lay.block_keys(state.request.block_hashes, self.layout, state.lease_start,
+                              state.lease_start + num_blocks)
+        self._pending_loads.append(LoadJob(request.request_id, keys, list(block_ids)))
         tiers = state.tiers[:num_blocks]
         self.stats.add("hit_tokens_dram", tiers.count(Tier.DRAM) * self.block_size)
         self.stats.add("hit_tokens_storage", tiers.count(Tier.STORAGE) * self.block_size)

@@ -1,7 +1,7 @@
 """The worker half of HpkvConnectorV1: moves bytes between this rank's paged KV and the pool.
 
-It decides nothing: the scheduler half says which blocks to load (with pool offsets it leased)
-and which to save (with their keys). Loads run in `start_load_kv`, before the forward pass of the
+It decides nothing: the scheduler half says which blocks to load and which to save, with their
+keys. Loads run in `start_load_kv`, before the forward pass of the
 step that needs them; saves run in `wait_for_save`, after the forward pass computed the blocks,
 straight into reserved pool slots, which the server then writes through to storage on its own
 threads. A save that cannot happen (server gone, pool full) is skipped: a future miss, never an
@@ -12,19 +12,19 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import torch
 
 from ...config import Settings
 from ...errors import HpkvError
-from ...pool.region import PoolRegion
 from ...server.client import Client
 from ...transfer.blocks import BlockCopier
 from . import layout as lay
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats
 
 log = logging.getLogger("hpkv.vllm.worker")
+
+LOAD_WAIT_S = 10.0  # promotions the scheduler saw done; only a server restart makes this wait
 
 
 class HpkvWorker:
@@ -39,7 +39,6 @@ class HpkvWorker:
         self.copier: BlockCopier | None = None
         self.stats = HpkvConnectorStats()
         self._failed_blocks: set[int] = set()
-        self._regions: dict[int, PoolRegion] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.v1.kv_cache_interface import group_kernel_blocks
@@ -69,32 +68,37 @@ class HpkvWorker:
 
     def start_load_kv(self, meta: HpkvConnectorMetadata) -> None:
         for job in meta.loads:
-            offsets = job.offsets.get(self.rank)
-            region = self._region(job.pool_path, job.pool_inode)
-            if offsets is None or region is None or len(offsets) != len(job.block_ids):
-                self._failed_blocks.update(job.block_ids)
-                self.stats.add("load_failures", len(job.block_ids))
-                continue
             started = time.perf_counter()
-            self.copier.load(region, job.block_ids, offsets)
+            num_loaded = self._load(job)
+            if num_loaded < len(job.block_ids):
+                self._failed_blocks.update(job.block_ids[num_loaded:])
+                self.stats.add("load_failures", len(job.block_ids) - num_loaded)
             self.stats.add("load_time_s", time.perf_counter() - started)
-            self.stats.add("loaded_blocks", len(job.block_ids))
-            self.stats.add("loaded_bytes", len(job.block_ids) * self.layout.entry_bytes)
+            self.stats.add("loaded_blocks", num_loaded)
+            self.stats.add("loaded_bytes", num_loaded * self.layout.entry_bytes)
 
-    def _region(self, path: str, inode: int) -> PoolRegion | None:
-        """The mapping of the pool file the scheduler leased from (it may be an older server's)."""
-        region = self.client.region
-        if region is not None and region.inode == inode:
-            return region
-        if inode not in self._regions:
+    def _load(self, job) -> int:
+        """Copy the leading entries that are still there; returns how many blocks were loaded."""
+        try:
+            if self.ns is None and not self._connect():
+                return 0
+            lease = self.client.lease(self.ns, job.keys)
             try:
-                candidate = PoolRegion.attach(Path(path))
-            except HpkvError:
-                return None
-            if candidate.inode != inode:
-                return None
-            self._regions[inode] = candidate
-        return self._regions[inode]
+                deadline = time.monotonic() + LOAD_WAIT_S
+                num_ready = self.client.wait(lease, timeout_s=LOAD_WAIT_S)
+                while num_ready is None and time.monotonic() < deadline:
+                    num_ready = self.client.wait(lease, timeout_s=LOAD_WAIT_S)
+                num_ready = min(num_ready or 0, len(job.block_ids))
+                if num_ready:
+                    self.copier.load(lease.region, job.block_ids[:num_ready], lease.offsets[:num_ready])
+                # Only bytes copied while our lease pinned them can be trusted.
+                return num_ready if self.client.holds(lease) else 0
+            finally:
+                self.client.release(lease)
+        except HpkvError as exc:
+            self.stats.add("server_errors", 1)
+            log.warning("HPKV load failed; vLLM recomputes those blocks: %s", exc)
+            return 0
 
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
