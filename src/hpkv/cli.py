@@ -137,7 +137,7 @@ def _size_option(text: str, option: str) -> int:
 @click.option("--io-threads", default=8, show_default=True, type=click.IntRange(1, 256),
               help="Storage I/O threads.")
 @click.option("--reps", default=5, show_default=True, type=click.IntRange(min=1),
-              help="Timed rounds per figure (the median is reported).")
+              help="Timed rounds per throughput figure (the best is reported).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def bench(sizes: str, total: str, lookup_keys: int, storage_dir: Path | None, pool_dir: Path | None,
           io_threads: int, reps: int, as_json: bool) -> None:
@@ -344,3 +344,37 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
         console.print(", ".join(f"{num} {name}" for name, num in counts.items()), markup=False)
     if failed:
         ctx.exit(EXIT_DOCTOR_FAILED)
+
+
+# --- hpkv demo -------------------------------------------------------------------------------
+
+@main.command()
+@click.option("--model", default=None, help="A model path to serve (default: build a tiny random model; "
+              "needed for a real model on an accelerator).")
+@click.option("--workdir", type=click.Path(path_type=Path), default=None,
+              help="Where the model, storage and logs go (default: a temporary directory).")
+@click.option("--prompt-words", default=2000, show_default=True, help="Length of the long prompt.")
+@click.option("--pool-size", default="1g", show_default=True, help="HPKV_KV_MEM_POOL_SIZE for the demo.")
+def demo(model: str | None, workdir: Path | None, prompt_words: int, pool_size: str) -> None:
+    """Walk the quick-start scenarios on a real vLLM: cold, DRAM hit, storage hit."""
+    import tempfile
+
+    from hpkv.demo.scenario import DemoConfig, has_accelerator, passed, run_demo
+
+    console = _stdout_console()
+    if model is None and has_accelerator():
+        console.print("an accelerator is present: pass --model PATH to run the walk on a real model")
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="hpkv-demo-"))
+    console.print(f"HPKV demo in {workdir} (vLLM log: {workdir / 'vllm.log'})")
+    steps = run_demo(DemoConfig(workdir=workdir, model=model, prompt_words=prompt_words, pool_size=pool_size,
+                                log=console.print))
+    table = Table(title="HPKV quick-start scenarios on vLLM")
+    for column in ("step", "hit tier", "hit tokens", "TTFT (ms)", "identical to vLLM's own prefix-cache hit"):
+        table.add_column(column)
+    for step in steps:
+        table.add_row(step.name, step.tier, str(step.hit_tokens), f"{step.ttft_ms:.0f}" if step.ttft_ms else "-",
+                      step.identical)
+    console.print(table)
+    if not passed(steps):
+        console.print("[red]the demo did not show every documented hit with identical output[/red]")
+        sys.exit(1)

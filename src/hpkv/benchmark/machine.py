@@ -1,0 +1,54 @@
+"""What a benchmark ran on: processors, memory, kernel, and the file system of each path it used.
+
+Figures mean little without this, so every report carries it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import numpy as np
+
+from ..fsinfo import mount_of
+
+
+def describe(pool_dir: Path, storage_dir: Path) -> dict[str, object]:
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "memory_bytes": _mem_total_bytes(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        # Other work on the machine skews every figure; the load at the start says how busy it was.
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "pool_dir": _path_info(pool_dir),
+        "storage_dir": _path_info(storage_dir),
+    }
+
+
+def _path_info(path: Path) -> dict[str, str]:
+    mount = mount_of(path)
+    return {"path": str(path), "fs_type": mount.fs_type, "mount_point": mount.mount_point,
+            "source": mount.source}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _mem_total_bytes() -> int:
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 0
