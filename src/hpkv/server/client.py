@@ -41,6 +41,9 @@ from . import protocol as p
 from .autostart import ServerUnavailable, ensure_server
 
 
+_TIERS = {int(t): t for t in Tier}  # wire code -> Tier, without Enum's slow constructor
+
+
 class ServerError(HpkvError):
     """The server refused a request; `code` says why (see protocol.Error)."""
 
@@ -196,7 +199,7 @@ class Client:
         return reply.ns
 
     def lookup(self, ns: str, keys: list[bytes]) -> Lookup:
-        return Lookup(tuple(Tier(t) for t in self._call(p.Lookup(ns, keys)).tiers))
+        return Lookup(tuple(map(_TIERS.__getitem__, self._call(p.Lookup(ns, keys)).tiers)))
 
     def reserve(self, ns: str, keys: list[bytes]) -> Reservation:
         with self._lock:
