@@ -18,8 +18,8 @@ class FileIO:
     def close(self, fd: int) -> None:
         os.close(fd)
 
-    def size(self, fd: int) -> int:
-        return os.fstat(fd).st_size
+    def stat(self, fd: int) -> os.stat_result:
+        return os.fstat(fd)
 
     def preadv(self, fd: int, buffers: list, offset: int) -> int:
         return os.preadv(fd, buffers, offset)

@@ -72,6 +72,9 @@ class StorageTier:
         self._lock = threading.Lock()
         self._lru: OrderedDict[tuple[str, bytes], int] = OrderedDict()
         self._inflight_bytes = 0
+        # Keys removed while the start-up scan runs, so the scan does not bring them back.
+        self._gone: set[tuple[str, bytes]] | None = set()
+        self._cleared: set[str | None] = set()  # namespaces cleared meanwhile (None: all)
         self._dirs: set[str] = set()
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="hpkv-io")
         self._warned: set[int] = set()
@@ -149,11 +152,11 @@ class StorageTier:
         try:
             header = bytearray(fmt.header_bytes(len(key)))
             expected = len(header) + len(dest)
-            size = self.io.size(fd)
-            got = self.io.preadv(fd, [header, dest], 0) if size == expected else -1
+            st = self.io.stat(fd)
+            got = self.io.preadv(fd, [header, dest], 0) if st.st_size == expected else -1
             reason = (fmt.check(header, bytes.fromhex(ns), key, dest) if got == expected
-                      else f"{size} bytes on disk, expected {expected}")
-            if reason is None and time.time() - os.fstat(fd).st_mtime > TOUCH_EVERY_S:
+                      else f"{st.st_size} bytes on disk, expected {expected}")
+            if reason is None and time.time() - st.st_mtime > TOUCH_EVERY_S:
                 os.utime(fd)
         except OSError as exc:
             # The medium failed, not the file's content: a miss, but the file may be fine later.
@@ -246,6 +249,12 @@ class StorageTier:
             size = self._lru.pop((ns, key), None)
             if size is not None:
                 self.used_bytes -= size
+            self._note_gone([(ns, key)])
+
+    def _note_gone(self, keys) -> None:
+        """Caller holds the lock."""
+        if self._gone is not None:
+            self._gone.update(keys)
 
     def _discard(self, ns: str, key: bytes, path: str, reason: str) -> None:
         log.warning("removing bad KV file %s: %s (the request recomputes)", path, reason)
@@ -265,6 +274,7 @@ class StorageTier:
                 (ns, key), victim_size = self._lru.popitem(last=False)
                 self.used_bytes -= victim_size
                 victims.append((ns, key))
+            self._note_gone(victims)
             self._inflight_bytes += size
         self._unlink_all(victims)
         return True
@@ -277,6 +287,7 @@ class StorageTier:
                 self.used_bytes -= size
                 num_bytes -= size
                 victims.append((ns, key))
+            self._note_gone(victims)
         self._unlink_all(victims)
 
     def _unlink_all(self, victims: list[tuple[str, bytes]]) -> None:
@@ -292,6 +303,8 @@ class StorageTier:
         with self._lock:
             for k in [k for k in self._lru if ns is None or k[0] == ns]:
                 self.used_bytes -= self._lru.pop(k)
+            if self._gone is not None:  # what a running start-up scan found here must not come back
+                self._cleared.add(ns)
         num = 0
         for ns_dir in self._namespace_dirs(ns):
             for path, _ in _entry_files(ns_dir):
@@ -323,7 +336,19 @@ class StorageTier:
 
     def _scan(self) -> None:
         """Index every entry file oldest-first (by mtime) and remove leftover temporaries."""
-        started = last_report = time.monotonic()
+        started = time.monotonic()
+        found = self._walk()
+        self._merge(found)
+        if self.config.capacity_bytes is None:
+            self.capacity_bytes += int(self.used_bytes * AUTO_CAPACITY_FRACTION)
+        if len(found) > 10_000 or time.monotonic() - started > 2.0:
+            log.info("storage index ready: %d files in %.1f s", len(found), time.monotonic() - started)
+        if self.used_bytes > self.capacity_bytes:
+            self._evict_bytes(self.used_bytes - self.capacity_bytes)
+        self.scan_done.set()
+
+    def _walk(self) -> list[tuple[float, str, bytes, int]]:
+        last_report = time.monotonic()
         found = []
         for ns_dir in self._namespace_dirs():
             ns = os.path.basename(ns_dir)
@@ -341,17 +366,21 @@ class StorageTier:
                 if time.monotonic() - last_report > 2.0:
                     last_report = time.monotonic()
                     log.info("storage index: %d files scanned under %s", len(found), self.root)
+        return found
+
+    def _merge(self, found: list[tuple[float, str, bytes, int]]) -> None:
+        """Add what the walk found, except what was removed meanwhile, behind what is known."""
         found.sort(key=lambda item: item[0], reverse=True)
-        for _, ns, key, size in found:
-            if (ns, key) not in self._lru:
-                self._remember(ns, key, size, recent=False)
-        if self.config.capacity_bytes is None:
-            self.capacity_bytes += int(self.used_bytes * AUTO_CAPACITY_FRACTION)
-        if len(found) > 10_000 or time.monotonic() - started > 2.0:
-            log.info("storage index ready: %d files in %.1f s", len(found), time.monotonic() - started)
-        if self.used_bytes > self.capacity_bytes:
-            self._evict_bytes(self.used_bytes - self.capacity_bytes)
-        self.scan_done.set()
+        with self._lock:
+            gone, cleared = self._gone, self._cleared
+            for _, ns, key, size in found:  # newest first, each to the old end
+                k = (ns, key)
+                if k in self._lru or k in gone or ns in cleared or None in cleared:
+                    continue
+                self._lru[k] = size
+                self._lru.move_to_end(k, last=False)
+                self.used_bytes += size
+            self._gone = None
 
     def _remove_temp_if_dead(self, path: str, entry: os.DirEntry) -> None:
         parts = entry.name.split(".")
