@@ -758,29 +758,33 @@ def test_entry_files_and_directories_are_private_to_their_owner(open_tier, stora
     assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
 
 
-def test_an_entry_evicted_while_the_start_up_scan_runs_does_not_come_back(open_tier):
+def test_entries_removed_while_the_start_up_scan_runs_do_not_come_back(open_tier):
     class GatedMerge(StorageTier):
         """The walk has found the files; the merge waits at a gate the test opens."""
 
-        gate = threading.Event()
+        gate, walked = threading.Event(), threading.Event()
 
         def _merge(self, found):
+            self.walked.set()
             self.gate.wait(10)
             super()._merge(found)
 
-    first = open_tier(capacity=4 * file_bytes())
+    first = open_tier()
     for i in range(4):
         write(first, key(i))
+        write(first, key(i), ns=OTHER_NS)
     first.close()
+    with open(first.path_of(NS, key(2)), "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        f.write(b"\xff")
 
-    again = open_tier(cls=GatedMerge, capacity=4 * file_bytes())
-    for i in range(4):
-        assert again.contains(NS, key(i))  # adopted one by one, before the scan is merged
-    assert write(again, key(4))  # evicts the least recently used of them
+    again = open_tier(cls=GatedMerge)
+    assert GatedMerge.walked.wait(10)
+    assert read(again, key(2)) is None  # a bad file: removed during the scan
+    again.remove(OTHER_NS)  # a whole namespace cleared during the scan
     GatedMerge.gate.set()
     assert again.scan_done.wait(10)
 
-    evicted = [i for i in range(4) if not os.path.exists(again.path_of(NS, key(i)))]
-    assert len(evicted) == 1
-    assert not again.contains(NS, key(evicted[0]))
-    assert again.stats()["used_bytes"] == 4 * file_bytes()
+    assert [again.contains(NS, key(i)) for i in range(4)] == [True, True, False, True]
+    assert not any(again.contains(OTHER_NS, key(i)) for i in range(4))
+    assert again.stats()["used_bytes"] == 3 * file_bytes()
