@@ -1,0 +1,409 @@
+"""The quick start's vLLM scenarios, walked on real vLLM servers serving a tiny random Qwen2.
+
+One node (one shared-memory directory, one storage directory), engines started as few times as
+possible and walked in order:
+- A: HPKV configured by the environment, with the documented default threshold (1204 tokens);
+- B: A's restart, configured through HPKV_CONFIG_FILE_PATH=~/hpkv.ini (paths written with `~`);
+- C: a second instance beside B on the node, configured by its default ~/.config/hpkv/config.ini,
+  with VLLM_HPKV_TOKEN_THRESHOLD=512;
+- plain: the same vLLM without HPKV, the oracle;
+- an engine asking for the connector without VLLM_ENABLE_HPKV, which must refuse to start.
+
+The oracle for every request: it gives exactly (token ids, bit-identical logprobs) what vLLM's own
+prefix-cache hit gives for it, taken on `plain` (see `Engine.reference` for why not on the same
+engine).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from hpkv.server import protocol
+from hpkv.server.autostart import answers
+from vllmutil import (
+    BLOCK_SIZE,
+    HPKV_ENV_PREFIXES,
+    Engine,
+    flip_middle_bytes,
+    kill_server,
+    kv_files,
+    num_saved_blocks,
+    same_output,
+    server_pid,
+    server_stats,
+    settled_files,
+    start_all,
+    wait_for,
+    wait_gone,
+)
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install ct-hpkv[engines])"),
+    pytest.mark.timeout(1200),  # a test may pay for engine starts (module fixtures)
+]
+
+MODEL_DIR = Path(tempfile.gettempdir()) / f"hpkv-e2e-model-{os.getuid()}"  # kept: vLLM caches its compile
+VLLM_CACHE_ROOT = os.path.expanduser("~/.cache/vllm")  # engines with their own HOME share it
+
+
+def _prompt(num_words: int, seed: int) -> str:
+    from hpkv.demo.model import prompt_text
+
+    return prompt_text(num_words, seed)
+
+
+LONG = _prompt(1500, seed=1)  # about 1500 tokens: over the documented threshold of 1204
+FOLLOWED = _prompt(1500, seed=6)
+SHARED = _prompt(1500, seed=7)
+SHORT = _prompt(300, seed=5)  # under C's threshold of 512
+MIDDLE = _prompt(800, seed=51)  # over C's threshold, under the default one
+CORRUPTED = _prompt(1500, seed=8)
+SERVED_AGAIN = _prompt(1500, seed=10)
+
+
+@dataclass(frozen=True)
+class Node:
+    root: Path
+    shm: Path  # HPKV_SHARE_MEM_FILE_PATH (short: the server's socket lives there)
+    storage: Path  # HPKV_KV_STORAGE_PATH, inside B's HOME so B names it ~/hpkv/storage
+    home_b: Path
+    home_c: Path
+    logs: Path
+
+
+@pytest.fixture(scope="module")
+def clean_environ():
+    """The engines see only the HPKV settings each test gives them."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in list(os.environ):
+            if name.startswith(HPKV_ENV_PREFIXES):
+                mp.delenv(name)
+        yield
+
+
+@pytest.fixture(scope="module")
+def model():
+    from hpkv.demo.model import build_model
+
+    return build_model(MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory, clean_environ):
+    root = tmp_path_factory.mktemp("vllm-e2e")
+    shm = Path(tempfile.mkdtemp(prefix="hpkv-e2e-", dir="/dev/shm"))
+    place = Node(root, shm, root / "home-b" / "hpkv" / "storage", root / "home-b", root / "home-c", root / "logs")
+    for path in (place.storage, place.home_c, place.logs):
+        path.mkdir(parents=True)
+    yield place
+    kill_server(server_pid(shm))  # whatever server the last engines left
+    shutil.rmtree(shm, ignore_errors=True)
+
+
+def _stop(*engines: Engine, shm: Path) -> None:
+    pid = server_pid(shm)
+    for engine in engines:
+        engine.stop()
+    kill_server(pid)
+
+
+@pytest.fixture(scope="module")
+def unconfigured(node, model):
+    """An engine asking for HpkvConnectorV1 without VLLM_ENABLE_HPKV, started in the background
+    at the beginning: (engine, a future of its start's error, None if it started)."""
+    env = {"HPKV_CONFIG_FILE_PATH": str(node.root / "no-config.ini"),
+           "HPKV_SHARE_MEM_FILE_PATH": str(node.root / "shm-unconfigured")}
+    engine = Engine("unconfigured", model, env, node.logs)
+
+    def start():
+        try:
+            engine.start()
+        except RuntimeError as exc:
+            return exc
+        return None
+
+    with ThreadPoolExecutor(1) as pool:
+        started = pool.submit(start)
+        yield engine, started
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def first_engines(node, model, unconfigured):
+    """A and plain, started side by side (while the unconfigured engine fails beside them)."""
+    no_config = str(node.root / "no-config.ini")  # not the user's config file
+    a = Engine("a", model, {"VLLM_ENABLE_HPKV": "1", "HPKV_KV_MEM_POOL_SIZE": "256m",
+                            "HPKV_SHARE_MEM_FILE_PATH": str(node.shm), "HPKV_KV_STORAGE_PATH": str(node.storage),
+                            "HPKV_SERVER_IDLE_EXIT_S": "2", "HPKV_CONFIG_FILE_PATH": no_config}, node.logs)
+    plain = Engine("plain", model, {"HPKV_CONFIG_FILE_PATH": no_config}, node.logs, hpkv=False)
+    try:
+        start_all([a, plain])
+        yield a, plain
+    finally:
+        _stop(a, plain, shm=node.shm)
+
+
+@pytest.fixture(scope="module")
+def engine_a(first_engines):
+    return first_engines[0]
+
+
+@pytest.fixture(scope="module")
+def plain(first_engines):
+    return first_engines[1]
+
+
+def _write_config(path: Path, **keys: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("# written by test_vllm_e2e\n" + "".join(f"{k}={v}\n" for k, v in keys.items()))
+
+
+@pytest.fixture(scope="module")
+def engines_bc(node, model, engine_a):
+    """A stops, and with its last client the auto-started HPKV server and its DRAM pool go. Then B
+    (A's restart) and C start, C once B's HPKV server answers (so that server reads B's config)."""
+    assert kv_files(node.storage), "engine A saved nothing to restart from"
+    pid = server_pid(node.shm)
+    engine_a.stop()
+    if pid is not None:
+        wait_gone(pid)
+    common = {"VLLM_ENABLE_HPKV": "1", "HPKV_KV_MEM_POOL_SIZE": "256m",
+              "HPKV_SHARE_MEM_FILE_PATH": str(node.shm), "HPKV_SERVER_IDLE_EXIT_S": "2"}
+    _write_config(node.home_b / "hpkv.ini", **common, HPKV_KV_STORAGE_PATH="~/hpkv/storage")
+    (node.home_c / "storage").symlink_to(node.storage)
+    _write_config(node.home_c / ".config" / "hpkv" / "config.ini", **common,
+                  HPKV_KV_STORAGE_PATH="~/storage", VLLM_HPKV_TOKEN_THRESHOLD="512")
+    b = Engine("b", model, {"HOME": str(node.home_b), "HPKV_CONFIG_FILE_PATH": "~/hpkv.ini",
+                            "VLLM_CACHE_ROOT": VLLM_CACHE_ROOT}, node.logs)
+    c = Engine("c", model, {"HOME": str(node.home_c), "VLLM_CACHE_ROOT": VLLM_CACHE_ROOT}, node.logs)
+    try:
+        start_all([b, c], gate=lambda: answers(node.shm / protocol.SOCKET_NAME))
+        yield b, c
+    finally:
+        _stop(b, c, shm=node.shm)
+
+
+@pytest.fixture(scope="module")
+def engine_b(engines_bc):
+    return engines_bc[0]
+
+
+@pytest.fixture(scope="module")
+def engine_c(engines_bc):
+    return engines_bc[1]
+
+
+def _again_after_reset(engine: Engine, prompt):
+    """Send, reset the device prefix cache, send again: (the second answer, its counters)."""
+    engine.complete(prompt)
+    engine.reset_prefix_cache()
+    before = engine.counters()
+    answer = engine.complete(prompt)
+    return answer, engine.counters() - before
+
+
+# -- engine A: the environment route, the documented default threshold ----------------------
+
+
+def test_a_long_prompt_leaves_kv_files_and_a_namespace_on_storage(engine_a, node, model):
+    before = kv_files(node.storage)
+    answer = engine_a.complete(LONG)
+
+    files = settled_files(node.storage, at_least=len(before) + num_saved_blocks(answer)) - before
+    assert len(files) == num_saved_blocks(answer) > 0  # the prompt's blocks and the answer's
+    (ns_dir,) = {path.relative_to(node.storage).parts[0] for path in files}
+    desc = json.loads((node.storage / ns_dir / "namespace.json").read_text())
+    assert desc["engine"] == "vllm" and desc["model"].startswith(str(model))
+    assert desc["block_size"] == BLOCK_SIZE
+
+
+def test_after_a_device_reset_the_prompt_is_served_from_dram(engine_a, plain):
+    answer, got = _again_after_reset(engine_a, LONG)  # reset_external=false: vLLM's cache only
+
+    assert got["host"] > 0
+    assert got["disk"] == got["device"] == 0
+    assert same_output(answer, plain.reference(LONG))
+
+
+def test_reset_external_clears_dram_and_keeps_storage_files(engine_a, node, plain):
+    engine_a.complete(LONG)
+    files = settled_files(node.storage, at_least=1)
+    engine_a.reset_prefix_cache(external=True)
+    assert kv_files(node.storage) >= files
+    before = engine_a.counters()
+
+    answer = engine_a.complete(LONG)
+
+    got = engine_a.counters() - before
+    assert got["disk"] > 0
+    assert got["host"] == 0
+    assert same_output(answer, plain.reference(LONG))
+    assert kv_files(node.storage) >= files
+
+
+def test_a_follow_up_hits_the_blocks_of_the_generated_answer(engine_a, plain):
+    prompt_ids = engine_a.tokenize(FOLLOWED)
+    first = engine_a.complete(prompt_ids, max_tokens=64)
+    prompt_blocks = len(prompt_ids) // BLOCK_SIZE
+    assert num_saved_blocks(first) > prompt_blocks, "the answer must fill blocks of its own"
+    follow_up = prompt_ids + first.token_ids + engine_a.tokenize(_prompt(100, seed=61))
+    engine_a.reset_prefix_cache()
+    before = engine_a.counters()
+
+    answer = engine_a.complete(follow_up)
+
+    got = engine_a.counters() - before
+    assert got["host"] > prompt_blocks * BLOCK_SIZE
+    # vLLM's own hit with the same history: the answer's KV was computed while decoding.
+    assert same_output(plain.complete(prompt_ids, max_tokens=64), first)
+    assert same_output(answer, plain.reference(follow_up))
+
+
+# -- engines B and C: a restart, a second instance ------------------------------------------
+
+
+def test_after_a_restart_the_prompt_is_served_from_storage(engine_b, node, plain):
+    assert server_stats(node.shm)["server"]["storage_path"] == str(node.storage)  # B's ~/hpkv/storage
+    before = engine_b.counters()
+
+    answer = engine_b.complete(LONG)  # B's first request of it: the DRAM pool went with A's server
+
+    got = engine_b.counters() - before
+    assert got["disk"] > 0
+    assert got["host"] == got["device"] == 0
+    assert same_output(answer, plain.reference(LONG))
+
+
+def test_a_second_engine_on_the_node_hits_what_the_first_saved(engine_b, engine_c, plain):
+    engine_b.complete(SHARED)
+    before = engine_c.counters()
+
+    answer = engine_c.complete(SHARED)  # C's first request of it
+
+    got = engine_c.counters() - before
+    assert got["host"] > 0
+    assert got["device"] == 0
+    assert same_output(answer, plain.reference(SHARED))
+
+
+def test_hits_below_the_token_threshold_are_recomputed(engine_c, plain):
+    # C's config file sets VLLM_HPKV_TOKEN_THRESHOLD=512.
+    short_ids = engine_c.tokenize(SHORT)
+    answer, got = _again_after_reset(engine_c, short_ids)
+    assert got["host"] == got["disk"] == 0
+    assert same_output(answer, plain.reference(short_ids))
+
+    # A longer prompt whose HPKV hit is only the short one's blocks (under 512 tokens).
+    extended = short_ids + engine_c.tokenize(_prompt(400, seed=55))
+    engine_c.reset_prefix_cache()
+    before = engine_c.counters()
+    answer = engine_c.complete(extended)
+    got = engine_c.counters() - before
+    assert 0 < got["skipped_tokens"] < 512
+    assert got["host"] == got["disk"] == 0
+    assert same_output(answer, plain.reference(extended))
+
+    # About 800 tokens: a hit over 512 (and under the default 1204) is loaded.
+    answer, got = _again_after_reset(engine_c, MIDDLE)
+    assert got["host"] >= 512
+    assert got["skipped_tokens"] == 0
+    assert same_output(answer, plain.reference(MIDDLE))
+
+
+# -- faults ---------------------------------------------------------------------------------
+
+
+def test_a_corrupt_storage_file_is_a_miss_and_is_removed(engine_b, node, plain):
+    before_files = settled_files(node.storage)
+    # One token: only the prompt's blocks are saved, all of which the request below looks up.
+    first = engine_b.complete(CORRUPTED, max_tokens=1)
+    files = settled_files(node.storage, at_least=len(before_files) + num_saved_blocks(first)) - before_files
+    bad_before = server_stats(node.shm)["storage"]["bad_files"]
+    corrupted = {path: flip_middle_bytes(path) for path in files}
+    engine_b.reset_prefix_cache(external=True)  # DRAM misses: the next request reads storage
+    before = engine_b.counters()
+
+    answer = engine_b.complete(CORRUPTED)
+
+    assert same_output(answer, plain.reference(CORRUPTED))
+    got = engine_b.counters() - before
+    assert got["disk"] == 0  # nothing was loaded from a bad file
+    wait_for(lambda: server_stats(node.shm)["storage"]["bad_files"] - bad_before >= len(files),
+             what="the server to find every corrupted file")
+    for path, content in corrupted.items():  # removed (and perhaps saved again, whole)
+        assert not path.exists() or path.read_bytes() != content
+
+
+def test_a_killed_hpkv_server_costs_hits_not_requests(engine_b, node, plain):
+    prompts = [LONG, SHARED, MIDDLE]
+    for prompt in prompts:
+        engine_b.complete(prompt)  # held by HPKV, wherever it was before
+    old_pid = server_pid(node.shm)
+    answers_, errors = [], []
+    first_done = threading.Event()
+
+    def traffic():
+        for _ in range(2):
+            try:
+                engine_b.reset_prefix_cache()  # so the requests go to HPKV
+                for prompt in prompts:
+                    answers_.append((prompt, engine_b.complete(prompt)))
+                    first_done.set()
+            except Exception as exc:  # reported by the test
+                errors.append(exc)
+                first_done.set()
+
+    before = engine_b.counters()
+    sender = threading.Thread(target=traffic)
+    sender.start()
+    assert first_done.wait(300)
+    os.kill(old_pid, signal.SIGKILL)
+    sender.join(600)
+
+    assert not errors
+    assert (engine_b.counters() - before)["server_errors"] > 0  # the engine did lose its server
+    assert len(answers_) == 2 * len(prompts)
+    for prompt, answer in answers_:
+        assert same_output(answer, plain.reference(prompt))
+    # The engine is still up; its next calls to HPKV (after the client's retry interval) start
+    # a new HPKV server, which serves hits again.
+    later = iter(range(1000))
+
+    def new_server() -> int | None:
+        prompt = _prompt(1300, seed=100 + next(later))  # a fresh prompt: a lookup and saves
+        assert same_output(engine_b.complete(prompt), plain.reference(prompt))
+        pid = server_pid(node.shm)
+        return pid if pid not in (None, old_pid) else None
+
+    new_pid = wait_for(new_server, interval_s=0.5, what="a new HPKV server")
+    stats = server_stats(node.shm)
+    assert stats["server"]["auto"]
+    assert any(client["kind"].startswith("vllm-") for client in stats["clients"])
+    answer, got = _again_after_reset(engine_b, SERVED_AGAIN)
+    assert got["host"] > 0
+    assert same_output(answer, plain.reference(SERVED_AGAIN))
+    assert server_pid(node.shm) == new_pid
+
+
+# -- configuration mistakes -----------------------------------------------------------------
+
+
+def test_the_connector_without_VLLM_ENABLE_HPKV_names_the_variable(unconfigured):
+    engine, started = unconfigured
+    error = started.result(timeout=600)
+
+    assert error is not None, "the engine started without VLLM_ENABLE_HPKV"
+    lines = engine.log_text().splitlines()
+    assert any("VLLM_ENABLE_HPKV" in line and "HpkvConnectorV1" in line for line in lines), engine.log_tail()
+    assert not any("Unsupported connector type" in line for line in lines)
