@@ -117,7 +117,7 @@ def _measure(client: Client) -> dict:
             np.copyto(dst[i * ENTRY : (i + 1) * ENTRY], src[i * ENTRY : (i + 1) * ENTRY])
 
     pool_times, plain_times = [], []
-    for _ in range(6):  # alternate, so background load hits both alike; best round counts
+    for _ in range(10):  # alternate, so background load hits both alike; best round counts
         pool_times += _times(read_pool, 1)
         plain_times += _times(read_plain, 1)
     read_pool()
