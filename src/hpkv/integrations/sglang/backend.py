@@ -1,0 +1,258 @@
+"""HpkvStorage: the L3 storage backend of SGLang's hierarchical cache, kept in HPKV.
+
+SGLang builds it through its `dynamic` storage backend with the zero-copy v1 interface (see
+`flag.py`), one per scheduler process (TP/PP rank), as `HpkvStorage(storage_config, {})`, then
+hands it the host pool (`register_mem_pool_host`). Pages go to and from the node's HPKV server:
+its shared-memory DRAM pool (shared with every other engine on the node, vLLM included) and its
+storage tier, which outlives restarts.
+
+What SGLang calls, from which thread:
+- `batch_exists(keys)` (prefetch thread): how many leading pages HPKV has, DRAM or storage.
+- `batch_get_v1(keys, host_indices)` (prefetch I/O thread): lease the pages (storage hits are
+  read into DRAM first), copy them into the host pages, release. Per key: loaded or not; only
+  bytes copied while the lease still held are reported loaded.
+- `batch_set_v1(keys, host_indices)` (backup thread): reserve, copy, commit. A page HPKV
+  already holds, or has no room for, is skipped and reported stored: a future miss at worst.
+- `clear()` (scheduler, `POST /hicache/storage-backend/clear`): this namespace only, DRAM and
+  storage. `get_stats()`, `close()`.
+
+Every thread has its own HPKV client, so a timeout in one never closes another's connection in
+the middle of a copy. HPKV faults (no server, a server killed or restarted, timeouts) are
+misses: `batch_exists` 0, `batch_get_v1`/`batch_set_v1` False; nothing raises into SGLang's
+threads, and SGLang recomputes. A bad configuration fails at start instead, with the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, List, Optional
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolTransferResult
+
+from ...config import load_settings
+from ...errors import ConfigError, HpkvError
+from ...server.autostart import ServerUnavailable
+from ...server.client import Client
+from . import layout as lay
+from . import pages as pg
+from .flag import backend_config
+from .stats import BackendStats
+
+log = logging.getLogger("hpkv.sglang")
+
+PROMOTION_WAIT_S = 10.0  # storage hits being read into DRAM; SGLang's own prefetch timeout runs too
+FAULT_LOG_INTERVAL_S = 30.0
+
+
+class HpkvStorage(HiCacheStorage):
+    def __init__(self, storage_config, kwargs: Optional[dict] = None) -> None:
+        extra = storage_config.extra_config or {}
+        if not extra.get("interface_v1"):
+            raise ConfigError(
+                "HPKV's SGLang backend needs the zero-copy v1 interface: add \"interface_v1\": 1 to "
+                f"--hicache-storage-backend-extra-config (or use --enable-ct-hpkv), e.g. {backend_config(1204)}")
+        self.storage_config = storage_config
+        self.pool_dir = load_settings().pool.dir
+        self.layout: lay.PageLayout | None = None
+        self.desc = None
+        self.ns: str | None = None
+        self.stats = BackendStats(storage_config.enable_storage_metrics)
+        self._local = threading.local()
+        self._clients: dict[threading.Thread, Client] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._next_fault_log = 0.0
+
+    # -- registration -------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self.layout = lay.page_layout(mem_pool_host)
+        self.desc = lay.namespace(self.storage_config, self.layout)
+        self.ns = self.desc.ns
+        log.info("HPKV storage for SGLang: namespace %s (%s), %d bytes per page, pool %s", self.ns,
+                 self.desc.to_json(), self.layout.entry_bytes, self.pool_dir)
+
+    def on_host_pools_registered(self) -> None:
+        side = [name for name in getattr(self, "registered_pools", {}) if str(name) != "kv"]
+        if side:
+            log.warning("HPKV stores the KV pool only; this model's side pools %s are not stored, so SGLang finds "
+                        "no L3 hits for it", [str(name) for name in side])
+
+    # -- the v1 interface ---------------------------------------------------------------------
+
+    def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
+        if not keys:
+            return 0
+        return self._guard("exists", 0, self._exists, keys)
+
+    def batch_get_v1(self, keys: List[str], host_indices, extra_info: Any = None) -> List[bool]:
+        if not keys:
+            return []
+        return self._guard("load", [False] * len(keys), self._load, keys, host_indices)
+
+    def batch_set_v1(self, keys: List[str], host_indices, extra_info: Any = None) -> List[bool]:
+        if not keys:
+            return []
+        return self._guard("save", [False] * len(keys), self._save, keys, host_indices)
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def _exists(self, keys: List[str]) -> int:
+        client = self._client()
+        hit = client.lookup(self.ns, lay.page_keys(keys))
+        self.stats.looked_up(len(keys), hit.num_dram, hit.num_storage)
+        return hit.num_hit
+
+    def _load(self, keys: List[str], host_indices) -> List[bool]:
+        started = time.perf_counter()
+        host_pages = pg.PageBuffers.of(self.mem_pool_host, host_indices, len(keys), self.layout)
+        client = self._client()
+        lease = client.lease(self.ns, lay.page_keys(keys))
+        try:
+            num = min(self._wait(client, lease), len(keys))
+            if num:
+                pg.load(lease.region, lease.offsets[:num], host_pages)
+            if not client.holds(lease):  # the server let the slots go mid-copy: the bytes are void
+                num = 0
+        finally:
+            self._release(client, lease)
+        self.stats.loaded(num, len(keys) - num, num * self.layout.entry_bytes, time.perf_counter() - started)
+        return [i < num for i in range(len(keys))]
+
+    def _wait(self, client: Client, lease) -> int:
+        deadline = time.monotonic() + PROMOTION_WAIT_S
+        num_ready = client.wait(lease, timeout_s=PROMOTION_WAIT_S)
+        while num_ready is None and time.monotonic() < deadline:
+            num_ready = client.wait(lease, timeout_s=max(0.0, deadline - time.monotonic()))
+        return num_ready or 0
+
+    def _abort(self, client: Client, keys) -> None:
+        try:
+            client.abort(self.ns, keys)
+        except HpkvError:
+            pass  # a vanished server's reservations vanish with it
+
+    @staticmethod
+    def _release(client: Client, lease) -> None:
+        try:
+            client.release(lease)
+        except HpkvError:
+            pass  # a vanished server's leases vanish with it
+
+    def _save(self, keys: List[str], host_indices) -> List[bool]:
+        started = time.perf_counter()
+        host_pages = pg.PageBuffers.of(self.mem_pool_host, host_indices, len(keys), self.layout)
+        entry_keys = lay.page_keys(keys)
+        client = self._client()
+        reservation = client.reserve(self.ns, entry_keys)
+        held = [i for i, offset in enumerate(reservation.offsets) if offset is not None]
+        if held:
+            held_keys = [entry_keys[i] for i in held]
+            try:
+                pg.save(reservation.region, [reservation.offsets[i] for i in held], host_pages, held)
+                if not client.holds(reservation):  # reclaimed with the connection: nothing was stored
+                    return [False] * len(keys)
+                client.commit(self.ns, held_keys)
+            except BaseException:
+                self._abort(client, held_keys)
+                raise
+        self.stats.saved(len(held), len(keys) - len(held), len(held) * self.layout.entry_bytes,
+                         time.perf_counter() - started)
+        return [True] * len(keys)
+
+    # -- the legacy copying interface: not used (v1 is required), so every call is a miss -----
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None):
+        return None
+
+    def batch_get(self, keys: List[str], target_locations: Any = None, target_sizes: Any = None):
+        return [None] * len(keys)
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return False
+
+    def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        return False
+
+    # -- the v2 (hybrid models) interface: side pools are not stored, so every call is a miss --
+
+    def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
+        return PoolTransferResult.empty()
+
+    def batch_get_v2(self, transfers, extra_info=None) -> dict:
+        return {transfer.name: [False] * len(transfer.keys or ()) for transfer in transfers}
+
+    def batch_set_v2(self, transfers, extra_info=None) -> dict:
+        return {transfer.name: [False] * len(transfer.keys or ()) for transfer in transfers}
+
+    # -- administration -----------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Remove this namespace's pages from HPKV, DRAM and storage; other namespaces stay."""
+        if self.ns is None:
+            return
+        self._guard("clear", None, lambda: self._client().clear(memory=True, storage=True, ns=self.ns))
+
+    def get_stats(self):
+        """SGLang's StorageMetrics since the last call; None unless SGLang's metrics are on."""
+        return self.stats.take_storage_metrics()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
+
+    # -- clients and faults -------------------------------------------------------------------
+
+    def _client(self) -> Client:
+        """This thread's client, registered in this rank's namespace."""
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._new_client()
+            self._local.client = client
+            self._local.registered = False
+        if not self._local.registered:
+            client.register(self.desc)
+            self._local.registered = True
+        return client
+
+    def _new_client(self) -> Client:
+        """A client for this thread. SGLang restarts its storage threads (on /flush_cache, for
+        one), so the clients of threads that ended are closed here."""
+        this = threading.current_thread()
+        client = Client(self.pool_dir, kind=f"sglang-{this.name}")
+        with self._lock:
+            if self._closed:
+                raise ServerUnavailable("the HPKV storage backend is closed")
+            ended = [thread for thread in self._clients if not thread.is_alive()]
+            for thread in ended:
+                self._clients.pop(thread).close()
+            self._clients[this] = client
+        return client
+
+    def _guard(self, what: str, miss, fn, *args):
+        """SGLang's threads get a miss, never an exception."""
+        if self._closed or self.ns is None:
+            return miss
+        try:
+            return fn(*args)
+        except HpkvError as exc:
+            self.stats.fault()
+            now = time.monotonic()
+            if now >= self._next_fault_log:
+                self._next_fault_log = now + FAULT_LOG_INTERVAL_S
+                log.warning("HPKV %s failed, SGLang recomputes (next %.0f s of such faults logged at debug): %s",
+                            what, FAULT_LOG_INTERVAL_S, exc)
+            else:
+                log.debug("HPKV %s failed: %s", what, exc)
+        except Exception:
+            self.stats.fault()
+            log.exception("HPKV %s failed unexpectedly; SGLang recomputes", what)
+        return miss

@@ -1,0 +1,148 @@
+"""`--enable-ct-hpkv`: the one flag the product documents for SGLang, rewritten into SGLang's own.
+
+    sglang serve --model-path MODEL --enable-ct-hpkv --page-size 64 ...
+becomes
+    sglang serve --model-path MODEL --page-size 64 ... --enable-hierarchical-cache
+        --hicache-storage-backend dynamic --hicache-mem-layout page_first
+        --hicache-storage-backend-extra-config '{"backend_name": "ct_hpkv",
+            "module_path": "hpkv.integrations.sglang.backend", "class_name": "HpkvStorage",
+            "interface_v1": 1, "prefetch_threshold": <VLLM_HPKV_TOKEN_THRESHOLD>}'
+
+Rules, each for a reason:
+- Idempotent: both entry points (the serve backend and the `prepare_server_args` hook) may run
+  on one command line; without the flag the argv comes back unchanged.
+- A HiCache flag the user gave is never overridden (also when it comes from SGLang's `--config`
+  file). A user's inline JSON extra-config keeps every key it sets; HPKV only adds the keys it
+  lacks. A `@file` extra-config, or another storage backend, is left as it is (with a warning).
+- `--hicache-mem-layout page_first` pins SGLang's current default on GPU, so HPKV's namespaces
+  (which include the layout) stay the same across SGLang upgrades. On Ascend (`--device npu`, or
+  torch_npu installed and no `--device`) SGLang picks its own I/O backend and layout, so neither
+  is touched.
+- The documented order `--model-path --enable-ct-hpkv /path/to/model` works: dropping the flag
+  leaves `--model-path /path/to/model`.
+
+Primitives: `FLAG`, `wants_hpkv(argv)`, `rewrite_argv(argv, threshold)`, `token_threshold()`.
+Must not know: pools, servers; it imports SGLang only to expand `--config`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from collections.abc import Sequence
+
+log = logging.getLogger("hpkv.sglang")
+
+FLAG = "--enable-ct-hpkv"
+BACKEND_NAME = "ct_hpkv"
+BACKEND_MODULE = "hpkv.integrations.sglang.backend"
+BACKEND_CLASS = "HpkvStorage"
+DOCUMENTED_THRESHOLD = 1204  # VLLM_HPKV_TOKEN_THRESHOLD's documented default, also used for "auto"
+
+_HICACHE_ON = ("--enable-hierarchical-cache", "--enable-hicache")
+_BACKEND = "--hicache-storage-backend"
+_EXTRA = "--hicache-storage-backend-extra-config"
+_LAYOUT = "--hicache-mem-layout"
+_IO = "--hicache-io-backend"
+
+
+def wants_hpkv(argv: Sequence[str]) -> bool:
+    return FLAG in argv
+
+
+def rewrite_argv(argv: Sequence[str], threshold: int | None = None) -> list[str]:
+    """SGLang's flags for `--enable-ct-hpkv`; `argv` unchanged when the flag is absent.
+
+    `threshold` (tokens) defaults to HPKV's configured VLLM_HPKV_TOKEN_THRESHOLD.
+    """
+    argv = list(argv)
+    if not wants_hpkv(argv):
+        return argv
+    argv = [arg for arg in _expand_config(argv) if arg != FLAG]
+    if threshold is None:
+        threshold = token_threshold()
+    if not any(flag in argv for flag in _HICACHE_ON):
+        argv.append(_HICACHE_ON[0])
+    backend = _value(argv, _BACKEND)
+    if backend is None:
+        argv += [_BACKEND, "dynamic"]
+    elif backend != "dynamic":
+        log.warning("--enable-ct-hpkv: %s %s was given, so HPKV is not SGLang's storage backend", _BACKEND, backend)
+        return argv
+    _set_extra_config(argv, threshold)
+    if not _on_npu(argv) and _value(argv, _LAYOUT) is None and _value(argv, _IO) is None:
+        argv += [_LAYOUT, "page_first"]
+    return argv
+
+
+def backend_config(threshold: int) -> dict:
+    """The keys of the extra-config that select HPKV's backend with the zero-copy v1 interface."""
+    return {"backend_name": BACKEND_NAME, "module_path": BACKEND_MODULE, "class_name": BACKEND_CLASS,
+            "interface_v1": 1, "prefetch_threshold": threshold}
+
+
+def token_threshold() -> int:
+    """HPKV's load threshold in tokens (config file > env > default), for SGLang's prefetch."""
+    from ...config import load_settings
+
+    threshold = load_settings().token_threshold
+    return DOCUMENTED_THRESHOLD if threshold is None else threshold
+
+
+def _set_extra_config(argv: list[str], threshold: int) -> None:
+    ours = backend_config(threshold)
+    given = _value(argv, _EXTRA)
+    if given is None:
+        argv += [_EXTRA, json.dumps(ours)]
+        return
+    try:
+        theirs = json.loads(given)
+    except ValueError:
+        theirs = None
+    if not isinstance(theirs, dict):
+        log.warning("--enable-ct-hpkv: %s is not an inline JSON object (%.60s); it is left as given, so it must "
+                    "name HPKV's backend itself: %s", _EXTRA, given, json.dumps(ours))
+        return
+    _replace_value(argv, _EXTRA, json.dumps({**ours, **theirs}))
+
+
+def _on_npu(argv: list[str]) -> bool:
+    device = _value(argv, "--device")
+    if device is not None:
+        return device.startswith("npu")
+    return importlib.util.find_spec("torch_npu") is not None
+
+
+def _expand_config(argv: list[str]) -> list[str]:
+    """Inline SGLang's `--config FILE` the way prepare_server_args would, so the HiCache flags
+    the file sets count as given (they would otherwise lose to the ones added here)."""
+    if "--config" not in argv:
+        return argv
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return list(ConfigArgumentMerger(parser).merge_config_with_args(argv))
+
+
+def _value(argv: list[str], name: str) -> str | None:
+    """The last value given for `name` (argparse keeps the last), as `name V` or `name=V`."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif arg.startswith(name + "="):
+            found = arg[len(name) + 1:]
+    return found
+
+
+def _replace_value(argv: list[str], name: str, value: str) -> None:
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            argv[i + 1] = value
+        elif arg.startswith(name + "="):
+            argv[i] = f"{name}={value}"

@@ -1,0 +1,215 @@
+"""HpkvStorage as SGLang builds and calls it: through SGLang's real storage factory, with SGLang's
+real host KV pools, against a real HPKV server. Pages go in from one pool and come back
+byte-identical into another; only a reader of the very same layout, dtype and shard ever hits;
+pages survive a server restart on storage; a vLLM engine on the node never sees them."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+import torch
+
+import sglangutil as su
+from serverutil import Node
+from hpkv.errors import ConfigError
+from hpkv.integrations.sglang import flag
+from hpkv.keys import NamespaceDesc, make_key
+from hpkv.store import Tier
+
+PAGES = 6
+
+
+@pytest.fixture
+def node(shm_dir, tmp_path, monkeypatch):
+    node = Node(shm_dir, tmp_path)
+    su.use_node_env(monkeypatch, node)
+    node.start_server()
+    yield node
+    node.close()
+
+
+def write_pages(storage, pool, keys, pages=None):
+    pages = list(range(len(keys))) if pages is None else pages
+    return storage.batch_set_v1(keys, su.page_indices(pool, pages))
+
+
+def test_sglangs_factory_builds_hpkv_from_the_flags_extra_config(node):
+    """From the documented command line to a backend, through SGLang's own parsers."""
+    from sglang.srt.server_args import prepare_server_args
+
+    sg = su.sglang_modules()
+    with su.root_logging_kept():
+        args = prepare_server_args(flag.rewrite_argv(su.GPU_ARGV))
+    extra, threshold, *_ = sg.hybrid_controller.HybridCacheController.parse_storage_backend_extra_config(
+        args.hicache_storage_backend_extra_config)
+    assert threshold == 1204
+    config = su.storage_config(model_name=args.served_model_name, extra=extra)
+    storage = sg.factory.StorageBackendFactory.create_backend(args.hicache_storage_backend, config, None)
+    assert type(storage).__name__ == "HpkvStorage"
+    assert isinstance(storage, sg.hicache_storage.HiCacheStorage)
+    storage.close()
+
+
+@pytest.mark.parametrize("kind,layout", [("mha", "page_first"), ("mha", "layer_first"),
+                                         ("mla", "page_first"), ("mla", "layer_first")])
+def test_pages_come_back_byte_identical_into_a_fresh_pool(node, kind, layout):
+    source = su.host_pool(kind, layout, seed=1)
+    keys = su.page_hashes("a long shared system prompt", PAGES)
+    writer = su.backend(source, su.storage_config(is_mla=kind == "mla"))
+    assert write_pages(writer, source, keys, pages=[3, 4, 5, 6, 7, 8]) == [True] * PAGES
+
+    fresh = su.host_pool(kind, layout, seed=None)
+    reader = su.backend(fresh, su.storage_config(is_mla=kind == "mla"))
+    assert reader.batch_exists(keys) == PAGES
+    assert reader.batch_get_v1(keys, su.page_indices(fresh, [10, 2, 11, 12, 13, 14])) == [True] * PAGES
+    for src, dst in zip([3, 4, 5, 6, 7, 8], [10, 2, 11, 12, 13, 14]):
+        assert su.page_bytes(fresh, dst * 4) == su.page_bytes(source, src * 4)
+    zeros = bytes(len(su.page_bytes(fresh, 0)))
+    untouched = set(range(fresh.size // 4)) - {10, 2, 11, 12, 13, 14}
+    assert all(su.page_bytes(fresh, p * 4) == zeros for p in untouched)  # nothing written past a page
+    writer.close()
+    reader.close()
+
+
+def test_batch_exists_counts_the_leading_hits_only(node):
+    pool = su.host_pool()
+    storage = su.backend(pool)
+    keys = su.page_hashes("prompt", 5)
+    write_pages(storage, pool, [keys[0], keys[1], keys[3]])
+    assert storage.batch_exists(keys) == 2
+    assert storage.batch_exists(keys[3:]) == 1
+    assert storage.batch_exists(su.page_hashes("another prompt", 3)) == 0
+    assert storage.exists(keys[3]) and not storage.exists(keys[2])
+    assert storage.batch_get_v1(keys[:3], su.page_indices(pool, [20, 21, 22])) == [True, True, False]
+    storage.close()
+
+
+def test_another_layout_dtype_or_rank_never_hits(node):
+    """Same model, same keys: different bytes, so different namespaces. float16 has the size
+    of bfloat16 and would load without complaint, scrambled."""
+    keys = su.page_hashes("prompt", 3)
+    pool = su.host_pool("mha", "page_first")
+    write_pages(su.backend(pool), pool, keys)
+    readers = {
+        "layer_first": su.backend(su.host_pool("mha", "layer_first")),
+        "float16": su.backend(su.host_pool("mha", "page_first", dtype=torch.float16)),
+        "tp rank 1 of 2": su.backend(pool, su.storage_config(tp_rank=1, tp_size=2)),
+        "pp rank 1 of 2": su.backend(pool, su.storage_config(pp_rank=1, pp_size=2)),
+        "another model": su.backend(pool, su.storage_config(model_name="other-model")),
+    }
+    assert {what: r.batch_exists(keys) for what, r in readers.items()} == dict.fromkeys(readers, 0)
+    assert su.backend(su.host_pool("mha", "page_first")).batch_exists(keys) == 3
+
+
+def test_mla_pages_written_by_rank_0_are_read_by_every_rank(node):
+    keys = su.page_hashes("prompt", 3)
+    pool = su.host_pool("mla", "page_first")
+    rank0 = su.backend(pool, su.storage_config(is_mla=True, tp_rank=0, tp_size=4))
+    write_pages(rank0, pool, keys)
+    rank3 = su.backend(su.host_pool("mla", "page_first", seed=None), su.storage_config(is_mla=True, tp_rank=3,
+                                                                                      tp_size=4))
+    assert rank3.batch_exists(keys) == 3
+    assert rank3.batch_get_v1(keys, su.page_indices(rank3.mem_pool_host, [0, 1, 2])) == [True] * 3
+    assert su.page_bytes(rank3.mem_pool_host, 4) == su.page_bytes(pool, 4)
+
+
+def test_pages_survive_a_server_restart_on_storage(node):
+    """The documented storage hit: SGLang restarted (new host pool), the DRAM tier gone with its
+    server, the same storage path: the repeated prompt is read from storage."""
+    keys = su.page_hashes("a long document", PAGES)
+    before = su.host_pool(seed=7)
+    first = su.backend(before)
+    write_pages(first, before, keys)
+    first.close()
+    server = node.servers[0]
+    server.send_signal(signal.SIGTERM)  # finishes the write-throughs in flight, then exits
+    assert server.wait(timeout=30) == 0
+    node.start_server()
+
+    after = su.host_pool(seed=None)
+    second = su.backend(after)
+    looking = node.client()
+    looking.register(second.desc)
+    assert looking.lookup(second.ns, [make_key(k) for k in keys]).tiers == (Tier.STORAGE,) * PAGES
+    assert second.batch_exists(keys) == PAGES
+    assert second.batch_get_v1(keys, su.page_indices(after, range(PAGES))) == [True] * PAGES
+    assert all(su.page_bytes(after, p * 4) == su.page_bytes(before, p * 4) for p in range(PAGES))
+    second.close()
+
+
+def test_a_vllm_engine_on_the_node_never_sees_sglangs_pages(node):
+    pool = su.host_pool()
+    storage = su.backend(pool)
+    keys = su.page_hashes("prompt", 3)
+    fields = json.loads(storage.desc.to_json())
+    vllm_desc = NamespaceDesc.from_json(json.dumps({**fields, "engine": "vllm"}))
+    vllm = node.client("vllm-worker")
+    vllm_ns = vllm.register(vllm_desc)
+    assert vllm_ns != storage.ns
+    entry_keys = [make_key(k) for k in keys]
+    reservation = vllm.reserve(vllm_ns, entry_keys)  # vLLM stores first, under the very same keys
+    for i in range(3):
+        reservation.view(i)[:] = b"\x5a" * storage.layout.entry_bytes
+    assert vllm.commit(vllm_ns, entry_keys) == 3
+
+    assert storage.batch_exists(keys) == 0
+    assert write_pages(storage, pool, keys) == [True] * 3
+    fresh = su.host_pool(seed=None)
+    reader = su.backend(fresh)
+    assert reader.batch_get_v1(keys, su.page_indices(fresh, [0, 1, 2])) == [True] * 3
+    assert su.page_bytes(fresh, 0) == su.page_bytes(pool, 0)
+    lease = vllm.lease(vllm_ns, entry_keys)
+    assert vllm.wait(lease) == 3 and bytes(lease.view(2)) == b"\x5a" * storage.layout.entry_bytes
+    vllm.release(lease)
+
+
+def test_clear_removes_this_namespace_only(node):
+    pool = su.host_pool()
+    keys = su.page_hashes("prompt", 3)
+    ours, theirs = su.backend(pool), su.backend(pool, su.storage_config(model_name="other-model"))
+    write_pages(ours, pool, keys)
+    write_pages(theirs, pool, keys)
+    ours.clear()
+    assert ours.batch_exists(keys) == 0 and theirs.batch_exists(keys) == 3
+
+
+def test_without_a_reachable_server_everything_is_a_miss(node, monkeypatch, tmp_path):
+    """HPKV_SHARE_MEM_FILE_PATH unusable: no server can start; SGLang just recomputes."""
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    monkeypatch.setenv("HPKV_SHARE_MEM_FILE_PATH", str(not_a_dir))
+    pool = su.host_pool()
+    storage = su.backend(pool)
+    keys = su.page_hashes("prompt", 2)
+    assert storage.batch_exists(keys) == 0
+    assert storage.batch_set_v1(keys, su.page_indices(pool, [0, 1])) == [False, False]
+    assert storage.batch_get_v1(keys, su.page_indices(pool, [0, 1])) == [False, False]
+    storage.clear()
+    assert storage.stats.snapshot()["faults"] >= 3
+
+
+def test_stats_and_close(node):
+    pool = su.host_pool()
+    storage = su.backend(pool, su.storage_config(metrics=True))
+    keys = su.page_hashes("prompt", 4)
+    write_pages(storage, pool, keys)
+    assert write_pages(storage, pool, keys) == [True] * 4  # held already: skipped, reported stored
+    storage.batch_exists(keys)
+    storage.batch_get_v1(keys, su.page_indices(pool, [10, 11, 12, 13]))
+    counts = storage.stats.snapshot()
+    assert (counts["saved_pages"], counts["save_skipped_pages"], counts["hit_pages_dram"],
+            counts["loaded_pages"]) == (4, 4, 4, 4)
+    metrics = storage.get_stats()
+    assert metrics.backup_pgs == [4] and metrics.prefetch_pgs == [4] and len(metrics.prefetch_bandwidth) == 1
+    assert storage.get_stats().backup_pgs == []  # drained
+    storage.close()
+    assert storage.batch_exists(keys) == 0
+
+
+def test_the_backend_refuses_the_copying_interface():
+    with pytest.raises(ConfigError, match="interface_v1"):
+        su.backend(su.host_pool(), su.storage_config(extra={"backend_name": "ct_hpkv",
+                                                             "module_path": "hpkv.integrations.sglang.backend",
+                                                             "class_name": "HpkvStorage"}))
