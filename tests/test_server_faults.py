@@ -64,7 +64,7 @@ def test_server_killed_in_the_middle_of_writes(node):
     assert node.socket_path.exists() and node.pool_path.exists()  # what a -9 leaves behind
 
     summary = writer.recv(timeout_s=30)
-    assert summary["max_call_s"] <= 2.0 + 1.0
+    assert summary["max_call_s"] <= 2.0 + 5.0  # the timeout plus scheduling slack on a busy machine: no hang
     assert summary["unavailable"] >= 1 and summary["other_errors"] == []
     new_pid = writer.call("stats")["server_pid"]
     assert new_pid != old_pid and node.server_pids() == [new_pid]
@@ -160,7 +160,7 @@ def test_a_client_finds_a_new_server_by_itself_and_registers_again(node):
     wait_gone(old_pid)
 
     first = engine.try_call("lookup", prefix="prompt", n=4)
-    assert first["error"] == "ServerUnavailable" and first["elapsed_s"] < 1
+    assert first["error"] == "ServerUnavailable" and first["elapsed_s"] < 3
     soon = engine.try_call("lookup", prefix="prompt", n=4)  # within the retry interval: no attempt
     assert soon["error"] == "ServerUnavailable" and "retrying in" in soon["message"]
     assert node.server_pids() == []
@@ -194,7 +194,7 @@ def test_a_server_that_stops_answering_costs_a_call_its_timeout_not_a_hang(node)
     server.send_signal(signal.SIGSTOP)
     try:
         stuck = engine.try_call("lookup", prefix="prompt", n=2)
-        assert stuck["error"] == "ServerUnavailable" and 1.0 <= stuck["elapsed_s"] <= 1.0 + 1.0
+        assert stuck["error"] == "ServerUnavailable" and 1.0 <= stuck["elapsed_s"] <= 1.0 + 5.0
     finally:
         server.send_signal(signal.SIGCONT)
     time.sleep(0.5)
