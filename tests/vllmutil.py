@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import serverutil
 from hpkv.demo.engine import Completion, VllmServer
 from hpkv.errors import HpkvError
 from hpkv.server import protocol
@@ -32,14 +33,8 @@ _COUNTER_PREFIX = {
 
 
 def wait_for(predicate, timeout_s: float = 60.0, interval_s: float = 0.1, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(interval_s)
+    """serverutil.wait_for with an engine-sized default timeout."""
+    return serverutil.wait_for(predicate, timeout_s=timeout_s, interval_s=interval_s, what=what)
 
 
 def same_output(a: Completion, b: Completion) -> bool:
