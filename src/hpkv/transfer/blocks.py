@@ -1,21 +1,28 @@
 """Copies whole engine blocks between the engine's paged KV cache and pool entries.
 
 The engine's cache is given as one byte view per layer, `(num_blocks, page_bytes)` int8, on
-whatever device the engine uses (CUDA, Ascend NPU, CPU): copies are plain torch `copy_` and
-`index_select`/`index_copy_`, so no device-specific code is needed. An entry is the layers' pages
-of one block, concatenated in layer order.
+whatever device the engine uses (CUDA, Ascend NPU, CPU): copies are plain torch `copy_`, so no
+device-specific code is needed, with one exception: on the CPU they are numpy `copyto` of the
+same memory, on the calling thread. torch's CPU `copy_` opens an OpenMP parallel region per call,
+and on a busy machine each region waits for a descheduled thread. Measured on 2 shared cores:
+256 scattered blocks of 28 x 32 KiB moved at 0.01 GB/s with torch, 3 GB/s with numpy; eight
+8 MiB copies took 6-75 ms with torch, 9-17 ms with numpy. On an idle many-core machine torch
+could move a large run a few ms faster; numpy's cost is bounded, torch's is not. An entry is
+the layers' pages of one block, concatenated in layer order.
 
 Copies are batched: block ids and pool offsets are split into runs where both advance by a
 constant step, and each run costs one strided copy per layer instead of one copy per block.
 
 The pool is mapped as a CPU tensor; on CUDA it is registered as pinned memory (cudaHostRegister)
-once per pool file, so device copies DMA straight into it.
+once per pool file, so device copies DMA straight into it, in both directions without waiting
+for each copy (the stream is synchronized once, before `save`/`load` return).
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from ..pool.region import PoolRegion
@@ -81,23 +88,30 @@ class BlockCopier:
 
     def save(self, region: PoolRegion, block_ids: list[int], offsets: list[int]) -> None:
         """Copy blocks into pool entries (device -> pool)."""
-        pool = self.pools.get(region)
-        for first_block, block_step, first_offset, offset_step, length in _runs(block_ids, offsets):
-            for view, layer_offset, page in zip(self.layer_views, self.layer_offsets, self.page_bytes):
-                src = view[first_block : first_block + block_step * (length - 1) + 1 : block_step]
-                dst = pool.as_strided((length, page), (offset_step, 1), first_offset + layer_offset)
-                dst.copy_(src)
+        for blocks, entries in self._pairs(region, block_ids, offsets):
+            self._copy(entries, blocks)
         self._sync()
 
     def load(self, region: PoolRegion, block_ids: list[int], offsets: list[int]) -> None:
         """Copy pool entries into blocks (pool -> device)."""
+        for blocks, entries in self._pairs(region, block_ids, offsets):
+            self._copy(blocks, entries)
+        self._sync()
+
+    def _pairs(self, region: PoolRegion, block_ids: list[int], offsets: list[int]):
+        """(engine rows, pool rows) views for every run and layer."""
         pool = self.pools.get(region)
         for first_block, block_step, first_offset, offset_step, length in _runs(block_ids, offsets):
+            stop = first_block + block_step * (length - 1) + 1
             for view, layer_offset, page in zip(self.layer_views, self.layer_offsets, self.page_bytes):
-                src = pool.as_strided((length, page), (offset_step, 1), first_offset + layer_offset)
-                dst = view[first_block : first_block + block_step * (length - 1) + 1 : block_step]
-                dst.copy_(src, non_blocking=self.pools.pinned)
-        self._sync()
+                yield view[first_block:stop:block_step], pool.as_strided((length, page), (offset_step, 1),
+                                                                          first_offset + layer_offset)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.device.type == "cpu":
+            np.copyto(dst.numpy(), src.numpy())
+        else:
+            dst.copy_(src, non_blocking=self.pools.pinned)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
