@@ -19,7 +19,7 @@ from typing import Mapping
 from . import __version__
 from .config import PoolConfig, Settings, StorageConfig, load_settings
 from .errors import ConfigError, HpkvError
-from .fsinfo import free_bytes, mem_available_bytes, mount_of
+from .fsinfo import existing_ancestor, free_bytes, mem_available_bytes, mount_of
 from .pool.region import POOL_FILE_NAME
 from .server import protocol as p
 from .server.autostart import ServerUnavailable
@@ -132,18 +132,12 @@ def check_pool_fs(pool: PoolConfig) -> Check:
                  "HPKV_SHARE_MEM_FILE_PATH at a directory under /dev/shm")
 
 
-def _nearest_existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def check_pool_permissions(pool: PoolConfig) -> Check:
     name = "pool directory: permissions"
     directory = Path(pool.dir)
     uid = os.geteuid()
     if not directory.exists():
-        parent = _nearest_existing(directory)
+        parent = existing_ancestor(directory)
         if os.access(parent, os.W_OK | os.X_OK):
             return Check(name, Verdict.OK, f"{directory} does not exist yet; the server creates it with mode 0700")
         return Check(name, Verdict.FAIL, f"{directory} does not exist and {parent} is not writable by uid {uid}",
@@ -261,7 +255,7 @@ def check_storage_permissions(storage: StorageConfig) -> Check:
     path = Path(storage.path)
     uid = os.geteuid()
     if not path.exists():
-        parent = _nearest_existing(path)
+        parent = existing_ancestor(path)
         if os.access(parent, os.W_OK | os.X_OK):
             return Check(name, Verdict.OK, f"{path} does not exist yet; the server creates it")
         return Check(name, Verdict.FAIL, f"{path} does not exist and {parent} is not writable by uid {uid}",

@@ -29,7 +29,7 @@ def _unescape(field: str) -> str:
 
 def mount_of(path: str | os.PathLike) -> Mount:
     """The mount holding `path` (the longest mount point that is a prefix of its real path)."""
-    target = os.path.realpath(_existing_ancestor(Path(path)))
+    target = os.path.realpath(existing_ancestor(Path(path)))
     best = Mount("/", "unknown", "unknown")
     with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
         for line in f:
@@ -44,12 +44,12 @@ def mount_of(path: str | os.PathLike) -> Mount:
 
 def free_bytes(path: str | os.PathLike) -> int:
     """Bytes an unprivileged writer may still use on the file system holding `path`."""
-    st = os.statvfs(_existing_ancestor(Path(path)))
+    st = os.statvfs(existing_ancestor(Path(path)))
     return st.f_bavail * st.f_frsize
 
 
 def total_bytes(path: str | os.PathLike) -> int:
-    st = os.statvfs(_existing_ancestor(Path(path)))
+    st = os.statvfs(existing_ancestor(Path(path)))
     return st.f_blocks * st.f_frsize
 
 
@@ -61,7 +61,8 @@ def mem_available_bytes() -> int:
     return 0
 
 
-def _existing_ancestor(path: Path) -> Path:
+def existing_ancestor(path: Path) -> Path:
+    """`path` itself if it exists, else its nearest existing parent."""
     path = path.absolute()
     while not path.exists() and path != path.parent:
         path = path.parent

@@ -66,7 +66,7 @@ class VllmServer:
     process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 600.0) -> "VllmServer":
-        env = {**os.environ, **CPU_ENV, "VLLM_SERVER_DEV_MODE": "1", **self.env}
+        env = {**CPU_ENV, **os.environ, "VLLM_SERVER_DEV_MODE": "1", **self.env}  # CPU_ENV: defaults
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                *documented_flags(self.model, self.port, self.served_name, self.hpkv, self.block_size,
                                  self.extra_flags)]
