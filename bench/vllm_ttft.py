@@ -45,6 +45,7 @@ import numpy as np
 from hpkv.benchmark.machine import describe
 from hpkv.demo.engine import Completion, VllmServer, documented_flags
 from hpkv.demo.model import BENCH, build_model, prompt_text
+from hpkv.demo.scenario import documented_env
 from hpkv.pool.region import POOL_FILE_NAME
 
 TARGETS = {  # ratio name -> (numerator row, denominator row, bound, "<=" or ">=")
@@ -235,14 +236,8 @@ def hpkv_server_alive(pool_dir: Path) -> bool:
 
 
 def hpkv_env(opts: Options, pool_dir: Path, storage_dir: Path) -> dict[str, str]:
-    """The documented exports, isolated from any user config (threshold: its default)."""
-    return {
-        "VLLM_ENABLE_HPKV": "1",
-        "HPKV_KV_MEM_POOL_SIZE": opts.pool_size,
-        "HPKV_SHARE_MEM_FILE_PATH": str(pool_dir),
-        "HPKV_KV_STORAGE_PATH": str(storage_dir),
-        "HPKV_CONFIG_FILE_PATH": str(opts.workdir / "no-such-config.ini"),
-    }
+    """The documented exports, as the demo uses them (threshold: its default)."""
+    return documented_env(opts.pool_size, pool_dir, storage_dir, opts.workdir)
 
 
 def engine_env() -> dict[str, str]:

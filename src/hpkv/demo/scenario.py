@@ -51,14 +51,14 @@ def has_accelerator() -> bool:
         return False
 
 
-def documented_env(cfg: DemoConfig, pool_dir: Path, storage: Path) -> dict[str, str]:
-    """The documented exports (pool size scaled to this machine), isolated from user config."""
+def documented_env(pool_size: str, pool_dir: Path, storage: Path, workdir: Path) -> dict[str, str]:
+    """The documented exports (pool size scaled to the machine), isolated from user config."""
     return {
         "VLLM_ENABLE_HPKV": "1",
-        "HPKV_KV_MEM_POOL_SIZE": cfg.pool_size,
+        "HPKV_KV_MEM_POOL_SIZE": pool_size,
         "HPKV_SHARE_MEM_FILE_PATH": str(pool_dir),
         "HPKV_KV_STORAGE_PATH": str(storage),
-        "HPKV_CONFIG_FILE_PATH": str(cfg.workdir / "no-config.ini"),
+        "HPKV_CONFIG_FILE_PATH": str(workdir / "no-config.ini"),
     }
 
 
@@ -68,7 +68,7 @@ def run_demo(cfg: DemoConfig) -> list[Step]:
     storage = cfg.workdir / "storage"
     shutil.rmtree(storage, ignore_errors=True)
     pool_dir = Path(tempfile.mkdtemp(prefix="hpkv-demo-", dir="/dev/shm"))
-    env = documented_env(cfg, pool_dir, storage)
+    env = documented_env(cfg.pool_size, pool_dir, storage, cfg.workdir)
     for key, value in env.items():
         cfg.log(f"  export {key}={value}")
     prompt = prompt_text(cfg.prompt_words, seed=2024)
