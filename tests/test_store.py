@@ -120,6 +120,23 @@ def test_commits_are_written_through_and_survive_a_dram_clear(open_store):
     assert store.lookup(ns, ks).tiers == (Tier.DRAM,) * 5  # promoted for loading
 
 
+def test_a_lease_can_answer_before_its_storage_reads_are_queued(open_store):
+    store = open_store()
+    ns = store.register(desc())
+    ks = keys(4)
+    save(store, ns, ks)
+    assert store.flush(timeout=10)
+    store.clear(memory=True)
+    lease = store.lease(ns, ks, start_reads=False)
+    assert len(lease.offsets) == 4 and not lease.done
+    assert store.counters.promotions == 4 and store.storage.stats()["reads"] == 0
+    store.start_reads(lease)
+    assert lease.wait(timeout=10) == 4
+    size = store.entry_bytes(ns)
+    assert [bytes(store.region.buf[o : o + size]) for o in lease.offsets] == [payload(k) for k in ks]
+    store.release(lease.id)
+
+
 def test_dram_hits_are_listed_before_storage_hits_in_one_prefix(open_store):
     store = open_store()
     ns = store.register(desc())

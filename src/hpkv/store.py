@@ -65,6 +65,7 @@ class Lease:
     owner: int
     entries: list[DramEntry]
     promotions: list[Future | None]
+    reads: list[tuple[DramEntry, Future]] = field(default_factory=list)  # not yet queued
     offsets: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -183,21 +184,38 @@ class TieredStore:
             per_ns[3] += len(tiers) - num_dram
         return Lookup(tuple(tiers))
 
-    def lease(self, ns: str, keys: list[bytes], owner: int = 0) -> Lease:
-        """Pin the leading hits; storage hits are read into DRAM slots in the background."""
+    def lease(self, ns: str, keys: list[bytes], owner: int = 0, start_reads: bool = True) -> Lease:
+        """Pin the leading hits; storage hits are read into DRAM slots in the background. With
+        `start_reads=False` those reads wait for `start_reads(lease)`: a server answers first, so
+        the I/O threads do not hold up the reply the caller (a scheduler) is waiting for."""
         entries: list[DramEntry] = []
         promotions: list[Future | None] = []
+        reads: list[tuple[DramEntry, Future]] = []
         with self._lock:
             for key in keys:
-                entry, promotion = self._pin_for_read(ns, key)
+                entry, promotion, read = self._pin_for_read(ns, key)
                 if entry is None:
                     break
                 entries.append(entry)
                 promotions.append(promotion)
-            lease = Lease(next(self._lease_ids), ns, owner, entries, promotions)
+                if read:
+                    reads.append((entry, promotion))
+            lease = Lease(next(self._lease_ids), ns, owner, entries, promotions, reads)
             self._leases[lease.id] = lease
             self.counters.leases += 1
+        if start_reads:
+            self.start_reads(lease)
         return lease
+
+    def start_reads(self, lease: Lease) -> None:
+        """Queue the storage reads of a lease's promotions (outside the lock: the I/O threads
+        finishing earlier reads take it)."""
+        reads, lease.reads = lease.reads, []
+        for entry, promotion in reads:
+            try:
+                self.storage.submit(self._promote, entry, promotion)
+            except RuntimeError:  # the executor is shut down: the store is closing
+                self._promote_done(entry, promotion, False)
 
     def get_lease(self, lease_id: int) -> Lease | None:
         return self._leases.get(lease_id)
@@ -211,27 +229,28 @@ class TieredStore:
                 self.dram.unpin(entry)
         return True
 
-    def _pin_for_read(self, ns: str, key: bytes) -> tuple[DramEntry | None, Future | None]:
+    def _pin_for_read(self, ns: str, key: bytes) -> tuple[DramEntry | None, Future | None, bool]:
+        """(entry, its promotion or None, whether that promotion is new and must be queued)."""
         entry = self.dram.get(ns, key)
         if entry is not None:
             promotion = self._promoting.get(entry)
             if not entry.ready and promotion is None:
-                return None, None  # a writer is still copying it in
+                return None, None, False  # a writer is still copying it in
             self.dram.pin(entry)
             self.dram.touch(entry)
-            return entry, promotion
+            return entry, promotion, False
         if self.storage is None or not self.storage.contains(ns, key):
-            return None, None
+            return None, None, False
         entry = self.dram.reserve(ns, key)
         if entry is None:
-            return None, None
+            return None, None, False
         self.dram.pin(entry)
-        promotion = self.storage.submit(self._promote, entry)
+        promotion: Future = Future()
         self._promoting[entry] = promotion
         self.counters.promotions += 1
-        return entry, promotion
+        return entry, promotion, True
 
-    def _promote(self, entry: DramEntry) -> bool:
+    def _promote(self, entry: DramEntry, promotion: Future) -> None:
         view = self.region.view(entry.offset, self.entry_bytes(entry.ns))
         try:
             ok = self.storage.read_into(entry.ns, entry.key, view)
@@ -240,6 +259,9 @@ class TieredStore:
             ok = False
         finally:
             view.release()
+        self._promote_done(entry, promotion, ok)
+
+    def _promote_done(self, entry: DramEntry, promotion: Future, ok: bool) -> None:
         with self._lock:
             del self._promoting[entry]
             if ok:
@@ -247,7 +269,7 @@ class TieredStore:
             else:
                 self.dram.abort(entry)
                 self.counters.promotion_failures += 1
-        return ok
+        promotion.set_result(ok)
 
     # -- writes -------------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,7 @@ class ClientInfo:
     kind: str = "?"
     connected_at: float = field(default_factory=time.time)
     leases: set[int] = field(default_factory=set)
+    after_reply: Callable[[], None] | None = None  # work that must not delay the reply
 
 
 class Server:
@@ -219,7 +221,12 @@ class Server:
             reply = self._handle(request, client)
             if self.metrics is not None:
                 self.metrics.observe(type(request).__name__, time.perf_counter() - started)
-            _send(conn, reply)
+            try:
+                _send(conn, reply)
+            finally:
+                if client.after_reply is not None:
+                    after, client.after_reply = client.after_reply, None
+                    after()
 
     def _handle(self, request: p.Request, client: ClientInfo) -> p.Reply:
         handler = getattr(self, "_on_" + type(request).__name__, None)
@@ -260,8 +267,11 @@ class Server:
 
     def _on_Lease(self, r: p.Lease, client: ClientInfo) -> p.Reply:
         self._check_ns(r.ns)
-        lease = self.store.lease(r.ns, r.keys, owner=client.id)
+        lease = self.store.lease(r.ns, r.keys, owner=client.id, start_reads=False)
         client.leases.add(lease.id)
+        if lease.reads:
+            client.after_reply = lambda: self.store.start_reads(lease)
+            return p.Leased(lease.id, lease.offsets, None)
         return p.Leased(lease.id, lease.offsets, lease.wait() if lease.done else None)
 
     def _on_LeaseWait(self, r: p.LeaseWait, client: ClientInfo) -> p.Reply:
