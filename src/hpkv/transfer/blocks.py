@@ -11,7 +11,13 @@ could move a large run a few ms faster; numpy's cost is bounded, torch's is not.
 the layers' pages of one block, concatenated in layer order.
 
 Copies are batched: block ids and pool offsets are split into runs where both advance by a
-constant step, and each run costs one strided copy per layer instead of one copy per block.
+constant step, and each long run costs one strided copy per layer instead of one copy per block.
+On the CPU, blocks outside long runs (an engine that has been running a while hands out
+scattered block ids) are copied page by page with libc `memmove` through ctypes, which releases
+the GIL: two threads share that list, the caller taking chunks until none are left, so a
+descheduled helper thread costs nothing. Measured on 2 shared cores, 256 scattered blocks of
+8 x 32 KiB: numpy per page 27-35 ms, memmove 17 ms, memmove on two threads 12.5 ms; a plain
+64 MiB copy takes 8 ms.
 
 The pool is mapped as a CPU tensor; on CUDA it is registered as pinned memory (cudaHostRegister)
 once per pool file, so device copies DMA straight into it, in both directions without waiting
@@ -20,7 +26,11 @@ for each copy (the stream is synchronized once, before `save`/`load` return).
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -57,6 +67,21 @@ class PoolTensors:
                         "from the GPU will be slower", code)
 
 
+LONG_RUN = 8  # blocks; shorter runs are copied page by page on the CPU
+_CHUNK = 64  # pages a copying thread takes at a time
+_memmove = ctypes.memmove  # a ctypes foreign function: releases the GIL while it copies
+_helper_lock = threading.Lock()
+_helper_pool: ThreadPoolExecutor | None = None
+
+
+def _helper() -> ThreadPoolExecutor:
+    global _helper_pool
+    with _helper_lock:
+        if _helper_pool is None:
+            _helper_pool = ThreadPoolExecutor(1, thread_name_prefix="hpkv-copy")
+        return _helper_pool
+
+
 def _runs(block_ids: list[int], offsets: list[int]) -> list[tuple[int, int, int, int, int]]:
     """Split into runs (first block, block step, first offset, offset step, length)."""
     runs = []
@@ -88,24 +113,61 @@ class BlockCopier:
 
     def save(self, region: PoolRegion, block_ids: list[int], offsets: list[int]) -> None:
         """Copy blocks into pool entries (device -> pool)."""
-        for blocks, entries in self._pairs(region, block_ids, offsets):
-            self._copy(entries, blocks)
-        self._sync()
+        self._move(region, block_ids, offsets, to_pool=True)
 
     def load(self, region: PoolRegion, block_ids: list[int], offsets: list[int]) -> None:
         """Copy pool entries into blocks (pool -> device)."""
-        for blocks, entries in self._pairs(region, block_ids, offsets):
-            self._copy(blocks, entries)
+        self._move(region, block_ids, offsets, to_pool=False)
+
+    def _move(self, region: PoolRegion, block_ids: list[int], offsets: list[int], to_pool: bool) -> None:
+        pool = self.pools.get(region)
+        singles: list[tuple[int, int]] = []  # (block id, offset) outside long runs, CPU only
+        for run in _runs(block_ids, offsets):
+            if self.device.type == "cpu" and run[4] < LONG_RUN:
+                first_block, block_step, first_offset, offset_step, length = run
+                singles.extend((first_block + i * block_step, first_offset + i * offset_step) for i in range(length))
+                continue
+            for blocks, entries in self._pairs(pool, run):
+                if to_pool:
+                    self._copy(entries, blocks)
+                else:
+                    self._copy(blocks, entries)
+        if singles:
+            self._memmove_pages(pool, singles, to_pool)
         self._sync()
 
-    def _pairs(self, region: PoolRegion, block_ids: list[int], offsets: list[int]):
-        """(engine rows, pool rows) views for every run and layer."""
-        pool = self.pools.get(region)
-        for first_block, block_step, first_offset, offset_step, length in _runs(block_ids, offsets):
-            stop = first_block + block_step * (length - 1) + 1
-            for view, layer_offset, page in zip(self.layer_views, self.layer_offsets, self.page_bytes):
-                yield view[first_block:stop:block_step], pool.as_strided((length, page), (offset_step, 1),
-                                                                          first_offset + layer_offset)
+    def _pairs(self, pool: torch.Tensor, run: tuple[int, int, int, int, int]):
+        """(engine rows, pool rows) views of one run, for every layer."""
+        first_block, block_step, first_offset, offset_step, length = run
+        stop = first_block + block_step * (length - 1) + 1
+        for view, layer_offset, page in zip(self.layer_views, self.layer_offsets, self.page_bytes):
+            yield view[first_block:stop:block_step], pool.as_strided((length, page), (offset_step, 1),
+                                                                      first_offset + layer_offset)
+
+    def _memmove_pages(self, pool: torch.Tensor, singles: list[tuple[int, int]], to_pool: bool) -> None:
+        """CPU only: one memmove per (block, layer) page, shared with a helper thread when long."""
+        blocks = np.fromiter((b for b, _ in singles), np.int64, len(singles))
+        entries = np.fromiter((o for _, o in singles), np.int64, len(singles)) + pool.data_ptr()
+        copies: list[tuple[int, int, int]] = []
+        for view, layer_offset, page in zip(self.layer_views, self.layer_offsets, self.page_bytes):
+            engine = (view.data_ptr() + blocks * view.stride(0)).tolist()
+            stored = (entries + layer_offset).tolist()
+            pairs = zip(stored, engine) if to_pool else zip(engine, stored)
+            copies.extend((dst, src, page) for dst, src in pairs)
+        if len(copies) < 2 * _CHUNK:
+            for dst, src, size in copies:
+                _memmove(dst, src, size)
+            return
+        chunks = itertools.count()
+
+        def work() -> None:
+            while (first := next(chunks) * _CHUNK) < len(copies):
+                for dst, src, size in copies[first : first + _CHUNK]:
+                    _memmove(dst, src, size)
+
+        helper = _helper().submit(work)
+        work()
+        helper.result()
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.device.type == "cpu":
