@@ -336,3 +336,30 @@ def test_a_missing_pool_directory_is_created_private(shm_dir, regions):
     regions(PoolRegion.create(directory, 2 * MiB))
 
     assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+
+
+def _resident_bytes(region: PoolRegion) -> int:
+    """Rss of this process's mappings of the pool file, from /proc/self/smaps."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    resident, inside = 0, False
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 5 and "-" in fields[0] and ":" in fields[3]:  # a mapping's header line
+            inside = fields[-1] == str(region.path)
+        elif inside and fields[0] == "Rss:":
+            resident += int(fields[1]) * 1024
+    return resident
+
+
+def test_a_prefaulted_attachment_has_every_pool_page_mapped(shm_dir, regions):
+    owner = regions(PoolRegion.create(shm_dir, 32 * MiB))
+    attached = regions(PoolRegion.attach(owner.path))
+
+    before = _resident_bytes(attached)
+    attached._populate()  # what prefault() runs in its thread
+    after = _resident_bytes(attached)
+
+    assert after - before >= 31 * MiB
+    data = os.urandom(4096)
+    attached.buf[7 * MiB : 7 * MiB + 4096] = data  # still the same shared file
+    assert bytes(owner.buf[7 * MiB : 7 * MiB + 4096]) == data

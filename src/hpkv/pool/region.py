@@ -24,6 +24,7 @@ import logging
 import mmap
 import os
 import resource
+import threading
 from pathlib import Path
 
 from ..errors import PoolError
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 POOL_FILE_NAME = "hpkv.pool"
 MIN_POOL_BYTES = 1 << 20
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
 
 
 def _human(num_bytes: int) -> str:
@@ -99,6 +101,21 @@ class PoolRegion:
         except (OSError, ValueError) as exc:  # ValueError: an empty file (its owner is still starting)
             os.close(fd)
             raise PoolError(f"cannot map the HPKV pool file {path}: {exc}; is its server running?") from None
+
+    def prefault(self) -> None:
+        """Map every page of the pool into this process now, in a background thread, so copies
+        into and out of it do not take a page fault per 4 KiB (16,384 faults for a 64 MiB load:
+        a third of its time here). Costs page tables, 2 MiB per GiB of pool; best effort."""
+        threading.Thread(target=self._populate, name="hpkv-prefault", daemon=True).start()
+
+    def _populate(self) -> None:
+        step = 64 << 20
+        for start in range(0, self.size_bytes, step):
+            try:
+                self._map.madvise(MADV_POPULATE_WRITE, start, min(step, self.size_bytes - start))
+            except (OSError, ValueError) as exc:  # an older kernel (EINVAL), or the pool closed
+                log.debug("pool prefault stopped at %d of %d bytes: %s", start, self.size_bytes, exc)
+                return
 
     def view(self, offset: int, num_bytes: int) -> memoryview:
         return self.buf[offset : offset + num_bytes]

@@ -78,8 +78,12 @@ class LeaseHandle:
 
 class Client:
     def __init__(self, directory: str | os.PathLike, kind: str, timeout_s: float = 5.0,
-                 autostart: bool = True, retry_interval_s: float = 1.0, start_timeout_s: float = 60.0) -> None:
+                 autostart: bool = True, retry_interval_s: float = 1.0, start_timeout_s: float = 60.0,
+                 prefault: bool = False) -> None:
+        """`prefault`: map every pool page as soon as the pool is attached (for clients that copy
+        through the pool: a first touch per 4 KiB page costs as much as the copy)."""
         self.directory = Path(directory)
+        self.prefault = prefault
         self.kind = kind
         self.timeout_s = timeout_s
         self.autostart = autostart
@@ -154,6 +158,8 @@ class Client:
                 sock.close()
                 raise ServerUnavailable(str(exc)) from None
             self.region = region  # the old map lives on in old handles
+            if self.prefault:
+                region.prefault()
         self._sock = sock
         self.epoch += 1
         self.client_id = welcome.client_id

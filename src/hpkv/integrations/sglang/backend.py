@@ -227,7 +227,7 @@ class HpkvStorage(HiCacheStorage):
         """A client for this thread. SGLang restarts its storage threads (on /flush_cache, for
         one), so the clients of threads that ended are closed here."""
         this = threading.current_thread()
-        client = Client(self.pool_dir, kind=f"sglang-{this.name}")
+        client = Client(self.pool_dir, kind=f"sglang-{this.name}", prefault=True)
         with self._lock:
             if self._closed:
                 raise ServerUnavailable("the HPKV storage backend is closed")
