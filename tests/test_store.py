@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,18 @@ def test_a_lease_can_answer_before_its_storage_reads_are_queued(open_store):
     size = store.entry_bytes(ns)
     assert [bytes(store.region.buf[o : o + size]) for o in lease.offsets] == [payload(k) for k in ks]
     store.release(lease.id)
+
+
+def test_write_throughs_run_at_a_lower_cpu_priority_than_the_caller(open_store):
+    store = open_store()
+    ns = store.register(desc())
+    save(store, ns, keys(3))
+    assert store.flush(timeout=10)
+    writers = [t.native_id for t in threading.enumerate() if t.name.startswith("hpkv-write")]
+    assert writers
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    for tid in writers:
+        assert os.getpriority(os.PRIO_PROCESS, tid) == min(19, mine + 10)
 
 
 def test_dram_hits_are_listed_before_storage_hits_in_one_prefix(open_store):
