@@ -138,16 +138,27 @@ def test_a_lease_can_answer_before_its_storage_reads_are_queued(open_store):
     store.release(lease.id)
 
 
-def test_write_throughs_run_at_a_lower_cpu_priority_than_the_caller(open_store):
-    store = open_store()
+def test_a_promotion_does_not_queue_behind_write_throughs(open_store):
+    store = open_store(pool_bytes=64 << 20)
     ns = store.register(desc())
-    save(store, ns, keys(3))
+    stored = keys(4, "stored")
+    save(store, ns, stored)
     assert store.flush(timeout=10)
-    writers = [t.native_id for t in threading.enumerate() if t.name.startswith("hpkv-write")]
-    assert writers
-    mine = os.getpriority(os.PRIO_PROCESS, 0)
-    for tid in writers:
-        assert os.getpriority(os.PRIO_PROCESS, tid) == min(19, mine + 10)
+    store.clear(memory=True)
+    gate = threading.Event()
+    original = store.storage.write_from
+
+    def held_write(*args):  # every write-through waits until the promotion below is done
+        gate.wait(10)
+        return original(*args)
+
+    store.storage.write_from = held_write
+    try:
+        save(store, ns, keys(3 * store.storage.config.io_threads, "busy"))  # more than all I/O threads
+        assert load(store, ns, stored) == [payload(k) for k in stored]
+    finally:
+        gate.set()
+    assert store.flush(timeout=10)
 
 
 def test_dram_hits_are_listed_before_storage_hits_in_one_prefix(open_store):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
-import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -113,11 +112,11 @@ class TieredStore:
         self._promoting: dict[DramEntry, Future] = {}
         self._writes: set[Future] = set()
         self._lease_ids = itertools.count(1)
-        # Write-throughs run on threads of their own, at a lower CPU priority than the engines
-        # (and than promotions, which a request waits for): on a CPU-bound node they take the
-        # cycles the engines leave.
+        # Write-throughs run on threads of their own, so a promotion that a request waits for
+        # never queues behind them. (Not at a lower CPU priority: a descheduled low-priority
+        # thread holding the GIL would stall this process's request handlers.)
         self._writer = None if storage is None else ThreadPoolExecutor(
-            storage.config.io_threads, thread_name_prefix="hpkv-write", initializer=_give_way)
+            storage.config.io_threads, thread_name_prefix="hpkv-write")
 
     @classmethod
     def open(cls, pool: PoolConfig, storage: StorageConfig, slab_bytes: int | None = None) -> "TieredStore":
@@ -391,14 +390,3 @@ class TieredStore:
         out["storage"] = self.storage.stats() if self.storage is not None else None
         return out
 
-
-WRITE_NICENESS = 10
-
-
-def _give_way() -> None:
-    """Lower the calling thread's CPU priority (Linux: niceness is per thread)."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WRITE_NICENESS)
-    except (OSError, AttributeError):  # not permitted or not Linux: write at the normal priority
-        pass
