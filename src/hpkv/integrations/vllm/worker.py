@@ -82,19 +82,28 @@ class HpkvWorker:
         try:
             if self.ns is None and not self._connect():
                 return 0
+            started = leased = ready = copied = time.perf_counter()
+            num_ready = 0
             lease = self.client.lease(self.ns, job.keys)
             try:
+                leased = time.perf_counter()
                 deadline = time.monotonic() + LOAD_WAIT_S
                 num_ready = self.client.wait(lease, timeout_s=LOAD_WAIT_S)
                 while num_ready is None and time.monotonic() < deadline:
                     num_ready = self.client.wait(lease, timeout_s=LOAD_WAIT_S)
                 num_ready = min(num_ready or 0, len(job.block_ids))
+                ready = time.perf_counter()
                 if num_ready:
                     self.copier.load(lease.region, job.block_ids[:num_ready], lease.offsets[:num_ready])
+                copied = time.perf_counter()
                 # Only bytes copied while our lease pinned them can be trusted.
                 return num_ready if self.client.holds(lease) else 0
             finally:
                 self.client.release(lease)
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("request %s: lease %.1f ms, wait %.1f ms, copy of %d blocks %.1f ms, release %.1f ms",
+                              job.req_id, (leased - started) * 1e3, (ready - leased) * 1e3, num_ready,
+                              (copied - ready) * 1e3, (time.perf_counter() - copied) * 1e3)
         except HpkvError as exc:
             self.stats.add("server_errors", 1)
             log.warning("HPKV load failed; vLLM recomputes those blocks: %s", exc)
