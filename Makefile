@@ -28,3 +28,13 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/hpkv bench
+
+# The peer comparison on vLLM (docs/benchmarks.md, "Peer comparison"). LMCache goes in with
+# --no-deps: its own pins would replace vLLM's CPU torch (and want CUDA). Of what its server, its
+# fs L2 adapter and vLLM's LMCacheMPConnector import, $(STAMP) already has everything but
+# aiofiles. Not a test dependency: no test needs LMCache.
+.PHONY: bench-peers
+bench-peers: $(STAMP)
+	$(VENV)/bin/pip install --quiet --no-deps lmcache==0.5.6 aiofiles
+	$(VENV)/bin/pip install --quiet -e '.[bench]'
+	$(VENV)/bin/python bench/peers.py

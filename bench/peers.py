@@ -1,0 +1,369 @@
+"""Peer comparison on vLLM: HPKV against LMCache, and both against vLLM's own prefix cache.
+
+    python bench/peers.py [--lengths 2048,8192,16384] [--repeats 3] [--json]
+
+One run serves one prefill-heavy random Qwen2 (`hpkv.demo.model.BENCH`, built locally) with real
+vLLM engines, all with the same flags, on the same machine, and measures one system after the
+other:
+- off: no connector (recompute), and vLLM's own prefix-cache hit (the in-engine limit);
+- hpkv: HpkvConnectorV1 as documented; DRAM hit after /reset_prefix_cache, storage hit after an
+  engine restart once the auto-started HPKV server has exited (its DRAM is gone);
+- lmcache: LMCache 0.5.6 in multi-process mode (`lmcache server`, L1 DRAM and an `fs` L2 on the
+  same disk as HPKV's storage) with vLLM's LMCacheMPConnector; L1 hit after /reset_prefix_cache,
+  L2 hit after restarting both its server and vLLM (its L1 is gone).
+
+Workloads: (a) TTFT of single prompts of each length, cold and hit from each tier; (b) multi-round
+long-document QA, many users, more documents than the engine's KV cache holds; (c) throughput of
+distinct prompts that share nothing (the connectors' overhead). Every hit's token ids are
+compared with the in-engine hit's (a) or the connector-off engine's (b), and each hit's tier is
+read from vLLM's per-source cached-token counters. Targets are printed with PASS/MISS and never
+asserted. Progress goes to stderr; tables (or `--json`) to stdout; plots to --plots-dir. Engine
+and LMCache logs stay under <workdir>/logs; pools, storage and L2 directories are removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_ttft import (WAKE_PROMPT, Engine, Sample, compare, hpkv_server_alive, log,  # noqa: E402
+                       start_together, wait_for_hpkv_server_exit)
+
+from peers_report import EXTERNAL, HPKV_LOAD, ROWS, SYSTEMS, header, plot, print_report, summarize  # noqa: E402
+
+from hpkv.benchmark.lmcache_peer import LMCacheServer  # noqa: E402
+from hpkv.benchmark.multiround import Workload, drive  # noqa: E402
+from hpkv.demo.engine import VllmServer  # noqa: E402
+from hpkv.demo.model import BENCH, TINY, build_model, prompt_text  # noqa: E402
+from hpkv.demo.scenario import documented_env  # noqa: E402
+
+BLOCK_SIZE = 32  # the documented --block-size
+
+
+
+@dataclass(frozen=True)
+class Options:
+    model: str | None
+    tiny: bool
+    workdir: Path
+    plots_dir: Path | None
+    lengths: tuple[int, ...]
+    repeats: int
+    max_tokens: int
+    kv_cache_tokens: int
+    pool_size: str
+    l1_size_gb: float
+    workload: Workload
+    users: int
+    answer_tokens: int
+    tput_prompts: int
+    tput_words: int
+    tput_concurrency: int
+    tput_max_tokens: int
+    tput_rounds: int
+    json: bool
+    json_out: Path | None
+
+
+@dataclass
+class Results:
+    ttft: dict[str, dict[int, list[Sample]]] = field(default_factory=lambda: {r: {} for r in ROWS})
+    noreuse: dict[str, list[tuple[int, float]]] = field(default_factory=lambda: {s: [] for s in SYSTEMS})
+    multiround: dict[str, dict] = field(default_factory=dict)
+    notes: dict[str, object] = field(default_factory=dict)
+
+
+# -- engines --------------------------------------------------------------------------------
+
+
+class PeerEngine(Engine):
+    """vllm_ttft's Engine with extra vLLM flags (the KV cache size, LMCache's connector)."""
+
+    def __init__(self, name: str, kind: str, model: str, env: dict[str, str], flags: tuple[str, ...],
+                 log_dir: Path) -> None:
+        super().__init__(name, model, env, hpkv=kind == "hpkv", log_dir=log_dir)
+        self.kind = kind
+        self.server = VllmServer(model, env, hpkv=kind == "hpkv", extra_flags=flags,
+                                 log_path=log_dir / f"vllm-{name}.log")
+
+    def sources(self) -> dict[str, float]:
+        c = self.counters()
+        out = {k: v for k, v in c.items() if k in ("device", *EXTERNAL, *HPKV_LOAD)}
+        out["external"] = sum(c.get(k, 0.0) for k in EXTERNAL)
+        return out
+
+    def measure_all(self, prompt: str, max_tokens: int):
+        """Engine.measure (an untimed tiny request first), with every cached-token source."""
+        before = self.sources()
+        self.complete(WAKE_PROMPT, 1)
+        completion = self.complete(prompt, max_tokens)
+        after = self.sources()
+        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(after) | set(before)}
+        return completion, Sample(completion.ttft_s, completion.prompt_tokens, delta)
+
+    def warm_up_paths(self, opts: Options, prompt: str) -> None:
+        """Engine.warm_up (computed or stored-tier hit, in-engine hit, HPKV DRAM hit, a batch),
+        plus LMCache's L1 hit on an LMCache engine."""
+        self.warm_up(opts, prompt)
+        if self.kind == "lmcache":
+            self.reset_prefix_cache()
+            self.complete(prompt, 2)
+
+
+class Systems:
+    """The engines of one run and LMCache's server; `restart_connectors` gives HPKV and LMCache
+    engines with empty DRAM tiers over the same storage / L2 directory."""
+
+    def __init__(self, opts: Options, model: str, pool_dir: Path, storage_dir: Path, l2_dir: Path) -> None:
+        self.opts, self.model, self.pool_dir, self.l2_dir = opts, model, pool_dir, l2_dir
+        self.log_dir = opts.workdir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        # VLLM_CPU_KVCACHE_SPACE counts whole GiB, and overrides --kv-cache-memory-bytes: 1 GiB
+        # (the least) holds 128K tokens of this model. The engine's cache is cut to fewer blocks
+        # instead, so that the multi-round documents outgrow it at a size this machine computes.
+        self.env: dict[str, str] = {}
+        self.flags = ("--num-gpu-blocks-override", str(opts.kv_cache_tokens // BLOCK_SIZE))
+        self.hpkv_env = {**self.env, **documented_env(opts.pool_size, pool_dir, storage_dir, opts.workdir)}
+        self.lmcache_servers: list[LMCacheServer] = []
+        self.engines: list[PeerEngine] = []
+        self.life = 0
+
+    def lmcache_server(self) -> LMCacheServer:
+        server = LMCacheServer(self.opts.l1_size_gb, self.l2_dir, self.log_dir / f"lmcache-{self.life}.log")
+        self.lmcache_servers.append(server)
+        started = time.monotonic()
+        server.start()
+        log(f"lmcache server: up in {time.monotonic() - started:.0f} s (log {server.log_path})")
+        return server
+
+    def engine(self, kind: str, server: LMCacheServer | None = None) -> PeerEngine:
+        name = kind if self.life == 0 else f"{kind}-restarted"
+        env = self.hpkv_env if kind == "hpkv" else self.env
+        flags = self.flags + (("--kv-transfer-config", server.kv_transfer_config()) if server else ())
+        engine = PeerEngine(name, kind, self.model, env, flags, self.log_dir)
+        self.engines.append(engine)
+        return engine
+
+    def start_all(self) -> dict[str, PeerEngine]:
+        server = self.lmcache_server()
+        engines = {"off": self.engine("off"), "hpkv": self.engine("hpkv"), "lmcache": self.engine("lmcache", server)}
+        start_together(list(engines.values()))
+        return engines
+
+    def restart_connectors(self, engines: dict[str, PeerEngine]) -> dict[str, PeerEngine]:
+        engines["hpkv"].stop()
+        engines["lmcache"].stop()
+        files, num_bytes = self.lmcache_servers[-1].wait_l2_settled()
+        self.lmcache_servers[-1].stop()
+        log(f"LMCache server stopped, L2 holds {files} chunks ({num_bytes / 2**20:.0f} MiB); "
+            f"HPKV server exited after {wait_for_hpkv_server_exit(self.pool_dir):.1f} s")
+        self.life += 1
+        server = self.lmcache_server()
+        restarted = {"off": engines["off"], "hpkv": self.engine("hpkv"), "lmcache": self.engine("lmcache", server)}
+        start_together([restarted["hpkv"], restarted["lmcache"]])
+        return restarted
+
+    def stop(self) -> None:
+        for engine in self.engines:
+            engine.stop()
+        for server in self.lmcache_servers:
+            server.stop()
+
+
+# -- the workloads --------------------------------------------------------------------------
+
+
+def ttft_prompts(opts: Options) -> dict[int, list[str]]:
+    return {n: [prompt_text(n, seed=10_000 * n + r) for r in range(opts.repeats)] for n in opts.lengths}
+
+
+def ttft_hits_in_dram(opts: Options, results: Results, engines: dict[str, PeerEngine]) -> dict:
+    """Per prompt: cold and in-engine hit (the reference) with no connector; cold, reset, DRAM
+    hit on HPKV; cold, reset, L1 hit on LMCache."""
+    references = {}
+    for n, prompts in ttft_prompts(opts).items():
+        for r, prompt in enumerate(prompts):
+            _, cold = engines["off"].measure_all(prompt, opts.max_tokens)
+            reference, hit = engines["off"].measure_all(prompt, opts.max_tokens)
+            references[prompt] = reference
+            add(results, "cold", n, cold)
+            add(results, "engine_hit", n, hit)
+            for kind, row in (("hpkv", "hpkv_dram"), ("lmcache", "lmcache_l1")):
+                engine = engines[kind]
+                _, cold_on = engine.measure_all(prompt, opts.max_tokens)
+                add(results, f"{kind}_cold", n, cold_on)
+                engine.reset_prefix_cache()
+                completion, sample = engine.measure_all(prompt, opts.max_tokens)
+                add(results, row, n, compare(sample, completion, reference))
+            log(f"{n} words, repeat {r}: cold {ms(cold)}, in-engine {ms(hit)}, HPKV DRAM "
+                f"{ms(results.ttft['hpkv_dram'][n][-1])}, LMCache L1 {ms(results.ttft['lmcache_l1'][n][-1])}")
+    return references
+
+
+def ttft_hits_in_storage(opts: Options, results: Results, engines: dict[str, PeerEngine], references: dict) -> None:
+    for n, prompts in ttft_prompts(opts).items():
+        for r, prompt in enumerate(prompts):
+            for kind, row in (("hpkv", "hpkv_storage"), ("lmcache", "lmcache_l2")):
+                completion, sample = engines[kind].measure_all(prompt, opts.max_tokens)
+                add(results, row, n, compare(sample, completion, references[prompt]))
+            log(f"{n} words, repeat {r}: HPKV storage {ms(results.ttft['hpkv_storage'][n][-1])}, "
+                f"LMCache L2 {ms(results.ttft['lmcache_l2'][n][-1])}")
+
+
+def noreuse(opts: Options, results: Results, engines: dict[str, PeerEngine]) -> None:
+    """Rounds of distinct prompts, each round sent to every system; the order of the systems
+    runs through every permutation, so a drift in the machine's load hits all alike. First one
+    untimed batch of the same shape on each engine (a first large batched prefill pays one-time
+    costs)."""
+    warm = [prompt_text(opts.tput_words, seed=-99_999 - i) for i in range(opts.tput_concurrency)]
+    for engine in engines.values():
+        engine.send_concurrently(warm, opts.tput_concurrency, opts.tput_max_tokens)
+    orders = list(itertools.permutations(SYSTEMS))
+    for round_index in range(opts.tput_rounds):
+        prompts = [prompt_text(opts.tput_words, seed=-100_000 * (round_index + 1) - i)
+                   for i in range(opts.tput_prompts)]
+        for kind in orders[round_index % len(orders)]:
+            elapsed = engines[kind].send_concurrently(prompts, opts.tput_concurrency, opts.tput_max_tokens)
+            results.noreuse[kind].append((len(prompts), elapsed))
+            log(f"no-reuse round {round_index}, {kind}: {len(prompts) / elapsed:.2f} req/s")
+
+
+def multiround(opts: Options, results: Results, engines: dict[str, PeerEngine]) -> None:
+    """The same requests on every system, one system after the other; outputs compared with
+    the connector-off engine's, request by request."""
+    requests = opts.workload.requests()
+    for kind in SYSTEMS:
+        engine = engines[kind]
+        before = engine.counters()
+        outcomes, wall_s = drive(requests, engine.complete, opts.users, opts.answer_tokens)
+        after = engine.counters()
+        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if k != "finished"}
+        results.multiround[kind] = {"outcomes": outcomes, "wall_s": wall_s, "counters": delta}
+        ttfts = [o.ttft_s for o in outcomes]
+        log(f"multi-round, {kind}: {len(outcomes)} requests in {wall_s:.1f} s "
+            f"({len(outcomes) / wall_s:.2f} req/s), TTFT median {np.median(ttfts) * 1e3:.0f} ms")
+
+
+def run(opts: Options, results: Results, pool_dir: Path, storage_dir: Path, l2_dir: Path) -> None:
+    shape = TINY if opts.tiny else BENCH
+    model = opts.model or str(build_model(opts.workdir / ("tiny-model" if opts.tiny else "bench-model"), shape))
+    systems = Systems(opts, model, pool_dir, storage_dir, l2_dir)
+    warm = {kind: prompt_text(max(opts.lengths), seed=-1 - i) for i, kind in enumerate(SYSTEMS)}
+    try:
+        log("starting LMCache's server, then the no-connector, HPKV and LMCache engines")
+        engines = systems.start_all()
+        for kind, engine in engines.items():
+            engine.warm_up_paths(opts, warm[kind])
+        references = ttft_hits_in_dram(opts, results, engines)
+        results.notes["hpkv_counters_before_restart"] = hpkv_counters(engines["hpkv"])
+        results.notes["lmcache_status_before_restart"] = brief_status(systems.lmcache_servers[-1])
+        engines = systems.restart_connectors(engines)
+        results.notes["lmcache_status_after_restart"] = brief_status(systems.lmcache_servers[-1])
+        results.notes["hpkv_server_alive_after_restart"] = hpkv_server_alive(pool_dir)
+        for kind in ("hpkv", "lmcache"):  # in storage / L2 only now
+            engines[kind].warm_up_paths(opts, warm[kind])
+        ttft_hits_in_storage(opts, results, engines, references)
+        noreuse(opts, results, engines)
+        multiround(opts, results, engines)
+        results.notes["lmcache_status_end"] = brief_status(systems.lmcache_servers[-1])
+        results.notes["hpkv_counters_end"] = hpkv_counters(engines["hpkv"])
+    finally:
+        systems.stop()
+
+
+def hpkv_counters(engine: PeerEngine) -> dict[str, float]:
+    return {k: v for k, v in engine.counters().items() if k.startswith("hpkv_")}
+
+
+def add(results: Results, row: str, n: int, sample: Sample) -> None:
+    results.ttft[row].setdefault(n, []).append(sample)
+
+
+def ms(sample: Sample) -> str:
+    return f"{sample.ttft_s * 1e3:.0f} ms"
+
+
+def brief_status(server: LMCacheServer) -> object:
+    try:
+        return server.status()
+    except Exception as exc:  # only a note in the report
+        return f"unavailable: {exc}"
+
+
+# -- main -----------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> Options:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="a model directory (default: build the BENCH random model)")
+    p.add_argument("--tiny", action="store_true", help="build the TINY model instead (quick checks)")
+    p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "hpkv-peers",
+                   help="model cache, logs, storage and L2 temporaries (on disk, not /dev/shm)")
+    p.add_argument("--plots-dir", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "img",
+                   help="where peers_*.png go ('' for none)")
+    p.add_argument("--lengths", default="2048,8192,16384", help="words per TTFT prompt (~1 token each)")
+    p.add_argument("--repeats", type=int, default=3, help="TTFT prompts per length")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--kv-cache-tokens", type=int, default=49_152,
+                   help="vLLM's own KV cache, every engine (at least the model's 32,768-token context)")
+    p.add_argument("--pool-size", default="2g", help="HPKV_KV_MEM_POOL_SIZE")
+    p.add_argument("--l1-size-gb", type=float, default=2.0, help="LMCache's L1 (DRAM), like the HPKV pool")
+    p.add_argument("--documents", type=int, default=24)
+    p.add_argument("--document-words", type=int, default=4000)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--users", type=int, default=4, help="concurrent users in the multi-round workload")
+    p.add_argument("--answer-tokens", type=int, default=16)
+    p.add_argument("--tput-prompts", type=int, default=8)
+    p.add_argument("--tput-words", type=int, default=1536)
+    p.add_argument("--tput-concurrency", type=int, default=4)
+    p.add_argument("--tput-max-tokens", type=int, default=16)
+    p.add_argument("--tput-rounds", type=int, default=6, help="no-reuse rounds (6: every order of the 3)")
+    p.add_argument("--json", action="store_true", help="JSON on stdout")
+    p.add_argument("--json-out", type=Path, help="also write the JSON to this file")
+    a = p.parse_args(argv)
+    workload = Workload(num_documents=a.documents, document_words=a.document_words, num_rounds=a.rounds)
+    return Options(a.model, a.tiny, a.workdir, a.plots_dir if str(a.plots_dir) else None,
+                   tuple(int(x) for x in a.lengths.split(",")), a.repeats, a.max_tokens, a.kv_cache_tokens,
+                   a.pool_size, a.l1_size_gb, workload, a.users, a.answer_tokens, a.tput_prompts, a.tput_words,
+                   a.tput_concurrency, a.tput_max_tokens, a.tput_rounds, a.json, a.json_out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_args(sys.argv[1:] if argv is None else argv)
+    opts.workdir.mkdir(parents=True, exist_ok=True)
+    pool_dir = Path(tempfile.mkdtemp(prefix="hpkv-peers-", dir="/dev/shm"))
+    storage_dir = Path(tempfile.mkdtemp(prefix="storage-", dir=opts.workdir))
+    l2_dir = Path(tempfile.mkdtemp(prefix="lmcache-l2-", dir=opts.workdir))
+    head = header(opts, pool_dir, storage_dir)
+    log(f"command: {head['command']}")
+    results, started = Results(), time.monotonic()
+    try:
+        run(opts, results, pool_dir, storage_dir, l2_dir)
+    finally:
+        for path in (pool_dir, storage_dir, l2_dir):
+            shutil.rmtree(path, ignore_errors=True)
+    head["elapsed_s"] = time.monotonic() - started
+    summary = summarize(results)
+    if opts.plots_dir:
+        head["plots"] = plot(summary, opts.plots_dir)
+    if opts.json_out:
+        opts.json_out.write_text(json.dumps({**head, **summary}, indent=2, default=float))
+    if opts.json:
+        print(json.dumps({**head, **summary}, indent=2, default=float))
+    else:
+        print_report(summary, head)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
