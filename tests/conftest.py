@@ -34,3 +34,8 @@ def make_storage_config(path: Path, capacity_bytes: int | None = None, fsync: st
 
 def make_pool_config(path: Path, size_bytes: int = 64 << 20) -> PoolConfig:
     return PoolConfig(dir=Path(path), size_bytes=size_bytes)
+
+
+def pytest_configure(config):
+    # Engine tests outside test_vllm_e2e.py carry this mark, so `-k "not vllm_e2e"` leaves them out too.
+    config.addinivalue_line("markers", "vllm_e2e: starts real vLLM engines (run under flock /tmp/hpkv-engine.lock)")

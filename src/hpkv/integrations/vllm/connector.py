@@ -113,6 +113,9 @@ class HpkvConnectorV1(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         return self._scheduler.build_connector_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler.request_finished(request)
         return False, None

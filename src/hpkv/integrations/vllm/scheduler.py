@@ -1,13 +1,15 @@
 """The scheduler half of HpkvConnectorV1: decides what to load and what to save.
 
 For a new request it looks up the blocks past vLLM's own prefix-cache hit in every rank's
-namespace (device > DRAM > storage: vLLM has already taken its own hits), applies
-VLLM_HPKV_TOKEN_THRESHOLD, and leases the hit entries, which pins them in the shared pool and
+namespace (device > DRAM > storage: vLLM has already taken its own hits), asks the load policy
+how many of the hit blocks to load (VLLM_HPKV_TOKEN_THRESHOLD: a fixed threshold, or `auto`, the
+measured costs of `costmodel`), and leases those entries, which pins them in the shared pool and
 promotes storage hits into DRAM. Only once every promotion is done does it tell vLLM how many
 tokens HPKV supplies, so a load it announces cannot fail: the worker copies from pinned memory.
 While promotions run it answers None ("ask again"), which keeps the request waiting without
 stalling the engine. Every full block the engine computes (prompt and generated tokens) is
-sent to the workers for saving, once.
+sent to the workers for saving, once. Under `auto` it also times each engine step and each
+promotion, which teaches the cost model this engine's prefill, copy and storage speeds.
 
 HPKV faults (server gone, timeouts) make a lookup a miss: the engine recomputes.
 """
@@ -24,6 +26,8 @@ from ...errors import HpkvError
 from ...server.client import Client, LeaseHandle
 from ...store import Tier
 from . import layout as lay
+from . import probes
+from .costmodel import AffineCost, AutoThreshold, CostModel, FixedThreshold
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats, LoadJob, SaveJob
 
 log = logging.getLogger("hpkv.vllm.scheduler")
@@ -43,6 +47,9 @@ class _Req:
     tiers: tuple[Tier, ...] = ()
     leased_at: float = 0.0
     num_load_blocks: int = 0
+    num_promoting: int = 0  # storage blocks of the lease, until their promotion has been timed
+    asked_at: float = 0.0  # perf_counter before the lease
+    polled_at: float = 0.0  # perf_counter of the last poll that saw promotions running
 
 
 class HpkvScheduler:
@@ -51,21 +58,31 @@ class HpkvScheduler:
         self.block_size = self.layout.block_size
         self.descs = [lay.namespace(vllm_config, self.layout, rank) for rank in range(lay.world_ranks(vllm_config))]
         self.client = Client(settings.pool.dir, kind="vllm-scheduler")
-        self.threshold = self._threshold(settings)
         self.stats = HpkvConnectorStats()
         self._ns: list[str] | None = None
+        self.policy = self._load_policy(settings, vllm_config)
         self._reqs: dict[str, _Req] = {}
         self._pending_loads: list[LoadJob] = []
         _warn_if_hashes_unstable(vllm_config)
 
-    @staticmethod
-    def _threshold(settings: Settings) -> int:
-        if settings.token_threshold is None:
-            log.warning("VLLM_HPKV_TOKEN_THRESHOLD=auto: the measured cost model is not in this version yet; "
-                        "using the documented default %d", DEFAULT_THRESHOLD)
-            return DEFAULT_THRESHOLD
-        log.info("HPKV loads hits of at least %d tokens (VLLM_HPKV_TOKEN_THRESHOLD)", settings.token_threshold)
-        return settings.token_threshold
+    def _load_policy(self, settings: Settings, vllm_config) -> FixedThreshold | AutoThreshold:
+        if settings.token_threshold is not None:
+            log.info("HPKV loads hits of at least %d tokens (VLLM_HPKV_TOKEN_THRESHOLD)", settings.token_threshold)
+            return FixedThreshold(settings.token_threshold, self.block_size)
+        rtt_s = probes.round_trip_s(lambda: self.client.lookup(self._namespaces()[0], []))
+        storage = None
+        if settings.storage.enabled:  # a promotion: the lease, a poll, then one read per block and rank
+            storage = probes.storage_read_cost(settings.storage.path, 2 * rtt_s)
+        model = CostModel(self.block_size, self.layout.entry_bytes, len(self.descs),
+                          probes.kappa_of(vllm_config.model_config.hf_text_config),
+                          prefill=AffineCost(0.0, 0.0), storage=storage,
+                          # on a load's critical path: the scheduler's lease, the worker's lease and release
+                          dram=probes.copy_cost(3 * rtt_s))
+        model.seed_prefill(DEFAULT_THRESHOLD)
+        return AutoThreshold(model, vllm_config.model_config.max_model_len,
+                             f"start-up estimates: server round trip {rtt_s * 1e3:.2f} ms, a host copy, a "
+                             f"storage read; prefill set to break even at the documented {DEFAULT_THRESHOLD} "
+                             f"tokens until the engine has computed a prompt")
 
     def _namespaces(self) -> list[str]:
         if self._ns is None:
@@ -80,7 +97,7 @@ class HpkvScheduler:
             state = self._reqs[request.request_id] = _Req(request)
         start = num_computed_tokens // self.block_size
         stop = (request.num_tokens - 1) // self.block_size  # vLLM computes at least the last token
-        if stop - start <= 0 or (stop - start) * self.block_size < self.threshold:
+        if stop - start <= 0 or not self.policy.may_pay(start * self.block_size, stop - start):
             self._release(state)
             return 0, False
         try:
@@ -93,16 +110,13 @@ class HpkvScheduler:
             return 0, False
         if ready is None:
             return None, False  # promotions from storage still running: ask again next step
-        if ready * self.block_size < self.threshold:
-            if ready:
-                self.stats.add("skipped_below_threshold", 1)
-                self.stats.add("skipped_tokens", ready * self.block_size)
-                log.debug("request %s: HPKV hit of %d tokens is below the threshold %d; recomputing",
-                          request.request_id, ready * self.block_size, self.threshold)
+        num_load = ready if self.policy.may_pay(start * self.block_size, ready) else 0  # all in DRAM now
+        self._count_skipped(state, ready, num_load)
+        if not num_load:
             self._release(state)
             return 0, False
-        state.num_load_blocks = ready
-        return ready * self.block_size, False
+        state.num_load_blocks = num_load
+        return num_load * self.block_size, False
 
     def _lease(self, state: _Req, start: int, stop: int) -> int | None:
         self._release(state)
@@ -111,18 +125,26 @@ class HpkvScheduler:
         hits = [self.client.lookup(ns, keys) for ns in namespaces]
         self.stats.add("lookups", 1)
         num_hit = min(hit.num_hit for hit in hits)
-        if num_hit * self.block_size < self.threshold:
-            if num_hit:
-                self.stats.add("skipped_below_threshold", 1)
-                self.stats.add("skipped_tokens", num_hit * self.block_size)
-                log.debug("request %s: HPKV hit of %d tokens is below the threshold %d; recomputing",
-                          state.request.request_id, num_hit * self.block_size, self.threshold)
+        tiers = tuple(max(hit.tiers[i] for hit in hits) for i in range(num_hit))
+        num_load = self.policy.plan(start * self.block_size, tiers)
+        self._count_skipped(state, num_hit, num_load)
+        if not num_load:
             return 0
-        state.tiers = tuple(max(hit.tiers[i] for hit in hits) for i in range(num_hit))
-        state.leases = {rank: self.client.lease(ns, keys[:num_hit]) for rank, ns in enumerate(namespaces)}
+        state.tiers = tiers[:num_load]
+        state.num_promoting = state.tiers.count(Tier.STORAGE)
+        state.asked_at = state.polled_at = time.perf_counter()
+        state.leases = {rank: self.client.lease(ns, keys[:num_load]) for rank, ns in enumerate(namespaces)}
         state.lease_start = start
         state.leased_at = time.monotonic()
         return self._ready(state)
+
+    def _count_skipped(self, state: _Req, num_hit: int, num_load: int) -> None:
+        if num_load < num_hit:
+            self.stats.add("skipped_below_threshold", 1)
+            self.stats.add("skipped_tokens", (num_hit - num_load) * self.block_size)
+            log.debug("request %s: HPKV hit of %d tokens, loading %d under %s; recomputing the rest",
+                      state.request.request_id, num_hit * self.block_size, num_load * self.block_size,
+                      self.policy.describe())
 
     def _ready(self, state: _Req) -> int | None:
         """Leading entries ready on every rank, or None while promotions run."""
@@ -136,8 +158,21 @@ class HpkvScheduler:
                             state.request.request_id, PROMOTION_DEADLINE_S)
                 self._release(state)
                 return 0
+            state.polled_at = time.perf_counter()
             return None
+        if state.num_promoting:
+            self._time_promotions(state)
         return min(lease.num_ready for lease in state.leases.values())
+
+    def _time_promotions(self, state: _Req) -> None:
+        """The promotions took from the lease until now, give or take the time since the last
+        poll that saw them running: kept only when that gap is small (a busy engine polls once
+        per step, and a step can take seconds)."""
+        now = time.perf_counter()
+        elapsed, gap = now - state.asked_at, now - state.polled_at
+        if state.polled_at == state.asked_at or gap <= max(0.25 * elapsed, 2 * _POLL_S):
+            self.policy.promoted(state.num_promoting * self.layout.entry_bytes * len(self.descs), elapsed)
+        state.num_promoting = 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         state = self._reqs.get(request.request_id)
@@ -189,7 +224,18 @@ class HpkvScheduler:
             elif new_ids:
                 state.block_ids.extend(new_ids[0])
             self._add_saves(meta, req_id, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        if self.policy.learns:
+            self.policy.step_built(_chunks(scheduler_output), len(meta.loads))
         return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        """A step's output is back, with the workers' stats of that step (summed over ranks)."""
+        if not self.policy.learns:
+            return
+        data = getattr(connector_output.kv_connector_stats, "data", None) or {}
+        ranks = len(self.descs)
+        load_s, save_s = data.get("load_time_s", 0) / ranks, data.get("save_time_s", 0) / ranks
+        self.policy.step_done(load_s + save_s, load_s, data.get("loaded_bytes", 0) / ranks)
 
     def _add_saves(self, meta: HpkvConnectorMetadata, req_id: str, state: _Req, num_tokens: int) -> None:
         full = min(num_tokens // self.block_size, len(state.block_ids))
@@ -238,9 +284,19 @@ class HpkvScheduler:
         return stats
 
     def shutdown(self) -> None:
+        self.policy.close()
         for state in self._reqs.values():
             self._release(state)
         self.client.close()
+
+
+def _chunks(scheduler_output) -> list[tuple[int, int]]:
+    """(first position, number of tokens) of what the step computes for each request."""
+    scheduled = scheduler_output.num_scheduled_tokens
+    chunks = [(new.num_computed_tokens, scheduled.get(new.req_id, 0)) for new in scheduler_output.scheduled_new_reqs]
+    cached = scheduler_output.scheduled_cached_reqs
+    chunks += [(cached.num_computed_tokens[i], scheduled.get(req_id, 0)) for i, req_id in enumerate(cached.req_ids)]
+    return chunks
 
 
 def _warn_if_hashes_unstable(vllm_config) -> None:

