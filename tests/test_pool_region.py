@@ -339,16 +339,18 @@ def test_a_missing_pool_directory_is_created_private(shm_dir, regions):
 
 
 def _resident_bytes(region: PoolRegion) -> int:
-    """Rss of this process's mappings of the pool file, from /proc/self/smaps."""
-    lines = Path("/proc/self/smaps").read_text().splitlines()
-    resident, inside = 0, False
-    for line in lines:
+    """Rss of this region's own mapping of the pool file, from /proc/self/smaps."""
+    import ctypes
+
+    start = ctypes.addressof(ctypes.c_char.from_buffer(region.buf))
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
         fields = line.split()
         if len(fields) >= 5 and "-" in fields[0] and ":" in fields[3]:  # a mapping's header line
-            inside = fields[-1] == str(region.path)
+            inside = int(fields[0].split("-")[0], 16) == start
         elif inside and fields[0] == "Rss:":
-            resident += int(fields[1]) * 1024
-    return resident
+            return int(fields[1]) * 1024
+    raise AssertionError("the pool mapping is not in /proc/self/smaps")
 
 
 def test_a_prefaulted_attachment_has_every_pool_page_mapped(shm_dir, regions):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from serverutil import Node
+from serverutil import Node, wait_for
 from hpkv.store import Tier
 
 DRAM, STORAGE = int(Tier.DRAM), int(Tier.STORAGE)
@@ -97,3 +97,15 @@ def test_the_auto_started_server_leaves_with_its_last_client_and_the_next_one_hi
         assert loaded["num_ready"] == 12 and loaded["same"] == [True] * 12
     # promoted into the new server's DRAM: a second engine now hits memory
     assert scheduler.call("lookup", prefix="prompt", n=12, rank=0)["tiers"] == [DRAM] * 12
+
+
+def test_a_copying_client_prefaults_the_pool_only_when_asked(node):
+    from test_pool_region import _resident_bytes
+
+    node.start_server()
+    plain = node.client("scheduler")
+    plain.connect()
+    copying = node.client("worker", prefault=True)
+    copying.connect()
+    wait_for(lambda: _resident_bytes(copying.region) >= copying.region.size_bytes, what="the pool prefaulted")
+    assert _resident_bytes(plain.region) == 0

@@ -52,6 +52,7 @@ class Setting:
 class PoolConfig:
     dir: Path
     size_bytes: int
+    prefault: bool = True  # copying clients map every pool page when they attach
 
 
 @dataclass(frozen=True)
@@ -220,6 +221,9 @@ KEYS: tuple[KeySpec, ...] = (
     KeySpec("HPKV_KV_STORAGE_FSYNC", "word", _one_of("off", "data", "full"), "off",
             "Durability of storage writes (files are checksummed either way).",
             "off, data or full"),
+    KeySpec("HPKV_POOL_PREFAULT", "bool", _parse_bool, "true",
+            "Engine processes map every pool page when they attach (page tables: 2 MiB per GiB).",
+            "1/0, true/false, yes/no or on/off"),
     KeySpec("HPKV_IO_THREADS", "int", _int_in(1, 256), "8",
             "Storage I/O threads.", "an integer from 1 to 256"),
     KeySpec("HPKV_LOG_LEVEL", "word", _one_of("debug", "info", "warning", "error"), "info",
@@ -379,7 +383,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
 def _build(resolved: list[Setting], warnings: tuple[str, ...]) -> Settings:
     v = {setting.key: setting.value for setting in resolved}
     return Settings(
-        pool=PoolConfig(dir=v["HPKV_SHARE_MEM_FILE_PATH"], size_bytes=v["HPKV_KV_MEM_POOL_SIZE"]),
+        pool=PoolConfig(dir=v["HPKV_SHARE_MEM_FILE_PATH"], size_bytes=v["HPKV_KV_MEM_POOL_SIZE"],
+                        prefault=v["HPKV_POOL_PREFAULT"]),
         storage=StorageConfig(path=v["HPKV_KV_STORAGE_PATH"],
                               enabled=v["HPKV_KV_STORAGE_ENABLE"],
                               capacity_bytes=v["HPKV_KV_STORAGE_SIZE"],

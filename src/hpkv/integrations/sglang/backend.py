@@ -54,7 +54,8 @@ class HpkvStorage(HiCacheStorage):
                 "HPKV's SGLang backend needs the zero-copy v1 interface: add \"interface_v1\": 1 to "
                 f"--hicache-storage-backend-extra-config (or use --enable-ct-hpkv), e.g. {backend_config(1204)}")
         self.storage_config = storage_config
-        self.pool_dir = load_settings().pool.dir
+        pool = load_settings().pool
+        self.pool_dir, self.prefault = pool.dir, pool.prefault
         self.layout: lay.PageLayout | None = None
         self.desc = None
         self.ns: str | None = None
@@ -227,7 +228,7 @@ class HpkvStorage(HiCacheStorage):
         """A client for this thread. SGLang restarts its storage threads (on /flush_cache, for
         one), so the clients of threads that ended are closed here."""
         this = threading.current_thread()
-        client = Client(self.pool_dir, kind=f"sglang-{this.name}", prefault=True)
+        client = Client(self.pool_dir, kind=f"sglang-{this.name}", prefault=self.prefault)
         with self._lock:
             if self._closed:
                 raise ServerUnavailable("the HPKV storage backend is closed")

@@ -34,7 +34,7 @@ class HpkvWorker:
         self.rank = rank
         self.layout = lay.block_layout(vllm_config, kv_cache_config)
         self.desc = lay.namespace(vllm_config, self.layout, rank)
-        self.client = Client(settings.pool.dir, kind=f"vllm-worker-{rank}", prefault=True)
+        self.client = Client(settings.pool.dir, kind=f"vllm-worker-{rank}", prefault=settings.pool.prefault)
         self.ns: str | None = None
         self.copier: BlockCopier | None = None
         self.stats = HpkvConnectorStats()
