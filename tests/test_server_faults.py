@@ -112,6 +112,21 @@ def test_a_client_killed_with_reservations_and_leases_gives_them_back(node):
     assert other.stats()["dram"]["evictions"] >= 8
 
 
+def test_a_live_client_that_loses_its_connection_keeps_its_reserved_slots_out_of_reach(node):
+    """A call that timed out drops the connection while the process may still be copying into
+    its reserved slots: the server must not hand them to anyone else meanwhile."""
+    node.start_server()
+    writer, other = node.client("writer"), node.client("other")
+    ns = writer.register(desc(0, BIG))
+    other.register(desc(0, BIG))
+    pending = [entry_key("pending", i) for i in range(4)]
+    assert None not in writer.reserve(ns, pending).offsets
+    writer._drop("a call timed out")  # what the client does after a timeout
+    wait_for(lambda: other.stats()["quarantined"] == 4, what="quarantine")
+    assert other.reserve(ns, pending).offsets == [None] * 4
+    assert other.stats()["reservations"] == 0
+
+
 def test_stale_socket_pool_and_lock_are_recovered_by_the_next_auto_start(node):
     first = node.agent("worker")
     old_pid = first.call("stats")["server_pid"]

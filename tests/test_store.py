@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -241,6 +242,21 @@ def test_a_vanished_owner_loses_its_reservations_and_leases(open_store):
     assert stats["reservations"] == 0 and stats["leases"] == 0
     assert store.commit(ns, pending, owner=7) == 0
     assert store.lookup(ns, pending).num_hit == 0
+
+
+def test_the_slots_of_a_dropped_live_writer_stay_unusable_for_the_quarantine(open_store):
+    store = open_store()
+    ns = store.register(desc())
+    pending = keys(3, "pending")
+    store.reserve(ns, pending, owner=7)
+    store.drop_owner(7, quarantine_s=0.3)
+    stats = store.stats()
+    assert stats["reservations"] == 0 and stats["quarantined"] == 3
+    assert store.reserve(ns, pending, owner=8) == [None] * 3  # its late bytes may still land there
+    assert store.commit(ns, pending, owner=7) == 0
+    time.sleep(0.35)
+    assert None not in store.reserve(ns, pending, owner=8)
+    assert store.stats()["quarantined"] == 0
 
 
 def test_commit_only_publishes_what_the_owner_reserved(open_store):

@@ -21,6 +21,8 @@ import enum
 import itertools
 import logging
 import threading
+import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
@@ -111,6 +113,7 @@ class TieredStore:
         self._leases: dict[int, Lease] = {}
         self._promoting: dict[DramEntry, Future] = {}
         self._writes: set[Future] = set()
+        self._quarantine: deque[tuple[float, DramEntry]] = deque()  # (until, reserved entry of a dropped owner)
         self._lease_ids = itertools.count(1)
         # Write-throughs run on threads of their own, so a promotion that a request waits for
         # never queues behind them. (Not at a lower CPU priority: a descheduled low-priority
@@ -286,6 +289,8 @@ class TieredStore:
         reservations are its own until it commits or aborts them by key."""
         offsets: list[int | None] = []
         with self._lock:
+            if self._quarantine and self._quarantine[0][0] <= time.monotonic():
+                self._end_quarantine()
             held = self._reserved.setdefault(owner, {})
             for key in keys:
                 stale = held.pop((ns, key), None)
@@ -358,15 +363,32 @@ class TieredStore:
 
     # -- owners, clearing, stats --------------------------------------------------------------
 
-    def drop_owner(self, owner: int) -> None:
-        """Abort the reservations and release the leases of a client that is gone."""
+    def holds_reservations(self, owner: int) -> bool:
         with self._lock:
-            for entry in self._reserved.pop(owner, {}).values():
-                self.dram.abort(entry)
-                self.counters.aborts += 1
+            return bool(self._reserved.get(owner))
+
+    def drop_owner(self, owner: int, quarantine_s: float = 0.0) -> None:
+        """Abort the reservations and release the leases of a client that is gone. With
+        `quarantine_s`, its reserved slots stay unusable that long first: a client whose
+        connection dropped (a timeout) while its process lives may still be copying into them,
+        and those bytes must not land in an entry somebody else has reserved since."""
+        with self._lock:
+            reserved = self._reserved.pop(owner, {}).values()
+            if quarantine_s > 0:
+                until = time.monotonic() + quarantine_s
+                self._quarantine.extend((until, entry) for entry in reserved)
+            else:
+                for entry in reserved:
+                    self.dram.abort(entry)
+            self.counters.aborts += len(reserved)
             lease_ids = [i for i, lease in self._leases.items() if lease.owner == owner]
         for lease_id in lease_ids:
             self.release(lease_id)
+
+    def _end_quarantine(self) -> None:
+        now = time.monotonic()
+        while self._quarantine and self._quarantine[0][0] <= now:
+            self.dram.abort(self._quarantine.popleft()[1])
 
     def clear(self, memory: bool = True, storage: bool = False, ns: str | None = None) -> dict[str, int]:
         removed = {"memory": 0, "storage": 0}
@@ -387,6 +409,7 @@ class TieredStore:
                 for ns, desc in self._namespaces.items() for h in [self._ns_hits[ns]]}
             out["leases"] = len(self._leases)
             out["reservations"] = sum(len(h) for h in self._reserved.values())
+            out["quarantined"] = len(self._quarantine)
         out["storage"] = self.storage.stats() if self.storage is not None else None
         return out
 

@@ -39,6 +39,9 @@ from . import protocol as p
 log = logging.getLogger("hpkv.server")
 
 _PEERCRED = struct.Struct("3i")
+# How long the slots reserved by a client whose connection dropped while its process lives stay
+# unusable: far longer than any copy into them takes.
+QUARANTINE_S = 30.0
 
 
 @dataclass
@@ -174,9 +177,13 @@ class Server:
             pass  # the client went away; what it held is reclaimed below
         finally:
             conn.close()
-            self.store.drop_owner(client.id)
             with self._clients_lock:
                 del self._clients[client.id]
+                self._last_client_left = time.monotonic()
+            # A live client lost its connection (its call timed out): it may still be copying.
+            copying = self.store.holds_reservations(client.id) and _lives_on(client.pid)
+            self.store.drop_owner(client.id, quarantine_s=QUARANTINE_S if copying else 0.0)
+            with self._clients_lock:
                 self._last_client_left = time.monotonic()
 
     def _admit(self, conn: socket.socket, client: ClientInfo) -> bool:
@@ -322,6 +329,33 @@ class Server:
 
 def _is_ns_id(text: str) -> bool:
     return len(text) == 2 * NS_DIGEST_BYTES and all(c in "0123456789abcdef" for c in text)
+
+
+def _lives_on(pid: int, grace_s: float = 0.5) -> bool:
+    """Whether the process behind a closed connection is still there `grace_s` later (a killed
+    process closes its sockets before it is gone)."""
+    deadline = time.monotonic() + grace_s
+    while _alive(pid):
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists; unknown pids (0: another pid namespace) count as alive."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (killed, not yet reaped by its parent) copies nothing
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _send(conn: socket.socket, msg: p.Msg) -> None:
