@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -125,7 +126,7 @@ class Systems:
     engines with empty DRAM tiers over the same storage / L2 directory."""
 
     def __init__(self, opts: Options, model: str, pool_dir: Path, storage_dir: Path, l2_dir: Path) -> None:
-        self.opts, self.model, self.pool_dir, self.l2_dir = opts, model, pool_dir, l2_dir
+        self.opts, self.model, self.pool_dir, self.storage_dir, self.l2_dir = opts, model, pool_dir, storage_dir, l2_dir
         self.log_dir = opts.workdir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         # VLLM_CPU_KVCACHE_SPACE counts whole GiB, and overrides --kv-cache-memory-bytes: 1 GiB
@@ -173,6 +174,18 @@ class Systems:
         start_together([restarted["hpkv"], restarted["lmcache"]])
         return restarted
 
+    def settle(self, quiet_s: float = 1.0, timeout_s: float = 60.0) -> None:
+        """Until neither HPKV's storage nor LMCache's L2 directory has changed for quiet_s."""
+        deadline = time.monotonic() + timeout_s
+        last, since = None, time.monotonic()
+        while time.monotonic() < deadline:
+            now = [dir_usage(d) for d in (self.storage_dir, self.l2_dir)]
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                return
+            time.sleep(0.25)
+
     def stop(self) -> None:
         for engine in self.engines:
             engine.stop()
@@ -187,12 +200,15 @@ def ttft_prompts(opts: Options) -> dict[int, list[str]]:
     return {n: [prompt_text(n, seed=10_000 * n + r) for r in range(opts.repeats)] for n in opts.lengths}
 
 
-def ttft_hits_in_dram(opts: Options, results: Results, engines: dict[str, PeerEngine]) -> dict:
+def ttft_hits_in_dram(opts: Options, results: Results, engines: dict[str, PeerEngine], settle) -> dict:
     """Per prompt: cold and in-engine hit (the reference) with no connector; cold, reset, DRAM
-    hit on HPKV; cold, reset, L1 hit on LMCache."""
+    hit on HPKV; cold, reset, L1 hit on LMCache. Each timed request waits for the write-through
+    of the cold requests before it (HPKV's storage, LMCache's L2) to end: on two cores that
+    background work would land on whichever request comes next, of any system."""
     references = {}
     for n, prompts in ttft_prompts(opts).items():
         for r, prompt in enumerate(prompts):
+            settle()
             _, cold = engines["off"].measure_all(prompt, opts.max_tokens)
             reference, hit = engines["off"].measure_all(prompt, opts.max_tokens)
             references[prompt] = reference
@@ -200,9 +216,11 @@ def ttft_hits_in_dram(opts: Options, results: Results, engines: dict[str, PeerEn
             add(results, "engine_hit", n, hit)
             for kind, row in (("hpkv", "hpkv_dram"), ("lmcache", "lmcache_l1")):
                 engine = engines[kind]
+                settle()
                 _, cold_on = engine.measure_all(prompt, opts.max_tokens)
                 add(results, f"{kind}_cold", n, cold_on)
                 engine.reset_prefix_cache()
+                settle()
                 completion, sample = engine.measure_all(prompt, opts.max_tokens)
                 add(results, row, n, compare(sample, completion, reference))
             log(f"{n} words, repeat {r}: cold {ms(cold)}, in-engine {ms(hit)}, HPKV DRAM "
@@ -210,10 +228,12 @@ def ttft_hits_in_dram(opts: Options, results: Results, engines: dict[str, PeerEn
     return references
 
 
-def ttft_hits_in_storage(opts: Options, results: Results, engines: dict[str, PeerEngine], references: dict) -> None:
+def ttft_hits_in_storage(opts: Options, results: Results, engines: dict[str, PeerEngine], references: dict,
+                         settle) -> None:
     for n, prompts in ttft_prompts(opts).items():
         for r, prompt in enumerate(prompts):
             for kind, row in (("hpkv", "hpkv_storage"), ("lmcache", "lmcache_l2")):
+                settle()
                 completion, sample = engines[kind].measure_all(prompt, opts.max_tokens)
                 add(results, row, n, compare(sample, completion, references[prompt]))
             log(f"{n} words, repeat {r}: HPKV storage {ms(results.ttft['hpkv_storage'][n][-1])}, "
@@ -264,7 +284,7 @@ def run(opts: Options, results: Results, pool_dir: Path, storage_dir: Path, l2_d
         engines = systems.start_all()
         for kind, engine in engines.items():
             engine.warm_up_paths(opts, warm[kind])
-        references = ttft_hits_in_dram(opts, results, engines)
+        references = ttft_hits_in_dram(opts, results, engines, systems.settle)
         results.notes["hpkv_counters_before_restart"] = hpkv_counters(engines["hpkv"])
         results.notes["lmcache_status_before_restart"] = brief_status(systems.lmcache_servers[-1])
         engines = systems.restart_connectors(engines)
@@ -272,13 +292,26 @@ def run(opts: Options, results: Results, pool_dir: Path, storage_dir: Path, l2_d
         results.notes["hpkv_server_alive_after_restart"] = hpkv_server_alive(pool_dir)
         for kind in ("hpkv", "lmcache"):  # in storage / L2 only now
             engines[kind].warm_up_paths(opts, warm[kind])
-        ttft_hits_in_storage(opts, results, engines, references)
+        ttft_hits_in_storage(opts, results, engines, references, systems.settle)
         noreuse(opts, results, engines)
         multiround(opts, results, engines)
         results.notes["lmcache_status_end"] = brief_status(systems.lmcache_servers[-1])
         results.notes["hpkv_counters_end"] = hpkv_counters(engines["hpkv"])
     finally:
         systems.stop()
+
+
+def dir_usage(path: Path) -> tuple[int, int]:
+    """(files, bytes) under path; a file renamed or removed while counted is skipped."""
+    num_files = num_bytes = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            try:
+                num_bytes += os.stat(os.path.join(root, name)).st_size
+                num_files += 1
+            except FileNotFoundError:
+                pass
+    return num_files, num_bytes
 
 
 def hpkv_counters(engine: PeerEngine) -> dict[str, float]:

@@ -49,8 +49,8 @@ def summarize(results) -> dict:
                 ratios.setdefault(label, {})[n] = {"value": value, "target": f"<= {bound}", "passed": value <= bound}
     out = {"ttft": ttft, "ttft_ratios": ratios, "noreuse": summarize_noreuse(results.noreuse),
            "multiround": summarize_multiround(results.multiround)}
-    out["checks"] = checks(out)
     out["notes"] = results.notes
+    out["checks"] = checks(out)
     return out
 
 
@@ -139,10 +139,20 @@ def checks(summary: dict) -> dict[str, object]:
                 out[f"{row} {n}: same token ids as the in-engine hit"] = r["same_token_ids"]
             if r["from_tier"] is not None:
                 out[f"{row} {n}: prefix from the {r['tier']} source"] = r["from_tier"]
+    l1 = l1_objects(summary["notes"].get("lmcache_status_after_restart"))
+    if l1 is not None:  # so every LMCache hit after the restart came from L2
+        out["LMCache L1 empty after the restart"] = l1 == 0
     for kind, r in summary["multiround"].items():
         if isinstance(r, dict) and r.get("same_token_ids_as_off"):
             out[f"multi-round {kind}: same token ids as no connector"] = r["same_token_ids_as_off"]
     return out
+
+
+def l1_objects(status) -> int | None:
+    try:
+        return sum(m["total_object_count"] for m in status["storage_manager"]["l1_managers"].values())
+    except (KeyError, TypeError, AttributeError):
+        return None
 
 
 def header(opts, pool_dir: Path, storage_dir: Path) -> dict:
@@ -256,7 +266,7 @@ def plot(summary: dict, out_dir: Path) -> list[str]:
             if r in summary["ttft"]]
     if rows:
         lengths = sorted({n for r in rows for n in summary["ttft"][r]})
-        fig, ax = plt.subplots(figsize=(9, 4.8))
+        fig, ax = plt.subplots(figsize=(9, 5.6))
         width = 0.8 / len(rows)
         for i, row in enumerate(rows):
             med = [summary["ttft"][row].get(n, {}).get("median_ms", np.nan) for n in lengths]
@@ -269,7 +279,7 @@ def plot(summary: dict, out_dir: Path) -> list[str]:
         ax.set_yscale("log")
         ax.set_ylabel("TTFT, ms (median; whisker to p90)")
         ax.set_title("Time to first token on vLLM (CPU): HPKV vs LMCache vs vLLM's own cache")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.1))
         fig.tight_layout()
         paths.append(save(fig, out_dir / "peers_ttft.png"))
     mr, nr = summary["multiround"], summary["noreuse"]

@@ -92,7 +92,12 @@ class LMCacheServer:
 
     def l2_files(self) -> tuple[int, int]:
         """(files, bytes) under the L2 directory: chunks written through to disk."""
-        sizes = [p.stat().st_size for p in self.l2_dir.rglob("*.data") if p.is_file()]
+        sizes = []
+        for path in self.l2_dir.rglob("*.data"):
+            try:
+                sizes.append(path.stat().st_size)
+            except FileNotFoundError:  # removed while listed
+                pass
         return len(sizes), sum(sizes)
 
     def wait_l2_settled(self, quiet_s: float = 2.0, timeout_s: float = 120.0) -> tuple[int, int]:
