@@ -177,13 +177,11 @@ class Server:
             pass  # the client went away; what it held is reclaimed below
         finally:
             conn.close()
-            with self._clients_lock:
-                del self._clients[client.id]
-                self._last_client_left = time.monotonic()
             # A live client lost its connection (its call timed out): it may still be copying.
             copying = self.store.holds_reservations(client.id) and _lives_on(client.pid)
             self.store.drop_owner(client.id, quarantine_s=QUARANTINE_S if copying else 0.0)
             with self._clients_lock:
+                del self._clients[client.id]
                 self._last_client_left = time.monotonic()
 
     def _admit(self, conn: socket.socket, client: ClientInfo) -> bool:
