@@ -106,6 +106,10 @@ def summarize_multiround(runs: dict[str, dict]) -> dict:
         later = np.array([o.ttft_s for o in outcomes if o.round_index > 0]) * 1e3
         first = np.array([o.ttft_s for o in outcomes if o.round_index == 0]) * 1e3
         same = [o.token_ids == reference.get((o.doc, o.round_index)) for o in outcomes if reference]
+        # Where a differing answer first departs from the connector-off one: the first token
+        # rests on the loaded KV alone, later ones also on how the engine batched the decode.
+        departs = [common_prefix(o.token_ids, reference.get((o.doc, o.round_index)))
+                   for o in outcomes if reference and o.token_ids != reference.get((o.doc, o.round_index))]
         c = run["counters"]
         out[kind] = {
             "requests": len(outcomes), "wall_s": run["wall_s"], "req_per_s": len(outcomes) / run["wall_s"],
@@ -115,6 +119,7 @@ def summarize_multiround(runs: dict[str, dict]) -> dict:
             "prompt_tokens": int(sum(o.prompt_tokens for o in outcomes)),
             "cached_tokens": {k: c.get(k, 0.0) for k in ("device", *EXTERNAL) if c.get(k, 0.0)},
             "same_token_ids_as_off": f"{sum(same)}/{len(same)}" if same else None,
+            "differing_answers_depart_at_token": departs,
             "ttfts_ms": [round(float(t), 1) for t in ttfts],
         }
     if "hpkv" in out and "lmcache" in out:
@@ -129,6 +134,15 @@ def summarize_multiround(runs: dict[str, dict]) -> dict:
         out["hpkv / off"] = {"throughput": out["hpkv"]["req_per_s"] / out["off"]["req_per_s"],
                              "median TTFT": out["hpkv"]["ttft_median_ms"] / out["off"]["ttft_median_ms"]}
     return out
+
+
+def common_prefix(a: list[int] | None, b: list[int] | None) -> int:
+    n = 0
+    for x, y in zip(a or [], b or []):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def checks(summary: dict) -> dict[str, object]:
@@ -224,6 +238,10 @@ def print_multiround(console, mr: dict) -> None:
                           f"{r['ttft_later_median_ms']:.0f} ms" if r["ttft_later_median_ms"] else "-",
                           f"{cached} of {r['prompt_tokens'] / 1e3:.0f}K", r["same_token_ids_as_off"] or "(reference)")
     console.print(table)
+    for kind in ("hpkv", "lmcache"):
+        if mr.get(kind, {}).get("differing_answers_depart_at_token"):
+            console.print(f"(b) {LABELS[kind]}: answers that differ from no connector's depart at token "
+                          f"{mr[kind]['differing_answers_depart_at_token']}")
     for label, t in mr.get("targets", {}).items():
         console.print(f"(b) {label}: {t['value']:.2f} (target {t['target']}): {pass_miss(t['passed'])}")
     if "hpkv / off" in mr:
