@@ -126,15 +126,15 @@ class Systems:
     engines with empty DRAM tiers over the same storage / L2 directory."""
 
     def __init__(self, opts: Options, model: str, pool_dir: Path, storage_dir: Path, l2_dir: Path) -> None:
-        self.opts, self.model, self.pool_dir, self.storage_dir, self.l2_dir = opts, model, pool_dir, storage_dir, l2_dir
+        self.opts, self.model = opts, model
+        self.pool_dir, self.storage_dir, self.l2_dir = pool_dir, storage_dir, l2_dir
         self.log_dir = opts.workdir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         # VLLM_CPU_KVCACHE_SPACE counts whole GiB, and overrides --kv-cache-memory-bytes: 1 GiB
         # (the least) holds 128K tokens of this model. The engine's cache is cut to fewer blocks
         # instead, so that the multi-round documents outgrow it at a size this machine computes.
-        self.env: dict[str, str] = {}
         self.flags = ("--num-gpu-blocks-override", str(opts.kv_cache_tokens // BLOCK_SIZE))
-        self.hpkv_env = {**self.env, **documented_env(opts.pool_size, pool_dir, storage_dir, opts.workdir)}
+        self.hpkv_env = documented_env(opts.pool_size, pool_dir, storage_dir, opts.workdir)
         self.lmcache_servers: list[LMCacheServer] = []
         self.engines: list[PeerEngine] = []
         self.life = 0
@@ -149,7 +149,7 @@ class Systems:
 
     def engine(self, kind: str, server: LMCacheServer | None = None) -> PeerEngine:
         name = kind if self.life == 0 else f"{kind}-restarted"
-        env = self.hpkv_env if kind == "hpkv" else self.env
+        env = self.hpkv_env if kind == "hpkv" else {}
         flags = self.flags + (("--kv-transfer-config", server.kv_transfer_config()) if server else ())
         engine = PeerEngine(name, kind, self.model, env, flags, self.log_dir)
         self.engines.append(engine)

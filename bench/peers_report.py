@@ -246,7 +246,8 @@ def print_multiround(console, mr: dict) -> None:
         console.print(f"(b) {label}: {t['value']:.2f} (target {t['target']}): {pass_miss(t['passed'])}")
     if "hpkv / off" in mr:
         r = mr["hpkv / off"]
-        console.print(f"(b) HPKV / no connector: throughput {r['throughput']:.2f}x, median TTFT {r['median TTFT']:.2f}x")
+        console.print(f"(b) HPKV / no connector: throughput {r['throughput']:.2f}x, "
+                      f"median TTFT {r['median TTFT']:.2f}x")
 
 
 def print_noreuse(console, nr: dict) -> None:
