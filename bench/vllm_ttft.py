@@ -79,6 +79,7 @@ class Options:
     tput_max_tokens: int
     tput_rounds: int
     json: bool
+    async_save: str = "default"  # the HPKV engine's "hpkv.async_save": default, on or off
 
 
 @dataclass
@@ -109,9 +110,11 @@ class Engine:
     """A VllmServer plus what the benchmark reads from it: per-source cached tokens, counted once
     vLLM's metrics include every request sent (they lag the last streamed token a little)."""
 
-    def __init__(self, name: str, model: str, env: dict[str, str], hpkv: bool, log_dir: Path) -> None:
+    def __init__(self, name: str, model: str, env: dict[str, str], hpkv: bool, log_dir: Path,
+                 extra_flags: tuple[str, ...] = ()) -> None:
         self.name = name
-        self.server = VllmServer(model, env, hpkv=hpkv, log_path=log_dir / f"vllm-{name}.log")
+        self.server = VllmServer(model, env, hpkv=hpkv, log_path=log_dir / f"vllm-{name}.log",
+                                 extra_flags=extra_flags)
         self._lock = threading.Lock()
         self._num_sent = 0
 
@@ -235,6 +238,15 @@ def hpkv_server_alive(pool_dir: Path) -> bool:
 # -- the run --------------------------------------------------------------------------------
 
 
+def connector_flags(opts: Options) -> tuple[str, ...]:
+    """The documented --kv-transfer-config, with "hpkv.async_save" when --async-save says so."""
+    if opts.async_save == "default":
+        return ()
+    config = {"kv_connector": "HpkvConnectorV1", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"hpkv.async_save": opts.async_save == "on"}}
+    return ("--kv-transfer-config", json.dumps(config))
+
+
 def hpkv_env(opts: Options, pool_dir: Path, storage_dir: Path) -> dict[str, str]:
     """The documented exports, as the demo uses them (threshold: its default)."""
     return documented_env(opts.pool_size, pool_dir, storage_dir, opts.workdir)
@@ -253,8 +265,9 @@ def run(opts: Options, results: Results, pool_dir: Path, storage_dir: Path) -> N
     on_env = {**engine_env(), **hpkv_env(opts, pool_dir, storage_dir)}
     prompts = [prompt_text(opts.prompt_words, seed=1000 + r) for r in range(opts.repeats)]
     off = Engine("off", model, engine_env(), hpkv=False, log_dir=log_dir)
-    on = Engine("hpkv", model, on_env, hpkv=True, log_dir=log_dir)
-    restarted = Engine("hpkv-restarted", model, on_env, hpkv=True, log_dir=log_dir)
+    flags = connector_flags(opts)
+    on = Engine("hpkv", model, on_env, hpkv=True, log_dir=log_dir, extra_flags=flags)
+    restarted = Engine("hpkv-restarted", model, on_env, hpkv=True, log_dir=log_dir, extra_flags=flags)
     try:
         log("starting the connector-OFF engine and the HPKV engine")
         start_together([off, on])
@@ -453,10 +466,12 @@ def parse_args(argv: list[str]) -> Options:
     p.add_argument("--tput-concurrency", type=int, default=4)
     p.add_argument("--tput-max-tokens", type=int, default=16)
     p.add_argument("--tput-rounds", type=int, default=4, help="rounds, each sent to OFF and ON (order alternates)")
+    p.add_argument("--async-save", choices=("default", "on", "off"), default="default",
+                   help='the HPKV engine\'s "hpkv.async_save" (default: off on a CPU, on on accelerators)')
     p.add_argument("--json", action="store_true", help="JSON on stdout")
     a = p.parse_args(argv)
     return Options(a.model, a.workdir, a.prompt_words, a.repeats, a.max_tokens, a.pool_size, a.tput_prompts,
-                   a.tput_words, a.tput_concurrency, a.tput_max_tokens, a.tput_rounds, a.json)
+                   a.tput_words, a.tput_concurrency, a.tput_max_tokens, a.tput_rounds, a.json, a.async_save)
 
 
 def header(opts: Options, pool_dir: Path, storage_dir: Path, model: str) -> dict:
@@ -466,7 +481,8 @@ def header(opts: Options, pool_dir: Path, storage_dir: Path, model: str) -> dict
     return {
         "command": shlex.join([sys.executable, *sys.argv]),
         "engine_command_on": shlex.join(["python", "-m", "vllm.entrypoints.openai.api_server",
-                                         *documented_flags(model, 8000, "hpkv-demo", hpkv=True)]),
+                                         *documented_flags(model, 8000, "hpkv-demo", hpkv=True,
+                                                           extra=connector_flags(opts))]),
         "machine": describe(pool_dir, storage_dir),
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version()},
         "model": model,

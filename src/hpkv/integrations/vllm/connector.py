@@ -4,7 +4,9 @@
 
 with VLLM_ENABLE_HPKV=1. The scheduler-side instance (engine core) runs `HpkvScheduler`; each
 worker's instance runs `HpkvWorker`. Loads are synchronous (before the forward pass of the step
-that needs them, from entries already pinned in DRAM); saves happen after the forward pass.
+that needs them, from entries already pinned in DRAM); saves start after the forward pass and,
+on accelerators, copy beside the next one (`"hpkv.async_save"` in kv_connector_extra_config
+overrides: true or false).
 HPKV is a cache: a block it cannot load is recomputed, so the connector switches vLLM's
 kv_load_failure_policy to "recompute" unless `"hpkv.fail_on_load_error": true` is given in
 kv_connector_extra_config.
@@ -50,7 +52,9 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         else:
             from .worker import HpkvWorker
 
-            self._worker = HpkvWorker(vllm_config, kv_cache_config, settings, _this_rank(vllm_config))
+            async_saves = extra.get("hpkv.async_save")  # default: asynchronous on accelerators
+            self._worker = HpkvWorker(vllm_config, kv_cache_config, settings, _this_rank(vllm_config),
+                                      None if async_saves is None else bool(async_saves))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -64,6 +68,11 @@ class HpkvConnectorV1(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches) -> None:
         self._worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        # Before the step's loads and forward pass write into the blocks it allocated.
+        if isinstance(kv_connector_metadata, HpkvConnectorMetadata) and kv_connector_metadata.allocated:
+            self._worker.fence(kv_connector_metadata.allocated)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -36,12 +36,15 @@ class SaveJob:
 class HpkvConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    # Blocks allocated to requests in this step: the only blocks vLLM can overwrite that an
+    # earlier step's save may still be reading (the worker fences on them).
+    allocated: list[int] = field(default_factory=list)
 
 
 _COUNTERS = (
     "lookups", "hit_tokens_dram", "hit_tokens_storage", "skipped_below_threshold", "skipped_tokens",
     "loaded_blocks", "loaded_bytes", "load_time_s", "saved_blocks", "saved_bytes", "save_time_s",
-    "load_failures", "server_errors",
+    "load_failures", "server_errors", "save_wait_s", "save_fences",
 )
 
 
@@ -74,6 +77,7 @@ class HpkvConnectorStats(KVConnectorStats):
             "hpkv_loaded_blocks": d.get("loaded_blocks", 0),
             "hpkv_saved_blocks": d.get("saved_blocks", 0),
             "hpkv_load_failures": d.get("load_failures", 0),
+            "hpkv_save_fences": d.get("save_fences", 0),
             "hpkv_server_errors": d.get("server_errors", 0),
         }
         for kind in ("load", "save"):

@@ -17,7 +17,9 @@ _COUNTERS = {
     "loaded_bytes": "Bytes copied from HPKV into the engine's KV cache",
     "saved_bytes": "Bytes saved from the engine's KV cache into HPKV",
     "load_time_s": "Seconds spent copying blocks from HPKV",
-    "save_time_s": "Seconds spent copying blocks into HPKV",
+    "save_time_s": "Seconds spent copying blocks into HPKV (beside the forward pass when saves are asynchronous)",
+    "save_wait_s": "Seconds engine steps waited for HPKV saves (reservations, synchronous copies, fences)",
+    "save_fences": "Steps that waited for an asynchronous save before overwriting the blocks it read",
     "load_failures": "Blocks HPKV could not load (recomputed)",
     "server_errors": "HPKV server calls that failed (treated as misses)",
 }

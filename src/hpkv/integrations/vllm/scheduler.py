@@ -203,7 +203,7 @@ class HpkvScheduler:
     # -- saves --------------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output) -> HpkvConnectorMetadata:
-        meta = HpkvConnectorMetadata(loads=self._pending_loads)
+        meta = HpkvConnectorMetadata(loads=self._pending_loads, allocated=_allocated_blocks(scheduler_output))
         self._pending_loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -234,7 +234,8 @@ class HpkvScheduler:
             return
         data = getattr(connector_output.kv_connector_stats, "data", None) or {}
         ranks = len(self.descs)
-        load_s, save_s = data.get("load_time_s", 0) / ranks, data.get("save_time_s", 0) / ranks
+        # The time the step waited for saves (asynchronous saves run beside the next step).
+        load_s, save_s = data.get("load_time_s", 0) / ranks, data.get("save_wait_s", 0) / ranks
         self.policy.step_done(load_s + save_s, load_s, data.get("loaded_bytes", 0) / ranks)
 
     def _add_saves(self, meta: HpkvConnectorMetadata, req_id: str, state: _Req, num_tokens: int) -> None:
@@ -288,6 +289,18 @@ class HpkvScheduler:
         for state in self._reqs.values():
             self._release(state)
         self.client.close()
+
+
+def _allocated_blocks(scheduler_output) -> list[int]:
+    """Every block given to a request in this step (new, resumed or grown), tracked or not."""
+    blocks: list[int] = []
+    for new in scheduler_output.scheduled_new_reqs:
+        if new.block_ids:
+            blocks.extend(new.block_ids[0])
+    for new_ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
+        if new_ids:
+            blocks.extend(new_ids[0])
+    return blocks
 
 
 def _chunks(scheduler_output) -> list[tuple[int, int]]:

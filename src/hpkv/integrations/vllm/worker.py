@@ -1,23 +1,33 @@
 """The worker half of HpkvConnectorV1: moves bytes between this rank's paged KV and the pool.
 
 It decides nothing: the scheduler half says which blocks to load and which to save, with their
-keys. Loads run in `start_load_kv`, before the forward pass of the
-step that needs them; saves run in `wait_for_save`, after the forward pass computed the blocks,
-straight into reserved pool slots, which the server then writes through to storage on its own
-threads. A save that cannot happen (server gone, pool full) is skipped: a future miss, never an
-error. A load that cannot happen is reported as failed blocks, which vLLM recomputes.
+keys. Loads run in `start_load_kv`, before the forward pass of the step that needs them. Saves
+start in `wait_for_save`, after the forward pass computed the blocks: the worker reserves pool
+slots, then (with asynchronous saves) hands the copy and the commit to a saver thread and
+returns, so the next step's forward pass runs while the blocks are copied. On an accelerator that
+copy runs on a stream of its own, after an event recorded at the end of the forward pass. A
+block being copied must not be overwritten: vLLM only writes into blocks it allocated for the
+step, and every step's metadata lists them, so `fence` (from `handle_preemptions`, before the
+step's loads and forward pass) waits for the saves that still read any of those blocks. With
+synchronous saves (`"hpkv.async_save": false`) the copy and commit happen inside `wait_for_save`.
+The server writes committed entries through to storage on its own threads. A save that cannot
+happen (server gone, pool full) is skipped: a future miss, never an error. A load that cannot
+happen is reported as failed blocks, which vLLM recomputes.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 
 from ...config import Settings
 from ...errors import HpkvError
-from ...server.client import Client
+from ...server.client import Client, Reservation
 from ...transfer.blocks import BlockCopier
 from . import layout as lay
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats
@@ -27,8 +37,23 @@ log = logging.getLogger("hpkv.vllm.worker")
 LOAD_WAIT_S = 10.0  # promotions the scheduler saw done; only a server restart makes this wait
 
 
+SAVER_JOIN_S = 30.0  # at shutdown, for the saves in flight
+
+
+@dataclass
+class _Save:
+    """One step's saves, reserved and waiting to be copied and committed."""
+
+    reservation: Reservation
+    keys: list[bytes]
+    block_ids: list[int]
+    offsets: list[int]
+    event: object | None = None  # accelerators: recorded when the forward pass wrote the blocks
+
+
 class HpkvWorker:
-    def __init__(self, vllm_config, kv_cache_config, settings: Settings, rank: int) -> None:
+    def __init__(self, vllm_config, kv_cache_config, settings: Settings, rank: int,
+                 async_saves: bool | None = None) -> None:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.rank = rank
@@ -39,6 +64,14 @@ class HpkvWorker:
         self.copier: BlockCopier | None = None
         self.stats = HpkvConnectorStats()
         self._failed_blocks: set[int] = set()
+        self.async_saves = async_saves  # None: decided in register_kv_caches, by device
+        self._stats_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._queue: deque[_Save] = deque()
+        self._reading: dict[int, int] = {}  # block id -> queued saves that still read it
+        self._saver: threading.Thread | None = None
+        self._side_stream = None
+        self._closing = False
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.v1.kv_cache_interface import group_kernel_blocks
@@ -51,9 +84,17 @@ class HpkvWorker:
             views.append(torch.tensor([], dtype=torch.int8, device=ref.device).set_(
                 ref.untyped_storage(), ref.storage_offset() * elem, (num_blocks, page), (ref.stride(0) * elem, 1)))
         self.copier = BlockCopier(views, self.layout.layer_offsets)
+        if self.async_saves is None:
+            # On the CPU a saver thread would take cores from the forward pass it overlaps.
+            self.async_saves = self.copier.device.type != "cpu"
         self._connect()
-        log.info("HPKV worker rank %d: %d layers, %d bytes per block entry, namespace %s", self.rank,
-                 len(views), self.layout.entry_bytes, self.ns)
+        log.info("HPKV worker rank %d: %d layers, %d bytes per block entry, namespace %s, %s saves", self.rank,
+                 len(views), self.layout.entry_bytes, self.ns,
+                 "asynchronous" if self.async_saves else "synchronous")
+
+    def _add(self, name: str, value: float) -> None:
+        with self._stats_lock:
+            self.stats.add(name, value)
 
     def _connect(self) -> bool:
         try:
@@ -61,7 +102,7 @@ class HpkvWorker:
             return True
         except HpkvError as exc:
             log.warning("HPKV server unavailable for worker rank %d: %s", self.rank, exc)
-            self.stats.add("server_errors", 1)
+            self._add("server_errors", 1)
             return False
 
     # -- loads --------------------------------------------------------------------------------
@@ -72,10 +113,10 @@ class HpkvWorker:
             num_loaded = self._load(job)
             if num_loaded < len(job.block_ids):
                 self._failed_blocks.update(job.block_ids[num_loaded:])
-                self.stats.add("load_failures", len(job.block_ids) - num_loaded)
-            self.stats.add("load_time_s", time.perf_counter() - started)
-            self.stats.add("loaded_blocks", num_loaded)
-            self.stats.add("loaded_bytes", num_loaded * self.layout.entry_bytes)
+                self._add("load_failures", len(job.block_ids) - num_loaded)
+            self._add("load_time_s", time.perf_counter() - started)
+            self._add("loaded_blocks", num_loaded)
+            self._add("loaded_bytes", num_loaded * self.layout.entry_bytes)
 
     def _load(self, job) -> int:
         """Copy the leading entries that are still there; returns how many blocks were loaded."""
@@ -105,7 +146,7 @@ class HpkvWorker:
                               job.req_id, (leased - started) * 1e3, (ready - leased) * 1e3, num_ready,
                               (copied - ready) * 1e3, (time.perf_counter() - copied) * 1e3)
         except HpkvError as exc:
-            self.stats.add("server_errors", 1)
+            self._add("server_errors", 1)
             log.warning("HPKV load failed; vLLM recomputes those blocks: %s", exc)
             return 0
 
@@ -127,24 +168,110 @@ class HpkvWorker:
             if self.ns is None and not self._connect():
                 return
             reservation = self.client.reserve(self.ns, keys)
-            held = [i for i, offset in enumerate(reservation.offsets) if offset is not None]
-            if held:
-                self.copier.save(reservation.region, [block_ids[i] for i in held],
-                                 [reservation.offsets[i] for i in held])
-                self.client.commit(self.ns, [keys[i] for i in held])
         except HpkvError as exc:
-            self.stats.add("server_errors", 1)
+            self._add("server_errors", 1)
             log.debug("HPKV save skipped: %s", exc)
             return
-        self.stats.add("save_time_s", time.perf_counter() - started)
-        self.stats.add("saved_blocks", len(held))
-        self.stats.add("saved_bytes", len(held) * self.layout.entry_bytes)
+        held = [i for i, offset in enumerate(reservation.offsets) if offset is not None]
+        if held:
+            save = _Save(reservation, [keys[i] for i in held], [block_ids[i] for i in held],
+                         [reservation.offsets[i] for i in held])
+            if self.async_saves:
+                save.event = self._forward_done_event()
+                self._enqueue(save)
+            else:
+                self._save(save)
+        self._add("save_wait_s", time.perf_counter() - started)
+
+    def _save(self, save: _Save) -> None:
+        """Copy the blocks into their reserved slots and publish them."""
+        started = time.perf_counter()
+        try:
+            if not self.client.holds(save.reservation):
+                return  # the connection that reserved the slots is gone, and the slots with it
+            if save.event is None:
+                self.copier.save(save.reservation.region, save.block_ids, save.offsets)
+            else:
+                device_mod = getattr(torch, self.copier.device.type)
+                if self._side_stream is None:
+                    self._side_stream = device_mod.Stream(self.copier.device)
+                with device_mod.stream(self._side_stream):
+                    self._side_stream.wait_event(save.event)
+                    self.copier.save(save.reservation.region, save.block_ids, save.offsets)
+            self.client.commit(self.ns, save.keys)
+        except HpkvError as exc:
+            self._add("server_errors", 1)
+            log.debug("HPKV save skipped: %s", exc)
+            return
+        except Exception:  # never let a save take the engine (or the saver thread) down
+            self._add("server_errors", 1)
+            log.exception("HPKV save failed; those blocks will be recomputed when needed")
+            return
+        self._add("save_time_s", time.perf_counter() - started)
+        self._add("saved_blocks", len(save.keys))
+        self._add("saved_bytes", len(save.keys) * self.layout.entry_bytes)
+
+    def _forward_done_event(self):
+        """An event on the engine's current stream, after the forward pass's writes."""
+        device_mod = getattr(torch, self.copier.device.type, None)
+        if device_mod is None or not hasattr(device_mod, "Event"):
+            return None
+        event = device_mod.Event()
+        event.record(device_mod.current_stream(self.copier.device))
+        return event
+
+    def _enqueue(self, save: _Save) -> None:
+        with self._cond:
+            for block in save.block_ids:
+                self._reading[block] = self._reading.get(block, 0) + 1
+            self._queue.append(save)
+            self._cond.notify_all()
+            if self._saver is None:
+                self._saver = threading.Thread(target=self._saver_loop, name="hpkv-saver", daemon=True)
+                self._saver.start()
+
+    def _saver_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                save = self._queue.popleft()
+            try:
+                self._save(save)
+            finally:
+                with self._cond:
+                    for block in save.block_ids:
+                        left = self._reading[block] - 1
+                        if left:
+                            self._reading[block] = left
+                        else:
+                            del self._reading[block]
+                    self._cond.notify_all()
+
+    def fence(self, block_ids: list[int]) -> None:
+        """Return once no queued save still reads any of `block_ids` (blocks this step writes)."""
+        with self._cond:
+            if not self._reading or not any(block in self._reading for block in block_ids):
+                return
+            started = time.perf_counter()
+            while any(block in self._reading for block in block_ids):
+                self._cond.wait()
+        self._add("save_fences", 1)
+        self._add("save_wait_s", time.perf_counter() - started)
 
     def take_stats(self) -> HpkvConnectorStats | None:
-        if self.stats.is_empty():
-            return None
-        stats, self.stats = self.stats, HpkvConnectorStats()
+        with self._stats_lock:
+            if self.stats.is_empty():
+                return None
+            stats, self.stats = self.stats, HpkvConnectorStats()
         return stats
 
     def shutdown(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._saver is not None:
+            self._saver.join(SAVER_JOIN_S)
         self.client.close()

@@ -1,0 +1,67 @@
+"""Asynchronous saves on a real vLLM (forced on for the CPU, where they are off by default): with
+a KV cache of a few prompts' blocks, every prompt's blocks are recycled for the next ones while
+their saves may still be in flight, and each prompt later served from HPKV's DRAM tier gives
+exactly what vLLM's own prefix-cache hit gave."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from test_vllm_e2e import MODEL_DIR, _prompt
+from vllmutil import HPKV_ENV_PREFIXES, Engine, kill_server, same_output, server_pid
+
+pytestmark = [
+    pytest.mark.vllm_e2e,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install ct-hpkv[engines])"),
+    pytest.mark.timeout(900),
+]
+
+ASYNC = '{"kv_connector":"HpkvConnectorV1", "kv_role":"kv_both", "kv_connector_extra_config":{"hpkv.async_save":true}}'
+NUM_BLOCKS = 128  # 4,096 tokens: about two and a half of these prompts
+PROMPTS = [_prompt(1500, seed=300 + i) for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from hpkv.demo.model import build_model
+
+    model = build_model(MODEL_DIR)
+    root = tmp_path_factory.mktemp("vllm-async")
+    shm = Path(tempfile.mkdtemp(prefix="hpkv-async-", dir="/dev/shm"))
+    env = {"VLLM_ENABLE_HPKV": "1", "HPKV_KV_MEM_POOL_SIZE": "256m", "HPKV_SHARE_MEM_FILE_PATH": str(shm),
+           "HPKV_KV_STORAGE_ENABLE": "false", "HPKV_SERVER_IDLE_EXIT_S": "2",
+           "HPKV_CONFIG_FILE_PATH": str(root / "no-config.ini")}
+    (root / "logs").mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        for name in list(os.environ):
+            if name.startswith(HPKV_ENV_PREFIXES):
+                mp.delenv(name)
+        engine = Engine("async", model, env, root / "logs", extra_flags=(
+            "--kv-transfer-config", ASYNC, "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-model-len", "4096"))
+        try:
+            engine.start()
+            yield engine
+        finally:
+            pid = server_pid(shm)
+            engine.stop()
+            kill_server(pid)
+            shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_prompts_whose_blocks_were_recycled_load_from_dram_identical_to_vllms_own_hit(engine):
+    assert "asynchronous saves" in engine.log_text()
+    references = [engine.reference(prompt) for prompt in PROMPTS]  # computed, saved, then vLLM's own hit
+
+    for prompt, reference in zip(PROMPTS, references):
+        engine.reset_prefix_cache()  # vLLM's own cache only: HPKV's DRAM tier keeps every prompt
+        before = engine.counters()
+        answer = engine.complete(prompt)
+        got = engine.counters() - before
+        assert got["host"] >= 1400 and got["device"] == 0
+        assert same_output(answer, reference)

@@ -1,0 +1,117 @@
+"""The vLLM worker half's asynchronous saves against a real HPKV server and real CPU tensors:
+the saver thread copies and commits after `wait_for_save` has returned, and `fence` holds back
+a step that would overwrite a block whose save is still reading it, and only such a step."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from serverutil import Node, desc, entry_key, wait_for
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+
+LAYERS, PAGE, NUM_BLOCKS = 2, 8 << 10, 16
+ENTRY = LAYERS * PAGE
+
+
+@pytest.fixture
+def worker(shm_dir, tmp_path):
+    from hpkv.integrations.vllm.metadata import HpkvConnectorStats
+    from hpkv.integrations.vllm.worker import HpkvWorker
+    from hpkv.server.client import Client
+    from hpkv.transfer.blocks import BlockCopier
+
+    node = Node(shm_dir, tmp_path)
+    node.start_server()
+    # The worker as register_kv_caches leaves it, without a vLLM config: real client, real copier.
+    w = HpkvWorker.__new__(HpkvWorker)
+    w.rank, w.async_saves = 0, True
+    w.layout = SimpleNamespace(entry_bytes=ENTRY)
+    w.desc = desc(0, ENTRY)
+    w.client = Client(shm_dir, kind="vllm-worker-0", autostart=False)
+    w.stats, w._failed_blocks = HpkvConnectorStats(), set()
+    w._stats_lock, w._cond = threading.Lock(), threading.Condition()
+    w._queue, w._reading, w._saver, w._side_stream, w._closing = deque(), {}, None, None, False
+    w.layers = [torch.randint(-128, 128, (NUM_BLOCKS, PAGE), dtype=torch.int8) for _ in range(LAYERS)]
+    w.copier = BlockCopier(w.layers, (0, PAGE))
+    w.ns = w.client.register(w.desc)
+    try:
+        yield w, node
+    finally:
+        w.shutdown()
+        node.close()
+
+
+def _meta(keys, block_ids):
+    from hpkv.integrations.vllm.metadata import HpkvConnectorMetadata, SaveJob
+
+    return HpkvConnectorMetadata(saves=[SaveJob("req", keys, block_ids)])
+
+
+def _entry(w, block: int) -> bytes:
+    return b"".join(layer[block].numpy().tobytes() for layer in w.layers)
+
+
+def test_saves_land_after_wait_for_save_returns_and_a_fence_waits_only_for_blocks_in_flight(worker):
+    w, node = worker
+    gate = threading.Event()
+    copy = w.copier.save
+    w.copier.save = lambda *args: (gate.wait(10), copy(*args))  # the copy takes until the gate opens
+
+    keys = [entry_key("async", i) for i in range(4)]
+    blocks = [3, 4, 5, 9]
+    expected = [_entry(w, b) for b in blocks]
+    w.wait_for_save(_meta(keys, blocks))  # returns with the copy still to do
+    reader = node.client("reader")
+    reader.register(w.desc)
+    assert reader.lookup(w.ns, keys).num_hit == 0  # reserved, not yet published
+
+    started = time.monotonic()
+    w.fence([0, 1, 2, 10])  # blocks no save reads: no wait
+    assert time.monotonic() - started < 0.5
+
+    fenced = threading.Event()
+    threading.Thread(target=lambda: (w.fence([7, 9]), fenced.set()), daemon=True).start()
+    time.sleep(0.3)
+    assert not fenced.is_set()  # block 9 is still being saved
+    gate.set()
+    assert fenced.wait(10)
+
+    wait_for(lambda: reader.lookup(w.ns, keys).num_hit == 4, what="the saves published")
+    lease = reader.lease(w.ns, keys)
+    assert reader.wait(lease) == 4
+    assert [bytes(lease.view(i)) for i in range(4)] == expected
+    reader.release(lease)
+    stats = w.take_stats().data
+    assert stats["saved_blocks"] == 4 and stats["save_fences"] == 1
+
+
+def test_a_save_whose_connection_was_lost_copies_nothing_into_the_slots(worker):
+    w, node = worker
+    gate = threading.Event()
+    original_holds = w.client.holds
+    w.client.holds = lambda handle: (gate.wait(10), original_holds(handle))[1]
+
+    reserved = []
+    original_reserve = w.client.reserve
+    w.client.reserve = lambda *args: reserved.append(original_reserve(*args)) or reserved[-1]
+
+    keys = [entry_key("lost", i) for i in range(2)]
+    w.wait_for_save(_meta(keys, [1, 2]))
+    w.client._drop("a call timed out")  # the reservation's connection is gone before the copy
+    gate.set()
+    w.fence([1, 2])
+    (reservation,) = reserved
+    for offset in reservation.offsets:  # the server may hand these slots to another writer
+        assert bytes(reservation.region.buf[offset : offset + ENTRY]) == bytes(ENTRY)
+    reader = node.client("reader")
+    assert reader.lookup(w.ns, keys).num_hit == 0
+    stats = w.take_stats()
+    assert stats.data["saved_blocks"] == 0 and stats.data["save_wait_s"] > 0
