@@ -275,6 +275,7 @@ def pass_miss(passed: bool) -> str:
 
 def plot(summary: dict, out_dir: Path) -> list[str]:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -309,6 +310,9 @@ def plot(summary: dict, out_dir: Path) -> list[str]:
             t = np.sort(mr[kind]["ttfts_ms"])
             left.plot(t, np.arange(1, len(t) + 1) / len(t), label=LABELS[kind])
         left.set_xscale("log")
+        left.set_xticks([100, 200, 500, 1000, 2000, 5000, 10000, 20000])
+        left.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        left.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         left.set_xlabel("TTFT, ms")
         left.set_ylabel("fraction of requests")
         left.set_title("(b) multi-round document QA: TTFT")
