@@ -84,9 +84,15 @@ class HpkvWorker:
             views.append(torch.tensor([], dtype=torch.int8, device=ref.device).set_(
                 ref.untyped_storage(), ref.storage_offset() * elem, (num_blocks, page), (ref.stride(0) * elem, 1)))
         self.copier = BlockCopier(views, self.layout.layer_offsets)
+        device = self.copier.device.type
         if self.async_saves is None:
             # On the CPU a saver thread would take cores from the forward pass it overlaps.
-            self.async_saves = self.copier.device.type != "cpu"
+            self.async_saves = device != "cpu"
+        device_mod = getattr(torch, device, None)
+        if self.async_saves and device != "cpu" and not all(
+                hasattr(device_mod, name) for name in ("Event", "Stream", "stream", "current_stream")):
+            log.warning("HPKV: torch.%s has no streams and events; saves are synchronous", device)
+            self.async_saves = False
         self._connect()
         log.info("HPKV worker rank %d: %d layers, %d bytes per block entry, namespace %s, %s saves", self.rank,
                  len(views), self.layout.entry_bytes, self.ns,
@@ -212,10 +218,11 @@ class HpkvWorker:
         self._add("saved_bytes", len(save.keys) * self.layout.entry_bytes)
 
     def _forward_done_event(self):
-        """An event on the engine's current stream, after the forward pass's writes."""
-        device_mod = getattr(torch, self.copier.device.type, None)
-        if device_mod is None or not hasattr(device_mod, "Event"):
+        """An event on the engine's current stream, after the forward pass's writes (None on
+        the CPU, where the forward pass is done when wait_for_save runs)."""
+        if self.copier.device.type == "cpu":
             return None
+        device_mod = getattr(torch, self.copier.device.type)
         event = device_mod.Event()
         event.record(device_mod.current_stream(self.copier.device))
         return event
