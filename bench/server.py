@@ -60,7 +60,7 @@ def _ms(times: list[float]) -> tuple[float, float]:
 
 def run() -> dict:
     pool_dir = Path(tempfile.mkdtemp(prefix="hpkv-bench-server-", dir="/dev/shm"))
-    storage = Path(tempfile.mkdtemp(prefix="hpkv-bench-server-", dir="."))
+    storage = Path(tempfile.mkdtemp(prefix="hpkv-bench-server-"))
     env = {**os.environ, "HPKV_SHARE_MEM_FILE_PATH": str(pool_dir), "HPKV_KV_STORAGE_PATH": str(storage),
            "HPKV_KV_MEM_POOL_SIZE": "1g", "HPKV_KV_STORAGE_ENABLE": "0",
            "HPKV_CONFIG_FILE_PATH": str(pool_dir / "none.ini"), "HPKV_LOG_LEVEL": "warning"}
