@@ -43,7 +43,7 @@ def engine(tmp_path_factory):
             if name.startswith(HPKV_ENV_PREFIXES):
                 mp.delenv(name)
         engine = Engine("async", model, env, root / "logs", extra_flags=(
-            "--kv-transfer-config", ASYNC, "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-model-len", "4096"))
+            "--kv-transfer-config", ASYNC, "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-model-len", "2048"))
         try:
             engine.start()
             yield engine
