@@ -311,4 +311,5 @@ def _rate(s_per_byte: float) -> str:
 
 
 def _source(cost: AffineCost) -> str:
-    return f"measured, {cost.num_observed} observations" if cost.num_observed else "start-up estimate"
+    n = cost.num_observed
+    return f"measured, {n} observation{'s' if n > 1 else ''}" if n else "start-up estimate"
