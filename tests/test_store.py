@@ -162,6 +162,14 @@ def test_a_promotion_does_not_queue_behind_write_throughs(open_store):
     assert store.flush(timeout=10)
 
 
+def test_write_throughs_use_few_threads_on_a_small_machine():
+    from hpkv.store import write_threads
+
+    assert write_threads(8, cpus=2) == 2  # the GIL is shared with the server's request handlers
+    assert write_threads(8, cpus=64) == 8
+    assert write_threads(1, cpus=2) == 1  # never more than HPKV_IO_THREADS
+
+
 def test_dram_hits_are_listed_before_storage_hits_in_one_prefix(open_store):
     store = open_store()
     ns = store.register(desc())
