@@ -170,6 +170,20 @@ def test_write_throughs_use_few_threads_on_a_small_machine():
     assert write_threads(1, cpus=2) == 1  # never more than HPKV_IO_THREADS
 
 
+def test_a_lease_wait_timeout_bounds_the_whole_wait(open_store):
+    from concurrent.futures import Future
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    from hpkv.store import Lease
+
+    pending = [Future() for _ in range(20)]  # promotions that never finish
+    lease = Lease(1, "ns", 0, [None] * 20, pending)
+    started = time.monotonic()
+    with pytest.raises(FutureTimeout):
+        lease.wait(timeout=0.1)
+    assert time.monotonic() - started < 0.5  # not 20 x 0.1 s
+
+
 def test_dram_hits_are_listed_before_storage_hits_in_one_prefix(open_store):
     store = open_store()
     ns = store.register(desc())

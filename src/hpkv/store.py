@@ -75,9 +75,14 @@ class Lease:
         self.offsets = [e.offset for e in self.entries]
 
     def wait(self, timeout: float | None = None) -> int:
-        """Number of leading entries ready to copy from (promotions that failed end the run)."""
+        """Number of leading entries ready to copy from (promotions that failed end the run).
+        `timeout` bounds the whole wait, not each promotion's."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         for num, promotion in enumerate(self.promotions):
-            if promotion is not None and not promotion.result(timeout):
+            if promotion is None:
+                continue
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not promotion.result(left):
                 return num
         return len(self.entries)
 
