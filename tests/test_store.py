@@ -177,7 +177,9 @@ def test_a_lease_wait_timeout_bounds_the_whole_wait(open_store):
     from hpkv.store import Lease
 
     pending = [Future() for _ in range(20)]  # promotions that never finish
-    lease = Lease(1, "ns", 0, [None] * 20, pending)
+    from types import SimpleNamespace
+
+    lease = Lease(1, "ns", 0, [SimpleNamespace(offset=i) for i in range(20)], pending)
     started = time.monotonic()
     with pytest.raises(FutureTimeout):
         lease.wait(timeout=0.1)
