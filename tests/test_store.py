@@ -170,20 +170,26 @@ def test_write_throughs_use_few_threads_on_a_small_machine():
     assert write_threads(1, cpus=2) == 1  # never more than HPKV_IO_THREADS
 
 
-def test_a_lease_wait_timeout_bounds_the_whole_wait(open_store):
+def test_a_lease_wait_timeout_bounds_the_whole_wait():
     from concurrent.futures import Future
     from concurrent.futures import TimeoutError as FutureTimeout
+    from types import SimpleNamespace
 
     from hpkv.store import Lease
 
-    pending = [Future() for _ in range(20)]  # promotions that never finish
-    from types import SimpleNamespace
+    promotions = [Future() for _ in range(20)]  # each done 0.05 s after the one before
 
-    lease = Lease(1, "ns", 0, [SimpleNamespace(offset=i) for i in range(20)], pending)
+    def finish() -> None:
+        for promotion in promotions:
+            time.sleep(0.05)
+            promotion.set_result(True)
+
+    lease = Lease(1, "ns", 0, [SimpleNamespace(offset=i) for i in range(20)], promotions)
+    threading.Thread(target=finish, daemon=True).start()
     started = time.monotonic()
     with pytest.raises(FutureTimeout):
-        lease.wait(timeout=0.1)
-    assert time.monotonic() - started < 0.5  # not 20 x 0.1 s
+        lease.wait(timeout=0.2)  # each promotion alone is quicker than that; all 20 are not
+    assert time.monotonic() - started < 0.5
 
 
 def test_dram_hits_are_listed_before_storage_hits_in_one_prefix(open_store):
