@@ -6,7 +6,6 @@ exactly what vLLM's own prefix-cache hit gave."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from test_vllm_e2e import MODEL_DIR, _prompt
-from vllmutil import HPKV_ENV_PREFIXES, Engine, kill_server, same_output, server_pid
+from vllmutil import Engine, same_output, serving
 
 pytestmark = [
     pytest.mark.vllm_e2e,
@@ -38,20 +37,13 @@ def engine(tmp_path_factory):
            "HPKV_KV_STORAGE_ENABLE": "false", "HPKV_SERVER_IDLE_EXIT_S": "2",
            "HPKV_CONFIG_FILE_PATH": str(root / "no-config.ini")}
     (root / "logs").mkdir()
-    with pytest.MonkeyPatch.context() as mp:
-        for name in list(os.environ):
-            if name.startswith(HPKV_ENV_PREFIXES):
-                mp.delenv(name)
-        engine = Engine("async", model, env, root / "logs", extra_flags=(
-            "--kv-transfer-config", ASYNC, "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-model-len", "2048"))
-        try:
-            engine.start()
+    engine = Engine("async", model, env, root / "logs", extra_flags=(
+        "--kv-transfer-config", ASYNC, "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-model-len", "2048"))
+    try:
+        with serving(engine, shm):
             yield engine
-        finally:
-            pid = server_pid(shm)
-            engine.stop()
-            kill_server(pid)
-            shutil.rmtree(shm, ignore_errors=True)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def test_prompts_whose_blocks_were_recycled_load_from_dram_identical_to_vllms_own_hit(engine):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from test_vllm_e2e import MODEL_DIR, _prompt
-from vllmutil import HPKV_ENV_PREFIXES, Engine, kill_server, num_saved_blocks, same_output, server_pid, settled_files
+from vllmutil import Engine, kill_server, num_saved_blocks, same_output, server_pid, serving, settled_files
 
 pytestmark = [
     pytest.mark.vllm_e2e,  # an engine test: `-k "not vllm_e2e"` leaves it out with the others
@@ -53,19 +53,8 @@ def engine(place, model):
     env = {"VLLM_ENABLE_HPKV": "1", "HPKV_KV_MEM_POOL_SIZE": "256m", "HPKV_SHARE_MEM_FILE_PATH": str(shm),
            "HPKV_KV_STORAGE_PATH": str(root / "storage"), "HPKV_SERVER_IDLE_EXIT_S": "2",
            "HPKV_CONFIG_FILE_PATH": str(root / "no-config.ini"), "VLLM_HPKV_TOKEN_THRESHOLD": "auto"}
-    with pytest.MonkeyPatch.context() as mp:
-        for name in list(__import__("os").environ):
-            if name.startswith(HPKV_ENV_PREFIXES):
-                mp.delenv(name)
-        engine = Engine("auto", model, env, root / "logs")
-        pid = None
-        try:
-            engine.start()
-            yield engine
-        finally:
-            pid = server_pid(shm)
-            engine.stop()
-            kill_server(pid)
+    with serving(Engine("auto", model, env, root / "logs"), shm) as engine:
+        yield engine
 
 
 def _auto_lines(engine: Engine) -> list[str]:

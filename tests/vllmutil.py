@@ -8,6 +8,7 @@ vLLM's metrics have caught up with the requests sent.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -250,3 +251,18 @@ def flip_middle_bytes(path: Path, num_bytes: int = 16) -> bytes:
     with open(path, "r+b") as f:
         f.write(data)
     return bytes(data)
+
+
+@contextlib.contextmanager
+def serving(engine: Engine, shm_dir: Path, env_prefixes: tuple[str, ...] = HPKV_ENV_PREFIXES):
+    """Start `engine` without this process's own HPKV settings (an engine gets only those it was
+    given); on the way out stop it and the HPKV server it auto-started in `shm_dir`."""
+    saved = {name: os.environ.pop(name) for name in list(os.environ) if name.startswith(env_prefixes)}
+    try:
+        engine.start()
+        yield engine
+    finally:
+        pid = server_pid(shm_dir)
+        engine.stop()
+        kill_server(pid)
+        os.environ.update(saved)

@@ -33,6 +33,7 @@ from .. import __version__
 from ..config import Settings, load_settings
 from ..errors import HpkvError, PoolError
 from ..keys import NS_DIGEST_BYTES, NamespaceDesc
+from ..procs import pid_running
 from ..store import TieredStore
 from . import protocol as p
 
@@ -332,28 +333,14 @@ def _is_ns_id(text: str) -> bool:
 def _lives_on(pid: int, grace_s: float = 0.5) -> bool:
     """Whether the process behind a closed connection is still there `grace_s` later (a killed
     process closes its sockets before it is gone)."""
+    if pid <= 0:  # not visible from here (another pid namespace): assume it lives
+        return True
     deadline = time.monotonic() + grace_s
-    while _alive(pid):
+    while pid_running(pid):
         if time.monotonic() >= deadline:
             return True
         time.sleep(0.01)
     return False
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` exists; unknown pids (0: another pid namespace) count as alive."""
-    if pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (killed, not yet reaped by its parent) copies nothing
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def _send(conn: socket.socket, msg: p.Msg) -> None:

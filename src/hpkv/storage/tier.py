@@ -30,6 +30,7 @@ from pathlib import Path
 from ..config import StorageConfig
 from ..errors import StorageError
 from ..fsinfo import free_bytes
+from ..procs import pid_alive
 from . import format as fmt
 from .fileio import FileIO
 
@@ -388,7 +389,7 @@ class StorageTier:
             node, pid, mtime = parts[-4], int(parts[-3]), entry.stat().st_mtime
         except (IndexError, ValueError, OSError):
             return
-        mine_and_dead = node == self._node and not _pid_alive(pid)
+        mine_and_dead = node == self._node and not pid_alive(pid)
         if mine_and_dead or time.time() - mtime > STALE_TEMP_S:
             try:
                 os.unlink(path)
@@ -430,13 +431,3 @@ def _subdirs(path: str) -> list[str]:
         return [e.path for e in os.scandir(path) if e.is_dir() and len(e.name) == 2]
     except OSError:
         return []
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
