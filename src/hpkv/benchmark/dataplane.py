@@ -116,8 +116,8 @@ class _Buffers:
 
 def run(config: BenchConfig, progress: Callable[[str], None] = lambda message: None) -> Report:
     started = time.monotonic()
-    with _temporary_dir(config.pool_parent or DEFAULT_POOL_PARENT) as pool_dir, \
-            _temporary_dir(config.storage_parent or Path.cwd()) as storage_dir:
+    with temporary_dir(config.pool_parent or DEFAULT_POOL_PARENT) as pool_dir, \
+            temporary_dir(config.storage_parent or Path.cwd()) as storage_dir:
         where = machine.describe(pool_dir, storage_dir)
         buffers = _Buffers.allocate(config.total_bytes)
         rows: list[Row] = []
@@ -137,7 +137,7 @@ def run(config: BenchConfig, progress: Callable[[str], None] = lambda message: N
 
 
 @contextlib.contextmanager
-def _temporary_dir(parent: Path) -> Iterator[Path]:
+def temporary_dir(parent: Path) -> Iterator[Path]:
     try:
         path = Path(tempfile.mkdtemp(prefix="hpkv-bench-", dir=parent))
     except OSError as exc:
@@ -280,7 +280,7 @@ def storage_rows(storage_dir: Path, entry_bytes: int, buffers: _Buffers, config:
     keys = lookup.new_keys(num)
     try:
         for round_ in range(config.reps + 1):
-            limit = _disk_limit(storage_dir / "limit.bin", src, dst, entry_bytes, fsync)
+            limit = disk_limit(storage_dir / "limit.bin", src, dst, entry_bytes, fsync)
             write_s = _timed(_tier_write, tier, desc.ns, keys, src)
             buffers.dst[:num_bytes].fill(0)  # the limit's read filled it with the same bytes
             read_s = _timed(_tier_read, tier, desc.ns, keys, dst)
@@ -316,7 +316,7 @@ def _tier_read(tier: StorageTier, ns: str, keys: list[Key], dst: memoryview) -> 
         raise RuntimeError("the storage tier missed a benchmark entry it had written (see the log)")
 
 
-def _disk_limit(path: Path, src: memoryview, dst: memoryview, size: int, fsync: str) -> tuple[float, float]:
+def disk_limit(path: Path, src: memoryview, dst: memoryview, size: int, fsync: str) -> tuple[float, float]:
     """Seconds to write `src` to one new file sequentially, `size` bytes a call, then read it back."""
     started = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)

@@ -21,7 +21,7 @@ subprocess; HPKV's side is driven here in the same shape, so that both do the sa
   a temporary and renames it into place. HPKV runs with `fsync=off` (its default) and, as always,
   temporary + rename. HPKV also writes a 52+ byte header and checks an xxh3 checksum on every
   read; LMCache stores raw bytes and checks only the length.
-- The limit is `dataplane._disk_limit`: one thread writing the round's bytes to one new file in
+- The limit is `dataplane.disk_limit`: one thread writing the round's bytes to one new file in
   the same directory, one entry size per call, then reading them back (best of the same rounds).
 
 Every byte HPKV reads back is compared with its source; LMCache's own `--no-skip-verify` compares
@@ -49,7 +49,7 @@ from ..errors import HpkvError
 from ..keys import Key, NamespaceDesc
 from ..storage.tier import StorageTier
 from . import lookup, machine
-from .dataplane import GB, TARGET_ENTRY_BYTES, TARGET_RATIO, _disk_limit, _temporary_dir, human_bytes
+from .dataplane import GB, TARGET_ENTRY_BYTES, TARGET_RATIO, disk_limit, temporary_dir, human_bytes
 
 LMCACHE_TIMEOUT_S = 900.0
 
@@ -116,7 +116,7 @@ def run(config: PeerConfig, progress: Callable[[str], None] = lambda message: No
     if config.cold and os.geteuid() != 0:
         raise HpkvError("--cold drops the page cache, which needs root")
     started = time.monotonic()
-    with _temporary_dir(config.storage_parent or Path.cwd()) as root:
+    with temporary_dir(config.storage_parent or Path.cwd()) as root:
         where = machine.describe(root, root)
         src = np.frombuffer(np.random.default_rng(0).bytes(config.round_bytes), dtype=np.uint8)
         dst = np.ones(config.round_bytes, dtype=np.uint8)
@@ -154,7 +154,7 @@ def drop_page_cache() -> None:
 def measure_limit(root: Path, src: memoryview, dst: memoryview, entry_bytes: int,
                   config: PeerConfig) -> tuple[float, float]:
     """Best (write_s, read_s) of `rounds` timed rounds after a warm-up, as `dataplane` measures it.
-    Cold: the write of `dataplane._disk_limit`, then its file is rewritten, synced, dropped from
+    Cold: the write of `dataplane.disk_limit`, then its file is rewritten, synced, dropped from
     the page cache and read back."""
     writes, reads = [], []
     os.sync()
@@ -162,7 +162,7 @@ def measure_limit(root: Path, src: memoryview, dst: memoryview, entry_bytes: int
         if config.cold:
             write_s, read_s = _cold_limit(root / "limit.bin", src, dst, entry_bytes)
         else:
-            write_s, read_s = _disk_limit(root / "limit.bin", src, dst, entry_bytes, "off")
+            write_s, read_s = disk_limit(root / "limit.bin", src, dst, entry_bytes, "off")
         if round_:
             writes.append(write_s)
             reads.append(read_s)
