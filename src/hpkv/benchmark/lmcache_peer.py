@@ -20,12 +20,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpkv.demo.engine import free_port
+from hpkv.demo.engine import free_port, wait_until_answers
 
 QUIET_ENV = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"}
 
@@ -61,17 +60,12 @@ class LMCacheServer:
         self.process = subprocess.Popen(self.command(), env={**os.environ, **QUIET_ENV}, stdout=log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"lmcache server exited at start ({self.process.returncode}); log: {self.log_path}")
-            try:
-                urllib.request.urlopen(self.url("/healthcheck"), timeout=2).read()
-                return self
-            except (urllib.error.URLError, ConnectionError, OSError):
-                time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"lmcache server did not answer within {timeout_s:.0f} s; log: {self.log_path}")
+        try:
+            wait_until_answers(self.process, self.url("/healthcheck"), timeout_s, "lmcache server", self.log_path, 0.5)
+        except TimeoutError:
+            self.stop()
+            raise
+        return self
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -53,6 +53,22 @@ class Completion:
     total_s: float
 
 
+def wait_until_answers(process: subprocess.Popen, url: str, timeout_s: float, what: str,
+                       log_path: Path | None, interval_s: float) -> None:
+    """Return once `url` answers; RuntimeError if `process` exits first, TimeoutError after
+    `timeout_s` (the caller stops the process)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited at start (status {process.returncode}); log: {log_path}")
+        try:
+            urllib.request.urlopen(url, timeout=2).read()
+            return
+        except (urllib.error.URLError, ConnectionError, OSError):
+            time.sleep(interval_s)
+    raise TimeoutError(f"{what} did not answer within {timeout_s:.0f} s; log: {log_path}")
+
+
 @dataclass
 class VllmServer:
     model: str
@@ -73,18 +89,12 @@ class VllmServer:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM exited at start (status {self.process.returncode}); "
-                                   f"log: {self.log_path}")
-            try:
-                urllib.request.urlopen(self.url("/v1/models"), timeout=2).read()
-                return self
-            except (urllib.error.URLError, ConnectionError, OSError):
-                time.sleep(1.0)
-        self.stop()
-        raise TimeoutError(f"vLLM did not answer within {timeout_s:.0f} s; log: {self.log_path}")
+        try:
+            wait_until_answers(self.process, self.url("/v1/models"), timeout_s, "vLLM", self.log_path, 1.0)
+        except TimeoutError:
+            self.stop()
+            raise
+        return self
 
     def stop(self, timeout_s: float = 60.0) -> None:
         if self.process is None or self.process.poll() is not None:
