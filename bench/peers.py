@@ -49,6 +49,7 @@ from hpkv.demo.model import BENCH, TINY, build_model, prompt_text  # noqa: E402
 from hpkv.demo.scenario import documented_env  # noqa: E402
 
 BLOCK_SIZE = 32  # the documented --block-size
+WORKLOADS = ("ttft", "noreuse", "multiround")
 
 
 
@@ -74,6 +75,7 @@ class Options:
     tput_rounds: int
     json: bool
     json_out: Path | None
+    workloads: tuple[str, ...] = WORKLOADS
 
 
 @dataclass
@@ -284,17 +286,20 @@ def run(opts: Options, results: Results, pool_dir: Path, storage_dir: Path, l2_d
         engines = systems.start_all()
         for kind, engine in engines.items():
             engine.warm_up_paths(opts, warm[kind])
-        references = ttft_hits_in_dram(opts, results, engines, systems.settle)
-        results.notes["hpkv_counters_before_restart"] = hpkv_counters(engines["hpkv"])
-        results.notes["lmcache_status_before_restart"] = brief_status(systems.lmcache_servers[-1])
-        engines = systems.restart_connectors(engines)
-        results.notes["lmcache_status_after_restart"] = brief_status(systems.lmcache_servers[-1])
-        results.notes["hpkv_server_alive_after_restart"] = hpkv_server_alive(pool_dir)
-        for kind in ("hpkv", "lmcache"):  # in storage / L2 only now
-            engines[kind].warm_up_paths(opts, warm[kind])
-        ttft_hits_in_storage(opts, results, engines, references, systems.settle)
-        noreuse(opts, results, engines)
-        multiround(opts, results, engines)
+        if "ttft" in opts.workloads:
+            references = ttft_hits_in_dram(opts, results, engines, systems.settle)
+            results.notes["hpkv_counters_before_restart"] = hpkv_counters(engines["hpkv"])
+            results.notes["lmcache_status_before_restart"] = brief_status(systems.lmcache_servers[-1])
+            engines = systems.restart_connectors(engines)
+            results.notes["lmcache_status_after_restart"] = brief_status(systems.lmcache_servers[-1])
+            results.notes["hpkv_server_alive_after_restart"] = hpkv_server_alive(pool_dir)
+            for kind in ("hpkv", "lmcache"):  # in storage / L2 only now
+                engines[kind].warm_up_paths(opts, warm[kind])
+            ttft_hits_in_storage(opts, results, engines, references, systems.settle)
+        if "noreuse" in opts.workloads:
+            noreuse(opts, results, engines)
+        if "multiround" in opts.workloads:
+            multiround(opts, results, engines)
         results.notes["lmcache_status_end"] = brief_status(systems.lmcache_servers[-1])
         results.notes["hpkv_counters_end"] = hpkv_counters(engines["hpkv"])
     finally:
@@ -361,14 +366,20 @@ def parse_args(argv: list[str]) -> Options:
     p.add_argument("--tput-concurrency", type=int, default=4)
     p.add_argument("--tput-max-tokens", type=int, default=16)
     p.add_argument("--tput-rounds", type=int, default=6, help="no-reuse rounds (6: every order of the 3)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help="which of (a) ttft, (c) noreuse, (b) multiround to run, comma-separated")
     p.add_argument("--json", action="store_true", help="JSON on stdout")
     p.add_argument("--json-out", type=Path, help="also write the JSON to this file")
     a = p.parse_args(argv)
     workload = Workload(num_documents=a.documents, document_words=a.document_words, num_rounds=a.rounds)
+    workloads = tuple(w.strip() for w in a.workloads.split(",") if w.strip())
+    unknown = set(workloads) - set(WORKLOADS)
+    if unknown or not workloads:
+        p.error(f"--workloads: {', '.join(sorted(unknown)) or 'none given'}; choose from {', '.join(WORKLOADS)}")
     return Options(a.model, a.tiny, a.workdir, a.plots_dir if str(a.plots_dir) else None,
                    tuple(int(x) for x in a.lengths.split(",")), a.repeats, a.max_tokens, a.kv_cache_tokens,
                    a.pool_size, a.l1_size_gb, workload, a.users, a.answer_tokens, a.tput_prompts, a.tput_words,
-                   a.tput_concurrency, a.tput_max_tokens, a.tput_rounds, a.json, a.json_out)
+                   a.tput_concurrency, a.tput_max_tokens, a.tput_rounds, a.json, a.json_out, workloads)
 
 
 def main(argv: list[str] | None = None) -> int:
