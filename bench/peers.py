@@ -177,7 +177,10 @@ class Systems:
         return restarted
 
     def settle(self, quiet_s: float = 1.0, timeout_s: float = 60.0) -> None:
-        """Until neither HPKV's storage nor LMCache's L2 directory has changed for quiet_s."""
+        """Until neither HPKV's storage nor LMCache's L2 directory has changed for quiet_s, then
+        until their dirty pages are on disk: the kernel writes them back about 30 s later
+        otherwise, on whatever request of whichever system runs then (on this VM's ext4 that
+        writeback costs CPU time the two cores do not have spare)."""
         deadline = time.monotonic() + timeout_s
         last, since = None, time.monotonic()
         while time.monotonic() < deadline:
@@ -185,8 +188,9 @@ class Systems:
             if now != last:
                 last, since = now, time.monotonic()
             elif time.monotonic() - since >= quiet_s:
-                return
+                break
             time.sleep(0.25)
+        os.sync()
 
     def stop(self) -> None:
         for engine in self.engines:
