@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hpkv.pool.region import PoolRegion
+from hpkv.transfer import blocks
 from hpkv.transfer.blocks import LONG_RUN, BlockCopier
 
 NUM_BLOCKS = 96
@@ -71,7 +72,13 @@ def test_blocks_saved_then_loaded_come_back_byte_for_byte(shm_dir, pattern):
         region.close()
 
 
-def test_long_scattered_lists_are_shared_with_the_copy_thread(shm_dir):
+@pytest.fixture
+def always_shared(monkeypatch):
+    """Copies of any size are shared with the helper thread."""
+    monkeypatch.setattr(blocks, "SHARE_BYTES", 0)
+
+
+def test_long_scattered_lists_are_shared_with_the_copy_thread(shm_dir, always_shared):
     """Enough scattered pages to hand part to the helper thread; every page still lands."""
     entry = sum(PAGES)
     region = PoolRegion.create(shm_dir, NUM_BLOCKS * entry + (1 << 20))
@@ -85,5 +92,47 @@ def test_long_scattered_lists_are_shared_with_the_copy_thread(shm_dir):
         BlockCopier(target, layer_offsets()).load(region, block_ids, offsets)
         for view_in, view_out in zip(source, target):
             assert torch.equal(view_in, view_out)
+    finally:
+        region.close()
+
+
+def test_long_runs_are_shared_with_the_copy_thread_layer_by_layer(shm_dir, always_shared):
+    """Two long runs of three layers each: six strided copies split between two threads, each
+    landing where its own run and layer say."""
+    entry = sum(PAGES)
+    region = PoolRegion.create(shm_dir, NUM_BLOCKS * entry + (1 << 20))
+    try:
+        block_ids = list(range(0, 24)) + list(range(60, 84, 2))
+        offsets = [slot * entry for slot in list(range(40, 64)) + list(range(0, 12))]
+        source = engine_layers(seed=8)
+        BlockCopier(source, layer_offsets()).save(region, block_ids, offsets)
+        for block, offset in zip(block_ids, offsets):
+            assert bytes(region.buf[offset : offset + entry]) == entry_of(source, block)
+        target = engine_layers(seed=9)
+        BlockCopier(target, layer_offsets()).load(region, block_ids, offsets)
+        for block in block_ids:
+            assert entry_of(target, block) == entry_of(source, block)
+    finally:
+        region.close()
+
+
+def test_a_failing_copy_reaches_the_caller(shm_dir, always_shared, monkeypatch):
+    """A copy that raises on either thread is not lost: load raises."""
+    entry = sum(PAGES)
+    region = PoolRegion.create(shm_dir, NUM_BLOCKS * entry + (1 << 20))
+    calls = []
+
+    def failing_copyto(dst, src):
+        calls.append(dst.shape)
+        if len(calls) == 4:
+            raise MemoryError("copy failed")
+        dst[...] = src
+
+    monkeypatch.setattr(blocks.np, "copyto", failing_copyto)
+    try:
+        with pytest.raises(MemoryError):
+            BlockCopier(engine_layers(seed=10), layer_offsets()).load(region, list(range(0, 24)) + list(range(40, 64)),
+                                                                     [i * entry for i in range(48)])
+        assert len(calls) == 6  # every task still ran
     finally:
         region.close()

@@ -13,11 +13,12 @@ the layers' pages of one block, concatenated in layer order.
 Copies are batched: block ids and pool offsets are split into runs where both advance by a
 constant step, and each long run costs one strided copy per layer instead of one copy per block.
 On the CPU, blocks outside long runs (an engine that has been running a while hands out
-scattered block ids) are copied page by page with libc `memmove` through ctypes, which releases
-the GIL: two threads share that list, the caller taking chunks until none are left, so a
-descheduled helper thread costs nothing. Measured on 2 shared cores, 256 scattered blocks of
-8 x 32 KiB: numpy per page 27-35 ms, memmove 17 ms, memmove on two threads 12.5 ms; a plain
-64 MiB copy takes 8 ms.
+scattered block ids) are copied page by page with libc `memmove` through ctypes. numpy's copies
+and ctypes calls both release the GIL, so a CPU move of more than a few MiB is a list of tasks
+(one per long run and layer, one per 64 scattered pages) shared by the calling thread and one
+helper thread; the caller takes tasks until none are left, so a descheduled helper costs
+nothing. Measured on 2 shared cores, 256 scattered blocks of 8 x 32 KiB: numpy per page
+27-35 ms, memmove 17 ms, memmove on two threads 12.5 ms; a plain 64 MiB copy takes 8 ms.
 
 The pool is mapped as a CPU tensor; on CUDA it is registered as pinned memory (cudaHostRegister)
 once per pool file, so device copies DMA straight into it, in both directions without waiting
@@ -31,6 +32,7 @@ import itertools
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import numpy as np
 import torch
@@ -69,6 +71,7 @@ class PoolTensors:
 
 LONG_RUN = 8  # blocks; shorter runs are copied page by page on the CPU
 _CHUNK = 64  # pages a copying thread takes at a time
+SHARE_BYTES = 4 << 20  # below this, the helper thread's wake-up costs more than it saves
 _memmove = ctypes.memmove  # a ctypes foreign function: releases the GIL while it copies
 _helper_lock = threading.Lock()
 _helper_pool: ThreadPoolExecutor | None = None
@@ -80,6 +83,32 @@ def _helper() -> ThreadPoolExecutor:
         if _helper_pool is None:
             _helper_pool = ThreadPoolExecutor(1, thread_name_prefix="hpkv-copy")
         return _helper_pool
+
+
+def _memmove_all(copies: list[tuple[int, int, int]]) -> None:
+    for dst, src, size in copies:
+        _memmove(dst, src, size)
+
+
+def _share(tasks: list, num_bytes: int) -> None:
+    """Run the copy tasks on the calling thread and, when there is enough to share, on the
+    helper thread too; the caller takes tasks until none are left, so a descheduled helper
+    costs nothing."""
+    if len(tasks) < 2 or num_bytes < SHARE_BYTES:
+        for task in tasks:
+            task()
+        return
+    taken = itertools.count()
+
+    def work() -> None:
+        while (i := next(taken)) < len(tasks):
+            tasks[i]()
+
+    helper = _helper().submit(work)
+    try:
+        work()
+    finally:
+        helper.result()  # never return (or raise) while the helper may still be copying
 
 
 def _runs(block_ids: list[int], offsets: list[int]) -> list[tuple[int, int, int, int, int]]:
@@ -121,20 +150,33 @@ class BlockCopier:
 
     def _move(self, region: PoolRegion, block_ids: list[int], offsets: list[int], to_pool: bool) -> None:
         pool = self.pools.get(region)
-        singles: list[tuple[int, int]] = []  # (block id, offset) outside long runs, CPU only
+        if self.device.type == "cpu":
+            self._move_cpu(pool, _runs(block_ids, offsets), to_pool)
+            return
         for run in _runs(block_ids, offsets):
-            if self.device.type == "cpu" and run[4] < LONG_RUN:
+            for blocks, entries in self._pairs(pool, run):
+                if to_pool:
+                    entries.copy_(blocks, non_blocking=self.pools.pinned)
+                else:
+                    blocks.copy_(entries, non_blocking=self.pools.pinned)
+        self._sync()
+
+    def _move_cpu(self, pool: torch.Tensor, runs: list[tuple[int, int, int, int, int]], to_pool: bool) -> None:
+        """Each long run's layers as numpy strided copies, the other blocks page by page with
+        memmove; both release the GIL, so the work is shared with the helper thread."""
+        bulk: list[tuple[np.ndarray, np.ndarray]] = []  # (dst, src), one per long run and layer
+        singles: list[tuple[int, int]] = []  # (block id, offset) outside long runs
+        for run in runs:
+            if run[4] < LONG_RUN:
                 first_block, block_step, first_offset, offset_step, length = run
                 singles.extend((first_block + i * block_step, first_offset + i * offset_step) for i in range(length))
                 continue
             for blocks, entries in self._pairs(pool, run):
-                if to_pool:
-                    self._copy(entries, blocks)
-                else:
-                    self._copy(blocks, entries)
-        if singles:
-            self._memmove_pages(pool, singles, to_pool)
-        self._sync()
+                bulk.append((entries.numpy(), blocks.numpy()) if to_pool else (blocks.numpy(), entries.numpy()))
+        pages = self._pages(pool, singles, to_pool) if singles else []
+        tasks = [partial(np.copyto, dst, src) for dst, src in bulk]
+        tasks += [partial(_memmove_all, pages[i : i + _CHUNK]) for i in range(0, len(pages), _CHUNK)]
+        _share(tasks, sum(dst.nbytes for dst, _ in bulk) + sum(size for _, _, size in pages))
 
     def _pairs(self, pool: torch.Tensor, run: tuple[int, int, int, int, int]):
         """(engine rows, pool rows) views of one run, for every layer."""
@@ -144,8 +186,8 @@ class BlockCopier:
             yield view[first_block:stop:block_step], pool.as_strided((length, page), (offset_step, 1),
                                                                       first_offset + layer_offset)
 
-    def _memmove_pages(self, pool: torch.Tensor, singles: list[tuple[int, int]], to_pool: bool) -> None:
-        """CPU only: one memmove per (block, layer) page, shared with a helper thread when long."""
+    def _pages(self, pool: torch.Tensor, singles: list[tuple[int, int]], to_pool: bool) -> list[tuple[int, int, int]]:
+        """(dst address, src address, bytes) of every (block, layer) page of `singles`."""
         blocks = np.fromiter((b for b, _ in singles), np.int64, len(singles))
         entries = np.fromiter((o for _, o in singles), np.int64, len(singles)) + pool.data_ptr()
         copies: list[tuple[int, int, int]] = []
@@ -154,26 +196,7 @@ class BlockCopier:
             stored = (entries + layer_offset).tolist()
             pairs = zip(stored, engine) if to_pool else zip(engine, stored)
             copies.extend((dst, src, page) for dst, src in pairs)
-        if len(copies) < 2 * _CHUNK:
-            for dst, src, size in copies:
-                _memmove(dst, src, size)
-            return
-        chunks = itertools.count()
-
-        def work() -> None:
-            while (first := next(chunks) * _CHUNK) < len(copies):
-                for dst, src, size in copies[first : first + _CHUNK]:
-                    _memmove(dst, src, size)
-
-        helper = _helper().submit(work)
-        work()
-        helper.result()
-
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if self.device.type == "cpu":
-            np.copyto(dst.numpy(), src.numpy())
-        else:
-            dst.copy_(src, non_blocking=self.pools.pinned)
+        return copies
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
