@@ -354,7 +354,7 @@ def parse_args(argv: list[str]) -> Options:
     p.add_argument("--plots-dir", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "img",
                    help="where peers_*.png go ('' for none)")
     p.add_argument("--lengths", default="2048,8192,16384", help="words per TTFT prompt (~1 token each)")
-    p.add_argument("--repeats", type=int, default=3, help="TTFT prompts per length")
+    p.add_argument("--repeats", type=int, default=5, help="TTFT prompts per length")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--kv-cache-tokens", type=int, default=49_152,
                    help="vLLM's own KV cache, every engine (at least the model's 32,768-token context)")
