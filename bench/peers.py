@@ -265,11 +265,14 @@ def noreuse(opts: Options, results: Results, engines: dict[str, PeerEngine]) -> 
 
 
 def multiround(opts: Options, results: Results, engines: dict[str, PeerEngine]) -> None:
-    """The same requests on every system, one system after the other; outputs compared with
-    the connector-off engine's, request by request."""
+    """The same requests on every system, one system after the other, each engine's own prefix
+    cache emptied first; outputs compared with the connector-off engine's, request by request.
+    Then the connector-off engine once more ("off_again"): how many answers vLLM itself changes
+    from one run of this concurrent workload to the next, the floor for the comparisons."""
     requests = opts.workload.requests()
-    for kind in SYSTEMS:
-        engine = engines[kind]
+    for kind in (*SYSTEMS, "off_again"):
+        engine = engines["off" if kind == "off_again" else kind]
+        engine.reset_prefix_cache()
         before = engine.counters()
         outcomes, wall_s = drive(requests, engine.complete, opts.users, opts.answer_tokens)
         after = engine.counters()

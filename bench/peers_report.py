@@ -35,7 +35,7 @@ TTFT_TARGETS = {  # label -> (numerator row, denominator row, bound): median TTF
 NOREUSE_TARGET = 0.97
 EXTERNAL = ("host", "disk", "p2p", "external_unspecified")
 HPKV_LOAD = ("hpkv_load_time_s", "hpkv_loaded_bytes")  # the worker's copies into the engine's KV
-LABELS = {"off": "no connector", "hpkv": "HPKV", "lmcache": "LMCache"}
+LABELS = {"off": "no connector", "hpkv": "HPKV", "lmcache": "LMCache", "off_again": "no connector, again"}
 
 
 def summarize(results) -> dict:
@@ -229,7 +229,7 @@ def print_multiround(console, mr: dict) -> None:
     for col in ("system", "requests", "req/s", "TTFT median", "p90", "round 0 median", "later rounds median",
                 "cached tokens", "same ids as off"):
         table.add_column(col, justify="left" if col in ("system", "cached tokens") else "right")
-    for kind in SYSTEMS:
+    for kind in (*SYSTEMS, "off_again"):
         if kind in mr:
             r = mr[kind]
             cached = ", ".join(f"{k} {v / 1e3:.0f}K" for k, v in r["cached_tokens"].items()) or "-"
@@ -238,7 +238,7 @@ def print_multiround(console, mr: dict) -> None:
                           f"{r['ttft_later_median_ms']:.0f} ms" if r["ttft_later_median_ms"] else "-",
                           f"{cached} of {r['prompt_tokens'] / 1e3:.0f}K", r["same_token_ids_as_off"] or "(reference)")
     console.print(table)
-    for kind in ("hpkv", "lmcache"):
+    for kind in ("hpkv", "lmcache", "off_again"):
         if mr.get(kind, {}).get("differing_answers_depart_at_token"):
             console.print(f"(b) {LABELS[kind]}: answers that differ from no connector's depart at token "
                           f"{mr[kind]['differing_answers_depart_at_token']}")
