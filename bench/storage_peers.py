@@ -60,7 +60,7 @@ def to_json(report: PeerReport) -> str:
     rows = [{**dataclasses.asdict(row), "vs_peer": row.vs_peer, "vs_limit": row.vs_limit,
              "target": row.target, "passed": row.passed} for row in report.rows]
     return json.dumps({"config": config, "machine": report.machine, "rows": rows,
-                       "elapsed_s": round(report.elapsed_s, 1)}, indent=2)
+                       "elapsed_s": round(report.elapsed_s, 1), "file_costs": report.file_costs}, indent=2)
 
 
 def from_json(text: str) -> PeerReport:
@@ -70,7 +70,7 @@ def from_json(text: str) -> PeerReport:
     if config["storage_parent"] is not None:
         config["storage_parent"] = Path(config["storage_parent"])
     rows = tuple(PeerRow(**{k: v for k, v in row.items() if k in fields}) for row in doc["rows"])
-    return PeerReport(PeerConfig(**config), doc["machine"], rows, doc["elapsed_s"])
+    return PeerReport(PeerConfig(**config), doc["machine"], rows, doc["elapsed_s"], doc.get("file_costs", {}))
 
 
 def print_table(report: PeerReport, console: Console) -> None:
@@ -95,6 +95,12 @@ def print_table(report: PeerReport, console: Console) -> None:
         f"no O_DIRECT on both sides; {c.in_flight} in flight; {human_bytes(c.round_bytes)} per round, "
         f"new keys each round; best of {c.rounds} rounds after 1 warm-up; GB/s = 10^9 bytes/s; "
         f"{report.elapsed_s:.0f} s in all"))
+    f = report.file_costs
+    if f:
+        console.print(Text(
+            f"per file on this file system (one thread, {f['files']} empty files): create {f['create_us']:.0f} us "
+            f"({f['create_system_us']:.0f} us of system CPU), unlink {f['unlink_us']:.0f} us "
+            f"({f['unlink_system_us']:.0f} us); every entry written pays one create, the limit's one file does not"))
 
 
 if __name__ == "__main__":

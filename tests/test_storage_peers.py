@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpkv.benchmark.storage_peers import PeerConfig, PeerRow, lmcache_command, measure_hpkv, run
+from hpkv.benchmark.storage_peers import (PeerConfig, PeerReport, PeerRow, file_costs, lmcache_command, measure_hpkv,
+                                         run)
 
 
 def test_a_round_must_split_into_equal_submits():
@@ -60,3 +61,30 @@ def test_a_small_run_against_lmcache_gives_one_write_and_one_read_row_per_size(t
     assert [(row.entry_bytes, row.direction) for row in report.rows] == [(64 << 10, "write"), (64 << 10, "read")]
     assert all(row.hpkv > 0 and row.lmcache > 0 and row.limit > 0 for row in report.rows)
     assert list(tmp_path.iterdir()) == []  # the temporaries are gone
+
+
+def test_file_costs_time_creates_and_removals_and_leave_nothing_behind(tmp_path):
+    costs = file_costs(tmp_path, num_files=50)
+
+    assert costs["files"] == 50
+    assert costs["create_us"] > 0 and costs["unlink_us"] > 0
+    assert 0 <= costs["create_system_us"] and 0 <= costs["unlink_system_us"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_report_saved_as_json_prints_the_same_file_costs(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("storage_peers_cli", Path(__file__).parent.parent / "bench" / "storage_peers.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    report = PeerReport(PeerConfig(), {"cpus": 2, "load_avg_1m": 0.5, "storage_dir": {"fs_type": "ext4", "path": "/x"}},
+                        (PeerRow(1 << 20, "write", 2.0, 1.0, 3.0),), 10.0,
+                        {"create_us": 210.0, "create_system_us": 200.0, "unlink_us": 80.0, "unlink_system_us": 75.0,
+                         "files": 500})
+    saved = tmp_path / "run.json"
+    saved.write_text(cli.to_json(report))
+
+    assert cli.main(["--table-from", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert "create 210 us (200 us of system CPU), unlink 80 us (75 us)" in out

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -110,6 +111,7 @@ class PeerReport:
     machine: dict[str, object]
     rows: tuple[PeerRow, ...]
     elapsed_s: float
+    file_costs: dict[str, float] = field(default_factory=dict)  # see `file_costs`
 
 
 def run(config: PeerConfig, progress: Callable[[str], None] = lambda message: None) -> PeerReport:
@@ -121,6 +123,8 @@ def run(config: PeerConfig, progress: Callable[[str], None] = lambda message: No
         src = np.frombuffer(np.random.default_rng(0).bytes(config.round_bytes), dtype=np.uint8)
         dst = np.ones(config.round_bytes, dtype=np.uint8)
         rows: list[PeerRow] = []
+        progress("per-file costs of the file system")
+        costs = file_costs(root)
         for entry_bytes in config.entry_sizes:
             progress(f"{human_bytes(entry_bytes)} entries: disk limit")
             limit = measure_limit(root, memoryview(src), memoryview(dst), entry_bytes, config)
@@ -136,7 +140,34 @@ def run(config: PeerConfig, progress: Callable[[str], None] = lambda message: No
             for i, direction in enumerate(("write", "read")):
                 rows.append(PeerRow(entry_bytes, direction, _gbps(num_bytes, hpkv[i]),
                                     _gbps(num_bytes, peer[i]), _gbps(num_bytes, limit[i])))
-    return PeerReport(config, where, tuple(rows), time.monotonic() - started)
+    return PeerReport(config, where, tuple(rows), time.monotonic() - started, costs)
+
+
+def file_costs(root: Path, num_files: int = 500) -> dict[str, float]:
+    """What one file costs this file system, whatever is in it: creating `num_files` empty files
+    and then removing them, on one thread; microseconds per file, wall and system CPU. Every
+    entry of both sides pays one create (and the limit, one file per round, does not), so this
+    is the floor under the per-file part of both sides' times."""
+    work = root / "file-costs"
+    work.mkdir()
+    try:
+        paths = [str(work / f"f{i}") for i in range(num_files)]
+        times = [(time.perf_counter(), _system_s())]
+        for path in paths:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+        times.append((time.perf_counter(), _system_s()))
+        for path in paths:
+            os.unlink(path)
+        times.append((time.perf_counter(), _system_s()))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    per_file = [((b[0] - a[0]) / num_files * 1e6, (b[1] - a[1]) / num_files * 1e6) for a, b in zip(times, times[1:])]
+    return {"create_us": per_file[0][0], "create_system_us": per_file[0][1],
+            "unlink_us": per_file[1][0], "unlink_system_us": per_file[1][1], "files": num_files}
+
+
+def _system_s() -> float:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_stime
 
 
 def _gbps(num_bytes: int, seconds: float) -> float:
