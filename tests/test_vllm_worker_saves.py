@@ -39,6 +39,7 @@ def worker(shm_dir, tmp_path):
     w.stats, w._failed_blocks = HpkvConnectorStats(), set()
     w._stats_lock, w._cond = threading.Lock(), threading.Condition()
     w._queue, w._reading, w._saver, w._side_stream, w._closing = deque(), {}, None, None, False
+    w._releaser = None
     w.layers = [torch.randint(-128, 128, (NUM_BLOCKS, PAGE), dtype=torch.int8) for _ in range(LAYERS)]
     w.copier = BlockCopier(w.layers, (0, PAGE))
     w.ns = w.client.register(w.desc)
@@ -115,3 +116,26 @@ def test_a_save_whose_connection_was_lost_copies_nothing_into_the_slots(worker):
     assert reader.lookup(w.ns, keys).num_hit == 0
     stats = w.take_stats()
     assert stats.data["saved_blocks"] == 0 and stats.data["save_wait_s"] > 0
+
+
+def test_a_load_copies_before_the_forward_pass_and_its_lease_is_released_after(worker):
+    """start_load_kv returns with the bytes in place; the release's round trip happens on the
+    release thread, and the server drops the lease once it arrives."""
+    from hpkv.integrations.vllm.metadata import HpkvConnectorMetadata, LoadJob
+
+    w, node = worker
+    w.async_saves = False
+    keys = [entry_key("load", i) for i in range(3)]
+    saved = [_entry(w, b) for b in (1, 2, 3)]
+    w.wait_for_save(_meta(keys, [1, 2, 3]))
+    gate = threading.Event()
+    release = w.client.release
+    w.client.release = lambda lease: (gate.wait(10), release(lease))  # the reply takes until the gate opens
+
+    w.start_load_kv(HpkvConnectorMetadata(loads=[LoadJob("req", keys, [12, 13, 14])]))
+
+    assert [_entry(w, b) for b in (12, 13, 14)] == saved
+    assert w.take_failed_blocks() == set()
+    assert w.client.stats()["leases"] == 1  # still held: its release has not gone out yet
+    gate.set()
+    assert wait_for(lambda: w.client.stats()["leases"] == 0)

@@ -1,7 +1,8 @@
 """The worker half of HpkvConnectorV1: moves bytes between this rank's paged KV and the pool.
 
 It decides nothing: the scheduler half says which blocks to load and which to save, with their
-keys. Loads run in `start_load_kv`, before the forward pass of the step that needs them. Saves
+keys. Loads run in `start_load_kv`, before the forward pass of the step that needs them (a load's
+lease is released by a thread of its own, off the forward pass's path). Saves
 start in `wait_for_save`, after the forward pass computed the blocks: the worker reserves pool
 slots, then (with asynchronous saves) hands the copy and the commit to a saver thread and
 returns, so the next step's forward pass runs while the blocks are copied. On an accelerator that
@@ -21,6 +22,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +74,7 @@ class HpkvWorker:
         self._saver: threading.Thread | None = None
         self._side_stream = None
         self._closing = False
+        self._releaser: ThreadPoolExecutor | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.v1.kv_cache_interface import group_kernel_blocks
@@ -146,15 +149,28 @@ class HpkvWorker:
                 # Only bytes copied while our lease pinned them can be trusted.
                 return num_ready if self.client.holds(lease) else 0
             finally:
-                self.client.release(lease)
+                self._release_later(lease)
                 if log.isEnabledFor(logging.DEBUG):
-                    log.debug("request %s: lease %.1f ms, wait %.1f ms, copy of %d blocks %.1f ms, release %.1f ms",
-                              job.req_id, (leased - started) * 1e3, (ready - leased) * 1e3, num_ready,
-                              (copied - ready) * 1e3, (time.perf_counter() - copied) * 1e3)
+                    log.debug("request %s: lease %.1f ms, wait %.1f ms, copy of %d blocks %.1f ms", job.req_id,
+                              (leased - started) * 1e3, (ready - leased) * 1e3, num_ready, (copied - ready) * 1e3)
         except HpkvError as exc:
             self._add("server_errors", 1)
             log.warning("HPKV load failed; vLLM recomputes those blocks: %s", exc)
             return 0
+
+    def _release_later(self, lease) -> None:
+        """The copy is over (or never started): the release's round trip (0.4-6 ms measured on two
+        busy cores) runs on a thread of its own, not before the forward pass. Nothing waits for
+        it: the server unpins the entries when it arrives, or when the connection closes."""
+        if self._releaser is None:
+            self._releaser = ThreadPoolExecutor(1, thread_name_prefix="hpkv-release")
+        self._releaser.submit(self._release, lease)
+
+    def _release(self, lease) -> None:
+        try:
+            self.client.release(lease)
+        except HpkvError as exc:  # the connection is gone, and the lease with it
+            log.debug("HPKV lease release skipped: %s", exc)
 
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -281,4 +297,6 @@ class HpkvWorker:
             self._cond.notify_all()
         if self._saver is not None:
             self._saver.join(SAVER_JOIN_S)
+        if self._releaser is not None:
+            self._releaser.shutdown(wait=True)
         self.client.close()
