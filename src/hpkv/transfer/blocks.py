@@ -3,7 +3,7 @@
 The engine's cache is given as one byte view per layer, `(num_blocks, page_bytes)` int8, on
 whatever device the engine uses (CUDA, Ascend NPU, CPU): copies are plain torch `copy_`, so no
 device-specific code is needed, with one exception: on the CPU they are numpy `copyto` of the
-same memory, on the calling thread. torch's CPU `copy_` opens an OpenMP parallel region per call,
+same memory, on the calling thread and at most one helper (below). torch's CPU `copy_` opens an OpenMP parallel region per call,
 and on a busy machine each region waits for a descheduled thread. Measured on 2 shared cores:
 256 scattered blocks of 28 x 32 KiB moved at 0.01 GB/s with torch, 3 GB/s with numpy; eight
 8 MiB copies took 6-75 ms with torch, 9-17 ms with numpy. On an idle many-core machine torch
@@ -18,7 +18,9 @@ and ctypes calls both release the GIL, so a CPU move of more than a few MiB is a
 (one per long run and layer, one per 64 scattered pages) shared by the calling thread and one
 helper thread; the caller takes tasks until none are left, so a descheduled helper costs
 nothing. Measured on 2 shared cores, 256 scattered blocks of 8 x 32 KiB: numpy per page
-27-35 ms, memmove 17 ms, memmove on two threads 12.5 ms; a plain 64 MiB copy takes 8 ms.
+27-35 ms, memmove 17 ms, memmove on two threads 12.5 ms; a plain 64 MiB copy takes 8 ms. One
+long run of 512 such blocks (128 MiB) out of a tmpfs pool: 21-24 ms on one thread, 11-12 ms on
+two, on an otherwise idle machine.
 
 The pool is mapped as a CPU tensor; on CUDA it is registered as pinned memory (cudaHostRegister)
 once per pool file, so device copies DMA straight into it, in both directions without waiting
