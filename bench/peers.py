@@ -176,11 +176,12 @@ class Systems:
         start_together([restarted["hpkv"], restarted["lmcache"]])
         return restarted
 
-    def settle(self, quiet_s: float = 1.0, timeout_s: float = 60.0) -> None:
+    def settle(self, quiet_s: float = 1.0, timeout_s: float = 60.0) -> float:
         """Until neither HPKV's storage nor LMCache's L2 directory has changed for quiet_s, then
         until their dirty pages are on disk: the kernel writes them back about 30 s later
         otherwise, on whatever request of whichever system runs then (on this VM's ext4 that
-        writeback costs CPU time the two cores do not have spare)."""
+        writeback costs CPU time the two cores do not have spare). Returns the seconds the sync
+        took."""
         deadline = time.monotonic() + timeout_s
         last, since = None, time.monotonic()
         while time.monotonic() < deadline:
@@ -190,7 +191,9 @@ class Systems:
             elif time.monotonic() - since >= quiet_s:
                 break
             time.sleep(0.25)
+        synced = time.monotonic()
         os.sync()
+        return time.monotonic() - synced
 
     def stop(self) -> None:
         for engine in self.engines:
@@ -246,22 +249,32 @@ def ttft_hits_in_storage(opts: Options, results: Results, engines: dict[str, Pee
                 f"LMCache L2 {ms(results.ttft['lmcache_l2'][n][-1])}")
 
 
-def noreuse(opts: Options, results: Results, engines: dict[str, PeerEngine]) -> None:
+def noreuse(opts: Options, results: Results, engines: dict[str, PeerEngine], systems: Systems) -> None:
     """Rounds of distinct prompts, each round sent to every system; the order of the systems
     runs through every permutation, so a drift in the machine's load hits all alike. First one
     untimed batch of the same shape on each engine (a first large batched prefill pays one-time
-    costs)."""
+    costs). A system's round lasts until its last answer, or until the last file its connector
+    wrote for the round (HPKV's write-through, LMCache's L2) if that came later, plus the
+    `os.sync` of their dirty pages: each system is charged with its own background work, and the
+    next one starts on an idle machine."""
     warm = [prompt_text(opts.tput_words, seed=-99_999 - i) for i in range(opts.tput_concurrency)]
     for engine in engines.values():
         engine.send_concurrently(warm, opts.tput_concurrency, opts.tput_max_tokens)
+    systems.settle()
     orders = list(itertools.permutations(SYSTEMS))
     for round_index in range(opts.tput_rounds):
         prompts = [prompt_text(opts.tput_words, seed=-100_000 * (round_index + 1) - i)
                    for i in range(opts.tput_prompts)]
         for kind in orders[round_index % len(orders)]:
-            elapsed = engines[kind].send_concurrently(prompts, opts.tput_concurrency, opts.tput_max_tokens)
+            started = time.time()
+            engines[kind].send_concurrently(prompts, opts.tput_concurrency, opts.tput_max_tokens)
+            answered = time.time()
+            sync_s = systems.settle()
+            written = max(newest_mtime(systems.storage_dir, started), newest_mtime(systems.l2_dir, started))
+            elapsed = max(answered, written) - started + sync_s
             results.noreuse[kind].append((len(prompts), elapsed))
-            log(f"no-reuse round {round_index}, {kind}: {len(prompts) / elapsed:.2f} req/s")
+            log(f"no-reuse round {round_index}, {kind}: {len(prompts) / elapsed:.2f} req/s (answered in "
+                f"{answered - started:.2f} s, files until {max(written - started, 0):.2f} s, sync {sync_s:.2f} s)")
 
 
 def multiround(opts: Options, results: Results, engines: dict[str, PeerEngine]) -> None:
@@ -304,7 +317,7 @@ def run(opts: Options, results: Results, pool_dir: Path, storage_dir: Path, l2_d
                 engines[kind].warm_up_paths(opts, warm[kind])
             ttft_hits_in_storage(opts, results, engines, references, systems.settle)
         if "noreuse" in opts.workloads:
-            noreuse(opts, results, engines)
+            noreuse(opts, results, engines, systems)
         if "multiround" in opts.workloads:
             multiround(opts, results, engines)
         results.notes["lmcache_status_end"] = brief_status(systems.lmcache_servers[-1])
@@ -324,6 +337,18 @@ def dir_usage(path: Path) -> tuple[int, int]:
             except FileNotFoundError:
                 pass
     return num_files, num_bytes
+
+
+def newest_mtime(path: Path, since: float) -> float:
+    """The latest modification time (wall clock) of a file under path, if after `since`; else 0."""
+    newest = 0.0
+    for root, _, names in os.walk(path):
+        for name in names:
+            try:
+                newest = max(newest, os.stat(os.path.join(root, name)).st_mtime)
+            except FileNotFoundError:
+                pass
+    return newest if newest > since else 0.0
 
 
 def hpkv_counters(engine: PeerEngine) -> dict[str, float]:
