@@ -23,7 +23,8 @@ request's TTFT is the median of --samples sends of it (the hit is restored befor
 device cache reset again, for storage HPKV's DRAM too; a short hit gets a fresh suffix each
 time). Each send waits until the storage writes so far are on disk (`os.sync`), then --settle-s
 after the previous engine's request, so that engine's idle threads have stopped spinning on the
-two cores, and follows an untimed tiny request to
+two cores (vLLM's shared-memory message queues busy-wait for 1 s after their last message:
+`SpinCondition(busy_loop_s=1)` in vllm/distributed/device_communicators/shm_broadcast.py), and follows an untimed tiny request to
 its own engine, as in bench/vllm_ttft.py. The check, per request: auto's TTFT is not more than
 10% over the slower of the two fixed policies (PASS), i.e. auto is never worse than both.
 Printed, never asserted. Progress on stderr, the table (or --json) on stdout.
@@ -239,7 +240,7 @@ def parse_args(argv: list[str]) -> Options:
     p.add_argument("--short-hits", default="32,64,128,256,512", help="hit sizes of the short workload (tokens)")
     p.add_argument("--suffix-tokens", type=int, default=256, help="new tokens after a short hit")
     p.add_argument("--samples", type=int, default=5, help="sends of each request; its TTFT is their median")
-    p.add_argument("--settle-s", type=float, default=0.5, help="pause before each send (see above)")
+    p.add_argument("--settle-s", type=float, default=1.5, help="pause before each send (see above)")
     p.add_argument("--pool-size", default="1g", help="HPKV_KV_MEM_POOL_SIZE of each engine")
     p.add_argument("--json", action="store_true", help="JSON on stdout")
     a = p.parse_args(argv)
