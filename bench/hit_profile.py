@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     storage = Path(tempfile.mkdtemp(prefix="storage-", dir=a.workdir))
     env = {**engine_env(), **documented_env(a.pool_size, pool_dir, storage, a.workdir),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(shim_dir), os.environ.get("PYTHONPATH")]))}
+    (a.workdir / "logs").mkdir(exist_ok=True)
     engine = Engine("hpkv", model, env, hpkv=True, log_dir=a.workdir / "logs")
     sends: list = []
     try:
