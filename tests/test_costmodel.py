@@ -222,3 +222,25 @@ def test_the_first_measurement_replaces_the_start_up_estimate():
     assert 1 / cost.per_unit_s == pytest.approx(1 << 30, rel=1e-6)
     cost.observe_variable(1 << 30, 0.501)
     assert 1 / cost.per_unit_s == pytest.approx((1 << 30) / 0.9, rel=1e-6)  # then an EWMA: 0.8 * 1 s + 0.2 * 0.5 s
+
+
+def test_auto_does_not_log_a_break_even_that_moves_by_one_block(caplog):
+    """Prefill rates that wander put the storage break-even at one block or two, back and forth:
+    logged once, not at every swing; a move of two blocks is logged again."""
+    m = cpu_engine()
+    m.seed_prefill(1204)
+    clock = FakeClock()
+    with caplog.at_level(logging.INFO, logger="hpkv.vllm.costmodel"):
+        policy = AutoThreshold(m, 32768, "test", clock=clock)
+        assert "DRAM hits load from 1216 tokens" in caplog.text
+        logged = {"tokens": 1216}
+        breaks = iter([32, 64, 32, 64, 32, 128])
+        policy._thresholds = lambda: {D: logged["tokens"]}
+        lines = []
+        for tokens in breaks:
+            logged["tokens"] = tokens
+            before = caplog.text.count("VLLM_HPKV_TOKEN_THRESHOLD=auto (measured)")
+            policy._log_if_changed()
+            lines.append(caplog.text.count("VLLM_HPKV_TOKEN_THRESHOLD=auto (measured)") - before)
+
+    assert lines == [1, 0, 0, 0, 0, 1]  # 1216 -> 32 and 32 -> 128 are news; 32 <-> 64 is not

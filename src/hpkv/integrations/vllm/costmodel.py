@@ -41,7 +41,7 @@ from ...store import Tier
 log = logging.getLogger("hpkv.vllm.costmodel")
 
 EWMA_ALPHA = 0.2  # weight of a new observation: the estimate follows about the last 5-10
-MATERIAL_CHANGE = 0.25  # a break-even that moves by more than this fraction is logged again
+MATERIAL_CHANGE = 0.25  # a break-even that moves by more than this fraction (and a block) is logged again
 
 
 class FixedThreshold:
@@ -277,7 +277,10 @@ class AutoThreshold:
         now = self._thresholds()
         for tier, tokens in now.items():
             old = self._logged.get(tier)
-            if (old is None) != (tokens is None) or (old and abs(tokens - old) > MATERIAL_CHANGE * old):
+            # Break-evens are whole blocks: a move of one block near the bottom (32 <-> 64 tokens,
+            # as the measured prefill rate wanders) is noise, not news.
+            moved = old and abs(tokens - old) > max(MATERIAL_CHANGE * old, self.model.block_size)
+            if (old is None) != (tokens is None) or moved:
                 self._log("measured")
                 return
 
