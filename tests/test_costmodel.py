@@ -157,13 +157,20 @@ def step(policy: AutoThreshold, clock: FakeClock, chunks, seconds: float, connec
     policy.step_done(connector_s, load_s, load_bytes)
 
 
-def test_auto_learns_the_prefill_rate_from_the_engines_steps_and_logs_the_new_break_even(caplog):
+def seeded_policy(caplog, clock: FakeClock) -> tuple[CostModel, AutoThreshold]:
+    """auto over the CPU engine, seeded to break even at the documented 1204 tokens (call it
+    inside caplog.at_level: its start line is checked)."""
     m = cpu_engine()
     m.seed_prefill(1204)
+    policy = AutoThreshold(m, 32768, "test", clock=clock)
+    assert "DRAM hits load from 1216 tokens" in caplog.text
+    return m, policy
+
+
+def test_auto_learns_the_prefill_rate_from_the_engines_steps_and_logs_the_new_break_even(caplog):
     clock = FakeClock()
     with caplog.at_level(logging.INFO, logger="hpkv.vllm.costmodel"):
-        policy = AutoThreshold(m, 32768, "test", clock=clock)
-        assert "DRAM hits load from 1216 tokens" in caplog.text
+        m, policy = seeded_policy(caplog, clock)
         assert not policy.plan(0, [D] * 20)
 
         for _ in range(20):  # decodes: 20 ms a step, whatever the batch
@@ -227,17 +234,12 @@ def test_the_first_measurement_replaces_the_start_up_estimate():
 def test_auto_does_not_log_a_break_even_that_moves_by_one_block(caplog):
     """Prefill rates that wander put the storage break-even at one block or two, back and forth:
     logged once, not at every swing; a move of two blocks is logged again."""
-    m = cpu_engine()
-    m.seed_prefill(1204)
-    clock = FakeClock()
     with caplog.at_level(logging.INFO, logger="hpkv.vllm.costmodel"):
-        policy = AutoThreshold(m, 32768, "test", clock=clock)
-        assert "DRAM hits load from 1216 tokens" in caplog.text
+        _, policy = seeded_policy(caplog, FakeClock())
         logged = {"tokens": 1216}
-        breaks = iter([32, 64, 32, 64, 32, 128])
         policy._thresholds = lambda: {D: logged["tokens"]}
         lines = []
-        for tokens in breaks:
+        for tokens in (32, 64, 32, 64, 32, 128):
             logged["tokens"] = tokens
             before = caplog.text.count("VLLM_HPKV_TOKEN_THRESHOLD=auto (measured)")
             policy._log_if_changed()
