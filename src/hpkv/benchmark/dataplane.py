@@ -316,8 +316,10 @@ def _tier_read(tier: StorageTier, ns: str, keys: list[Key], dst: memoryview) -> 
         raise RuntimeError("the storage tier missed a benchmark entry it had written (see the log)")
 
 
-def disk_limit(path: Path, src: memoryview, dst: memoryview, size: int, fsync: str) -> tuple[float, float]:
-    """Seconds to write `src` to one new file sequentially, `size` bytes a call, then read it back."""
+def disk_limit(path: Path, src: memoryview, dst: memoryview, size: int, fsync: str,
+               between=None) -> tuple[float, float]:
+    """Seconds to write `src` to one new file sequentially, `size` bytes a call, then read it back;
+    `between` (untimed) runs in between, e.g. to drop the page cache."""
     started = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
@@ -328,6 +330,9 @@ def disk_limit(path: Path, src: memoryview, dst: memoryview, size: int, fsync: s
     finally:
         os.close(fd)
     written = time.perf_counter()
+    if between is not None:
+        between()
+    reading = time.perf_counter()
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         for start in range(0, len(dst), size):
@@ -337,7 +342,7 @@ def disk_limit(path: Path, src: memoryview, dst: memoryview, size: int, fsync: s
         os.close(fd)
     read = time.perf_counter()
     os.unlink(path)
-    return written - started, read - written
+    return written - started, read - reading
 
 
 def _write_all(fd: int, data: memoryview) -> None:

@@ -185,43 +185,16 @@ def drop_page_cache() -> None:
 def measure_limit(root: Path, src: memoryview, dst: memoryview, entry_bytes: int,
                   config: PeerConfig) -> tuple[float, float]:
     """Best (write_s, read_s) of `rounds` timed rounds after a warm-up, as `dataplane` measures it.
-    Cold: the write of `dataplane.disk_limit`, then its file is rewritten, synced, dropped from
-    the page cache and read back."""
+    Cold: the page cache is synced and dropped between the write and the read."""
     writes, reads = [], []
     os.sync()
     for round_ in range(config.rounds + 1):
-        if config.cold:
-            write_s, read_s = _cold_limit(root / "limit.bin", src, dst, entry_bytes)
-        else:
-            write_s, read_s = disk_limit(root / "limit.bin", src, dst, entry_bytes, "off")
+        write_s, read_s = disk_limit(root / "limit.bin", src, dst, entry_bytes, "off",
+                                     between=drop_page_cache if config.cold else None)
         if round_:
             writes.append(write_s)
             reads.append(read_s)
     return min(writes), min(reads)
-
-
-def _cold_limit(path: Path, src: memoryview, dst: memoryview, entry_bytes: int) -> tuple[float, float]:
-    started = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        for start in range(0, len(src), entry_bytes):
-            if os.write(fd, src[start : start + entry_bytes]) != entry_bytes:
-                raise RuntimeError(f"short write of {path}")
-    finally:
-        os.close(fd)
-    write_s = time.perf_counter() - started
-    drop_page_cache()
-    started = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        for start in range(0, len(dst), entry_bytes):
-            if os.preadv(fd, [dst[start : start + entry_bytes]], start) != entry_bytes:
-                raise RuntimeError(f"short read of {path}")
-    finally:
-        os.close(fd)
-    read_s = time.perf_counter() - started
-    os.unlink(path)
-    return write_s, read_s
 
 
 # -- LMCache ---------------------------------------------------------------------------------
