@@ -157,16 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     model = str(build_model(a.workdir / "bench-model", BENCH))
     trace_dir = a.workdir / "traces"
     shutil.rmtree(trace_dir, ignore_errors=True)
-    shim_dir = a.workdir / "shim"
     trace_dir.mkdir()
-    shim_dir.mkdir(exist_ok=True)
-    (shim_dir / "sitecustomize.py").write_text(SHIM.format(trace_dir=str(trace_dir)))
     pool_dir = Path(tempfile.mkdtemp(prefix="hpkv-hit-profile-", dir="/dev/shm"))
     storage = Path(tempfile.mkdtemp(prefix="storage-", dir=a.workdir))
-    env = {**engine_env(), **documented_env(a.pool_size, pool_dir, storage, a.workdir),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(shim_dir), os.environ.get("PYTHONPATH")]))}
+    env = {**engine_env(), **documented_env(a.pool_size, pool_dir, storage, a.workdir)}
     (a.workdir / "logs").mkdir(exist_ok=True)
-    engine = Engine("hpkv", model, env, hpkv=True, log_dir=a.workdir / "logs")
+    engine = Engine("hpkv", model, env, hpkv=True, log_dir=a.workdir / "logs",
+                    shim=SHIM.format(trace_dir=str(trace_dir)))
     sends: list = []
     try:
         engine.start()

@@ -96,7 +96,7 @@ class PeerEngine(Engine):
                  log_dir: Path) -> None:
         super().__init__(name, model, env, hpkv=kind == "hpkv", log_dir=log_dir)
         self.kind = kind
-        self.server = VllmServer(model, env, hpkv=kind == "hpkv", extra_flags=flags,
+        self.server = VllmServer(model, self.env, hpkv=kind == "hpkv", extra_flags=flags,
                                  log_path=log_dir / f"vllm-{name}.log")
 
     def sources(self) -> dict[str, float]:

@@ -64,6 +64,45 @@ ROWS = {  # row -> what it measures
 }
 WAKE_PROMPT = prompt_text(8, seed=-7)
 
+# vLLM's shared-memory message queues keep a reader spinning on sched_yield for 1 s after each
+# message it reads (`SpinCondition`, busy_loop_s=1, in vllm/distributed/device_communicators/
+# shm_broadcast.py), so the engine-core process spins through every forward pass of its worker.
+# vLLM's own CPU binding reserves a core for that process; these 2 cores have none to spare, so
+# the spinning takes one from the worker's two OpenMP threads, at random: the same one-token
+# step at 8K context took 31-50 ms or 100-600 ms (docs/benchmarks.md, "The engines' scheduler
+# spin"). Every engine of the benchmarks, of every system alike, therefore starts with
+# busy_loop_s=0 (a reader waits for the queue's zmq notification), through this sitecustomize
+# on its PYTHONPATH; HPKV_BENCH_VLLM_SPIN=1 keeps vLLM's default.
+NO_SPIN = """\
+import importlib.abc, importlib.util, sys
+class _NoSpin(importlib.abc.MetaPathFinder):
+    NAME = "vllm.distributed.device_communicators.shm_broadcast"
+    def find_spec(self, name, path, target=None):
+        if name != self.NAME:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+        def exec_module(module):
+            run(module)
+            module.SpinCondition.__init__.__defaults__ = (0.0,)  # busy_loop_s
+        spec.loader.exec_module = exec_module
+        return spec
+sys.meta_path.insert(0, _NoSpin())
+"""
+
+
+def engine_shim(env: dict[str, str], shim_dir: Path, code: str | None = None) -> dict[str, str]:
+    """`env` with a sitecustomize first on the engine's PYTHONPATH: NO_SPIN (unless
+    HPKV_BENCH_VLLM_SPIN=1), then `code`."""
+    code = "\n".join(filter(None, [None if os.environ.get("HPKV_BENCH_VLLM_SPIN") == "1" else NO_SPIN, code]))
+    if not code:
+        return env
+    shim_dir.mkdir(parents=True, exist_ok=True)
+    (shim_dir / "sitecustomize.py").write_text(code)
+    path = env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(shim_dir), path]))}
+
 
 @dataclass(frozen=True)
 class Options:
@@ -111,8 +150,9 @@ class Engine:
     vLLM's metrics include every request sent (they lag the last streamed token a little)."""
 
     def __init__(self, name: str, model: str, env: dict[str, str], hpkv: bool, log_dir: Path,
-                 extra_flags: tuple[str, ...] = ()) -> None:
+                 extra_flags: tuple[str, ...] = (), shim: str | None = None) -> None:
         self.name = name
+        self.env = env = engine_shim(env, log_dir / f"shim-{name}", shim)
         self.server = VllmServer(model, env, hpkv=hpkv, log_path=log_dir / f"vllm-{name}.log",
                                  extra_flags=extra_flags)
         self._lock = threading.Lock()

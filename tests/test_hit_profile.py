@@ -4,8 +4,12 @@ spans its shim writes in the engine's processes."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -55,3 +59,38 @@ def test_an_in_engine_hit_has_no_hpkv_part_and_the_traces_are_read_back(tmp_path
     assert round(hit.step_ms, 3) == round(hit.forward_ms, 3) == 40.0
     medians = hp.summarize([hit])
     assert round(medians["in-engine"]["forward_ms"], 3) == 40.0 and medians["dram"]["ttft_ms"] is None
+
+
+def load_vllm_ttft():
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("vllm_ttft", BENCH / "vllm_ttft.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["vllm_ttft"] = module
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+@pytest.mark.parametrize("spin", [None, "1"])
+def test_benchmark_engines_start_without_vllms_queue_spin_unless_asked(tmp_path, monkeypatch, spin):
+    """The sitecustomize every benchmark engine gets sets vLLM's own SpinCondition to wait
+    without spinning (HPKV_BENCH_VLLM_SPIN=1: vLLM's default, 1 s), and keeps a shim of the
+    caller's (hit_profile's) and the caller's PYTHONPATH behind it."""
+    vt = load_vllm_ttft()
+    if spin:
+        monkeypatch.setenv("HPKV_BENCH_VLLM_SPIN", spin)
+    marker = tmp_path / "marker"
+    env = vt.engine_shim({"PYTHONPATH": "/elsewhere"}, tmp_path / "shim", f"open({str(marker)!r}, 'w').close()")
+    assert env["PYTHONPATH"] == f"{tmp_path / 'shim'}{os.pathsep}/elsewhere"
+    probe = ("import inspect\n"
+             "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition\n"
+             "print(inspect.signature(SpinCondition.__init__).parameters['busy_loop_s'].default)\n"
+             "print(SpinCondition.__init__.__defaults__)")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": env["PYTHONPATH"]})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split("\n")[1] == ("(1,)" if spin else "(0.0,)")
+    assert marker.exists()  # the caller's shim ran too
