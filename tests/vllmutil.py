@@ -12,7 +12,6 @@ import contextlib
 import os
 import signal
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -12,7 +12,6 @@ whether the output (token ids and logprobs) is identical to vLLM's own prefix-ca
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time
