@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-words", type=int, default=8192)
     p.add_argument("--hits", type=int, default=12, help="DRAM hits (and as many in-engine hits)")
     p.add_argument("--pool-size", default="2g")
+    p.add_argument("--pool-parent", type=Path, default=Path("/dev/shm"),
+                   help="where the pool's directory is made (a tmpfs; see docs/operations.md on huge pages)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     a.workdir.mkdir(parents=True, exist_ok=True)
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     trace_dir = a.workdir / "traces"
     shutil.rmtree(trace_dir, ignore_errors=True)
     trace_dir.mkdir()
-    pool_dir = Path(tempfile.mkdtemp(prefix="hpkv-hit-profile-", dir="/dev/shm"))
+    pool_dir = Path(tempfile.mkdtemp(prefix="hpkv-hit-profile-", dir=a.pool_parent))
     storage = Path(tempfile.mkdtemp(prefix="storage-", dir=a.workdir))
     env = {**engine_env(), **documented_env(a.pool_size, pool_dir, storage, a.workdir)}
     (a.workdir / "logs").mkdir(exist_ok=True)

@@ -76,6 +76,7 @@ class Options:
     json: bool
     json_out: Path | None
     workloads: tuple[str, ...] = WORKLOADS
+    pool_parent: Path = Path("/dev/shm")
 
 
 @dataclass
@@ -387,6 +388,8 @@ def parse_args(argv: list[str]) -> Options:
     p.add_argument("--kv-cache-tokens", type=int, default=49_152,
                    help="vLLM's own KV cache, every engine (at least the model's 32,768-token context)")
     p.add_argument("--pool-size", default="2g", help="HPKV_KV_MEM_POOL_SIZE")
+    p.add_argument("--pool-parent", type=Path, default=Path("/dev/shm"),
+                   help="where HPKV's pool directory is made (a tmpfs; see docs/operations.md on huge pages)")
     p.add_argument("--l1-size-gb", type=float, default=2.0, help="LMCache's L1 (DRAM), like the HPKV pool")
     p.add_argument("--documents", type=int, default=24)
     p.add_argument("--document-words", type=int, default=4000)
@@ -411,13 +414,14 @@ def parse_args(argv: list[str]) -> Options:
     return Options(a.model, a.tiny, a.workdir, a.plots_dir if str(a.plots_dir) else None,
                    tuple(int(x) for x in a.lengths.split(",")), a.repeats, a.max_tokens, a.kv_cache_tokens,
                    a.pool_size, a.l1_size_gb, workload, a.users, a.answer_tokens, a.tput_prompts, a.tput_words,
-                   a.tput_concurrency, a.tput_max_tokens, a.tput_rounds, a.json, a.json_out, workloads)
+                   a.tput_concurrency, a.tput_max_tokens, a.tput_rounds, a.json, a.json_out, workloads,
+                   a.pool_parent)
 
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(sys.argv[1:] if argv is None else argv)
     opts.workdir.mkdir(parents=True, exist_ok=True)
-    pool_dir = Path(tempfile.mkdtemp(prefix="hpkv-peers-", dir="/dev/shm"))
+    pool_dir = Path(tempfile.mkdtemp(prefix="hpkv-peers-", dir=opts.pool_parent))
     storage_dir = Path(tempfile.mkdtemp(prefix="storage-", dir=opts.workdir))
     l2_dir = Path(tempfile.mkdtemp(prefix="lmcache-l2-", dir=opts.workdir))
     head = header(opts, pool_dir, storage_dir)

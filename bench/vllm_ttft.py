@@ -67,12 +67,11 @@ WAKE_PROMPT = prompt_text(8, seed=-7)
 # vLLM's shared-memory message queues keep a reader spinning on sched_yield for 1 s after each
 # message it reads (`SpinCondition`, busy_loop_s=1, in vllm/distributed/device_communicators/
 # shm_broadcast.py), so the engine-core process spins through every forward pass of its worker.
-# vLLM's own CPU binding reserves a core for that process; these 2 cores have none to spare, so
-# the spinning takes one from the worker's two OpenMP threads, at random: the same one-token
-# step at 8K context took 31-50 ms or 100-600 ms (docs/benchmarks.md, "The engines' scheduler
-# spin"). Every engine of the benchmarks, of every system alike, therefore starts with
-# busy_loop_s=0 (a reader waits for the queue's zmq notification), through this sitecustomize
-# on its PYTHONPATH; HPKV_BENCH_VLLM_SPIN=1 keeps vLLM's default.
+# On these 2 cores that spinning is what puts a forward pass in its slow mode (100-600 ms instead
+# of 31-50 ms for one token at 8K context), and waiting without it makes every step slower
+# (docs/benchmarks.md, "vLLM's queue spin"). The benchmarks keep vLLM's default;
+# HPKV_BENCH_VLLM_SPIN=0 starts every engine, of every system alike, with busy_loop_s=0 (a reader
+# waits for the queue's zmq notification), through this sitecustomize on its PYTHONPATH.
 NO_SPIN = """\
 import importlib.abc, importlib.util, sys
 class _NoSpin(importlib.abc.MetaPathFinder):
@@ -93,9 +92,9 @@ sys.meta_path.insert(0, _NoSpin())
 
 
 def engine_shim(env: dict[str, str], shim_dir: Path, code: str | None = None) -> dict[str, str]:
-    """`env` with a sitecustomize first on the engine's PYTHONPATH: NO_SPIN (unless
-    HPKV_BENCH_VLLM_SPIN=1), then `code`."""
-    code = "\n".join(filter(None, [None if os.environ.get("HPKV_BENCH_VLLM_SPIN") == "1" else NO_SPIN, code]))
+    """`env` with a sitecustomize first on the engine's PYTHONPATH: NO_SPIN (with
+    HPKV_BENCH_VLLM_SPIN=0), then `code`."""
+    code = "\n".join(filter(None, [NO_SPIN if os.environ.get("HPKV_BENCH_VLLM_SPIN") == "0" else None, code]))
     if not code:
         return env
     shim_dir.mkdir(parents=True, exist_ok=True)

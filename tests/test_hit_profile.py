@@ -74,14 +74,16 @@ def load_vllm_ttft():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
-@pytest.mark.parametrize("spin", [None, "1"])
-def test_benchmark_engines_start_without_vllms_queue_spin_unless_asked(tmp_path, monkeypatch, spin):
-    """The sitecustomize every benchmark engine gets sets vLLM's own SpinCondition to wait
-    without spinning (HPKV_BENCH_VLLM_SPIN=1: vLLM's default, 1 s), and keeps a shim of the
-    caller's (hit_profile's) and the caller's PYTHONPATH behind it."""
+@pytest.mark.parametrize("spin", [None, "0"])
+def test_benchmark_engines_wait_without_vllms_queue_spin_when_asked(tmp_path, monkeypatch, spin):
+    """With HPKV_BENCH_VLLM_SPIN=0 the sitecustomize every benchmark engine gets sets vLLM's own
+    SpinCondition to wait without spinning (by default it keeps vLLM's 1 s); either way the
+    caller's shim (hit_profile's) runs, and the caller's PYTHONPATH stays behind it."""
     vt = load_vllm_ttft()
     if spin:
         monkeypatch.setenv("HPKV_BENCH_VLLM_SPIN", spin)
+    else:
+        monkeypatch.delenv("HPKV_BENCH_VLLM_SPIN", raising=False)
     marker = tmp_path / "marker"
     env = vt.engine_shim({"PYTHONPATH": "/elsewhere"}, tmp_path / "shim", f"open({str(marker)!r}, 'w').close()")
     assert env["PYTHONPATH"] == f"{tmp_path / 'shim'}{os.pathsep}/elsewhere"
@@ -92,5 +94,5 @@ def test_benchmark_engines_start_without_vllms_queue_spin_unless_asked(tmp_path,
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "PYTHONPATH": env["PYTHONPATH"]})
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split("\n")[1] == ("(1,)" if spin else "(0.0,)")
+    assert result.stdout.split("\n")[1] == ("(0.0,)" if spin == "0" else "(1,)")
     assert marker.exists()  # the caller's shim ran too
