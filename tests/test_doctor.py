@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from hpkv.config import PoolConfig, StorageConfig
-from hpkv.doctor import (Check, ServerProbe, Verdict, check_hash_seed, check_memlock, check_pool_permissions,
-                         check_socket_path, check_storage_permissions, run_checks)
+from hpkv.doctor import (Check, ServerProbe, Verdict, check_hash_seed, check_memlock, check_pool_pages,
+                         check_pool_permissions, check_socket_path, check_storage_permissions, run_checks)
+from hpkv.fsinfo import mount_of
 from test_cli_server import env, hpkv, hpkv_env, pool_dir, server  # noqa: F401
 
 
@@ -66,17 +67,52 @@ def test_doctor_warns_about_the_socket_of_a_killed_server(env, pool_dir):
     assert "next one removes the stale socket" in checks["server"]["fix"]
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A real 8 MiB tmpfs (needs root)."""
-    mount_point = tmp_path / "small-tmpfs"
+def mount_tmpfs(mount_point: Path, options: str):
+    """A real tmpfs at mount_point (needs root; the test is skipped without it)."""
     mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(mount_point)],
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount_point)],
                             capture_output=True, text=True)
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
-    yield mount_point
-    subprocess.run(["umount", str(mount_point)], check=True)
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 8 MiB tmpfs."""
+    yield from mount_tmpfs(tmp_path / "small-tmpfs", "size=8m,mode=0700")
+
+
+@pytest.fixture(params=["never", "within_size", "advise"])
+def huge_tmpfs(tmp_path, request):
+    mounted = mount_tmpfs(tmp_path / "huge-tmpfs", f"size=8m,mode=0700,huge={request.param}")
+    yield request.param, next(mounted)
+    mounted.close()  # unmounts
+
+
+def test_the_pool_page_size_is_read_from_the_tmpfs_mount_options(huge_tmpfs):
+    """A tmpfs mounted huge=within_size (or always) gives the pool 2 MiB pages; huge=never (the
+    default) or advise leave it on 4 KiB pages, with the mount command as the fix."""
+    policy, mount_point = huge_tmpfs
+    pool = PoolConfig(dir=mount_point / "hpkv", size_bytes=1 << 20, prefault=True)
+    assert mount_of(pool.dir).huge_pages == policy
+
+    check = check_pool_pages(pool)
+
+    if policy == "within_size":
+        assert check.verdict is Verdict.OK and "huge=within_size" in check.detail
+    else:
+        assert check.verdict is Verdict.INFO and f"huge={policy}" in check.detail and "4 KiB" in check.detail
+        assert f"huge=within_size,mode=0700 tmpfs {pool.dir}" in check.fix
+
+
+def test_a_pool_on_another_file_system_has_no_huge_pages_to_ask_for(tmp_path):
+    check = check_pool_pages(PoolConfig(dir=tmp_path / "pool", size_bytes=1 << 20, prefault=True))
+    assert mount_of(tmp_path).huge_pages is None
+    assert check.verdict is Verdict.INFO and "only a tmpfs" in check.detail
 
 
 def test_doctor_fails_a_pool_larger_than_its_tmpfs_with_a_fix(small_tmpfs, tmp_path):

@@ -19,6 +19,22 @@ class Mount:
     mount_point: str
     fs_type: str
     source: str
+    options: str = ""  # the file system's own (super block) options, comma-separated
+
+    def option(self, name: str) -> str | None:
+        """The value of `name=value` among the options, or None."""
+        for item in self.options.split(","):
+            key, _, value = item.partition("=")
+            if key == name:
+                return value
+        return None
+
+    @property
+    def huge_pages(self) -> str | None:
+        """A tmpfs's `huge=` policy (its default is never); None on other file systems."""
+        if self.fs_type != "tmpfs":
+            return None
+        return self.option("huge") or "never"
 
 
 def _unescape(field: str) -> str:
@@ -35,10 +51,10 @@ def mount_of(path: str | os.PathLike) -> Mount:
         for line in f:
             left, _, right = line.partition(" - ")
             point = _unescape(left.split()[4])
-            fs_type, source = (right.split() + ["", ""])[:2]
+            fs_type, source, options = (right.split() + ["", "", ""])[:3]
             inside = target == point or target.startswith(point.rstrip("/") + "/")
             if inside and len(point) >= len(best.mount_point):
-                best = Mount(point, fs_type, source)
+                best = Mount(point, fs_type, source, options)
     return best
 
 
