@@ -69,8 +69,8 @@ def run_checks(env: Mapping[str, str] | None = None) -> list[Check]:
     server = probe_server(settings.pool.dir)
     checks = check_config(settings)
     checks += [check_pool_fs(settings.pool), check_pool_pages(settings.pool),
-               check_pool_permissions(settings.pool), check_socket_path(settings.pool), check_pool_space(settings.pool),
-               check_memlock(settings.pool, server)]
+               check_pool_permissions(settings.pool), check_socket_path(settings.pool),
+               check_pool_space(settings.pool), check_memlock(settings.pool, server)]
     checks += check_storage(settings.storage, server)
     checks += [check_server(server), check_hash_seed(env)]
     return checks
@@ -133,9 +133,9 @@ def check_pool_fs(pool: PoolConfig) -> Check:
 
 
 def check_pool_pages(pool: PoolConfig) -> Check:
-    """Huge pages for the pool: on 4 KiB pages, a copy out of the pool after the machine has
-    been idle for a moment measured 2-3x slower than the same copy right after another (64 MiB:
-    32-40 ms against 11-13 ms; 14-17 ms on 2 MiB pages; docs/operations.md)."""
+    """Huge pages for the pool: on 4 KiB pages, a standalone copy out of the pool after the
+    machine had been idle for a moment measured 2-3x slower than the same copy right after
+    another (64 MiB: 32-40 ms against 11-13 ms; 14-17 ms on 2 MiB pages; docs/operations.md)."""
     name = "pool directory: page size"
     mount = mount_of(pool.dir)
     huge = mount.huge_pages
@@ -147,7 +147,7 @@ def check_pool_pages(pool: PoolConfig) -> Check:
         return Check(name, Verdict.OK, f"{where}, mounted huge={huge}: the pool gets 2 MiB pages")
     return Check(name, Verdict.INFO,
                  f"{where}, mounted huge={huge}: the pool gets 4 KiB pages, so copies out of it after a pause "
-                 "pay a page walk per 4 KiB (measured 2-3x slower)",
+                 "pay a page walk per 4 KiB (2-3x slower in a standalone measurement)",
                  f"as root: mkdir -p {pool.dir} && mount -t tmpfs -o size=<pool size + 1g>,huge=within_size,"
                  f"mode=0700 tmpfs {pool.dir} (docs/operations.md)")
 

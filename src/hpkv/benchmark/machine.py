@@ -31,7 +31,8 @@ def describe(pool_dir: Path, storage_dir: Path) -> dict[str, object]:
 
 def _path_info(path: Path) -> dict[str, str]:
     mount = mount_of(path)
-    info = {"path": str(path), "fs_type": mount.fs_type, "mount_point": mount.mount_point, "source": mount.source}
+    info = {"path": str(path), "fs_type": mount.fs_type, "mount_point": mount.mount_point,
+            "source": mount.source}
     if mount.huge_pages is not None:
         info["huge_pages"] = mount.huge_pages  # a tmpfs's huge= (docs/operations.md, "Huge pages")
     return info
