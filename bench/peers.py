@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_ttft import (WAKE_PROMPT, Engine, Sample, compare, hpkv_server_alive, log,  # noqa: E402
@@ -83,6 +84,7 @@ class Options:
 class Results:
     ttft: dict[str, dict[int, list[Sample]]] = field(default_factory=lambda: {r: {} for r in ROWS})
     noreuse: dict[str, list[tuple[int, float]]] = field(default_factory=lambda: {s: [] for s in SYSTEMS})
+    noreuse_cpu: dict[str, list[dict[str, float]]] = field(default_factory=lambda: {s: [] for s in SYSTEMS})
     multiround: dict[str, dict] = field(default_factory=dict)
     notes: dict[str, object] = field(default_factory=dict)
 
@@ -267,15 +269,52 @@ def noreuse(opts: Options, results: Results, engines: dict[str, PeerEngine], sys
         prompts = [prompt_text(opts.tput_words, seed=-100_000 * (round_index + 1) - i)
                    for i in range(opts.tput_prompts)]
         for kind in orders[round_index % len(orders)]:
+            before = round_costs(engines[kind], systems)
             started = time.time()
             engines[kind].send_concurrently(prompts, opts.tput_concurrency, opts.tput_max_tokens)
             answered = time.time()
             sync_s = systems.settle()
             written = max(newest_mtime(systems.storage_dir, started), newest_mtime(systems.l2_dir, started))
             elapsed = max(answered, written) - started + sync_s
+            costs = {k: round(v - before.get(k, 0.0), 3) for k, v in round_costs(engines[kind], systems).items()}
             results.noreuse[kind].append((len(prompts), elapsed))
+            results.noreuse_cpu[kind].append(costs)
             log(f"no-reuse round {round_index}, {kind}: {len(prompts) / elapsed:.2f} req/s (answered in "
-                f"{answered - started:.2f} s, files until {max(written - started, 0):.2f} s, sync {sync_s:.2f} s)")
+                f"{answered - started:.2f} s, files until {max(written - started, 0):.2f} s, sync {sync_s:.2f} s); "
+                f"CPU s (round and settle): {costs}")
+
+
+def round_costs(engine: PeerEngine, systems: Systems) -> dict[str, float]:
+    """CPU seconds so far of the engine's processes, of the HPKV and LMCache servers, of the
+    whole machine; and, on an HPKV engine, the worker's save counters. Taken around a no-reuse
+    round, they say what each system spent on it, and where."""
+    out = {"engine": process_tree_cpu(engine.server.process.pid),
+           "hpkv_server": sum(process_tree_cpu(p.pid) for p in psutil.process_iter(["cmdline"])
+                              if "hpkv.server.daemon" in (p.info["cmdline"] or [])),
+           "lmcache_server": sum(process_tree_cpu(s.process.pid) for s in systems.lmcache_servers
+                                 if s.process is not None and s.process.poll() is None),
+           "machine": sum(getattr(psutil.cpu_times(), f) for f in ("user", "system", "nice", "irq", "softirq"))}
+    if engine.kind == "hpkv":
+        c = engine.counters()
+        out.update({k: c.get(k, 0.0) for k in ("hpkv_save_time_s", "hpkv_save_wait_s", "hpkv_saved_blocks")})
+    return out
+
+
+def process_tree_cpu(pid: int) -> float:
+    """User + system CPU seconds of a process and its children (0 for parts that are gone)."""
+    try:
+        root = psutil.Process(pid)
+        family = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for proc in family:
+        try:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        except psutil.Error:
+            pass
+    return total
 
 
 def multiround(opts: Options, results: Results, engines: dict[str, PeerEngine]) -> None:

@@ -47,7 +47,8 @@ def summarize(results) -> dict:
             if n in ttft.get(den, {}):
                 value = ttft[num][n]["median_ms"] / ttft[den][n]["median_ms"]
                 ratios.setdefault(label, {})[n] = {"value": value, "target": f"<= {bound}", "passed": value <= bound}
-    out = {"ttft": ttft, "ttft_ratios": ratios, "noreuse": summarize_noreuse(results.noreuse),
+    out = {"ttft": ttft, "ttft_ratios": ratios,
+           "noreuse": {**summarize_noreuse(results.noreuse), "cpu_per_round": summarize_costs(results.noreuse_cpu)},
            "multiround": summarize_multiround(results.multiround)}
     out["notes"] = results.notes
     out["checks"] = checks(out)
@@ -97,6 +98,12 @@ def summarize_noreuse(runs: dict[str, list[tuple[int, float]]]) -> dict:
     if "hpkv" in out and "lmcache" in out:
         out["hpkv / lmcache"] = {"value": out["hpkv"]["req_per_s"] / out["lmcache"]["req_per_s"]}
     return out
+
+
+def summarize_costs(rounds: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per system, the median over its no-reuse rounds of each CPU or save counter."""
+    return {kind: {key: float(np.median([r[key] for r in costs])) for key in costs[0]}
+            for kind, costs in rounds.items() if costs}
 
 
 def summarize_multiround(runs: dict[str, dict]) -> dict:
@@ -257,6 +264,8 @@ def print_noreuse(console, nr: dict) -> None:
         if kind in nr:
             console.print(f"(c) no reuse, {LABELS[kind]}: {nr[kind]['req_per_s']:.3f} req/s "
                           f"(rounds {nr[kind]['rounds_req_per_s']})")
+    for kind, costs in nr.get("cpu_per_round", {}).items():
+        console.print(f"(c) {LABELS[kind]}, medians per round: " + ", ".join(f"{k} {v:.3f}" for k, v in costs.items()))
     for label in ("hpkv / off", "lmcache / off", "hpkv / lmcache"):
         if label in nr:
             r = nr[label]
