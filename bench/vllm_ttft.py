@@ -68,7 +68,7 @@ WAKE_PROMPT = prompt_text(8, seed=-7)
 # message it reads (`SpinCondition`, busy_loop_s=1, in vllm/distributed/device_communicators/
 # shm_broadcast.py), so the engine-core process spins through every forward pass of its worker.
 # On these 2 cores that spinning is what puts a forward pass in its slow mode (100-600 ms instead
-# of 31-50 ms for one token at 8K context), and waiting without it makes every step slower
+# of 31-50 ms for one token at 8K context), but without it the fast mode was slower
 # (docs/benchmarks.md, "What selects the slow mode"). The benchmarks keep vLLM's default;
 # HPKV_BENCH_VLLM_SPIN=0 starts every engine, of every system alike, with busy_loop_s=0 (a reader
 # waits for the queue's zmq notification), through this sitecustomize on its PYTHONPATH.
