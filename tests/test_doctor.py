@@ -67,10 +67,11 @@ def test_doctor_warns_about_the_socket_of_a_killed_server(env, pool_dir):
     assert "next one removes the stale socket" in checks["server"]["fix"]
 
 
-def mount_tmpfs(mount_point: Path, options: str):
-    """A real tmpfs at mount_point (needs root; the test is skipped without it)."""
+def mount_tmpfs(mount_point: Path, options: str, fs_type: str = "tmpfs"):
+    """A real tmpfs (or other memory file system) at mount_point (needs root; the test is
+    skipped without it)."""
     mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount_point)],
+    result = subprocess.run(["mount", "-t", fs_type, "-o", options, fs_type, str(mount_point)],
                             capture_output=True, text=True)
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
@@ -109,10 +110,11 @@ def test_the_pool_page_size_is_read_from_the_tmpfs_mount_options(huge_tmpfs):
         assert f"huge=within_size,mode=0700 tmpfs {pool.dir}" in check.fix
 
 
-def test_a_pool_on_another_file_system_has_no_huge_pages_to_ask_for(tmp_path):
-    check = check_pool_pages(PoolConfig(dir=tmp_path / "pool", size_bytes=1 << 20, prefault=True))
-    assert mount_of(tmp_path).huge_pages is None
-    assert check.verdict is Verdict.INFO and "only a tmpfs" in check.detail
+def test_a_pool_on_ramfs_has_no_huge_pages_to_ask_for(tmp_path):
+    for mount_point in mount_tmpfs(tmp_path / "ramfs", "mode=0700", fs_type="ramfs"):
+        check = check_pool_pages(PoolConfig(dir=mount_point / "pool", size_bytes=1 << 20, prefault=True))
+        assert mount_of(mount_point).fs_type == "ramfs" and mount_of(mount_point).huge_pages is None
+        assert check.verdict is Verdict.INFO and "only a tmpfs" in check.detail
 
 
 def test_doctor_fails_a_pool_larger_than_its_tmpfs_with_a_fix(small_tmpfs, tmp_path):
