@@ -85,6 +85,9 @@ class Results:
     ttft: dict[str, dict[int, list[Sample]]] = field(default_factory=lambda: {r: {} for r in ROWS})
     noreuse: dict[str, list[tuple[int, float]]] = field(default_factory=lambda: {s: [] for s in SYSTEMS})
     noreuse_cpu: dict[str, list[dict[str, float]]] = field(default_factory=lambda: {s: [] for s in SYSTEMS})
+    # per round, each request's (time to first token, time after it), in seconds
+    noreuse_requests: dict[str, list[list[tuple[float, float]]]] = field(
+        default_factory=lambda: {s: [] for s in SYSTEMS})
     multiround: dict[str, dict] = field(default_factory=dict)
     notes: dict[str, object] = field(default_factory=dict)
 
@@ -271,7 +274,7 @@ def noreuse(opts: Options, results: Results, engines: dict[str, PeerEngine], sys
         for kind in orders[round_index % len(orders)]:
             before = round_costs(engines[kind], systems)
             started = time.time()
-            engines[kind].send_concurrently(prompts, opts.tput_concurrency, opts.tput_max_tokens)
+            completions = engines[kind].send_all(prompts, opts.tput_concurrency, opts.tput_max_tokens)
             answered = time.time()
             sync_s = systems.settle()
             written = max(newest_mtime(systems.storage_dir, started), newest_mtime(systems.l2_dir, started))
@@ -279,9 +282,13 @@ def noreuse(opts: Options, results: Results, engines: dict[str, PeerEngine], sys
             costs = {k: round(v - before.get(k, 0.0), 3) for k, v in round_costs(engines[kind], systems).items()}
             results.noreuse[kind].append((len(prompts), elapsed))
             results.noreuse_cpu[kind].append(costs)
+            # Where a slow round lost its time: waiting for the first token, or decoding after it.
+            requests = [(round(c.ttft_s, 3), round(c.total_s - c.ttft_s, 3)) for c in completions]
+            results.noreuse_requests[kind].append(requests)
             log(f"no-reuse round {round_index}, {kind}: {len(prompts) / elapsed:.2f} req/s (answered in "
                 f"{answered - started:.2f} s, files until {max(written - started, 0):.2f} s, sync {sync_s:.2f} s); "
-                f"CPU s (round and settle): {costs}")
+                f"longest wait for a first token {max(t for t, _ in requests):.2f} s, longest decode "
+                f"{max(d for _, d in requests):.2f} s; CPU s (round and settle): {costs}")
 
 
 def round_costs(engine: PeerEngine, systems: Systems) -> dict[str, float]:

@@ -48,7 +48,8 @@ def summarize(results) -> dict:
                 value = ttft[num][n]["median_ms"] / ttft[den][n]["median_ms"]
                 ratios.setdefault(label, {})[n] = {"value": value, "target": f"<= {bound}", "passed": value <= bound}
     out = {"ttft": ttft, "ttft_ratios": ratios,
-           "noreuse": {**summarize_noreuse(results.noreuse), "cpu_per_round": summarize_costs(results.noreuse_cpu)},
+           "noreuse": {**summarize_noreuse(results.noreuse), "cpu_per_round": summarize_costs(results.noreuse_cpu),
+                       "requests_per_round": results.noreuse_requests},
            "multiround": summarize_multiround(results.multiround)}
     out["notes"] = results.notes
     out["checks"] = checks(out)

@@ -223,9 +223,13 @@ class Engine:
 
     def send_concurrently(self, prompts: list[str], concurrency: int, max_tokens: int) -> float:
         started = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            list(pool.map(lambda p: self.complete(p, max_tokens), prompts))
+        self.send_all(prompts, concurrency, max_tokens)
         return time.perf_counter() - started
+
+    def send_all(self, prompts: list[str], concurrency: int, max_tokens: int) -> list[Completion]:
+        """Every prompt, `concurrency` at a time; the completions in the prompts' order."""
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            return list(pool.map(lambda p: self.complete(p, max_tokens), prompts))
 
 
 def start_together(engines: list[Engine]) -> None:
