@@ -3,8 +3,9 @@
 The engine's cache is given as one byte view per layer, `(num_blocks, page_bytes)` int8, on
 whatever device the engine uses (CUDA, Ascend NPU, CPU): copies are plain torch `copy_`, so no
 device-specific code is needed, with one exception: on the CPU they are numpy `copyto` of the
-same memory, on the calling thread and at most one helper (below). torch's CPU `copy_` opens an OpenMP parallel region per call,
-and on a busy machine each region waits for a descheduled thread. Measured on 2 shared cores:
+same memory, on the calling thread and at most one helper (below). torch's CPU `copy_` opens an
+OpenMP parallel region per call, and on a busy machine each region waits for a descheduled
+thread. Measured on 2 shared cores:
 256 scattered blocks of 28 x 32 KiB moved at 0.01 GB/s with torch, 3 GB/s with numpy; eight
 8 MiB copies took 6-75 ms with torch, 9-17 ms with numpy. On an idle many-core machine torch
 could move a large run a few ms faster; numpy's cost is bounded, torch's is not. An entry is
