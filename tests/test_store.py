@@ -147,13 +147,13 @@ def test_a_promotion_does_not_queue_behind_write_throughs(open_store):
     assert store.flush(timeout=10)
     store.clear(memory=True)
     gate = threading.Event()
-    original = store.storage.write_from
+    original = store.storage.publish
 
     def held_write(*args):  # every write-through waits until the promotion below is done
         gate.wait(10)
         return original(*args)
 
-    store.storage.write_from = held_write
+    store.storage.publish = held_write
     try:
         save(store, ns, keys(3 * store.storage.config.io_threads, "busy"))  # more than all I/O threads
         assert load(store, ns, stored) == [payload(k) for k in stored]

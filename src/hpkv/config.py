@@ -62,6 +62,7 @@ class StorageConfig:
     capacity_bytes: int | None  # None means auto: the store sizes it when it starts
     fsync: str
     io_threads: int
+    write_nice: int = 10  # niceness of the write-through processes
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,9 @@ KEYS: tuple[KeySpec, ...] = (
             "1/0, true/false, yes/no or on/off"),
     KeySpec("HPKV_IO_THREADS", "int", _int_in(1, 256), "8",
             "Storage I/O threads.", "an integer from 1 to 256"),
+    KeySpec("HPKV_WRITE_NICE", "int", _int_in(0, 19), "10",
+            "CPU niceness of the server's write-through processes (0: the server's own).",
+            "an integer from 0 to 19"),
     KeySpec("HPKV_LOG_LEVEL", "word", _one_of("debug", "info", "warning", "error"), "info",
             "Log level.", "debug, info, warning or error"),
     KeySpec("HPKV_METRICS_PORT", "int", _int_in(0, 65535), "0",
@@ -389,7 +393,8 @@ def _build(resolved: list[Setting], warnings: tuple[str, ...]) -> Settings:
                               enabled=v["HPKV_KV_STORAGE_ENABLE"],
                               capacity_bytes=v["HPKV_KV_STORAGE_SIZE"],
                               fsync=v["HPKV_KV_STORAGE_FSYNC"],
-                              io_threads=v["HPKV_IO_THREADS"]),
+                              io_threads=v["HPKV_IO_THREADS"],
+                              write_nice=v["HPKV_WRITE_NICE"]),
         token_threshold=v["VLLM_HPKV_TOKEN_THRESHOLD"],
         enable_vllm=v["VLLM_ENABLE_HPKV"],
         log_level=v["HPKV_LOG_LEVEL"],

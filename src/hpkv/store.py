@@ -33,6 +33,7 @@ from .keys import NamespaceDesc
 from .pool.region import PoolRegion
 from .pool.tier import DramEntry, DramTier
 from .storage.tier import StorageTier
+from .storage.writer import WriterPool, WriterUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,8 @@ class StoreCounters:
 
 
 class TieredStore:
-    def __init__(self, region: PoolRegion, storage: StorageTier | None, slab_bytes: int | None = None) -> None:
+    def __init__(self, region: PoolRegion, storage: StorageTier | None, slab_bytes: int | None = None,
+                 write_processes: bool = False) -> None:
         self.region = region
         self.storage = storage
         self.dram = DramTier(region.size_bytes, slab_bytes)
@@ -122,13 +124,15 @@ class TieredStore:
         self._quarantine: deque[tuple[float, DramEntry]] = deque()  # (until, reserved entry of a dropped owner)
         self._lease_ids = itertools.count(1)
         # Write-throughs run on threads of their own, so a promotion that a request waits for
-        # never queues behind them; and on few of them, because every busy thread of this
-        # process competes for the GIL with the server's request handlers (a lookup answered in
-        # 0.1 ms took 10 ms at p90 behind 8 write threads, 2 ms behind 2, on 2 cores). Not at a
-        # lower CPU priority: a descheduled low-priority thread holding the GIL would stall the
-        # request handlers.
+        # never queues behind them; and on few of them: each waits for one writer process
+        # (`storage/writer.py`), which does the work at a lower CPU priority and with a GIL of
+        # its own. In process (`writers` None: tests, or no writer process can start) every busy
+        # thread competes for the GIL with the server's request handlers (a lookup answered in
+        # 0.1 ms took 10 ms at p90 behind 8 write threads, 2 ms behind 2, on 2 cores).
         self._writer = None if storage is None else ThreadPoolExecutor(
             write_threads(storage.config.io_threads), thread_name_prefix="hpkv-write")
+        self.writers = None if storage is None or not write_processes else WriterPool(
+            region.path, write_threads(storage.config.io_threads), storage.config.write_nice)
 
     @classmethod
     def open(cls, pool: PoolConfig, storage: StorageConfig, slab_bytes: int | None = None) -> "TieredStore":
@@ -142,12 +146,14 @@ class TieredStore:
         except BaseException:
             region.close()
             raise
-        return cls(region, tier, slab_bytes)
+        return cls(region, tier, slab_bytes, write_processes=True)
 
     def close(self) -> None:
         """Finish write-throughs in flight, then remove the pool."""
         if self._writer is not None:
             self._writer.shutdown(wait=True)
+        if self.writers is not None:
+            self.writers.close()
         if self.storage is not None:
             self.storage.close()
         self.region.close()
@@ -359,6 +365,12 @@ class TieredStore:
             if self.storage.contains(entry.ns, entry.key):
                 self.counters.write_through_skipped += 1
                 return
+            if self.writers is not None:
+                try:
+                    self._write_in_writer(entry)
+                    return
+                except WriterUnavailable as exc:
+                    self._writers_unavailable(exc)
             view = self.region.view(entry.offset, self.entry_bytes(entry.ns))
             try:
                 self.storage.write_from(entry.ns, entry.key, view)
@@ -369,6 +381,18 @@ class TieredStore:
         finally:
             with self._lock:
                 self.dram.unpin(entry)
+
+    def _write_in_writer(self, entry: DramEntry) -> None:
+        length, fsync, writers = self.entry_bytes(entry.ns), self.storage.config.fsync, self.writers
+        self.storage.publish(entry.ns, entry.key, length, lambda target: writers.write(
+            entry.ns, entry.key, entry.offset, length, target, fsync))
+
+    def _writers_unavailable(self, exc: WriterUnavailable) -> None:
+        with self._lock:
+            writers, self.writers = self.writers, None
+        if writers is not None:
+            log.warning("%s; write-throughs run in the server process from now on", exc)
+            writers.close()
 
     # -- owners, clearing, stats --------------------------------------------------------------
 
@@ -420,6 +444,8 @@ class TieredStore:
             out["reservations"] = sum(len(h) for h in self._reserved.values())
             out["quarantined"] = len(self._quarantine)
         out["storage"] = self.storage.stats() if self.storage is not None else None
+        writers = self.writers
+        out["writers"] = writers.stats() if writers is not None else None
         return out
 
 

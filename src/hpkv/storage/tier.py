@@ -7,8 +7,8 @@ none. Every read checks length, header and payload checksum; a bad file is delet
 a miss. Several tiers (nodes) may share one root: the index learns files it did not write when a
 lookup finds them, and a reader that loses a race with an evictor just misses.
 
-Primitives: `start`, `add_namespace`, `contains`, `read_into`, `write_from`, `submit`, `remove`,
-`stats`, `close`. Capacity is enforced on this tier's view; `ENOSPC` evicts and retries, and a
+Primitives: `start`, `add_namespace`, `contains`, `read_into`, `write_from` (or `publish`, where
+another process writes the file), `submit`, `remove`, `stats`, `close`. Capacity is enforced on this tier's view; `ENOSPC` evicts and retries, and a
 write that still cannot happen is dropped (counted), never raised.
 Must not know: the pool, engines, devices.
 """
@@ -26,13 +26,14 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ..config import StorageConfig
 from ..errors import StorageError
 from ..fsinfo import free_bytes
 from ..procs import pid_alive
 from . import format as fmt
-from .fileio import FileIO
+from .fileio import FileIO, FileTarget, write_entry_file
 
 log = logging.getLogger(__name__)
 
@@ -177,20 +178,32 @@ class StorageTier:
         return True
 
     def write_from(self, ns: str, key: bytes, payload: memoryview) -> bool:
-        """Publish `payload` as (ns, key). False when it could not be written (counted, logged)."""
+        """Publish `payload` as (ns, key) from this process. False when it could not be written
+        (counted, logged)."""
         header = fmt.encode_header(bytes.fromhex(ns), key, payload)
-        size = len(header) + len(payload)
+        return self.publish(ns, key, len(payload),
+                            lambda target: write_entry_file(self.io, target, [header, payload], self.config.fsync))
+
+    def publish(self, ns: str, key: bytes, payload_bytes: int, write: Callable[[FileTarget], OSError | None]) -> bool:
+        """Make room for (ns, key) and have `write` put its file at a target this tier names
+        (`write_entry_file`'s contract: the whole file or nothing, the error returned, not
+        raised). A full disk evicts and retries. False when it could not be written (counted,
+        logged)."""
+        size = fmt.header_bytes(len(key)) + payload_bytes
         if not self._make_room(size):
             self.counters.write_failures += 1
             return False
         try:
             for _ in range(3):
-                error = self._write_file(ns, key, header, payload, size)
+                target = self._target(ns, key)
+                error = write(target)
                 if error is None:
+                    self._dirs.add(target.directory)
                     self._remember(ns, key, size, recent=True)
                     self.counters.writes += 1
-                    self.counters.write_bytes += len(payload)
+                    self.counters.write_bytes += payload_bytes
                     return True
+                self._dirs.discard(target.directory)
                 if error.errno not in _SPACE_ERRNOS:
                     break
                 self.counters.space_errors += 1
@@ -202,36 +215,11 @@ class StorageTier:
         self.counters.write_failures += 1
         return False
 
-    def _write_file(self, ns: str, key: bytes, header: bytes, payload: memoryview, size: int) -> OSError | None:
+    def _target(self, ns: str, key: bytes) -> FileTarget:
         final = self.path_of(ns, key)
         directory = final[: final.rfind("/")]
         tmp = f"{directory}/.{key.hex()}.{self._node}.{os.getpid()}.{next(_TEMP_SEQ)}.tmp"
-        created = False
-        try:
-            if directory not in self._dirs:
-                os.makedirs(directory, mode=0o700, exist_ok=True)
-                self._dirs.add(directory)
-            fd = self.io.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-            created = True
-            try:
-                if self.io.pwritev(fd, [header, payload], 0) != size:
-                    raise OSError(errno.ENOSPC, "short write")
-                if self.config.fsync != "off":
-                    self.io.fdatasync(fd)
-            finally:
-                self.io.close(fd)
-            self.io.rename(tmp, final)
-            if self.config.fsync == "full":
-                self.io.fsync_dir(directory)
-            return None
-        except OSError as exc:
-            self._dirs.discard(directory)
-            if created:  # never a temporary of the same name that someone else created
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-            return exc
+        return FileTarget(final, tmp, directory, mkdir=directory not in self._dirs)
 
     # -- index, capacity, eviction ------------------------------------------------------------
 

@@ -1,0 +1,227 @@
+"""Write-through processes: the server's entry files written by child processes of their own.
+
+A write-through checksums a pool slot and copies it into the page cache: CPU work that, on the
+server's own threads, competed for the GIL with its request handlers (a lookup waits behind it),
+and that could not run at a lower priority there (a descheduled thread holding the GIL stalls
+every handler). A writer is a child process (`python -m hpkv.storage.writer POOL NICE`) at
+niceness `HPKV_WRITE_NICE`: it maps the pool file read-only and, for each job on its stdin,
+checksums the slot, writes the entry file (`write_entry_file`: temporary, then rename) and
+answers on its stdout. So an engine's threads come before the write-through on a busy CPU, and
+the server's handlers never wait for it.
+
+Protocol: one JSON object per line. The writer first says `{"hello": "hpkv-writer", "version":
+N}`; a job is `{"ns", "key" (hex), "offset", "length", "final", "tmp", "directory", "mkdir",
+"fsync"}`, answered by `{"ok": true}` or `{"errno": E, "error": "..."}`.
+
+Primitives: `WriterPool(pool_path, num_processes, nice)`: `write(ns, key, offset, length, target,
+fsync) -> OSError | None` (one job; the caller holds the slot for its duration), `stats()`,
+`close()`. `WriterUnavailable` when no writer process can be started: the caller writes in
+process instead. Must not know: the index, capacity, eviction (the storage tier keeps them).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import mmap
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from ..errors import HpkvError
+from . import format as fmt
+from .fileio import FileIO, FileTarget, write_entry_file
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+HELLO = "hpkv-writer"
+
+
+class WriterUnavailable(HpkvError):
+    """No writer process could be started; write in process instead."""
+
+
+class WriterProcess:
+    """One child process; one job at a time."""
+
+    def __init__(self, pool_path: Path, nice: int) -> None:
+        src_root = str(Path(__file__).resolve().parents[2])  # so the child imports this hpkv
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, env.get("PYTHONPATH")) if p)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "hpkv.storage.writer", str(pool_path), str(nice)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
+        except OSError as exc:
+            raise WriterUnavailable(f"cannot start a write-through process: {exc}") from None
+        hello = self._read_reply()
+        if hello.get("hello") != HELLO or hello.get("version") != PROTOCOL_VERSION:
+            self.kill()
+            raise WriterUnavailable(
+                f"the write-through process answered {hello!r}, expected protocol {PROTOCOL_VERSION} "
+                f"(is another hpkv installed for {sys.executable}?)")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def write(self, job: dict) -> OSError | None:
+        try:
+            self.proc.stdin.write(json.dumps(job).encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # it died: the reply below is empty and says so
+        reply = self._read_reply()
+        if reply.get("ok"):
+            return None
+        return OSError(reply.get("errno", errno.EIO), reply.get("error", "write-through process failed"))
+
+    def _read_reply(self) -> dict:
+        line = self.proc.stdout.readline()  # blocks without the GIL
+        if not line:
+            code = self.proc.wait()
+            return {"errno": errno.EIO, "error": f"the write-through process {self.proc.pid} exited ({code})"}
+        try:
+            return json.loads(line)
+        except ValueError:
+            return {"errno": errno.EPROTO, "error": f"the write-through process said {line[:80]!r}"}
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """End of input: it finishes the job in hand and exits."""
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self.proc.stdout.close()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+
+class WriterPool:
+    """Up to `num_processes` writers, started on first use and restarted when one dies (its job
+    fails). One that cannot start raises WriterUnavailable."""
+
+    def __init__(self, pool_path: Path, num_processes: int, nice: int) -> None:
+        self.pool_path = Path(pool_path)
+        self.nice = nice
+        self._idle: queue.SimpleQueue[WriterProcess | None] = queue.SimpleQueue()
+        for _ in range(num_processes):
+            self._idle.put(None)  # a free place, its process not started yet
+        self._lock = threading.Lock()
+        self._procs: set[WriterProcess] = set()
+        self._closed = False
+        self.num_started = 0
+        self.num_died = 0
+
+    def write(self, ns: str, key: bytes, offset: int, length: int, target: FileTarget,
+              fsync: str) -> OSError | None:
+        """Write one entry file from the pool slot at `offset`. Raises WriterUnavailable when
+        no writer can be started (nothing was written then)."""
+        proc = self._idle.get()
+        try:
+            proc = self._ready(proc)
+            error = proc.write({"ns": ns, "key": key.hex(), "offset": offset, "length": length,
+                                "final": target.final, "tmp": target.tmp, "directory": target.directory,
+                                "mkdir": target.mkdir, "fsync": fsync})
+            if not proc.alive():
+                log.warning("write-through process %d died: %s; starting another", proc.pid, error)
+                with self._lock:
+                    self.num_died += 1
+                    self._procs.discard(proc)
+                proc.close(timeout_s=1.0)
+                proc = None
+            return error
+        finally:
+            self._idle.put(proc)
+
+    def _ready(self, proc: WriterProcess | None) -> WriterProcess:
+        if proc is not None:
+            return proc
+        if self._closed:
+            raise WriterUnavailable("the write-through processes are closed")
+        proc = WriterProcess(self.pool_path, self.nice)
+        with self._lock:
+            self._procs.add(proc)
+            self.num_started += 1
+        return proc
+
+    def pids(self) -> list[int]:
+        with self._lock:
+            return sorted(p.pid for p in self._procs)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"processes": len(self._procs), "started": self.num_started, "died": self.num_died,
+                    "nice": self.nice}
+
+    def close(self) -> None:
+        """Callers must have finished their writes."""
+        with self._lock:
+            self._closed = True
+            procs, self._procs = list(self._procs), set()
+        for proc in procs:
+            proc.close()
+
+
+# -- the child ----------------------------------------------------------------------------------
+
+def _serve(pool_path: str, nice: int) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C stops the server, which closes our stdin
+    os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
+    out = sys.stdout.buffer
+    fd = os.open(pool_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        pool = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    buf = memoryview(pool)
+    io = FileIO()
+    _answer(out, {"hello": HELLO, "version": PROTOCOL_VERSION})
+    for line in sys.stdin.buffer:
+        _answer(out, _job(json.loads(line), buf, io))
+    return 0
+
+
+def _job(job: dict, buf: memoryview, io: FileIO) -> dict:
+    offset, length = job["offset"], job["length"]
+    if offset < 0 or length < 0 or offset + length > len(buf):
+        return {"errno": errno.EINVAL, "error": f"slot {offset}+{length} outside the pool of {len(buf)} bytes"}
+    payload = buf[offset : offset + length]
+    try:
+        header = fmt.encode_header(bytes.fromhex(job["ns"]), bytes.fromhex(job["key"]), payload)
+        target = FileTarget(job["final"], job["tmp"], job["directory"], job["mkdir"])
+        error = write_entry_file(io, target, [header, payload], job["fsync"])
+    finally:
+        payload.release()
+    if error is None:
+        return {"ok": True}
+    return {"errno": error.errno or errno.EIO, "error": error.strerror or str(error)}
+
+
+def _answer(out, reply: dict) -> None:
+    out.write(json.dumps(reply).encode() + b"\n")
+    out.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(_serve(sys.argv[1], int(sys.argv[2])))

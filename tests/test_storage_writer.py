@@ -1,0 +1,173 @@
+"""Stories about the write-through processes: entry files written by child processes at a lower
+priority, a writer that dies, one that cannot start or speaks another protocol, and a server that
+dies under them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import make_pool_config, make_storage_config
+from hpkv.storage.tier import StorageTier
+from hpkv.storage.writer import WriterProcess, WriterUnavailable
+from hpkv.store import Tier, TieredStore, write_threads
+from test_store import desc, keys, load, payload, save
+
+
+@pytest.fixture
+def open_store(shm_dir, storage_dir):
+    stores = []
+
+    def _open(write_nice: int = 10) -> TieredStore:
+        storage = make_storage_config(storage_dir)
+        storage = type(storage)(**{**vars(storage), "write_nice": write_nice})
+        store = TieredStore.open(make_pool_config(shm_dir, 16 << 20), storage)
+        stores.append(store)
+        return store
+
+    yield _open
+    for store in stores:
+        if store.region._fd >= 0:
+            store.close()
+
+
+def read_back(storage_dir: Path, ns: str, ks: list[bytes]) -> list[bytes | None]:
+    """What a fresh tier on the same directory reads (header and checksum checked)."""
+    tier = StorageTier(make_storage_config(storage_dir))
+    out = []
+    for k in ks:
+        dest = bytearray(len(payload(k)))
+        out.append(bytes(dest) if tier.read_into(ns, k, memoryview(dest)) else None)
+    tier.close()
+    return out
+
+
+def nice_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_write_throughs_are_written_by_child_processes_at_the_configured_niceness(open_store, storage_dir):
+    store = open_store(write_nice=7)
+    ns = store.register(desc())
+    ks = keys(12)
+    save(store, ns, ks)
+    assert store.flush(timeout=20)
+    assert read_back(storage_dir, ns, ks) == [payload(k) for k in ks]
+    pids = store.writers.pids()
+    assert 1 <= len(pids) <= write_threads(store.storage.config.io_threads)
+    for pid in pids:
+        assert parent_of(pid) == os.getpid() and pid != os.getpid()
+        assert nice_of(pid) == max(7, os.getpriority(os.PRIO_PROCESS, 0))
+    assert store.stats()["writers"]["processes"] == len(pids)
+    store.close()
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists()  # closed and reaped with the store
+
+
+def test_a_writer_that_dies_costs_its_jobs_storage_copy_and_another_takes_over(open_store, storage_dir):
+    store = open_store()
+    ns = store.register(desc())
+    save(store, ns, keys(4, "warm"))
+    assert store.flush(timeout=20)
+    for pid in store.writers.pids():
+        os.kill(pid, signal.SIGKILL)
+    ks = keys(8)
+    save(store, ns, ks)
+    assert store.flush(timeout=20)
+    stats = store.stats()
+    num_died = stats["writers"]["died"]
+    assert 1 <= num_died <= write_threads(store.storage.config.io_threads)
+    assert stats["storage"]["write_failures"] == num_died  # one failed job per dead writer
+    on_disk = read_back(storage_dir, ns, ks)
+    assert sum(got is None for got in on_disk) == num_died
+    assert all(got in (None, payload(k)) for k, got in zip(ks, on_disk))
+    assert store.lookup(ns, ks).tiers == (Tier.DRAM,) * 8  # what storage lacks stays in DRAM
+    assert load(store, ns, ks) == [payload(k) for k in ks]
+    later = keys(6, "later")
+    save(store, ns, later)
+    assert store.flush(timeout=20)
+    assert read_back(storage_dir, ns, later) == [payload(k) for k in later]
+    assert store.stats()["writers"]["started"] == store.stats()["writers"]["died"] + len(store.writers.pids())
+
+
+def test_a_file_in_the_way_of_a_directory_is_a_failed_write_not_a_crash(open_store, storage_dir):
+    store = open_store()
+    ns = store.register(desc())
+    k = keys(1)[0]
+    (storage_dir / ns).mkdir(exist_ok=True)
+    (storage_dir / ns / k.hex()[:2]).write_bytes(b"not a directory")
+    save(store, ns, [k])
+    assert store.flush(timeout=20)
+    assert store.stats()["storage"]["write_failures"] == 1
+    assert store.writers is not None and store.writers.pids()  # the writer is fine
+    assert load(store, ns, [k]) == [payload(k)]  # from DRAM
+
+
+def test_when_no_writer_can_start_the_server_writes_in_process(open_store, storage_dir, monkeypatch, caplog):
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    store = open_store()
+    ns = store.register(desc())
+    ks = keys(5)
+    save(store, ns, ks)
+    assert store.flush(timeout=20)
+    assert store.writers is None and store.stats()["writers"] is None
+    assert "write-throughs run in the server process" in caplog.text
+    assert read_back(storage_dir, ns, ks) == [payload(k) for k in ks]
+
+
+def test_a_writer_of_another_protocol_version_is_refused_with_the_reason(shm_dir, tmp_path, monkeypatch):
+    impostor = tmp_path / "python"
+    impostor.write_text("#!/bin/sh\necho '{\"hello\": \"hpkv-writer\", \"version\": 99}'\ncat >/dev/null\n")
+    impostor.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(impostor))
+    with pytest.raises(WriterUnavailable, match="expected protocol 1"):
+        WriterProcess(shm_dir / "pool", nice=10)
+
+
+def test_writers_exit_when_their_server_is_killed(shm_dir, storage_dir):
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from conftest import make_pool_config, make_storage_config
+        from hpkv.store import TieredStore
+        from test_store import desc, keys, save
+        store = TieredStore.open(make_pool_config({str(shm_dir)!r}, 16 << 20),
+                                 make_storage_config({str(storage_dir)!r}))
+        ns = store.register(desc())
+        save(store, ns, keys(8))
+        assert store.flush(timeout=20)
+        print(*store.writers.pids(), flush=True)
+        time.sleep(600)
+    """)
+    server = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(pid) for pid in server.stdout.readline().split()]
+        assert pids
+        server.kill()
+        server.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+            time.sleep(0.05)
+        assert not any(_running(pid) for pid in pids)
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
