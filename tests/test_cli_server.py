@@ -180,7 +180,8 @@ def test_status_shows_tiers_namespace_hit_rates_and_clients(server, env):
     out = result.stdout
     for words in ("DRAM", "64.0 MiB", "locked in memory", "storage", env["HPKV_KV_STORAGE_PATH"], "index ready",
                   "0 bad files", ns[:12], "vllm", "Qwen/Qwen2.5-1.5B-Instruct", "bfloat16", "80.0%",
-                  "test-engine", str(engine_pid), "cli", "managed", str(server.proc.pid)):
+                  "test-engine", str(engine_pid), "cli", "managed", str(server.proc.pid),
+                  "write-through processes (nice 10)"):
         assert words in out, f"{words!r} missing from:\n{out}"
 
 
@@ -193,6 +194,7 @@ def test_status_json_is_the_raw_stats(server, env):
     stats = json.loads(result.stdout)
     assert stats["store"]["lookup_keys"] == 3 and stats["store"]["hit_keys_dram"] == 3
     assert stats["namespaces"][ns]["hit_keys_dram"] == 3
+    assert stats["writers"]["nice"] == 10 and stats["writers"]["died"] == 0
     assert stats["dram"]["num_entries"] == 3
     assert stats["server"]["pid"] == server.proc.pid and stats["server"]["auto"] is False
     assert {c["kind"] for c in stats["clients"]} == {"test-engine", "cli"}

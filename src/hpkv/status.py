@@ -79,7 +79,10 @@ def _tiers_table(stats: dict) -> Table:
         table.add_row("storage", path, "-", "-", "-", "-", "disabled (HPKV_KV_STORAGE_ENABLE)")
     else:
         index = "index ready" if storage["index_ready"] else f"index building ({storage['files_scanned']} files)"
-        state = f"{index}, {storage['bad_files']} bad files, {storage['write_failures']} write failures"
+        state = f"{index}, {storage['bad_files']} bad files, {storage['write_failures']} write failures, "
+        writers = stats.get("writers")
+        state += (f"{writers['processes']} write-through processes (nice {writers['nice']})" if writers
+                  else "written by the server process")
         table.add_row("storage", path, human_bytes(storage["capacity_bytes"]), _used(storage),
                       str(storage["num_entries"]), str(storage["evictions"]), state)
     return table

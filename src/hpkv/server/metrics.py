@@ -92,6 +92,11 @@ def _store_families(stats: dict) -> Iterator[Metric]:
     if storage is not None:
         for name, key, doc in _STORAGE_COUNTERS:
             yield _counter(name, doc, storage[key])
+    writers = stats.get("writers")
+    if writers is not None:
+        yield _gauge("write_processes", "Write-through processes running now.", writers["processes"])
+        yield _counter("write_process_deaths", "Write-through processes that died (each fails its job).",
+                       writers["died"])
     yield _gauge("active_leases", "Leases held by readers now.", stats["leases"])
     yield _gauge("active_reservations", "Entries reserved by writers and not yet committed.",
                  stats["reservations"])
