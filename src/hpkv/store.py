@@ -11,8 +11,9 @@ Primitives (all keyed by namespace id `ns` and engine keys, in prefix order):
 - `drop_owner(owner)`: everything a vanished client held is aborted or released.
 - `flush()` waits for queued write-throughs; `clear(memory, storage, ns)`, `stats()`, `close()`.
 
-Thread-safe: one lock guards the DRAM index and the lease tables; file I/O runs outside it on the
-storage tier's threads. The bytes themselves are copied by callers through the mapped region.
+Thread-safe: one lock guards the DRAM index and the lease tables; file I/O runs outside it: reads
+on the storage tier's threads, write-throughs in writer processes (`storage/writer.py`). The
+bytes themselves are copied by callers through the mapped region.
 """
 
 from __future__ import annotations

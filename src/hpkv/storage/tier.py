@@ -8,8 +8,9 @@ a miss. Several tiers (nodes) may share one root: the index learns files it did 
 lookup finds them, and a reader that loses a race with an evictor just misses.
 
 Primitives: `start`, `add_namespace`, `contains`, `read_into`, `write_from` (or `publish`, where
-another process writes the file), `submit`, `remove`, `stats`, `close`. Capacity is enforced on this tier's view; `ENOSPC` evicts and retries, and a
-write that still cannot happen is dropped (counted), never raised.
+another process writes the file), `submit`, `remove`, `stats`, `close`. Capacity is enforced on
+this tier's view; `ENOSPC` evicts and retries, and a write that still cannot happen is dropped
+(counted), never raised.
 Must not know: the pool, engines, devices.
 """
 

@@ -78,9 +78,9 @@ class WriterProcess:
         try:
             self.proc.stdin.write(json.dumps(job).encode() + b"\n")
             self.proc.stdin.flush()
-        except OSError:
-            pass  # it died: the reply below is empty and says so
-        reply = self._read_reply()
+            reply = self._read_reply()
+        except (OSError, ValueError):  # it died, or the pool closed it (ValueError: closed pipe)
+            reply = {"errno": errno.EIO, "error": f"the write-through process {self.proc.pid} is gone"}
         if reply.get("ok"):
             return None
         return OSError(reply.get("errno", errno.EIO), reply.get("error", "write-through process failed"))
