@@ -4,6 +4,7 @@ dies under them."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -14,28 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_pool_config, make_storage_config
+from conftest import make_storage_config
+from hpkv.config import StorageConfig
 from hpkv.storage.tier import StorageTier
 from hpkv.storage.writer import WriterProcess, WriterUnavailable
 from hpkv.store import Tier, TieredStore, write_threads
-from test_store import desc, keys, load, payload, save
+from test_store import desc, keys, load, open_store, payload, save  # noqa: F401 (a fixture)
 
 
-@pytest.fixture
-def open_store(shm_dir, storage_dir):
-    stores = []
-
-    def _open(write_nice: int = 10) -> TieredStore:
-        storage = make_storage_config(storage_dir)
-        storage = type(storage)(**{**vars(storage), "write_nice": write_nice})
-        store = TieredStore.open(make_pool_config(shm_dir, 16 << 20), storage)
-        stores.append(store)
-        return store
-
-    yield _open
-    for store in stores:
-        if store.region._fd >= 0:
-            store.close()
+def storage(storage_dir: Path, write_nice: int = 10) -> StorageConfig:
+    return dataclasses.replace(make_storage_config(storage_dir), write_nice=write_nice)
 
 
 def read_back(storage_dir: Path, ns: str, ks: list[bytes]) -> list[bytes | None]:
@@ -58,7 +47,7 @@ def parent_of(pid: int) -> int:
 
 
 def test_write_throughs_are_written_by_child_processes_at_the_configured_niceness(open_store, storage_dir):
-    store = open_store(write_nice=7)
+    store = open_store(storage=storage(storage_dir, write_nice=7))
     ns = store.register(desc())
     ks = keys(12)
     save(store, ns, ks)
@@ -76,7 +65,7 @@ def test_write_throughs_are_written_by_child_processes_at_the_configured_nicenes
 
 
 def test_a_writer_that_dies_costs_its_jobs_storage_copy_and_another_takes_over(open_store, storage_dir):
-    store = open_store()
+    store = open_store(storage=storage(storage_dir))
     ns = store.register(desc())
     save(store, ns, keys(4, "warm"))
     assert store.flush(timeout=20)
@@ -102,7 +91,7 @@ def test_a_writer_that_dies_costs_its_jobs_storage_copy_and_another_takes_over(o
 
 
 def test_a_file_in_the_way_of_a_directory_is_a_failed_write_not_a_crash(open_store, storage_dir):
-    store = open_store()
+    store = open_store(storage=storage(storage_dir))
     ns = store.register(desc())
     k = keys(1)[0]
     (storage_dir / ns).mkdir(exist_ok=True)
@@ -116,7 +105,7 @@ def test_a_file_in_the_way_of_a_directory_is_a_failed_write_not_a_crash(open_sto
 
 def test_when_no_writer_can_start_the_server_writes_in_process(open_store, storage_dir, monkeypatch, caplog):
     monkeypatch.setattr(sys, "executable", "/bin/false")
-    store = open_store()
+    store = open_store(storage=storage(storage_dir))
     ns = store.register(desc())
     ks = keys(5)
     save(store, ns, ks)
