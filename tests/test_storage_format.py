@@ -53,11 +53,30 @@ def test_a_changed_magic_is_not_an_hpkv_file():
 
 def test_a_changed_version_is_reported_with_both_numbers():
     header = bytearray(fmt.encode_header(NS, KEY, PAYLOAD))
-    header[8:10] = struct.pack("<H", 2)
+    header[8:10] = struct.pack("<H", 3)
 
     reason = fmt.check(reseal(header, len(KEY)), NS, KEY, memoryview(PAYLOAD))
 
-    assert reason == "format version 2, expected 1"
+    assert reason == "format version 3, expected one of (1, 2)"
+
+
+def test_a_version_that_does_not_match_the_files_layout_is_rejected():
+    header = bytearray(fmt.encode_header(NS, KEY, PAYLOAD))
+    header[8:10] = struct.pack("<H", fmt.VERSION_ALIGNED)
+
+    reason = fmt.check(reseal(header, len(KEY)), NS, KEY, memoryview(PAYLOAD))
+
+    assert reason == "format version 2 in a file of version 1's size"
+
+
+def test_the_aligned_version_puts_the_payload_at_4_kib_and_checks_like_the_first():
+    header = fmt.encode_header(NS, KEY, PAYLOAD, fmt.VERSION_ALIGNED)
+
+    assert len(header) == fmt.ALIGN == fmt.header_bytes(len(KEY), fmt.VERSION_ALIGNED)
+    assert fmt.check(header, NS, KEY, memoryview(PAYLOAD), fmt.VERSION_ALIGNED) is None
+    assert fmt.version_of_size(fmt.ALIGN + len(PAYLOAD), len(KEY), len(PAYLOAD)) == fmt.VERSION_ALIGNED
+    assert fmt.version_of_size(fmt.header_bytes(len(KEY)) + len(PAYLOAD), len(KEY), len(PAYLOAD)) == fmt.VERSION
+    assert fmt.version_of_size(fmt.ALIGN + len(PAYLOAD) + 1, len(KEY), len(PAYLOAD)) is None
 
 
 def test_a_file_of_another_namespace_is_rejected():

@@ -18,7 +18,7 @@ import pytest
 from conftest import make_storage_config
 from hpkv.config import StorageConfig
 from hpkv.storage.tier import StorageTier
-from hpkv.storage.writer import WriterProcess, WriterUnavailable
+from hpkv.storage.writer import PROTOCOL_VERSION, WriterProcess, WriterUnavailable
 from hpkv.store import Tier, TieredStore, write_threads
 from test_store import desc, keys, load, open_store, payload, save  # noqa: F401 (a fixture)
 
@@ -120,7 +120,7 @@ def test_a_writer_of_another_protocol_version_is_refused_with_the_reason(shm_dir
     impostor.write_text("#!/bin/sh\necho '{\"hello\": \"hpkv-writer\", \"version\": 99}'\ncat >/dev/null\n")
     impostor.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(impostor))
-    with pytest.raises(WriterUnavailable, match="expected protocol 1"):
+    with pytest.raises(WriterUnavailable, match=f"expected protocol {PROTOCOL_VERSION}"):
         WriterProcess(shm_dir / "pool", nice=10)
 
 

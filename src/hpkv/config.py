@@ -63,6 +63,7 @@ class StorageConfig:
     fsync: str
     io_threads: int
     write_nice: int = 10  # niceness of the write-through processes
+    direct_io: bool = False  # O_DIRECT for entry files, where the file system takes it
 
 
 @dataclass(frozen=True)
@@ -222,6 +223,9 @@ KEYS: tuple[KeySpec, ...] = (
     KeySpec("HPKV_KV_STORAGE_FSYNC", "word", _one_of("off", "data", "full"), "off",
             "Durability of storage writes (files are checksummed either way).",
             "off, data or full"),
+    KeySpec("HPKV_KV_STORAGE_DIRECT_IO", "bool", _parse_bool, "false",
+            "Read and write KV files with O_DIRECT, bypassing the page cache (where the file system allows).",
+            "1/0, true/false, yes/no or on/off"),
     KeySpec("HPKV_POOL_PREFAULT", "bool", _parse_bool, "true",
             "Engine processes map every pool page when they attach (page tables: 2 MiB per GiB).",
             "1/0, true/false, yes/no or on/off"),
@@ -394,7 +398,8 @@ def _build(resolved: list[Setting], warnings: tuple[str, ...]) -> Settings:
                               capacity_bytes=v["HPKV_KV_STORAGE_SIZE"],
                               fsync=v["HPKV_KV_STORAGE_FSYNC"],
                               io_threads=v["HPKV_IO_THREADS"],
-                              write_nice=v["HPKV_WRITE_NICE"]),
+                              write_nice=v["HPKV_WRITE_NICE"],
+                              direct_io=v["HPKV_KV_STORAGE_DIRECT_IO"]),
         token_threshold=v["VLLM_HPKV_TOKEN_THRESHOLD"],
         enable_vllm=v["VLLM_ENABLE_HPKV"],
         log_level=v["HPKV_LOG_LEVEL"],

@@ -385,8 +385,9 @@ class TieredStore:
 
     def _write_in_writer(self, entry: DramEntry) -> None:
         length, fsync, writers = self.entry_bytes(entry.ns), self.storage.config.fsync, self.writers
+        version = self.storage.write_version(length)
         self.storage.publish(entry.ns, entry.key, length, lambda target: writers.write(
-            entry.ns, entry.key, entry.offset, length, target, fsync))
+            entry.ns, entry.key, entry.offset, length, target, fsync, version))
 
     def _writers_unavailable(self, exc: WriterUnavailable) -> None:
         with self._lock:

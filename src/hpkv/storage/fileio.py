@@ -5,13 +5,26 @@ it to inject faults (EIO, ENOSPC, short writes, flipped bits) exactly where the 
 them; the tier must turn every one of them into a miss or a dropped write, never into wrong bytes.
 `write_entry_file` is the one way an entry file is published, in the server or in a writer
 process (`writer.py`).
+
+Direct I/O (`O_DIRECT`, HPKV_KV_STORAGE_DIRECT_IO): the bytes go between the pool slot and the
+device without a copy through the page cache, and without the kernel's writeback afterwards. It
+needs every buffer, file offset and length aligned (`ALIGN`); a file system that refuses it
+(`EINVAL`) gets the same bytes through the page cache instead, so direct I/O is never a reason
+for a write or a read to fail.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import fcntl
+import mmap
 import os
 from dataclasses import dataclass
+
+from .format import ALIGN
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none: never direct
 
 
 class FileIO:
@@ -47,6 +60,68 @@ class FileIO:
     def unlink(self, path: str) -> None:
         os.unlink(path)
 
+    def set_direct(self, fd: int, on: bool) -> None:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | O_DIRECT) if on else (flags & ~O_DIRECT))
+
+
+def aligned(buf) -> bool:
+    """Whether a writable buffer's address and length suit O_DIRECT."""
+    try:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    except (TypeError, ValueError):  # read-only, or empty: cannot tell, so not direct
+        return False
+    return address % ALIGN == 0 and len(buf) % ALIGN == 0
+
+
+def aligned_copy(data: bytes) -> mmap.mmap:
+    """`data` in page-aligned memory, zero-padded to a multiple of ALIGN (a header, for O_DIRECT)."""
+    buf = mmap.mmap(-1, -(-max(len(data), 1) // ALIGN) * ALIGN)
+    buf.write(data)
+    return buf
+
+
+def open_direct(io: FileIO, path: str, flags: int) -> tuple[int, bool]:
+    """Open with O_DIRECT, or without it where the file system refuses it; (fd, direct). With
+    O_CREAT, the refused open may have created the file already (Linux checks O_DIRECT after
+    creating it): it is removed first, so the caller's O_EXCL still means "ours"."""
+    if O_DIRECT:
+        try:
+            return io.open(path, flags | O_DIRECT), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            if flags & os.O_CREAT:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+    return io.open(path, flags), False
+
+
+def direct_supported(directory: str) -> bool:
+    """Whether files in `directory` take aligned O_DIRECT writes (one probe file, removed)."""
+    if not O_DIRECT:
+        return False
+    path = os.path.join(directory, f".direct-probe.{os.getpid()}.{id(directory)}")
+    buf = aligned_copy(b"")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return False
+    try:
+        return os.pwritev(fd, [buf], 0) == len(buf)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(path)
+        buf.close()
+
 
 @dataclass(frozen=True)
 class FileTarget:
@@ -59,19 +134,38 @@ class FileTarget:
     mkdir: bool
 
 
-def write_entry_file(io: FileIO, target: FileTarget, buffers: list, fsync: str) -> OSError | None:
+def write_entry_file(io: FileIO, target: FileTarget, buffers: list, fsync: str,
+                     direct: bool = False) -> OSError | None:
     """Create `target.tmp` exclusively, write `buffers`, rename it into place. Atomic on failure:
     returns the error after removing the temporary it created (never one of the same name that
-    someone else created), and nothing appears under `target.final`."""
+    someone else created), and nothing appears under `target.final`. With `direct`, every buffer
+    after the first (the header, copied to aligned memory here) must be aligned already; the
+    file is written with O_DIRECT where the file system takes it, through the page cache where
+    not."""
     size = sum(len(b) for b in buffers)
     created = False
+    header = None
     try:
         if target.mkdir:
             os.makedirs(target.directory, mode=0o700, exist_ok=True)
-        fd = io.open(target.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        fd, direct = open_direct(io, target.tmp, flags) if direct else (io.open(target.tmp, flags), False)
         created = True
         try:
-            if io.pwritev(fd, buffers, 0) != size:
+            if direct and len(buffers[0]) % ALIGN == 0:
+                header = aligned_copy(buffers[0])
+                buffers = [header, *buffers[1:]]
+            elif direct:
+                io.set_direct(fd, False)
+                direct = False
+            try:
+                written = io.pwritev(fd, buffers, 0)
+            except OSError as exc:
+                if not direct or exc.errno != errno.EINVAL:
+                    raise
+                io.set_direct(fd, False)  # a buffer or length it would not take: the page cache
+                written = io.pwritev(fd, buffers, 0)
+            if written != size:
                 raise OSError(errno.ENOSPC, "short write")
             if fsync != "off":
                 io.fdatasync(fd)
@@ -88,3 +182,6 @@ def write_entry_file(io: FileIO, target: FileTarget, buffers: list, fsync: str) 
             except OSError:
                 pass
         return exc
+    finally:
+        if header is not None:
+            header.close()

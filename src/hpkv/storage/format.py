@@ -10,11 +10,15 @@
     40      8     xxh3-64 of the payload
     48      4     xxh32 of bytes 0..48 and the key
     52      n     key
-    52+n    pad   zeros up to a multiple of 8
+    52+n    pad   zeros up to a multiple of 8 (version 1) or of 4096 (version 2)
 
-All little-endian. A reader knows the namespace, the key and the payload length it expects, so it
-can read header and payload with one `preadv` and check every field; any difference (magic,
-version, namespace, key, length, either checksum, padding, file size) makes the file bad.
+All little-endian. Version 2 differs only in its padding: the payload starts at 4096, so the
+file can be written and read with `O_DIRECT` (HPKV_KV_STORAGE_DIRECT_IO) straight from and into
+pool slots. Writers use version 2 with direct I/O and version 1 otherwise; readers take both,
+telling them apart by the file's size (the header of each version has one length for a key).
+A reader knows the namespace, the key and the payload length it expects, so it can read header
+and payload with one `preadv` and check every field; any difference (magic, version, namespace,
+key, length, either checksum, padding, file size) makes the file bad.
 """
 
 from __future__ import annotations
@@ -25,33 +29,50 @@ import xxhash
 
 MAGIC = b"HPKVKV\r\n"
 VERSION = 1
+VERSION_ALIGNED = 2
+ALIGN = 4096  # version 2's header length: O_DIRECT wants file offsets and buffers aligned
+VERSIONS = (VERSION, VERSION_ALIGNED)
 _FIXED = struct.Struct("<8sHHI16sQQ")
 _HEADER_SUM = struct.Struct("<I")
 
 
-def header_bytes(key_len: int) -> int:
-    return -(-(_FIXED.size + _HEADER_SUM.size + key_len) // 8) * 8
+def header_bytes(key_len: int, version: int = VERSION) -> int:
+    step = ALIGN if version == VERSION_ALIGNED else 8
+    return -(-(_FIXED.size + _HEADER_SUM.size + key_len) // step) * step
 
 
-def encode_header(ns_digest: bytes, key: bytes, payload: memoryview | bytes) -> bytes:
-    fixed = _FIXED.pack(MAGIC, VERSION, len(key), 0, ns_digest, len(payload), xxhash.xxh3_64_intdigest(payload))
+def encode_header(ns_digest: bytes, key: bytes, payload: memoryview | bytes, version: int = VERSION) -> bytes:
+    fixed = _FIXED.pack(MAGIC, version, len(key), 0, ns_digest, len(payload), xxhash.xxh3_64_intdigest(payload))
     summed = fixed + key
-    out = bytearray(header_bytes(len(key)))
+    out = bytearray(header_bytes(len(key), version))
     out[: len(fixed)] = fixed
     out[len(fixed) : len(fixed) + 4] = _HEADER_SUM.pack(xxhash.xxh32_intdigest(summed))
     out[len(fixed) + 4 : len(fixed) + 4 + len(key)] = key
     return bytes(out)
 
 
-def check(header: bytes | memoryview, ns_digest: bytes, key: bytes, payload: memoryview) -> str | None:
-    """None when header and payload are exactly what was written for (ns, key); else the reason."""
+def version_of_size(file_size: int, key_len: int, payload_len: int) -> int | None:
+    """The version whose layout gives a file of `file_size` bytes for this key and payload, or
+    None: the file is bad."""
+    for version in VERSIONS:
+        if file_size == header_bytes(key_len, version) + payload_len:
+            return version
+    return None
+
+
+def check(header: bytes | memoryview, ns_digest: bytes, key: bytes, payload: memoryview,
+          expected_version: int = VERSION) -> str | None:
+    """None when header and payload are exactly what was written for (ns, key) in the layout of
+    `expected_version` (from the file's size); else the reason."""
     if len(header) < _FIXED.size + 4:
         return "short header"
     magic, version, key_len, _, digest, length, payload_sum = _FIXED.unpack_from(header)
     if magic != MAGIC:
         return "not an HPKV file"
-    if version != VERSION:
-        return f"format version {version}, expected {VERSION}"
+    if version != expected_version:
+        if version not in VERSIONS:
+            return f"format version {version}, expected one of {VERSIONS}"
+        return f"format version {version} in a file of version {expected_version}'s size"
     stored_key = bytes(header[_FIXED.size + 4 : _FIXED.size + 4 + key_len])
     (header_sum,) = _HEADER_SUM.unpack_from(header, _FIXED.size)
     if xxhash.xxh32_intdigest(bytes(header[: _FIXED.size]) + stored_key) != header_sum:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import mmap
 import os
 import socket
 import threading
@@ -34,7 +35,7 @@ from ..errors import StorageError
 from ..fsinfo import free_bytes
 from ..procs import pid_alive
 from . import format as fmt
-from .fileio import FileIO, FileTarget, write_entry_file
+from .fileio import ALIGN, O_DIRECT, FileIO, FileTarget, aligned, aligned_copy, direct_supported, write_entry_file
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class StorageTier:
         self._dirs: set[str] = set()
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="hpkv-io")
         self._warned: set[int] = set()
+        self.direct = config.direct_io  # cleared by `start` where the file system refuses O_DIRECT
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -100,6 +102,10 @@ class StorageTier:
                 f"uid {os.geteuid()}; fix its permissions or point HPKV_KV_STORAGE_PATH elsewhere")
         if self.config.capacity_bytes is None:
             self.capacity_bytes = int(free_bytes(self.root) * AUTO_CAPACITY_FRACTION)
+        if self.direct and not direct_supported(str(self.root)):
+            self.direct = False
+            log.warning("the file system of %s does not take O_DIRECT (HPKV_KV_STORAGE_DIRECT_IO=on); KV files "
+                        "go through the page cache instead", self.root)
         threading.Thread(target=self._scan, name="hpkv-storage-scan", daemon=True).start()
 
     def close(self) -> None:
@@ -144,21 +150,37 @@ class StorageTier:
 
     def read_into(self, ns: str, key: bytes, dest: memoryview) -> bool:
         """Read and verify (ns, key) into `dest` (exactly the payload size). False is a miss; the
-        content of `dest` is then undefined and must not be used."""
+        content of `dest` is then undefined and must not be used. With direct I/O, an aligned
+        `dest` (a pool slot) is read into with O_DIRECT where the file's layout allows it."""
         path = self.path_of(ns, key)
+        direct = self.direct and aligned(dest)
         try:
-            fd = self.io.open(path, os.O_RDONLY)
-        except OSError:
-            self._forget(ns, key)
-            self.counters.read_misses += 1
-            return False
+            fd = self.io.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+        except OSError as exc:
+            if not (direct and exc.errno == errno.EINVAL):
+                self._forget(ns, key)
+                self.counters.read_misses += 1
+                return False
+            self.direct = direct = False  # the file system changed under us: no more O_DIRECT
+            return self.read_into(ns, key, dest)
+        header = None
         try:
-            header = bytearray(fmt.header_bytes(len(key)))
-            expected = len(header) + len(dest)
             st = self.io.stat(fd)
-            got = self.io.preadv(fd, [header, dest], 0) if st.st_size == expected else -1
-            reason = (fmt.check(header, bytes.fromhex(ns), key, dest) if got == expected
-                      else f"{st.st_size} bytes on disk, expected {expected}")
+            version = fmt.version_of_size(st.st_size, len(key), len(dest))
+            if version is None:
+                got, reason = -1, f"{st.st_size} bytes on disk, expected a header and {len(dest)} bytes"
+            else:
+                header_len = fmt.header_bytes(len(key), version)
+                if direct and version == fmt.VERSION_ALIGNED:
+                    header = aligned_copy(b"\0" * header_len)
+                else:
+                    header = bytearray(header_len)
+                    if direct:
+                        self.io.set_direct(fd, False)  # a version 1 file: its payload is not aligned
+                        direct = False
+                got = self._preadv(fd, [header, dest], direct)
+                reason = (fmt.check(header, bytes.fromhex(ns), key, dest, version) if got == st.st_size
+                          else f"read {got} of {st.st_size} bytes")
             if reason is None and time.time() - st.st_mtime > TOUCH_EVERY_S:
                 os.utime(fd)
         except OSError as exc:
@@ -168,6 +190,8 @@ class StorageTier:
             return False
         finally:
             self.io.close(fd)
+            if isinstance(header, mmap.mmap):
+                header.close()
         if reason is not None:
             self._discard(ns, key, path, reason)
             return False
@@ -178,19 +202,34 @@ class StorageTier:
                 self._lru.move_to_end((ns, key))
         return True
 
+    def _preadv(self, fd: int, buffers: list, direct: bool) -> int:
+        try:
+            return self.io.preadv(fd, buffers, 0)
+        except OSError as exc:
+            if not direct or exc.errno != errno.EINVAL:
+                raise
+            self.io.set_direct(fd, False)  # refused after all: the page cache
+            return self.io.preadv(fd, buffers, 0)
+
+    def write_version(self, payload_bytes: int) -> int:
+        """The format version of this tier's new files: aligned for direct I/O when it can be."""
+        return fmt.VERSION_ALIGNED if self.direct and payload_bytes % ALIGN == 0 else fmt.VERSION
+
     def write_from(self, ns: str, key: bytes, payload: memoryview) -> bool:
         """Publish `payload` as (ns, key) from this process. False when it could not be written
         (counted, logged)."""
-        header = fmt.encode_header(bytes.fromhex(ns), key, payload)
-        return self.publish(ns, key, len(payload),
-                            lambda target: write_entry_file(self.io, target, [header, payload], self.config.fsync))
+        version = self.write_version(len(payload))
+        header = fmt.encode_header(bytes.fromhex(ns), key, payload, version)
+        direct = version == fmt.VERSION_ALIGNED and aligned(payload)
+        return self.publish(ns, key, len(payload), lambda target: write_entry_file(
+            self.io, target, [header, payload], self.config.fsync, direct))
 
     def publish(self, ns: str, key: bytes, payload_bytes: int, write: Callable[[FileTarget], OSError | None]) -> bool:
         """Make room for (ns, key) and have `write` put its file at a target this tier names
         (`write_entry_file`'s contract: the whole file or nothing, the error returned, not
         raised). A full disk evicts and retries. False when it could not be written (counted,
         logged)."""
-        size = fmt.header_bytes(len(key)) + payload_bytes
+        size = fmt.header_bytes(len(key), self.write_version(payload_bytes)) + payload_bytes
         if not self._make_room(size):
             self.counters.write_failures += 1
             return False
@@ -311,6 +350,7 @@ class StorageTier:
             "used_bytes": self.used_bytes,
             "num_entries": len(self._lru),
             "index_ready": self.scan_done.is_set(),
+            "direct_io": self.direct,
             **vars(self.counters),
         }
 

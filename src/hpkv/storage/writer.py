@@ -11,7 +11,8 @@ the server's handlers never wait for it.
 
 Protocol: one JSON object per line. The writer first says `{"hello": "hpkv-writer", "version":
 N}`; a job is `{"ns", "key" (hex), "offset", "length", "final", "tmp", "directory", "mkdir",
-"fsync"}`, answered by `{"ok": true}` or `{"errno": E, "error": "..."}`.
+"fsync", "format"}` ("format": the file format version, 2 to write it with O_DIRECT), answered
+by `{"ok": true}` or `{"errno": E, "error": "..."}`.
 
 Primitives: `WriterPool(pool_path, num_processes, nice)`: `write(ns, key, offset, length, target,
 fsync) -> OSError | None` (one job; the caller holds the slot for its duration), `stats()`,
@@ -39,7 +40,7 @@ from .fileio import FileIO, FileTarget, write_entry_file
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HELLO = "hpkv-writer"
 
 
@@ -134,15 +135,16 @@ class WriterPool:
         self.num_died = 0
 
     def write(self, ns: str, key: bytes, offset: int, length: int, target: FileTarget,
-              fsync: str) -> OSError | None:
-        """Write one entry file from the pool slot at `offset`. Raises WriterUnavailable when
-        no writer can be started (nothing was written then)."""
+              fsync: str, version: int = fmt.VERSION) -> OSError | None:
+        """Write one entry file from the pool slot at `offset`, in file format `version` (the
+        aligned one is written with O_DIRECT). Raises WriterUnavailable when no writer can be
+        started (nothing was written then)."""
         proc = self._idle.get()
         try:
             proc = self._ready(proc)
             error = proc.write({"ns": ns, "key": key.hex(), "offset": offset, "length": length,
                                 "final": target.final, "tmp": target.tmp, "directory": target.directory,
-                                "mkdir": target.mkdir, "fsync": fsync})
+                                "mkdir": target.mkdir, "fsync": fsync, "format": version})
             if not proc.alive():
                 log.warning("write-through process %d died: %s; starting another", proc.pid, error)
                 with self._lock:
@@ -206,11 +208,16 @@ def _job(job: dict, buf: memoryview, io: FileIO) -> dict:
     offset, length = job["offset"], job["length"]
     if offset < 0 or length < 0 or offset + length > len(buf):
         return {"errno": errno.EINVAL, "error": f"slot {offset}+{length} outside the pool of {len(buf)} bytes"}
+    version = job["format"]
+    if version not in fmt.VERSIONS:
+        return {"errno": errno.EINVAL, "error": f"unknown file format version {version}"}
     payload = buf[offset : offset + length]
     try:
-        header = fmt.encode_header(bytes.fromhex(job["ns"]), bytes.fromhex(job["key"]), payload)
+        header = fmt.encode_header(bytes.fromhex(job["ns"]), bytes.fromhex(job["key"]), payload, version)
         target = FileTarget(job["final"], job["tmp"], job["directory"], job["mkdir"])
-        error = write_entry_file(io, target, [header, payload], job["fsync"])
+        # The pool's mapping starts on a page and its slots on ALIGN: the payload is aligned.
+        direct = version == fmt.VERSION_ALIGNED and offset % fmt.ALIGN == 0 and length % fmt.ALIGN == 0
+        error = write_entry_file(io, target, [header, payload], job["fsync"], direct)
     finally:
         payload.release()
     if error is None:
