@@ -195,6 +195,7 @@ def test_status_json_is_the_raw_stats(server, env):
     assert stats["store"]["lookup_keys"] == 3 and stats["store"]["hit_keys_dram"] == 3
     assert stats["namespaces"][ns]["hit_keys_dram"] == 3
     assert stats["writers"]["nice"] == 10 and stats["writers"]["died"] == 0
+    assert stats["storage"]["direct_io"] is False  # HPKV_KV_STORAGE_DIRECT_IO's default
     assert stats["dram"]["num_entries"] == 3
     assert stats["server"]["pid"] == server.proc.pid and stats["server"]["auto"] is False
     assert {c["kind"] for c in stats["clients"]} == {"test-engine", "cli"}

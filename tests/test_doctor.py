@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -12,7 +13,8 @@ import pytest
 
 from hpkv.config import PoolConfig, StorageConfig
 from hpkv.doctor import (Check, ServerProbe, Verdict, check_hash_seed, check_memlock, check_pool_pages,
-                         check_pool_permissions, check_socket_path, check_storage_permissions, run_checks)
+                         check_pool_permissions, check_socket_path, check_storage, check_storage_permissions,
+                         run_checks)
 from hpkv.fsinfo import mount_of
 from test_cli_server import env, hpkv, hpkv_env, pool_dir, server  # noqa: F401
 
@@ -194,3 +196,18 @@ def test_every_check_has_a_fix_when_it_is_not_ok(pool_dir, tmp_path):
     checks = run_checks(hpkv_env(pool_dir, tmp_path / "storage", tmp_path))
     assert all(isinstance(c, Check) for c in checks)
     assert all(c.fix for c in checks if c.verdict in (Verdict.WARN, Verdict.FAIL))
+
+
+def test_doctor_checks_direct_io_only_when_it_is_asked_for(tmp_path, monkeypatch):
+    storage = tmp_path / "storage"
+    storage.mkdir(mode=0o700)
+    config = StorageConfig(path=storage, enabled=True, capacity_bytes=None, fsync="off", io_threads=1,
+                           direct_io=True)
+    probe = ServerProbe(tmp_path / "no.sock")
+    by_name = {c.name: c for c in check_storage(config, probe)}
+    assert by_name["storage directory: direct I/O"].verdict is Verdict.OK  # ext4 or tmpfs here
+    monkeypatch.setattr("hpkv.doctor.direct_supported", lambda path: False)
+    check = {c.name: c for c in check_storage(config, probe)}["storage directory: direct I/O"]
+    assert check.verdict is Verdict.WARN and str(storage) in check.detail and "page cache" in check.detail
+    off = dataclasses.replace(config, direct_io=False)
+    assert "storage directory: direct I/O" not in {c.name for c in check_storage(off, probe)}

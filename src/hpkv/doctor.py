@@ -24,6 +24,7 @@ from .pool.region import POOL_FILE_NAME
 from .server import protocol as p
 from .server.autostart import ServerUnavailable
 from .server.client import Client
+from .storage.fileio import direct_supported
 from .status import human_bytes, human_duration
 
 NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "fuse.sshfs", "sshfs", "9p"})
@@ -267,7 +268,20 @@ def check_storage(storage: StorageConfig, server: ServerProbe) -> list[Check]:
     checks = [check_storage_permissions(storage)]
     if checks[0].verdict is not Verdict.FAIL:
         checks += [check_storage_fs(storage), check_storage_space(storage, server)]
+        if storage.direct_io and Path(storage.path).is_dir():
+            checks.append(check_storage_direct_io(storage))
     return checks
+
+
+def check_storage_direct_io(storage: StorageConfig) -> Check:
+    name = "storage directory: direct I/O"
+    if direct_supported(str(storage.path)):
+        return Check(name, Verdict.OK, f"{storage.path} takes O_DIRECT: KV files bypass the page cache "
+                     "(HPKV_KV_STORAGE_DIRECT_IO=on)")
+    return Check(name, Verdict.WARN, f"HPKV_KV_STORAGE_DIRECT_IO=on, but the file system of {storage.path} does "
+                 "not take O_DIRECT: KV files go through the page cache",
+                 "leave HPKV_KV_STORAGE_DIRECT_IO off here, or put the storage on a file system with direct I/O "
+                 "(ext4, xfs, most parallel file systems)")
 
 
 def check_storage_permissions(storage: StorageConfig) -> Check:

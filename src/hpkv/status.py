@@ -83,6 +83,8 @@ def _tiers_table(stats: dict) -> Table:
         writers = stats.get("writers")
         state += (f"{writers['processes']} write-through processes (nice {writers['nice']})" if writers
                   else "written by the server process")
+        if storage.get("direct_io"):
+            state += ", direct I/O"
         table.add_row("storage", path, human_bytes(storage["capacity_bytes"]), _used(storage),
                       str(storage["num_entries"]), str(storage["evictions"]), state)
     return table
