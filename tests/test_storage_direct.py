@@ -22,7 +22,7 @@ from hpkv.storage import format as fmt
 from hpkv.storage.fileio import O_DIRECT, FileIO
 from hpkv.storage.tier import StorageTier
 from test_storage_tier import NS, key, payload
-from test_store import desc, keys, open_store, save  # noqa: F401 (a fixture)
+from test_store import desc, keys, load, open_store, save  # noqa: F401 (a fixture)
 from test_store import payload as store_payload
 
 ENTRY = 64 << 10  # a multiple of 4 KiB, as KV pages are
@@ -254,6 +254,10 @@ def test_write_through_processes_write_aligned_files_with_direct_io(open_store, 
     for k in ks:
         dest = bytearray(size)
         assert fresh.read_into(ns, k, memoryview(dest)) and bytes(dest) == store_payload(k, size)
+    store.clear(memory=True)  # a storage hit: promoted with O_DIRECT straight into pool slots
+    reads = store.storage.counters.reads
+    assert load(store, ns, ks) == [store_payload(k, size) for k in ks]
+    assert store.storage.counters.reads == reads + len(ks)
 
 
 def test_the_setting_is_read_from_the_environment(monkeypatch, tmp_path):
