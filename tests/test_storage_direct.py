@@ -266,3 +266,22 @@ def test_the_setting_is_read_from_the_environment(monkeypatch, tmp_path):
     assert load_settings().storage.direct_io is True
     monkeypatch.delenv("HPKV_KV_STORAGE_DIRECT_IO")
     assert load_settings().storage.direct_io is False
+
+
+@pytest.mark.parametrize("layout", ["same size", "other size"])
+def test_a_file_of_a_newer_format_is_a_miss_left_in_place_for_the_nodes_that_read_it(open_tier, caplog, layout):
+    tier = open_tier(direct=False)
+    k = key(f"newer {layout}")
+    assert write(tier, k)
+    path = entry_path(tier, k)
+    data = bytearray(path.read_bytes())
+    data[8:10] = (fmt.VERSIONS[-1] + 1).to_bytes(2, "little")  # what a later HPKV might write
+    if layout == "other size":
+        data += b"\0" * 512  # a longer header, say
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="hpkv.storage.tier"):
+        assert read(tier, k) is None and read(tier, k) is None
+    assert path.read_bytes() == bytes(data)  # kept, unchanged
+    assert tier.counters.bad_files == 0 and tier.counters.read_misses == 2
+    warnings = [r.getMessage() for r in caplog.records if "newer than this HPKV reads" in r.getMessage()]
+    assert len(warnings) == 1 and f"file format {fmt.VERSIONS[-1] + 1}" in warnings[0]

@@ -51,6 +51,15 @@ def encode_header(ns_digest: bytes, key: bytes, payload: memoryview | bytes, ver
     return bytes(out)
 
 
+def newer_version(head: bytes | memoryview) -> int | None:
+    """The version of an HPKV file written by a newer HPKV (one this reader does not know), from
+    its first 10 bytes; None for every other file."""
+    if len(head) < 10 or bytes(head[:8]) != MAGIC:
+        return None
+    version = int.from_bytes(bytes(head[8:10]), "little")
+    return version if version > max(VERSIONS) else None
+
+
 def version_of_size(file_size: int, key_len: int, payload_len: int) -> int | None:
     """The version whose layout gives a file of `file_size` bytes for this key and payload, or
     None: the file is bad."""

@@ -83,6 +83,7 @@ class StorageTier:
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="hpkv-io")
         self._warned: set[int] = set()
         self.direct = config.direct_io  # cleared by `start` where the file system refuses O_DIRECT
+        self._warned_newer = False
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -168,6 +169,12 @@ class StorageTier:
             st = self.io.stat(fd)
             version = fmt.version_of_size(st.st_size, len(key), len(dest))
             if version is None:
+                head = bytearray(16)
+                got = self._preadv(fd, [head], direct)
+                newer = fmt.newer_version(head[:got])
+                if newer is not None:
+                    self._newer_format(path, newer)
+                    return False
                 got, reason = -1, f"{st.st_size} bytes on disk, expected a header and {len(dest)} bytes"
             else:
                 header_len = fmt.header_bytes(len(key), version)
@@ -181,6 +188,9 @@ class StorageTier:
                 got = self._preadv(fd, [header, dest], direct)
                 reason = (fmt.check(header, bytes.fromhex(ns), key, dest, version) if got == st.st_size
                           else f"read {got} of {st.st_size} bytes")
+                if reason is not None and (newer := fmt.newer_version(header)) is not None:
+                    self._newer_format(path, newer)
+                    return False
             if reason is None and time.time() - st.st_mtime > TOUCH_EVERY_S:
                 os.utime(fd)
         except OSError as exc:
@@ -201,6 +211,16 @@ class StorageTier:
             if (ns, key) in self._lru:
                 self._lru.move_to_end((ns, key))
         return True
+
+    def _newer_format(self, path: str, version: int) -> None:
+        """A file a newer HPKV wrote (a node sharing this directory, upgraded first): a miss here,
+        left in place for the nodes that can read it."""
+        self.counters.read_misses += 1
+        if not self._warned_newer:
+            self._warned_newer = True
+            log.warning("KV file %s is in file format %d, newer than this HPKV reads (%s): treated as a miss and "
+                        "left in place for the nodes that wrote it; upgrade this node to use such files", path,
+                        version, ", ".join(map(str, fmt.VERSIONS)))
 
     def _preadv(self, fd: int, buffers: list, direct: bool) -> int:
         try:
