@@ -208,7 +208,7 @@ def _job(job: dict, buf: memoryview, io: FileIO) -> dict:
     offset, length = job["offset"], job["length"]
     if offset < 0 or length < 0 or offset + length > len(buf):
         return {"errno": errno.EINVAL, "error": f"slot {offset}+{length} outside the pool of {len(buf)} bytes"}
-    version = job["format"]
+    version = job.get("format", fmt.VERSION)
     if version not in fmt.VERSIONS:
         return {"errno": errno.EINVAL, "error": f"unknown file format version {version}"}
     payload = buf[offset : offset + length]
