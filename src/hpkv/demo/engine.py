@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -26,10 +27,43 @@ HPKV_CONNECTOR = '{"kv_connector":"HpkvConnectorV1", "kv_role":"kv_both"}'
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
 
 
+_ports_given: set[int] = set()
+_ports_lock = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now, and never one this process handed out before: the kernel
+    may give a port that was just closed to the next `bind(0)`, and two servers started side by
+    side must not both get it (the second would fail to bind, and its client would talk to the
+    first)."""
+    with _ports_lock:
+        for _ in range(1000):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _ports_given:
+                _ports_given.add(port)
+                return port
+    raise RuntimeError("no TCP port on 127.0.0.1 that this process has not used already")
+
+
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process `pid` (or one of its children) listens on TCP `port`."""
+    import psutil  # a dependency of vLLM, which is what this module starts
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return False
+    for proc in procs:
+        try:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                   for c in proc.net_connections("tcp")):
+                return True
+        except psutil.Error:
+            continue
+    return False
 
 
 def documented_flags(model: str, port: int, served_name: str, hpkv: bool = True,
@@ -54,18 +88,22 @@ class Completion:
 
 
 def wait_until_answers(process: subprocess.Popen, url: str, timeout_s: float, what: str,
-                       log_path: Path | None, interval_s: float) -> None:
-    """Return once `url` answers; RuntimeError if `process` exits first, TimeoutError after
-    `timeout_s` (the caller stops the process)."""
+                       log_path: Path | None, interval_s: float, port: int | None = None) -> None:
+    """Return once `url` answers; RuntimeError if `process` exits first, or (with `port`) if what
+    answers is not `process`; TimeoutError after `timeout_s` (the caller stops the process)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"{what} exited at start (status {process.returncode}); log: {log_path}")
         try:
             urllib.request.urlopen(url, timeout=2).read()
-            return
         except (urllib.error.URLError, ConnectionError, OSError):
             time.sleep(interval_s)
+            continue
+        if port is not None and not listens_on(process.pid, port):
+            raise RuntimeError(f"{url} answers, but not from the {what} just started (pid {process.pid}): another "
+                               f"process holds port {port}; log: {log_path}")
+        return
     raise TimeoutError(f"{what} did not answer within {timeout_s:.0f} s; log: {log_path}")
 
 
@@ -90,8 +128,9 @@ class VllmServer:
         self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
         try:
-            wait_until_answers(self.process, self.url("/v1/models"), timeout_s, "vLLM", self.log_path, 1.0)
-        except TimeoutError:
+            wait_until_answers(self.process, self.url("/v1/models"), timeout_s, "vLLM", self.log_path, 1.0,
+                               port=self.port)
+        except (TimeoutError, RuntimeError):
             self.stop()
             raise
         return self
