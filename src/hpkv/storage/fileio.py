@@ -74,11 +74,28 @@ def aligned(buf) -> bool:
     return address % ALIGN == 0 and len(buf) % ALIGN == 0
 
 
+def aligned_buffer(nbytes: int) -> mmap.mmap:
+    """Zeroed page-aligned memory of at least `nbytes`, a multiple of ALIGN (for O_DIRECT)."""
+    return mmap.mmap(-1, -(-max(nbytes, 1) // ALIGN) * ALIGN)
+
+
 def aligned_copy(data: bytes) -> mmap.mmap:
     """`data` in page-aligned memory, zero-padded to a multiple of ALIGN (a header, for O_DIRECT)."""
-    buf = mmap.mmap(-1, -(-max(len(data), 1) // ALIGN) * ALIGN)
+    buf = aligned_buffer(len(data))
     buf.write(data)
     return buf
+
+
+def transfer(io: FileIO, fd: int, op, buffers: list, direct: bool) -> int:
+    """`op(fd, buffers, 0)` (io.preadv or io.pwritev); where a direct transfer is refused (EINVAL:
+    a buffer, length or device it would not take), the same through the page cache."""
+    try:
+        return op(fd, buffers, 0)
+    except OSError as exc:
+        if not direct or exc.errno != errno.EINVAL:
+            raise
+        io.set_direct(fd, False)
+        return op(fd, buffers, 0)
 
 
 def open_direct(io: FileIO, path: str, flags: int) -> tuple[int, bool]:
@@ -104,7 +121,7 @@ def direct_supported(directory: str) -> bool:
     if not O_DIRECT:
         return False
     path = os.path.join(directory, f".direct-probe.{os.getpid()}.{id(directory)}")
-    buf = aligned_copy(b"")
+    buf = aligned_buffer(ALIGN)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT | os.O_CLOEXEC, 0o600)
     except OSError:
@@ -158,14 +175,7 @@ def write_entry_file(io: FileIO, target: FileTarget, buffers: list, fsync: str,
             elif direct:
                 io.set_direct(fd, False)
                 direct = False
-            try:
-                written = io.pwritev(fd, buffers, 0)
-            except OSError as exc:
-                if not direct or exc.errno != errno.EINVAL:
-                    raise
-                io.set_direct(fd, False)  # a buffer or length it would not take: the page cache
-                written = io.pwritev(fd, buffers, 0)
-            if written != size:
+            if transfer(io, fd, io.pwritev, buffers, direct) != size:
                 raise OSError(errno.ENOSPC, "short write")
             if fsync != "off":
                 io.fdatasync(fd)

@@ -35,7 +35,8 @@ from ..errors import StorageError
 from ..fsinfo import free_bytes
 from ..procs import pid_alive
 from . import format as fmt
-from .fileio import ALIGN, O_DIRECT, FileIO, FileTarget, aligned, aligned_copy, direct_supported, write_entry_file
+from .fileio import (ALIGN, O_DIRECT, FileIO, FileTarget, aligned, aligned_buffer, direct_supported, transfer,
+                     write_entry_file)
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ class StorageTier:
             version = fmt.version_of_size(st.st_size, len(key), len(dest))
             if version is None:
                 head = bytearray(16)
-                got = self._preadv(fd, [head], direct)
+                got = transfer(self.io, fd, self.io.preadv, [head], direct)
                 newer = fmt.newer_version(head[:got])
                 if newer is not None:
                     self._newer_format(path, newer)
@@ -179,13 +180,13 @@ class StorageTier:
             else:
                 header_len = fmt.header_bytes(len(key), version)
                 if direct and version == fmt.VERSION_ALIGNED:
-                    header = aligned_copy(b"\0" * header_len)
+                    header = aligned_buffer(header_len)
                 else:
                     header = bytearray(header_len)
                     if direct:
                         self.io.set_direct(fd, False)  # a version 1 file: its payload is not aligned
                         direct = False
-                got = self._preadv(fd, [header, dest], direct)
+                got = transfer(self.io, fd, self.io.preadv, [header, dest], direct)
                 reason = (fmt.check(header, bytes.fromhex(ns), key, dest, version) if got == st.st_size
                           else f"read {got} of {st.st_size} bytes")
                 if reason is not None and (newer := fmt.newer_version(header)) is not None:
@@ -221,15 +222,6 @@ class StorageTier:
             log.warning("KV file %s is in file format %d, newer than this HPKV reads (%s): treated as a miss and "
                         "left in place for the nodes that wrote it; upgrade this node to use such files", path,
                         version, ", ".join(map(str, fmt.VERSIONS)))
-
-    def _preadv(self, fd: int, buffers: list, direct: bool) -> int:
-        try:
-            return self.io.preadv(fd, buffers, 0)
-        except OSError as exc:
-            if not direct or exc.errno != errno.EINVAL:
-                raise
-            self.io.set_direct(fd, False)  # refused after all: the page cache
-            return self.io.preadv(fd, buffers, 0)
 
     def write_version(self, payload_bytes: int) -> int:
         """The format version of this tier's new files: aligned for direct I/O when it can be."""
