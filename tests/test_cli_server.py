@@ -158,6 +158,21 @@ def test_server_with_a_bad_setting_says_so_and_exits_2(pool_dir, tmp_path):
     assert "HPKV_KV_MEM_POOL_SIZE" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_server_with_unusable_directories_names_them_and_exits_2(pool_dir, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    for env, expected in (
+            (hpkv_env(tmp_path / "a-file", tmp_path / "storage", tmp_path),
+             f"{tmp_path / 'a-file'} is a file, not a directory; point HPKV_SHARE_MEM_FILE_PATH"),
+            (hpkv_env(Path("/proc/hpkv-pool"), tmp_path / "storage", tmp_path),
+             "/proc/hpkv-pool (HPKV_SHARE_MEM_FILE_PATH) is on proc, a kernel pseudo file system"),
+            (hpkv_env(pool_dir, Path("/sys/kernel/mm"), tmp_path),
+             "the storage directory /sys/kernel/mm (HPKV_KV_STORAGE_PATH) is on sysfs")):
+        result = hpkv(env, "server")
+        assert result.returncode == 2, result.stderr
+        assert expected in result.stderr and "Traceback" not in result.stderr
+    assert list(pool_dir.iterdir()) == []  # the pool of the last one is gone again
+
+
 def test_server_in_a_directory_too_deep_for_a_socket_says_so_and_leaves_nothing(pool_dir, tmp_path):
     deep = pool_dir / ("d" * 100)
     result = hpkv(hpkv_env(deep, tmp_path / "storage", tmp_path), "server")

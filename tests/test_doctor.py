@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from hpkv.config import PoolConfig, StorageConfig
-from hpkv.doctor import (Check, ServerProbe, Verdict, check_hash_seed, check_memlock, check_pool_pages,
+from hpkv.doctor import (Check, ServerProbe, Verdict, check_hash_seed, check_memlock, check_pool_fs,
+                         check_pool_pages,
                          check_pool_permissions, check_socket_path, check_storage, check_storage_permissions,
                          run_checks)
 from hpkv.fsinfo import mount_of
@@ -165,6 +166,41 @@ def test_a_pool_directory_others_can_read_gets_a_chmod_fix(tmp_path):
     check = check_pool_permissions(PoolConfig(dir=directory, size_bytes=1 << 20))
     assert check.verdict is Verdict.WARN
     assert "0755" in check.detail and check.fix == f"chmod 700 {directory}"
+
+
+def test_storage_and_pool_on_kernel_pseudo_file_systems_fail_with_a_fix(tmp_path):
+    storage = StorageConfig(path=Path("/proc/hpkv-storage"), enabled=True, capacity_bytes=None, fsync="off",
+                            io_threads=1)
+    checks = {c.name: c for c in check_storage(storage, ServerProbe(tmp_path / "no.sock"))}
+    fs = checks["storage directory: file system"]
+    assert fs.verdict is Verdict.FAIL and "on proc" in fs.detail and "pseudo file system" in fs.detail
+    assert "HPKV_KV_STORAGE_PATH" in fs.fix
+    assert "storage directory: free space" not in checks  # nothing to size there
+    pool = check_pool_fs(PoolConfig(dir=Path("/sys/hpkv"), size_bytes=1 << 20))
+    assert pool.verdict is Verdict.FAIL and "on sysfs" in pool.detail and "HPKV_SHARE_MEM_FILE_PATH" in pool.fix
+
+
+def test_a_path_below_a_file_is_named_as_such(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    below = tmp_path / "a-file" / "x"
+    storage = check_storage_permissions(StorageConfig(path=below, enabled=True, capacity_bytes=None, fsync="off",
+                                                      io_threads=1))
+    pool = check_pool_permissions(PoolConfig(dir=below, size_bytes=1 << 20))
+    for check in (storage, pool):
+        assert check.verdict is Verdict.FAIL
+        assert f"{tmp_path / 'a-file'} is a file, not a directory" in check.detail
+
+
+def test_an_automatic_capacity_with_little_free_space_is_a_warning(small_tmpfs, tmp_path):
+    storage = StorageConfig(path=small_tmpfs / "kv", enabled=True, capacity_bytes=None, fsync="off", io_threads=1)
+    probe = ServerProbe(tmp_path / "no.sock")
+    space = {c.name: c for c in check_storage(storage, probe)}["storage directory: free space"]
+    assert space.verdict is Verdict.WARN
+    assert "6.4 MiB" in space.detail and "8.0 MiB free" in space.detail  # 80% of an empty 8 MiB tmpfs
+    assert "HPKV_KV_STORAGE_SIZE" in space.fix
+    running = ServerProbe(tmp_path / "no.sock", stats={"storage": {"used_bytes": 0, "capacity_bytes": 3 << 30}})
+    space = {c.name: c for c in check_storage(storage, running)}["storage directory: free space"]
+    assert space.verdict is Verdict.OK and "the running server sized the tier to 3.0 GiB" in space.detail
 
 
 def test_a_pool_directory_to_be_created_is_fine(tmp_path):

@@ -196,15 +196,20 @@ def test_a_damaged_aligned_file_is_a_miss_and_is_removed(open_tier, damage):
     assert not path.exists() and tier.counters.bad_files == 1
 
 
-def test_a_file_system_that_refuses_direct_io_gets_the_same_files_through_the_page_cache(open_tier, storage_dir):
+def test_a_file_system_that_refuses_direct_io_gets_the_same_files_through_the_page_cache(open_tier, storage_dir,
+                                                                                         caplog):
     tier = open_tier(io=RefusingIO())
     k = key("refused")
     assert write(tier, k)
     path = entry_path(tier, k)
     assert version_on_disk(path) == fmt.VERSION_ALIGNED and cached_bytes(path) > 0
     assert not list(storage_dir.rglob("*.tmp"))
-    assert read(tier, k) == payload(k, ENTRY)  # its read falls back too, and from then on
+    with caplog.at_level("WARNING", logger="hpkv.storage.tier"):
+        assert read(tier, k) == payload(k, ENTRY)  # its read falls back too, and from then on
+        assert read(tier, k) == payload(k, ENTRY)
     assert not tier.direct
+    refusals = [r.getMessage() for r in caplog.records if "refused O_DIRECT on a read" in r.getMessage()]
+    assert len(refusals) == 1 and str(tier.root) in refusals[0]  # said once, naming the directory
 
 
 def test_direct_writes_a_device_refuses_are_written_through_the_page_cache(open_tier):

@@ -724,6 +724,72 @@ def test_an_automatic_capacity_is_a_share_of_the_free_space(open_tier, small_dis
     assert 0.7 * (4 << 20) < tier.capacity_bytes <= 0.8 * (4 << 20)
 
 
+def test_an_automatic_capacity_on_a_full_disk_says_so_and_writes_nothing(open_tier, small_disk, caplog):
+    filler = small_disk / "filler"
+    with open(filler, "wb") as f:
+        with pytest.raises(OSError) as full:
+            while True:
+                f.write(b"\0" * (256 << 10))
+    assert full.value.errno == errno.ENOSPC
+
+    with caplog.at_level("WARNING", logger="hpkv.storage.tier"):
+        tier = open_tier(root=small_disk / "kv", capacity=None)
+        assert tier.scan_done.wait(10)
+
+    assert tier.capacity_bytes == 0
+    warning = next(r.getMessage() for r in caplog.records if "storage tier holds only" in r.getMessage())
+    assert str(small_disk / "kv") in warning and "are not written" in warning
+    assert "HPKV_KV_STORAGE_SIZE" in warning
+    assert not write(tier, key(1))
+    assert list((small_disk / "kv").rglob("*.kv")) == []
+
+
+def test_an_automatic_capacity_counts_the_tiers_own_files_and_is_not_a_warning_then(open_tier, small_disk,
+                                                                                      caplog, monkeypatch):
+    """A disk full of HPKV's own files is not a full disk: its files count toward the capacity."""
+    import hpkv.storage.tier as tier_module
+
+    first = open_tier(root=small_disk, capacity=None)
+    assert first.scan_done.wait(10)
+    written = sum(write(first, key(i)) for i in range(8))
+    assert written == 8
+    monkeypatch.setattr(tier_module, "SMALL_AUTO_CAPACITY", 4 * file_bytes())  # this disk's scale
+    filler = small_disk / "filler"  # the rest of the disk, so that its own files are what the tier has
+    with open(filler, "wb") as f:
+        with pytest.raises(OSError):
+            while True:
+                f.write(b"\0" * (64 << 10))
+    caplog.clear()
+
+    with caplog.at_level("WARNING", logger="hpkv.storage.tier"):
+        again = open_tier(root=small_disk, capacity=None)
+        assert again.scan_done.wait(10)
+
+    own = 0.8 * 8 * file_bytes()
+    assert int(own) <= again.capacity_bytes < own + 0.8 * (64 << 10)  # the filler leaves under 64 KiB free
+    assert not [r for r in caplog.records if "storage tier holds only" in r.getMessage()]
+
+
+def test_a_storage_path_on_a_kernel_pseudo_file_system_is_refused_at_start(open_tier):
+    with pytest.raises(StorageError) as caught:
+        open_tier(root=Path("/proc/hpkv-storage"))
+
+    message = str(caught.value)
+    assert "/proc/hpkv-storage" in message and "proc" in message and "pseudo file system" in message
+    assert "HPKV_KV_STORAGE_PATH" in message
+    assert not Path("/proc/hpkv-storage").exists()
+
+
+def test_a_storage_path_below_a_file_names_the_file(open_tier, tmp_path):
+    (tmp_path / "a-file").write_text("")
+
+    with pytest.raises(StorageError) as caught:
+        open_tier(root=tmp_path / "a-file" / "storage")
+
+    assert f"{tmp_path / 'a-file'} is a file, not a directory" in str(caught.value)
+    assert "HPKV_KV_STORAGE_PATH" in str(caught.value)
+
+
 # -- remove --------------------------------------------------------------------------------------
 
 def test_remove_of_one_namespace_deletes_only_its_files(tier, storage_dir):

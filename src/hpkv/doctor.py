@@ -19,12 +19,13 @@ from typing import Mapping
 from . import __version__
 from .config import PoolConfig, Settings, StorageConfig, load_settings
 from .errors import ConfigError, HpkvError
-from .fsinfo import existing_ancestor, free_bytes, mem_available_bytes, mount_of
+from .fsinfo import PSEUDO_FS, existing_ancestor, free_bytes, mem_available_bytes, mount_of
 from .pool.region import POOL_FILE_NAME
 from .server import protocol as p
 from .server.autostart import ServerUnavailable
 from .server.client import Client
 from .storage.fileio import direct_supported
+from .storage.tier import AUTO_CAPACITY_FRACTION, SMALL_AUTO_CAPACITY
 from .status import human_bytes, human_duration
 
 NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "fuse.sshfs", "sshfs", "9p"})
@@ -121,6 +122,9 @@ def check_pool_fs(pool: PoolConfig) -> Check:
     name = "pool directory: file system"
     mount = mount_of(pool.dir)
     where = f"{pool.dir} is on {mount.fs_type} ({mount.mount_point})"
+    if mount.fs_type in PSEUDO_FS:
+        return Check(name, Verdict.FAIL, f"{where}, a kernel pseudo file system that cannot hold the pool file",
+                     "point HPKV_SHARE_MEM_FILE_PATH at a directory on ramfs or tmpfs, e.g. under /dev/shm")
     if mount.fs_type == "ramfs":
         return Check(name, Verdict.OK, f"{where}: pages are never swapped")
     if mount.fs_type == "tmpfs":
@@ -159,6 +163,9 @@ def check_pool_permissions(pool: PoolConfig) -> Check:
     uid = os.geteuid()
     if not directory.exists():
         parent = existing_ancestor(directory)
+        if not parent.is_dir():
+            return Check(name, Verdict.FAIL, f"{directory} cannot be created: {parent} is a file, not a directory",
+                         "point HPKV_SHARE_MEM_FILE_PATH at a directory")
         if os.access(parent, os.W_OK | os.X_OK):
             return Check(name, Verdict.OK, f"{directory} does not exist yet; the server creates it with mode 0700")
         return Check(name, Verdict.FAIL, f"{directory} does not exist and {parent} is not writable by uid {uid}",
@@ -267,7 +274,9 @@ def check_storage(storage: StorageConfig, server: ServerProbe) -> list[Check]:
                       "the storage tier is off (HPKV_KV_STORAGE_ENABLE=false): KV lives in DRAM only")]
     checks = [check_storage_permissions(storage)]
     if checks[0].verdict is not Verdict.FAIL:
-        checks += [check_storage_fs(storage), check_storage_space(storage, server)]
+        checks.append(check_storage_fs(storage))
+        if checks[-1].verdict is not Verdict.FAIL:
+            checks.append(check_storage_space(storage, server))
         if storage.direct_io and Path(storage.path).is_dir():
             checks.append(check_storage_direct_io(storage))
     return checks
@@ -290,6 +299,9 @@ def check_storage_permissions(storage: StorageConfig) -> Check:
     uid = os.geteuid()
     if not path.exists():
         parent = existing_ancestor(path)
+        if not parent.is_dir():
+            return Check(name, Verdict.FAIL, f"{path} cannot be created: {parent} is a file, not a directory",
+                         "point HPKV_KV_STORAGE_PATH at a directory")
         if os.access(parent, os.W_OK | os.X_OK):
             return Check(name, Verdict.OK, f"{path} does not exist yet; the server creates it")
         return Check(name, Verdict.FAIL, f"{path} does not exist and {parent} is not writable by uid {uid}",
@@ -327,6 +339,9 @@ def check_storage_fs(storage: StorageConfig) -> Check:
     name = "storage directory: file system"
     mount = mount_of(storage.path)
     where = f"{storage.path} is on {mount.fs_type} ({mount.source} at {mount.mount_point})"
+    if mount.fs_type in PSEUDO_FS:
+        return Check(name, Verdict.FAIL, f"{where}, a kernel pseudo file system that cannot hold KV files",
+                     "point HPKV_KV_STORAGE_PATH at an SSD or a parallel file system")
     if mount.fs_type in NETWORK_FS:
         return Check(name, Verdict.WARN, f"{where}: a network file system (NAS) is slow for KV cache files",
                      "point HPKV_KV_STORAGE_PATH at a local SSD or a parallel file system (Lustre, GPFS, 3FS...)")
@@ -352,8 +367,24 @@ def check_storage_space(storage: StorageConfig, server: ServerProbe) -> Check:
     if server.stats is not None and server.stats.get("storage") is not None:
         ours = server.stats["storage"]["used_bytes"]
     if storage.capacity_bytes is None:
-        return Check(name, Verdict.OK, f"HPKV_KV_STORAGE_SIZE=auto: a server sizes the tier to 80% of the "
-                     f"space available when it starts ({human_bytes(free)} free now)")
+        share = round(AUTO_CAPACITY_FRACTION * 100)
+        estimate = int((free + ours) * AUTO_CAPACITY_FRACTION)
+        if server.stats is not None and server.stats.get("storage") is not None:
+            capacity = server.stats["storage"].get("capacity_bytes", estimate)
+            detail = (f"HPKV_KV_STORAGE_SIZE=auto: the running server sized the tier to {human_bytes(capacity)} "
+                      f"({share}% of the space free when it started, plus {share}% of what its files took); "
+                      f"{human_bytes(free)} free now")
+        else:
+            capacity = estimate
+            detail = (f"HPKV_KV_STORAGE_SIZE=auto: a server starting now sizes the tier to {human_bytes(capacity)} "
+                      f"({share}% of the {human_bytes(free)} free, plus {share}% of what HPKV's files already take "
+                      "there)")
+        if capacity < SMALL_AUTO_CAPACITY:
+            return Check(name, Verdict.WARN, f"{detail}: little room, so KV files are evicted soon after they are "
+                         "written (none are written at 0 B)",
+                         "free space on that file system (then restart the server), set HPKV_KV_STORAGE_SIZE, or "
+                         "point HPKV_KV_STORAGE_PATH at a larger file system")
+        return Check(name, Verdict.OK, detail)
     held = f" plus {human_bytes(ours)} HPKV holds there" if server.stats is not None else ""
     if storage.capacity_bytes > free + ours:
         return Check(name, Verdict.WARN,

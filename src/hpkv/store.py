@@ -12,8 +12,10 @@ Primitives (all keyed by namespace id `ns` and engine keys, in prefix order):
 - `flush()` waits for queued write-throughs; `clear(memory, storage, ns)`, `stats()`, `close()`.
 
 Thread-safe: one lock guards the DRAM index and the lease tables; file I/O runs outside it: reads
-on the storage tier's threads, write-throughs in writer processes (`storage/writer.py`). The
-bytes themselves are copied by callers through the mapped region.
+on the storage tier's threads, write-throughs on write threads of the store's own, each handing
+its file to a writer process (`storage/writer.py`; in process when none can start, and in a
+store built without `write_processes`). The bytes themselves are copied by callers through the
+mapped region.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ def _fill(store: TieredStore, ns: str, keys: list[Key], dram_keys: list[Key]) ->
     store.reserve(ns, dram_keys)
     num_published = store.commit(ns, dram_keys)
     # Each commit queues a write-through that finds the key already on storage and skips it;
-    # let those finish so that no I/O thread runs while lookups are timed.
+    # let those finish so that no write-through thread runs while lookups are timed.
     deadline = time.monotonic() + WRITE_THROUGH_WAIT_S
     while store.counters.write_through_skipped < num_published:
         if time.monotonic() > deadline:

@@ -7,8 +7,9 @@ subprocess; HPKV's side is driven here in the same shape, so that both do the sa
   LMCache issues `in_flight` submits of `keys_per_submit` keys from one thread; its adapter runs
   one coroutine per submit, which stores (or loads) its keys one after another, each file
   operation on asyncio's default thread pool. So at most `in_flight` files are in flight. HPKV
-  gets the same keys submitted one entry at a time to the tier's `in_flight` I/O threads (as the
-  store's write-through does): again at most `in_flight` files in flight.
+  gets the same keys submitted one entry at a time to the tier's `in_flight` I/O threads, each
+  writing in process (the server's write-through hands its files to writer processes instead,
+  `storage/writer.py`): again at most `in_flight` files in flight.
 - Every round uses new keys (LMCache's key ranges are per round), so every write creates a new
   file. One untimed warm-up round, then `rounds` timed rounds of writes; then the same rounds read
   back in the same order (LMCache runs its lookups in between, which we do not time). The figure

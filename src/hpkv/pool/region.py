@@ -56,8 +56,10 @@ class PoolRegion:
         self._fd = fd
         self._map = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         try:
-            # Huge pages halve the cost of TLB misses in large copies; a tmpfs honours this when
-            # /sys/kernel/mm/transparent_hugepage/shmem_enabled is "advise" (or the mount says huge=).
+            # Huge pages halve the cost of TLB misses in large copies. Only a tmpfs mounted
+            # huge=within_size or huge=always gives them to the pool: shmem_enabled does not apply
+            # to a tmpfs mount, and under huge=advise the pages were already allocated (by
+            # posix_fallocate in `create`) before this advice (docs/operations.md).
             self._map.madvise(mmap.MADV_HUGEPAGE)
         except (AttributeError, OSError):
             pass

@@ -5,12 +5,14 @@ directory (0700); refuse to start if a live server answers on the socket, remove
 create the store (pool file, storage tier); bind the socket with mode 0600.
 
 Clients: every connection is one owner in the store; when it closes, for whatever reason, its
-reservations are aborted and its leases released. Peers of another uid are refused (SO_PEERCRED)
-unless HPKV_SERVER_ALLOW_UIDS lists them. A bad frame gets an `Error` and closes only that
-connection.
+reservations are aborted and its leases released (the reservations of a client whose process
+lives on stay unusable for QUARANTINE_S first: it may still be copying into them). Peers of
+another uid are refused (SO_PEERCRED) unless HPKV_SERVER_ALLOW_UIDS lists them. A bad frame gets
+an `Error` and closes only that connection.
 
 Stop: SIGTERM/SIGINT, or (auto-started servers only) no client for HPKV_SERVER_IDLE_EXIT_S. The
-server stops accepting, finishes the storage writes in flight, removes socket and pool, exits 0.
+server stops accepting, finishes the storage writes in flight (and stops its write-through
+processes), removes socket and pool, exits 0.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 from .. import __version__
 from ..config import Settings, load_settings
 from ..errors import HpkvError, PoolError
+from ..fsinfo import PSEUDO_FS, existing_ancestor, mount_of
 from ..keys import NS_DIGEST_BYTES, NamespaceDesc
 from ..procs import pid_running
 from ..store import TieredStore
@@ -96,10 +99,21 @@ class Server:
             log.warning("%s", warning)
 
     def _open(self) -> None:
+        fs_type = mount_of(self.directory).fs_type
+        if fs_type in PSEUDO_FS:
+            raise PoolError(f"{self.directory} (HPKV_SHARE_MEM_FILE_PATH) is on {fs_type}, a kernel pseudo file system "
+                            "that cannot hold the pool file; point HPKV_SHARE_MEM_FILE_PATH at a directory on ramfs "
+                            "or tmpfs, e.g. under /dev/shm")
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise PoolError(f"cannot create {self.directory} (HPKV_SHARE_MEM_FILE_PATH): "
+                            f"{existing_ancestor(self.directory)} is a file, not a directory; point "
+                            "HPKV_SHARE_MEM_FILE_PATH at a directory on ramfs or tmpfs") from None
         except OSError as exc:
-            raise PoolError(f"cannot create {self.directory} (HPKV_SHARE_MEM_FILE_PATH): {exc.strerror}") from None
+            raise PoolError(f"cannot create {self.directory} (HPKV_SHARE_MEM_FILE_PATH): {exc.strerror}; create it "
+                            "with write permission for this user (on ramfs or tmpfs), or point "
+                            "HPKV_SHARE_MEM_FILE_PATH elsewhere, e.g. under /dev/shm") from None
         _claim_socket_path(self.socket_path)
         self.store = TieredStore.open(self.settings.pool, self.settings.storage)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -32,7 +32,7 @@ class Msg(msgspec.Struct, tag=True, forbid_unknown_fields=True, array_like=True)
 
 class Hello(Msg):
     version: int
-    kind: str  # "scheduler", "worker", "sglang", "cli", ...
+    kind: str  # "vllm-scheduler", "vllm-worker-<rank>", "sglang-<thread>", "cli", "doctor", ...
     pid: int
 
 
@@ -131,7 +131,8 @@ class StatsReply(Msg):
 
 
 class Error(Msg):
-    code: str  # "version", "malformed", "too_large", "unknown_namespace", "bad_request", "internal"
+    # "version", "permission", "malformed", "too_large", "unknown_namespace", "bad_request", "internal"
+    code: str
     message: str
 
 

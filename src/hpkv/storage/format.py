@@ -2,7 +2,7 @@
 
     offset  size  field
     0       8     magic  b"HPKVKV\\r\\n" (the CR LF catches text-mode mangling)
-    8       2     format version (1)
+    8       2     format version (1 or 2)
     10      2     key length
     12      4     reserved, 0
     16      16    namespace digest
@@ -14,11 +14,13 @@
 
 All little-endian. Version 2 differs only in its padding: the payload starts at 4096, so the
 file can be written and read with `O_DIRECT` (HPKV_KV_STORAGE_DIRECT_IO) straight from and into
-pool slots. Writers use version 2 with direct I/O and version 1 otherwise; readers take both,
-telling them apart by the file's size (the header of each version has one length for a key).
-A reader knows the namespace, the key and the payload length it expects, so it can read header
-and payload with one `preadv` and check every field; any difference (magic, version, namespace,
-key, length, either checksum, padding, file size) makes the file bad.
+pool slots. Writers use version 2 with direct I/O (for a payload that is a multiple of 4096
+bytes) and version 1 otherwise; readers take both, telling them apart by the file's size (the
+header of each version has one length for a key). A reader knows the namespace, the key and the
+payload length it expects, so it can read header and payload with one `preadv` and check every
+field; any difference (magic, version, namespace, key, length, either checksum, padding, file
+size) makes the file bad, except an HPKV file of a version newer than this reader knows
+(`newer_version`), which the storage tier leaves in place for the nodes that wrote it.
 """
 
 from __future__ import annotations

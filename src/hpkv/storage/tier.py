@@ -4,8 +4,11 @@ Layout: `<root>/<ns>/<hex[0:2]>/<hex[2:4]>/<hex>.kv`, with `<root>/<ns>/namespac
 the readable namespace description. Files are immutable once published: they are written to a
 temporary name in the same directory and renamed into place, so a reader sees a whole file or
 none. Every read checks length, header and payload checksum; a bad file is deleted and the read is
-a miss. Several tiers (nodes) may share one root: the index learns files it did not write when a
-lookup finds them, and a reader that loses a race with an evictor just misses.
+a miss (a file in a format newer than this HPKV reads is a miss too, but stays for the nodes that
+wrote it). Several tiers (nodes) may share one root: the index learns files it did not write when
+a lookup finds them, and a reader that loses a race with an evictor just misses. With direct I/O
+(HPKV_KV_STORAGE_DIRECT_IO), files in the aligned format go between the device and pool slots
+with O_DIRECT where the file system takes it (see `fileio`).
 
 Primitives: `start`, `add_namespace`, `contains`, `read_into`, `write_from` (or `publish`, where
 another process writes the file), `submit`, `remove`, `stats`, `close`. Capacity is enforced on
@@ -32,7 +35,7 @@ from typing import Callable
 
 from ..config import StorageConfig
 from ..errors import StorageError
-from ..fsinfo import free_bytes
+from ..fsinfo import PSEUDO_FS, existing_ancestor, free_bytes, mount_of
 from ..procs import pid_alive
 from . import format as fmt
 from .fileio import (ALIGN, O_DIRECT, FileIO, FileTarget, aligned, aligned_buffer, direct_supported, transfer,
@@ -41,6 +44,7 @@ from .fileio import (ALIGN, O_DIRECT, FileIO, FileTarget, aligned, aligned_buffe
 log = logging.getLogger(__name__)
 
 AUTO_CAPACITY_FRACTION = 0.8
+SMALL_AUTO_CAPACITY = 1 << 30  # below this an automatic capacity is worth a warning
 STALE_TEMP_S = 3600.0  # a temporary this old is from a writer that died, on whatever node
 TOUCH_EVERY_S = 60.0  # refresh a file's mtime (its LRU age across restarts) at most this often
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -90,10 +94,20 @@ class StorageTier:
 
     def start(self) -> None:
         """Make the root usable, size the tier, and rebuild the index in the background."""
+        fs_type = mount_of(self.root).fs_type
+        if fs_type in PSEUDO_FS:
+            raise StorageError(
+                f"the storage directory {self.root} (HPKV_KV_STORAGE_PATH) is on {fs_type}, a kernel pseudo file "
+                "system that cannot hold KV files; point HPKV_KV_STORAGE_PATH at an SSD or a parallel file system")
         try:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         except FileExistsError:
             pass  # a file in the way: reported just below as not a directory
+        except NotADirectoryError:
+            raise StorageError(
+                f"cannot create the storage directory {self.root} (HPKV_KV_STORAGE_PATH): "
+                f"{existing_ancestor(self.root)} is a file, not a directory; point HPKV_KV_STORAGE_PATH "
+                "elsewhere") from None
         except OSError as exc:
             raise StorageError(
                 f"cannot create the storage directory {self.root} (HPKV_KV_STORAGE_PATH): {exc.strerror}; "
@@ -163,7 +177,10 @@ class StorageTier:
                 self._forget(ns, key)
                 self.counters.read_misses += 1
                 return False
-            self.direct = direct = False  # the file system changed under us: no more O_DIRECT
+            if self.direct:  # the file system changed under us: no more O_DIRECT
+                self.direct = False
+                log.warning("the file system of %s refused O_DIRECT on a read (HPKV_KV_STORAGE_DIRECT_IO=on); KV "
+                            "files go through the page cache from now on", self.root)
             return self.read_into(ns, key, dest)
         header = None
         try:
@@ -383,6 +400,12 @@ class StorageTier:
         self._merge(found)
         if self.config.capacity_bytes is None:
             self.capacity_bytes += int(self.used_bytes * AUTO_CAPACITY_FRACTION)
+            if self.capacity_bytes < SMALL_AUTO_CAPACITY:
+                log.warning("the storage tier holds only %d bytes: HPKV_KV_STORAGE_SIZE=auto takes %d%% of the "
+                            "space free under %s when the server starts, and there was little; KV files %s. Free "
+                            "space there and restart the server, or set HPKV_KV_STORAGE_SIZE",
+                            self.capacity_bytes, round(AUTO_CAPACITY_FRACTION * 100), self.root,
+                            "are not written" if self.capacity_bytes == 0 else "are evicted soon after they are written")
         if len(found) > 10_000 or time.monotonic() - started > 2.0:
             log.info("storage index ready: %d files in %.1f s", len(found), time.monotonic() - started)
         if self.used_bytes > self.capacity_bytes:

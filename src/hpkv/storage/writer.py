@@ -15,9 +15,10 @@ N}`; a job is `{"ns", "key" (hex), "offset", "length", "final", "tmp", "director
 by `{"ok": true}` or `{"errno": E, "error": "..."}`.
 
 Primitives: `WriterPool(pool_path, num_processes, nice)`: `write(ns, key, offset, length, target,
-fsync) -> OSError | None` (one job; the caller holds the slot for its duration), `stats()`,
-`close()`. `WriterUnavailable` when no writer process can be started: the caller writes in
-process instead. Must not know: the index, capacity, eviction (the storage tier keeps them).
+fsync, version) -> OSError | None` (one job; the caller holds the slot for its duration),
+`pids()`, `stats()`, `close()`. `WriterUnavailable` when no writer process can be started: the
+caller writes in process instead. Must not know: the index, capacity, eviction (the storage tier
+keeps them).
 """
 
 from __future__ import annotations

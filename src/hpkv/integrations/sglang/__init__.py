@@ -1,6 +1,7 @@
 """SGLang: `--enable-ct-hpkv` and HPKV as the L3 storage backend of SGLang's hierarchical cache.
 
-- `flag`: rewrites `--enable-ct-hpkv` into SGLang's own HiCache flags (no SGLang import needed).
+- `flag`: rewrites `--enable-ct-hpkv` into SGLang's own HiCache flags (SGLang is imported only to
+  expand a `--config` file).
 - `plugin`: the two entry points SGLang discovers: a `sglang.serve_backends` backend whose
   detector claims `sglang serve ... --enable-ct-hpkv`, and a `sglang.srt.plugins` hook that
   rewrites the flag before `prepare_server_args` (so `python -m sglang.launch_server` works too).

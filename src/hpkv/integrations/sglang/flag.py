@@ -17,7 +17,7 @@ Rules, each for a reason:
 - `--hicache-mem-layout page_first` pins SGLang's current default on GPU, so HPKV's namespaces
   (which include the layout) stay the same across SGLang upgrades. On Ascend (`--device npu`, or
   torch_npu installed and no `--device`) SGLang picks its own I/O backend and layout, so neither
-  is touched.
+  is touched; nor is the layout when the user gives `--hicache-io-backend`.
 - The documented order `--model-path --enable-ct-hpkv /path/to/model` works: dropping the flag
   leaves `--model-path /path/to/model`.
 

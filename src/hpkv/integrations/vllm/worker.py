@@ -10,8 +10,9 @@ copy runs on a stream of its own, after an event recorded at the end of the forw
 block being copied must not be overwritten: vLLM only writes into blocks it allocated for the
 step, and every step's metadata lists them, so `fence` (from `handle_preemptions`, before the
 step's loads and forward pass) waits for the saves that still read any of those blocks. With
-synchronous saves (`"hpkv.async_save": false`) the copy and commit happen inside `wait_for_save`.
-The server writes committed entries through to storage on its own threads. A save that cannot
+synchronous saves (the default on the CPU, or `"hpkv.async_save": false`) the copy and commit
+happen inside `wait_for_save`. The server writes committed entries through to storage in its
+write-through processes (`storage/writer.py`), off this worker's path. A save that cannot
 happen (server gone, pool full) is skipped: a future miss, never an error. A load that cannot
 happen is reported as failed blocks, which vLLM recomputes.
 """
