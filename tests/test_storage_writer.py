@@ -18,7 +18,7 @@ import pytest
 from conftest import make_storage_config
 from hpkv.config import StorageConfig
 from hpkv.storage.tier import StorageTier
-from hpkv.storage.writer import PROTOCOL_VERSION, WriterProcess, WriterUnavailable
+from hpkv.storage.writer import PROTOCOL_VERSION, WriterPool, WriterProcess, WriterUnavailable
 from hpkv.store import Tier, TieredStore, write_threads
 from test_store import desc, keys, load, open_store, payload, save  # noqa: F401 (a fixture)
 
@@ -107,12 +107,42 @@ def test_when_no_writer_can_start_the_server_writes_in_process(open_store, stora
     monkeypatch.setattr(sys, "executable", "/bin/false")
     store = open_store(storage=storage(storage_dir))
     ns = store.register(desc())
-    ks = keys(5)
+    threads = write_threads(store.storage.config.io_threads)
+    ks = keys(threads + 3)
     save(store, ns, ks)
     assert store.flush(timeout=20)
-    assert store.writers is None and store.stats()["writers"] is None
-    assert "write-throughs run in the server process" in caplog.text
+    writers = store.stats()["writers"]
+    # Each write thread may have tried once at the same moment; none tries again for a minute.
+    assert writers["processes"] == 0 and 1 <= writers["start_failures"] <= threads < len(ks)
+    assert "exited" in writers["unavailable"]
+    said = [r.getMessage() for r in caplog.records if "run in the server process" in r.getMessage()]
+    assert len(said) == writers["start_failures"] and "another start is tried in 60 s" in said[0]
     assert read_back(storage_dir, ns, ks) == [payload(k) for k in ks]
+
+
+def test_writers_that_could_not_start_are_tried_again_later(open_store, storage_dir, monkeypatch):
+    """A start that failed once (a fork refused under memory pressure, say) does not leave the
+    server writing in process for the rest of its life."""
+    monkeypatch.setattr(WriterPool, "RETRY_S", 0.5)
+    python = sys.executable
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    store = open_store(storage=storage(storage_dir))
+    ns = store.register(desc())
+    first = keys(3)
+    save(store, ns, first)
+    assert store.flush(timeout=20)
+    assert store.stats()["writers"]["processes"] == 0
+
+    monkeypatch.setattr(sys, "executable", python)
+    time.sleep(0.6)
+    later = keys(6)[3:]
+    save(store, ns, later)
+    assert store.flush(timeout=20)
+
+    writers = store.stats()["writers"]
+    assert writers["processes"] >= 1 and writers["unavailable"] is None
+    assert store.writers.pids()
+    assert read_back(storage_dir, ns, first + later) == [payload(k) for k in first + later]
 
 
 def test_a_writer_of_another_protocol_version_is_refused_with_the_reason(shm_dir, tmp_path, monkeypatch):

@@ -81,8 +81,11 @@ def _tiers_table(stats: dict) -> Table:
         index = "index ready" if storage["index_ready"] else f"index building ({storage['files_scanned']} files)"
         state = f"{index}, {storage['bad_files']} bad files, {storage['write_failures']} write failures, "
         writers = stats.get("writers")
-        state += (f"{writers['processes']} write-through processes (nice {writers['nice']})" if writers
-                  else "written by the server process")
+        if writers and not writers["processes"] and writers.get("unavailable"):
+            state += f"written by the server process ({writers['unavailable']})"
+        else:
+            state += (f"{writers['processes']} write-through processes (nice {writers['nice']})" if writers
+                      else "written by the server process")
         if storage.get("direct_io"):
             state += ", direct I/O"
         table.add_row("storage", path, human_bytes(storage["capacity_bytes"]), _used(storage),

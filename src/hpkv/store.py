@@ -129,7 +129,7 @@ class TieredStore:
         # Write-throughs run on threads of their own, so a promotion that a request waits for
         # never queues behind them; and on few of them: each waits for one writer process
         # (`storage/writer.py`), which does the work at a lower CPU priority and with a GIL of
-        # its own. In process (`writers` None: tests, or no writer process can start) every busy
+        # its own. In process (`writers` None in tests, or while no writer process can start) every busy
         # thread competes for the GIL with the server's request handlers (a lookup answered in
         # 0.1 ms took 10 ms at p90 behind 8 write threads, 2 ms behind 2, on 2 cores).
         self._writer = None if storage is None else ThreadPoolExecutor(
@@ -372,8 +372,8 @@ class TieredStore:
                 try:
                     self._write_in_writer(entry)
                     return
-                except WriterUnavailable as exc:
-                    self._writers_unavailable(exc)
+                except WriterUnavailable:
+                    pass  # said by the writer pool; this one is written here
             view = self.region.view(entry.offset, self.entry_bytes(entry.ns))
             try:
                 self.storage.write_from(entry.ns, entry.key, view)
@@ -390,13 +390,6 @@ class TieredStore:
         version = self.storage.write_version(length)
         self.storage.publish(entry.ns, entry.key, length, lambda target: writers.write(
             entry.ns, entry.key, entry.offset, length, target, fsync, version))
-
-    def _writers_unavailable(self, exc: WriterUnavailable) -> None:
-        with self._lock:
-            writers, self.writers = self.writers, None
-        if writers is not None:
-            log.warning("%s; write-throughs run in the server process from now on", exc)
-            writers.close()
 
     # -- owners, clearing, stats --------------------------------------------------------------
 

@@ -97,6 +97,9 @@ def _store_families(stats: dict) -> Iterator[Metric]:
         yield _gauge("write_processes", "Write-through processes running now.", writers["processes"])
         yield _counter("write_process_deaths", "Write-through processes that died (each fails its job).",
                        writers["died"])
+        yield _counter("write_process_start_failures", "Write-through processes that could not start (their "
+                       "writes ran in the server process; another start is tried a minute later).",
+                       writers.get("start_failures", 0))
     yield _gauge("active_leases", "Leases held by readers now.", stats["leases"])
     yield _gauge("active_reservations", "Entries reserved by writers and not yet committed.",
                  stats["reservations"])

@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from ..errors import HpkvError
@@ -121,7 +122,11 @@ class WriterProcess:
 
 class WriterPool:
     """Up to `num_processes` writers, started on first use and restarted when one dies (its job
-    fails). One that cannot start raises WriterUnavailable."""
+    fails). One that cannot start raises WriterUnavailable, and so does every place without a
+    process for the next RETRY_S seconds (no new attempt, one warning per failed attempt); the
+    processes already running go on writing."""
+
+    RETRY_S = 60.0
 
     def __init__(self, pool_path: Path, num_processes: int, nice: int) -> None:
         self.pool_path = Path(pool_path)
@@ -132,8 +137,11 @@ class WriterPool:
         self._lock = threading.Lock()
         self._procs: set[WriterProcess] = set()
         self._closed = False
+        self._retry_at = 0.0
+        self._unavailable: str | None = None  # why the last start failed, until one succeeds
         self.num_started = 0
         self.num_died = 0
+        self.num_start_failures = 0
 
     def write(self, ns: str, key: bytes, offset: int, length: int, target: FileTarget,
               fsync: str, version: int = fmt.VERSION) -> OSError | None:
@@ -162,20 +170,33 @@ class WriterPool:
             return proc
         if self._closed:
             raise WriterUnavailable("the write-through processes are closed")
-        proc = WriterProcess(self.pool_path, self.nice)
+        with self._lock:
+            if time.monotonic() < self._retry_at:
+                raise WriterUnavailable(self._unavailable or "no write-through process")
+        try:
+            proc = WriterProcess(self.pool_path, self.nice)
+        except WriterUnavailable as exc:
+            with self._lock:
+                self.num_start_failures += 1
+                self._unavailable = str(exc)
+                self._retry_at = time.monotonic() + self.RETRY_S
+            log.warning("%s; write-throughs without a process run in the server process, and another start is "
+                        "tried in %.0f s", exc, self.RETRY_S)
+            raise
         with self._lock:
             self._procs.add(proc)
             self.num_started += 1
+            self._unavailable = None
         return proc
 
     def pids(self) -> list[int]:
         with self._lock:
             return sorted(p.pid for p in self._procs)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, object]:
         with self._lock:
             return {"processes": len(self._procs), "started": self.num_started, "died": self.num_died,
-                    "nice": self.nice}
+                    "start_failures": self.num_start_failures, "unavailable": self._unavailable, "nice": self.nice}
 
     def close(self) -> None:
         """Callers must have finished their writes."""
