@@ -401,11 +401,11 @@ class StorageTier:
         if self.config.capacity_bytes is None:
             self.capacity_bytes += int(self.used_bytes * AUTO_CAPACITY_FRACTION)
             if self.capacity_bytes < SMALL_AUTO_CAPACITY:
+                fate = "are not written" if self.capacity_bytes == 0 else "are evicted soon after they are written"
                 log.warning("the storage tier holds only %d bytes: HPKV_KV_STORAGE_SIZE=auto takes %d%% of the "
                             "space free under %s when the server starts, and there was little; KV files %s. Free "
                             "space there and restart the server, or set HPKV_KV_STORAGE_SIZE",
-                            self.capacity_bytes, round(AUTO_CAPACITY_FRACTION * 100), self.root,
-                            "are not written" if self.capacity_bytes == 0 else "are evicted soon after they are written")
+                            self.capacity_bytes, round(AUTO_CAPACITY_FRACTION * 100), self.root, fate)
         if len(found) > 10_000 or time.monotonic() - started > 2.0:
             log.info("storage index ready: %d files in %.1f s", len(found), time.monotonic() - started)
         if self.used_bytes > self.capacity_bytes:
