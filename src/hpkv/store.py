@@ -388,7 +388,7 @@ class TieredStore:
     def _write_in_writer(self, entry: DramEntry) -> None:
         length, fsync, writers = self.entry_bytes(entry.ns), self.storage.config.fsync, self.writers
         version = self.storage.write_version(length)
-        self.storage.publish(entry.ns, entry.key, length, lambda target: writers.write(
+        self.storage.publish(entry.ns, entry.key, length, version, lambda target: writers.write(
             entry.ns, entry.key, entry.offset, length, target, fsync, version))
 
     # -- owners, clearing, stats --------------------------------------------------------------

@@ -250,15 +250,16 @@ class StorageTier:
         version = self.write_version(len(payload))
         header = fmt.encode_header(bytes.fromhex(ns), key, payload, version)
         direct = version == fmt.VERSION_ALIGNED and aligned(payload)
-        return self.publish(ns, key, len(payload), lambda target: write_entry_file(
+        return self.publish(ns, key, len(payload), version, lambda target: write_entry_file(
             self.io, target, [header, payload], self.config.fsync, direct))
 
-    def publish(self, ns: str, key: bytes, payload_bytes: int, write: Callable[[FileTarget], OSError | None]) -> bool:
-        """Make room for (ns, key) and have `write` put its file at a target this tier names
-        (`write_entry_file`'s contract: the whole file or nothing, the error returned, not
-        raised). A full disk evicts and retries. False when it could not be written (counted,
-        logged)."""
-        size = fmt.header_bytes(len(key), self.write_version(payload_bytes)) + payload_bytes
+    def publish(self, ns: str, key: bytes, payload_bytes: int, version: int,
+                write: Callable[[FileTarget], OSError | None]) -> bool:
+        """Make room for (ns, key) and have `write` put its file, in format `version`, at a target
+        this tier names (`write_entry_file`'s contract: the whole file or nothing, the error
+        returned, not raised). A full disk evicts and retries. False when it could not be written
+        (counted, logged)."""
+        size = fmt.header_bytes(len(key), version) + payload_bytes
         if not self._make_room(size):
             self.counters.write_failures += 1
             return False
