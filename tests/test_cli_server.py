@@ -6,6 +6,7 @@ test_metrics.py and test_doctor.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from click.testing import CliRunner
 
@@ -24,6 +26,7 @@ from hpkv.cli import main
 from hpkv.keys import NamespaceDesc
 from hpkv.server.autostart import answers
 from hpkv.server.client import Client
+from hpkv.status import human_bytes
 from hpkv.store import Tier
 
 HPKV_SCRIPT = Path(sys.executable).parent / "hpkv"
@@ -198,6 +201,32 @@ def test_status_shows_tiers_namespace_hit_rates_and_clients(server, env):
                   "test-engine", str(engine_pid), "cli", "managed", str(server.proc.pid),
                   "write-through processes (nice 10)"):
         assert words in out, f"{words!r} missing from:\n{out}"
+
+
+def test_status_shows_entries_waiting_for_a_storage_device_that_stopped(server, env):
+    with server.client() as client:
+        ns, keys = write_entries(client, 4)  # starts the server's write-through processes
+        wait_for_storage(client, 4)
+        writers = [child.pid for child in psutil.Process(server.proc.pid).children()
+                   if "hpkv.storage.writer" in " ".join(child.cmdline())]
+        assert writers
+        for pid in writers:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            write_entries(client, 3, dataclasses.replace(DESC, model="another/model"))
+            stopped = hpkv(env, "status")
+        finally:
+            for pid in writers:
+                os.kill(pid, signal.SIGCONT)
+        wait_for_storage(client, 7)
+        deadline = time.monotonic() + 10  # the last write's bookkeeping ends just after its file lands
+        while client.stats()["write_backlog"]["entries"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert client.stats()["write_backlog"] == {"entries": 0, "bytes": 0}
+    assert stopped.returncode == 0, stopped.stderr
+    waiting = f"3 entries ({human_bytes(3 * DESC.entry_bytes)}) waiting to be written"
+    assert waiting in " ".join(stopped.stdout.split()), stopped.stdout
+    assert "waiting to be written" not in hpkv(env, "status").stdout
 
 
 def test_status_json_is_the_raw_stats(server, env):

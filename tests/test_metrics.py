@@ -52,6 +52,7 @@ def test_metrics_count_what_the_client_did(server, env):
     assert m[("hpkv_write_processes", ())] >= 1  # the four files were written by one
     assert m[("hpkv_write_process_deaths_total", ())] == 0
     assert m[("hpkv_write_process_start_failures_total", ())] == 0
+    assert ("hpkv_write_backlog_entries", ()) in m and ("hpkv_write_backlog_bytes", ()) in m
     assert m[("hpkv_connected_clients", ())] == 1
     assert m[("hpkv_clients", (("kind", "test-engine"),))] == 1
     assert m[("hpkv_request_seconds_count", (("op", "lookup"),))] == 2

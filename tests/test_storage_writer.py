@@ -190,3 +190,29 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return state not in ("Z", "X")
+
+
+def test_entries_waiting_for_their_write_through_are_counted_until_written(open_store, storage_dir):
+    """An operator sees a storage device that falls behind: the entries not yet written, which
+    pin their DRAM slots, in the stats (and from there in `hpkv status` and the metrics)."""
+    store = open_store(storage=storage(storage_dir))
+    ns = store.register(desc())
+    save(store, ns, keys(write_threads(store.storage.config.io_threads) * 2, "warm"))  # starts every writer
+    assert store.flush(timeout=20)
+    assert store.stats()["write_backlog"] == {"entries": 0, "bytes": 0}
+    pids = store.writers.pids()
+    assert len(pids) == write_threads(store.storage.config.io_threads)  # no place left to start another
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)  # a storage device that stopped answering
+    try:
+        ks = keys(6)
+        save(store, ns, ks)
+        assert not store.flush(timeout=0.5)
+        backlog = store.stats()["write_backlog"]
+        assert backlog == {"entries": 6, "bytes": 6 * store.entry_bytes(ns)}
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    assert store.flush(timeout=20)
+    assert store.stats()["write_backlog"] == {"entries": 0, "bytes": 0}
+    assert read_back(storage_dir, ns, ks) == [payload(k) for k in ks]

@@ -88,6 +88,9 @@ def _tiers_table(stats: dict) -> Table:
                       else "written by the server process")
         if storage.get("direct_io"):
             state += ", direct I/O"
+        backlog = stats.get("write_backlog") or {}
+        if backlog.get("entries"):
+            state += f", {backlog['entries']} entries ({human_bytes(backlog['bytes'])}) waiting to be written"
         table.add_row("storage", path, human_bytes(storage["capacity_bytes"]), _used(storage),
                       str(storage["num_entries"]), str(storage["evictions"]), state)
     return table

@@ -124,6 +124,7 @@ class TieredStore:
         self._leases: dict[int, Lease] = {}
         self._promoting: dict[DramEntry, Future] = {}
         self._writes: set[Future] = set()
+        self._backlog = [0, 0]  # entries committed and not written through yet, their payload bytes
         self._quarantine: deque[tuple[float, DramEntry]] = deque()  # (until, reserved entry of a dropped owner)
         self._lease_ids = itertools.count(1)
         # Write-throughs run on threads of their own, so a promotion that a request waits for
@@ -335,6 +336,8 @@ class TieredStore:
                     published.append(entry)
                     if self.storage is not None:
                         self.dram.pin(entry)  # the write-through reads the slot
+                        self._backlog[0] += 1
+                        self._backlog[1] += self.dram.entry_bytes(ns)
             self.counters.commits += len(published)
         if self.storage is not None:
             for entry in published:
@@ -384,6 +387,8 @@ class TieredStore:
         finally:
             with self._lock:
                 self.dram.unpin(entry)
+                self._backlog[0] -= 1
+                self._backlog[1] -= self.dram.entry_bytes(entry.ns)
 
     def _write_in_writer(self, entry: DramEntry) -> None:
         length, fsync, writers = self.entry_bytes(entry.ns), self.storage.config.fsync, self.writers
@@ -440,6 +445,9 @@ class TieredStore:
             out["leases"] = len(self._leases)
             out["reservations"] = sum(len(h) for h in self._reserved.values())
             out["quarantined"] = len(self._quarantine)
+            # Committed entries not on storage yet: each pins its DRAM slot until written.
+            out["write_backlog"] = None if self.storage is None else {
+                "entries": self._backlog[0], "bytes": self._backlog[1]}
         out["storage"] = self.storage.stats() if self.storage is not None else None
         writers = self.writers
         out["writers"] = writers.stats() if writers is not None else None

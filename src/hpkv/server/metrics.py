@@ -103,6 +103,12 @@ def _store_families(stats: dict) -> Iterator[Metric]:
     yield _gauge("active_leases", "Leases held by readers now.", stats["leases"])
     yield _gauge("active_reservations", "Entries reserved by writers and not yet committed.",
                  stats["reservations"])
+    backlog = stats.get("write_backlog")
+    if backlog is not None:
+        yield _gauge("write_backlog_entries", "Committed entries waiting for their write-through to storage "
+                     "(each pins its DRAM slot until written).", backlog["entries"])
+        yield _gauge("write_backlog_bytes", "Payload bytes of the entries waiting for their write-through.",
+                     backlog["bytes"])
 
 
 def _tier_families(stats: dict) -> Iterator[Metric]:
