@@ -3,6 +3,7 @@ owners that vanish, clearing, and the storage hit after a restart."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import threading
@@ -257,6 +258,61 @@ def test_a_lease_keeps_its_entries_through_pressure(open_store):
     assert [bytes(store.region.buf[o : o + ENTRY]) for o in lease.offsets] == [payload(k) for k in first]
     assert store.stats()["dram"]["evictions"] > 0
     store.release(lease.id)
+
+
+def dram_prefix(store: TieredStore, ns: str, ks: list[bytes]) -> int:
+    """How many leading keys of the prefix `ks` are in DRAM (a lookup stops at the first miss)."""
+    tiers = store.lookup(ns, ks).tiers
+    return next((i for i, tier in enumerate(tiers) if tier is not Tier.DRAM), len(tiers))
+
+
+def storage_off(storage_dir: Path) -> StorageConfig:
+    return dataclasses.replace(make_storage_config(storage_dir), enabled=False)
+
+
+def test_of_a_prefix_that_fills_the_pool_the_last_entries_are_evicted_first(open_store, storage_dir):
+    """vLLM frees a request's blocks last first, so that eviction leaves a usable prefix; so
+    does HPKV: evicting a prefix's first entry would make every entry after it useless."""
+    store = open_store(pool_bytes=4 << 20, storage=storage_off(storage_dir))  # 64 entries of 64 KiB
+    ns = store.register(desc())
+    chain = keys(64, "document")
+    assert save(store, ns, chain) == 64
+
+    save(store, ns, keys(8, "other"))
+
+    assert store.stats()["dram"]["evictions"] == 8
+    assert dram_prefix(store, ns, chain) == 56
+
+
+def test_a_prefix_read_together_keeps_its_first_entries_longest(open_store, storage_dir):
+    store = open_store(pool_bytes=4 << 20, storage=storage_off(storage_dir))
+    ns = store.register(desc())
+    chain, other = keys(48, "document"), keys(16, "other")
+    save(store, ns, other)
+    save(store, ns, chain)
+    assert load(store, ns, other) == [payload(k) for k in other]  # now the chain is the older of the two
+    assert load(store, ns, chain) == [payload(k) for k in chain]  # and now the other keys are
+
+    save(store, ns, keys(24, "new"))
+
+    assert dram_prefix(store, ns, other) == 0  # all 16 evicted: the least recently used
+    assert dram_prefix(store, ns, chain) == 40  # then the chain's last 8, not its first
+
+
+def test_written_through_prefixes_leave_dram_last_entries_first(open_store):
+    store = open_store(pool_bytes=4 << 20)  # with the storage tier: unpinned as each file lands
+    ns = store.register(desc())
+    chain = keys(64, "document")
+    save(store, ns, chain)
+    assert store.flush(timeout=20)
+
+    save(store, ns, keys(8, "other"))
+    assert store.flush(timeout=20)
+
+    lookup = store.lookup(ns, chain)
+    assert lookup.num_hit == 64  # the evicted entries are on storage
+    # Two write-through threads finish in about the order they were given, last first.
+    assert 48 <= dram_prefix(store, ns, chain) <= 56 and lookup.num_dram == 56
 
 
 def test_a_vanished_owner_loses_its_reservations_and_leases(open_store):

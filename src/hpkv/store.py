@@ -240,7 +240,7 @@ class TieredStore:
         """Queue the storage reads of a lease's promotions (outside the lock: the I/O threads
         finishing earlier reads take it)."""
         reads, lease.reads = lease.reads, []
-        for entry, promotion in reads:
+        for entry, promotion in reversed(reads):
             try:
                 self.storage.submit(self._promote, entry, promotion)
             except RuntimeError:  # the executor is shut down: the store is closing
@@ -250,11 +250,16 @@ class TieredStore:
         return self._leases.get(lease_id)
 
     def release(self, lease_id: int) -> bool:
+        """Unpin a lease's entries, last first. An entry is of use only behind every entry before
+        it in its prefix (a lookup stops at the first miss), so of entries used together the
+        last must be the first evicted, as vLLM frees its own blocks: unpinned last first, it
+        is the oldest of them in the LRU. Commits, write-throughs (whose end unpins an entry)
+        and promotions (whose reads refresh the storage tier's LRU) go last first too."""
         with self._lock:
             lease = self._leases.pop(lease_id, None)
             if lease is None:
                 return False
-            for entry in lease.entries:
+            for entry in reversed(lease.entries):
                 self.dram.unpin(entry)
         return True
 
@@ -326,11 +331,12 @@ class TieredStore:
 
     def commit(self, ns: str, keys: list[bytes], owner: int = 0) -> int:
         """Publish reserved keys and queue their write-through. Keys not reserved by `owner` are
-        ignored. Returns the number published."""
+        ignored. Returns the number published. Keys come in prefix order, and are published (and
+        written through) last first: see `release`."""
         published = []
         with self._lock:
             held = self._reserved.get(owner, {})
-            for key in keys:
+            for key in reversed(keys):
                 entry = held.pop((ns, key), None)
                 if entry is not None and self.dram.commit(entry):
                     published.append(entry)

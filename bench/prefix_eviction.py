@@ -1,0 +1,143 @@
+"""Benchmark: DRAM hit rate of long prefixes in a pool smaller than their working set, with the
+store's eviction order (a prefix's last entries leave first) against plain LRU in prefix order
+(what the store did before Nov 30), on the same requests in the same run.
+
+An entry is of use only behind every entry before it in its prefix: a lookup stops at the first
+miss. With plain LRU, the entries of a prefix used together reach the LRU in prefix order, so
+the first of them is the oldest and leaves first, and the rest of the prefix stays in the pool
+useless. The store unpins and commits them last first (`TieredStore.release`), as vLLM frees its
+own blocks, so eviction shortens a prefix from its end.
+
+Two real stores (`TieredStore`, pools on /dev/shm, storage tier off so that every hit is a DRAM
+hit) get the same seeded requests, one after the other. Each request is one document: the
+leading DRAM hits are leased (copied, in an engine) and released; the entries after the first
+miss are reserved and committed (computed and saved, in an engine; present ones are skipped).
+Documents are drawn from a Zipf distribution, so some come back often and some rarely; all of
+them together are `--working-set` times the pool.
+
+    .venv/bin/python bench/prefix_eviction.py [--requests 4000] [--working-set 1.5] [--doc-blocks 256] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hpkv.config import PoolConfig, StorageConfig
+from hpkv.keys import NamespaceDesc, make_key
+from hpkv.store import TieredStore
+
+ENTRY = 16 << 10
+
+
+class PrefixOrderStore(TieredStore):
+    """The baseline: entries reach the LRU in prefix order (commits and releases first first)."""
+
+    def commit(self, ns: str, keys: list[bytes], owner: int = 0) -> int:
+        return super().commit(ns, keys[::-1], owner)  # the store publishes last first; undo that
+
+    def release(self, lease_id: int) -> bool:
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                return False
+            for entry in lease.entries:
+                self.dram.unpin(entry)
+        return True
+
+
+def documents(lengths: list[int]) -> list[list[bytes]]:
+    return [[make_key(hashlib.sha256(f"doc-{d}-block-{b}".encode()).digest()) for b in range(n)]
+            for d, n in enumerate(lengths)]
+
+
+def serve(store: TieredStore, ns: str, doc: list[bytes]) -> int:
+    """One request as an engine makes it; returns the blocks that hit in DRAM."""
+    num_hit = store.lookup(ns, doc).num_dram  # storage is off: every hit is a DRAM hit
+    if num_hit:
+        lease = store.lease(ns, doc[:num_hit])
+        lease.wait(timeout=10)
+        store.release(lease.id)
+    rest = doc[num_hit:]
+    if rest:
+        store.reserve(ns, rest)
+        store.commit(ns, rest)
+    return num_hit
+
+
+def run(args: argparse.Namespace) -> dict:
+    entries = args.pool_bytes // ENTRY
+    rng = np.random.default_rng(args.seed)
+    lengths: list[int] = []
+    while sum(lengths) < args.working_set * entries:  # documents of 1/4 to 7/4 of --doc-blocks
+        lengths.append(int(rng.integers(args.doc_blocks // 4, args.doc_blocks * 7 // 4 + 1)))
+    num_docs = len(lengths)
+    docs = documents(lengths)
+    weights = 1.0 / np.arange(1, num_docs + 1) ** args.zipf
+    picks = rng.choice(num_docs, size=args.requests, p=weights / weights.sum())
+    storage_off = StorageConfig(path=Path(tempfile.gettempdir()) / "unused", enabled=False, capacity_bytes=None,
+                                fsync="off", io_threads=1)
+    desc = NamespaceDesc(engine="bench", model="prefix-eviction", dtype="float16", layout="blocks", block_size=32,
+                         num_layers=2, entry_bytes=ENTRY)
+    total = sum(lengths)
+    out: dict = {"pool_entries": entries, "documents": num_docs, "doc_blocks": args.doc_blocks, "all_blocks": total,
+                 "requests": args.requests, "zipf": args.zipf, "stores": {}}
+    for name, cls in (("HPKV (last entries first)", TieredStore), ("plain LRU (prefix order)", PrefixOrderStore)):
+        with tempfile.TemporaryDirectory(dir=args.pool_dir, prefix="hpkv-bench-") as pool_dir:
+            store = cls.open(PoolConfig(dir=Path(pool_dir), size_bytes=args.pool_bytes), storage_off)
+            try:
+                ns = store.register(desc)
+                started = time.perf_counter()
+                hits = [serve(store, ns, docs[d]) for d in picks]
+                elapsed = time.perf_counter() - started
+                evictions = store.stats()["dram"]["evictions"]
+            finally:
+                store.close()
+        out["stores"][name] = {
+            "hit_blocks": int(sum(hits)),
+            "hit_rate": sum(hits) / sum(lengths[d] for d in picks),
+            "full_hits": sum(h == lengths[d] for h, d in zip(hits, picks)) / args.requests,
+            "no_hit": sum(h == 0 for h in hits) / args.requests,
+            "evictions": evictions,
+            "seconds": round(elapsed, 2),
+        }
+    new, old = (out["stores"][k]["hit_rate"] for k in out["stores"])
+    out["ratio"] = new / old if old else float("inf")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=4000)
+    p.add_argument("--pool-bytes", type=int, default=32 << 20, help="each store's pool (entries of 16 KiB)")
+    p.add_argument("--doc-blocks", type=int, default=256,
+                   help="mean entries per document (its prefix; 256: 8K tokens in blocks of 32)")
+    p.add_argument("--working-set", type=float, default=1.5, help="all documents, in pools")
+    p.add_argument("--zipf", type=float, default=1.0, help="exponent of the documents' popularity")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pool-dir", default="/dev/shm", help="parent of the pool temporaries (tmpfs)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    out = run(args)
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"pool of {out['pool_entries']} entries; {out['documents']} documents of {out['doc_blocks'] // 4} to "
+          f"{out['doc_blocks'] * 7 // 4} entries ({out['all_blocks'] / out['pool_entries']:.1f}x the pool), "
+          f"{out['requests']} requests, Zipf {out['zipf']}")
+    print(f"{'eviction order':28} {'DRAM hit rate':>14} {'full hits':>10} {'no hit':>8} {'evictions':>10}")
+    for name, r in out["stores"].items():
+        print(f"{name:28} {r['hit_rate']:>13.1%} {r['full_hits']:>10.1%} {r['no_hit']:>8.1%} {r['evictions']:>10}")
+    print(f"hit rate, HPKV / plain LRU: {out['ratio']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
