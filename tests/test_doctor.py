@@ -13,9 +13,8 @@ import pytest
 
 from hpkv.config import PoolConfig, StorageConfig
 from hpkv.doctor import (Check, ServerProbe, Verdict, check_hash_seed, check_memlock, check_pool_fs,
-                         check_pool_pages,
-                         check_pool_permissions, check_socket_path, check_storage, check_storage_permissions,
-                         run_checks)
+                         check_pool_pages, check_pool_permissions, check_socket_path, check_storage,
+                         check_storage_permissions, run_checks)
 from hpkv.fsinfo import mount_of
 from test_cli_server import env, hpkv, hpkv_env, pool_dir, server  # noqa: F401
 
