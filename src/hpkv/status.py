@@ -81,11 +81,12 @@ def _tiers_table(stats: dict) -> Table:
         index = "index ready" if storage["index_ready"] else f"index building ({storage['files_scanned']} files)"
         state = f"{index}, {storage['bad_files']} bad files, {storage['write_failures']} write failures, "
         writers = stats.get("writers")
-        if writers and not writers["processes"] and writers.get("unavailable"):
+        if not writers:
+            state += "written by the server process"
+        elif not writers["processes"] and writers.get("unavailable"):
             state += f"written by the server process ({writers['unavailable']})"
         else:
-            state += (f"{writers['processes']} write-through processes (nice {writers['nice']})" if writers
-                      else "written by the server process")
+            state += f"{writers['processes']} write-through processes (nice {writers['nice']})"
         if storage.get("direct_io"):
             state += ", direct I/O"
         backlog = stats.get("write_backlog") or {}
