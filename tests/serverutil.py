@@ -236,6 +236,26 @@ def kill(pid: int, sig: int = signal.SIGKILL) -> None:
         pass
 
 
+def stop(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP `pid` and return once every one of its threads is stopped. The signal alone is not
+    enough: the kernel stops the threads as each next runs, and on a busy machine one of them may
+    still answer a request meanwhile."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except (OSError, IndexError):
+                continue  # a thread that just ended
+        if states and all(state in "tT" for state in states):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} not stopped after {timeout_s} s (thread states {states})")
+        time.sleep(0.005)
+
+
 def wait_gone(pid: int, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while _alive(pid):

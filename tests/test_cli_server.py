@@ -28,6 +28,7 @@ from hpkv.server.autostart import answers
 from hpkv.server.client import Client
 from hpkv.status import human_bytes
 from hpkv.store import Tier
+from serverutil import stop
 
 HPKV_SCRIPT = Path(sys.executable).parent / "hpkv"
 ENTRY_BYTES = 4096
@@ -211,7 +212,7 @@ def test_status_shows_entries_waiting_for_a_storage_device_that_stopped(server, 
                    if "hpkv.storage.writer" in " ".join(child.cmdline())]
         assert len(writers) == 2  # HPKV_IO_THREADS=2: every place has its process, none can start
         for pid in writers:
-            os.kill(pid, signal.SIGSTOP)
+            stop(pid)
         try:
             write_entries(client, 3, dataclasses.replace(DESC, model="another/model"))
             stopped = hpkv(env, "status")

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from serverutil import Node, desc, entry_key, kill, payload, wait_for, wait_gone
+from serverutil import Node, desc, entry_key, kill, payload, stop, wait_for, wait_gone
 from hpkv.server import protocol as p
 from hpkv.store import Tier
 
@@ -206,7 +206,7 @@ def test_a_server_that_stops_answering_costs_a_call_its_timeout_not_a_hang(node)
     engine = node.agent("scheduler", autostart=False, timeout_s=1.0, retry_interval_s=0.5)
     engine.call("register", rank=0)
     engine.call("save", prefix="prompt", n=2)
-    server.send_signal(signal.SIGSTOP)
+    stop(server.pid)
     try:
         stuck = engine.try_call("lookup", prefix="prompt", n=2)
         assert stuck["error"] == "ServerUnavailable" and 1.0 <= stuck["elapsed_s"] <= 1.0 + 5.0

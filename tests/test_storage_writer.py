@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_storage_config
+from serverutil import stop
 from hpkv.config import StorageConfig
 from hpkv.storage.tier import StorageTier
 from hpkv.storage.writer import PROTOCOL_VERSION, WriterPool, WriterProcess, WriterUnavailable
@@ -203,7 +204,7 @@ def test_entries_waiting_for_their_write_through_are_counted_until_written(open_
     pids = store.writers.pids()
     assert len(pids) == write_threads(store.storage.config.io_threads)  # no place left to start another
     for pid in pids:
-        os.kill(pid, signal.SIGSTOP)  # a storage device that stopped answering
+        stop(pid)  # a storage device that stopped answering
     try:
         ks = keys(6)
         save(store, ns, ks)
