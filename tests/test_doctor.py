@@ -14,7 +14,7 @@ import pytest
 from hpkv.config import PoolConfig, StorageConfig
 from hpkv.doctor import (Check, ServerProbe, Verdict, check_hash_seed, check_memlock, check_pool_fs,
                          check_pool_pages, check_pool_permissions, check_socket_path, check_storage,
-                         check_storage_permissions, run_checks)
+                         check_storage_permissions, check_write_backlog, run_checks)
 from hpkv.fsinfo import mount_of
 from test_cli_server import env, hpkv, hpkv_env, pool_dir, server  # noqa: F401
 
@@ -39,6 +39,8 @@ def test_doctor_reports_the_running_server_and_exits_0(server, env):
     assert checks["pool directory: free space"]["verdict"] == "ok"
     assert checks["memlock"]["verdict"] == "ok"
     assert checks["storage directory: permissions"]["verdict"] in ("ok", "warn")  # warn: its mode
+    backlog = checks["storage: write backlog"]
+    assert backlog["verdict"] == "ok" and backlog["detail"].startswith("0 entries (0 B, 0% of the pool)")
     assert "hash stability" in checks
 
 
@@ -200,6 +202,19 @@ def test_an_automatic_capacity_with_little_free_space_is_a_warning(small_tmpfs, 
     running = ServerProbe(tmp_path / "no.sock", stats={"storage": {"used_bytes": 0, "capacity_bytes": 3 << 30}})
     space = {c.name: c for c in check_storage(storage, running)}["storage directory: free space"]
     assert space.verdict is Verdict.OK and "the running server sized the tier to 3.0 GiB" in space.detail
+
+
+def test_a_write_backlog_holding_much_of_the_pool_is_a_warning(tmp_path):
+    stats = {"dram": {"capacity_bytes": 64 << 20}, "write_backlog": {"entries": 40, "bytes": 40 << 20}}
+    behind = check_write_backlog(stats)
+    assert behind.verdict is Verdict.WARN
+    assert "40 entries (40.0 MiB, 62% of the pool)" in behind.detail
+    assert "When storage does not keep up" in behind.fix
+    stats["write_backlog"] = {"entries": 3, "bytes": 3 << 20}
+    assert check_write_backlog(stats).verdict is Verdict.OK
+    storage = StorageConfig(path=tmp_path, enabled=True, capacity_bytes=None, fsync="off", io_threads=1)
+    names = [c.name for c in check_storage(storage, ServerProbe(tmp_path / "no.sock"))]
+    assert "storage: write backlog" not in names  # only a running server has one
 
 
 def test_a_pool_directory_to_be_created_is_fine(tmp_path):

@@ -279,7 +279,28 @@ def check_storage(storage: StorageConfig, server: ServerProbe) -> list[Check]:
             checks.append(check_storage_space(storage, server))
         if storage.direct_io and Path(storage.path).is_dir():
             checks.append(check_storage_direct_io(storage))
+    if server.stats is not None and server.stats.get("write_backlog") is not None:
+        checks.append(check_write_backlog(server.stats))
     return checks
+
+
+BACKLOG_WARN_SHARE = 0.25  # of the pool, pinned by entries waiting for their write-through
+
+
+def check_write_backlog(stats: dict) -> Check:
+    """The running server's entries waiting for their write-through, against its pool."""
+    name = "storage: write backlog"
+    backlog, pool = stats["write_backlog"], stats["dram"]["capacity_bytes"]
+    share = backlog["bytes"] / pool if pool else 0.0
+    detail = (f"{backlog['entries']} entries ({human_bytes(backlog['bytes'])}, {share:.0%} of the pool) wait for "
+              "their write-through to storage now")
+    if share <= BACKLOG_WARN_SHARE:
+        return Check(name, Verdict.OK, detail)
+    return Check(name, Verdict.WARN, f"{detail}: each pins its DRAM slot until written, so the storage device "
+                 "is behind what the engines save (a burst drains; a backlog that stays or grows leaves less of "
+                 "the pool for new KV)",
+                 "run hpkv doctor again in a minute; if it has not drained, see docs/operations.md, \"When storage "
+                 "does not keep up\" (a faster device, more HPKV_IO_THREADS, a lower HPKV_WRITE_NICE, direct I/O)")
 
 
 def check_storage_direct_io(storage: StorageConfig) -> Check:
