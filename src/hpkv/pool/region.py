@@ -28,7 +28,7 @@ import threading
 from pathlib import Path
 
 from ..errors import PoolError
-from ..fsinfo import MEMORY_FS, free_bytes, mem_available_bytes, mount_of
+from ..fsinfo import MEMORY_FS, PSEUDO_FS, existing_ancestor, free_bytes, mem_available_bytes, mount_of
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,8 @@ class PoolRegion:
         if size_bytes < MIN_POOL_BYTES:
             raise PoolError(f"HPKV_KV_MEM_POOL_SIZE={size_bytes} bytes is too small; use at least 1m")
         directory = Path(directory)
-        _prepare_directory(directory)
+        prepare_directory(directory)
+        _warn_if_not_in_memory(directory)
         path = directory / POOL_FILE_NAME
         fd = _create_exclusive(path)
         try:
@@ -165,9 +166,20 @@ class PoolRegion:
         self.locked_in_memory = True
 
 
-def _prepare_directory(directory: Path) -> None:
+def prepare_directory(directory: Path) -> None:
+    """Make the pool directory (0700) if needed; PoolError naming the problem and the fix when it
+    cannot hold the pool: a kernel pseudo file system, a file in the way, no write permission."""
+    fs_type = mount_of(directory).fs_type
+    if fs_type in PSEUDO_FS:
+        raise PoolError(f"{directory} (HPKV_SHARE_MEM_FILE_PATH) is on {fs_type}, a kernel pseudo file system "
+                        "that cannot hold the pool file; point HPKV_SHARE_MEM_FILE_PATH at a directory on ramfs "
+                        "or tmpfs, e.g. under /dev/shm")
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise PoolError(f"cannot create {directory} (HPKV_SHARE_MEM_FILE_PATH): {existing_ancestor(directory)} "
+                        "is a file, not a directory; point HPKV_SHARE_MEM_FILE_PATH at a directory on ramfs or "
+                        "tmpfs") from None
     except OSError as exc:
         raise PoolError(
             f"cannot create the pool directory {directory} (HPKV_SHARE_MEM_FILE_PATH): {exc.strerror}; "
@@ -175,6 +187,9 @@ def _prepare_directory(directory: Path) -> None:
     if not os.access(directory, os.W_OK | os.X_OK):
         raise PoolError(f"the pool directory {directory} (HPKV_SHARE_MEM_FILE_PATH) is not writable by "
                         f"uid {os.geteuid()}; fix its permissions or choose another directory")
+
+
+def _warn_if_not_in_memory(directory: Path) -> None:
     mount = mount_of(directory)
     if mount.fs_type not in MEMORY_FS:
         log.warning(

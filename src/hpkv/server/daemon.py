@@ -34,8 +34,8 @@ from pathlib import Path
 from .. import __version__
 from ..config import Settings, load_settings
 from ..errors import HpkvError, PoolError
-from ..fsinfo import PSEUDO_FS, existing_ancestor, mount_of
 from ..keys import NS_DIGEST_BYTES, NamespaceDesc
+from ..pool.region import prepare_directory
 from ..procs import pid_running
 from ..store import TieredStore
 from . import protocol as p
@@ -99,21 +99,7 @@ class Server:
             log.warning("%s", warning)
 
     def _open(self) -> None:
-        fs_type = mount_of(self.directory).fs_type
-        if fs_type in PSEUDO_FS:
-            raise PoolError(f"{self.directory} (HPKV_SHARE_MEM_FILE_PATH) is on {fs_type}, a kernel pseudo file system "
-                            "that cannot hold the pool file; point HPKV_SHARE_MEM_FILE_PATH at a directory on ramfs "
-                            "or tmpfs, e.g. under /dev/shm")
-        try:
-            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
-            raise PoolError(f"cannot create {self.directory} (HPKV_SHARE_MEM_FILE_PATH): "
-                            f"{existing_ancestor(self.directory)} is a file, not a directory; point "
-                            "HPKV_SHARE_MEM_FILE_PATH at a directory on ramfs or tmpfs") from None
-        except OSError as exc:
-            raise PoolError(f"cannot create {self.directory} (HPKV_SHARE_MEM_FILE_PATH): {exc.strerror}; create it "
-                            "with write permission for this user (on ramfs or tmpfs), or point "
-                            "HPKV_SHARE_MEM_FILE_PATH elsewhere, e.g. under /dev/shm") from None
+        prepare_directory(self.directory)  # the socket goes there before the pool does
         _claim_socket_path(self.socket_path)
         self.store = TieredStore.open(self.settings.pool, self.settings.storage)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
