@@ -223,11 +223,35 @@ def test_status_shows_entries_waiting_for_a_storage_device_that_stopped(server, 
         deadline = time.monotonic() + 10  # the last write's bookkeeping ends just after its file lands
         while client.stats()["write_backlog"]["entries"] and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert client.stats()["write_backlog"] == {"entries": 0, "bytes": 0}
+        backlog = client.stats()["write_backlog"]
+        assert (backlog["entries"], backlog["bytes"], backlog["deferred"]) == (0, 0, 0)
     assert stopped.returncode == 0, stopped.stderr
     waiting = f"3 entries ({human_bytes(3 * DESC.entry_bytes)}) waiting to be written"
     assert waiting in " ".join(stopped.stdout.split()), stopped.stdout
     assert "waiting to be written" not in hpkv(env, "status").stdout
+
+
+def test_status_shows_entries_deferred_past_the_backlog_limit(server, env):
+    """A stalled device pins at most half the pool (32 MiB here); the entries past that wait
+    unpinned, and status says how many."""
+    big = dataclasses.replace(DESC, model="big/model", entry_bytes=1 << 20)
+    with server.client() as client:
+        write_entries(client, 4)
+        wait_for_storage(client, 4)
+        writers = [child.pid for child in psutil.Process(server.proc.pid).children()
+                   if "hpkv.storage.writer" in " ".join(child.cmdline())]
+        for pid in writers:
+            stop(pid)
+        try:
+            write_entries(client, 40, big)
+            stopped = hpkv(env, "status")
+        finally:
+            for pid in writers:
+                os.kill(pid, signal.SIGCONT)
+        wait_for_storage(client, 44, timeout_s=30)
+    assert stopped.returncode == 0, stopped.stderr
+    waiting = "32 entries (32.0 MiB) waiting to be written and 8 more deferred"
+    assert waiting in " ".join(stopped.stdout.split()), stopped.stdout
 
 
 def test_status_json_is_the_raw_stats(server, env):

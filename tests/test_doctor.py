@@ -205,12 +205,15 @@ def test_an_automatic_capacity_with_little_free_space_is_a_warning(small_tmpfs, 
 
 
 def test_a_write_backlog_holding_much_of_the_pool_is_a_warning(tmp_path):
-    stats = {"dram": {"capacity_bytes": 64 << 20}, "write_backlog": {"entries": 40, "bytes": 40 << 20}}
+    stats = {"dram": {"capacity_bytes": 64 << 20},
+             "write_backlog": {"entries": 32, "bytes": 32 << 20, "limit_bytes": 32 << 20, "deferred": 0}}
     behind = check_write_backlog(stats)
     assert behind.verdict is Verdict.WARN
-    assert "40 entries (40.0 MiB, 62% of the pool)" in behind.detail
+    assert "32 entries (32.0 MiB, 50% of the pool)" in behind.detail and "unpinned" not in behind.detail
     assert "When storage does not keep up" in behind.fix
-    stats["write_backlog"] = {"entries": 3, "bytes": 3 << 20}
+    stats["write_backlog"]["deferred"] = 12
+    assert "and 12 more wait unpinned" in check_write_backlog(stats).detail
+    stats["write_backlog"] = {"entries": 3, "bytes": 3 << 20, "limit_bytes": 32 << 20, "deferred": 0}
     assert check_write_backlog(stats).verdict is Verdict.OK
     storage = StorageConfig(path=tmp_path, enabled=True, capacity_bytes=None, fsync="off", io_threads=1)
     names = [c.name for c in check_storage(storage, ServerProbe(tmp_path / "no.sock"))]

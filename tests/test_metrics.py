@@ -53,6 +53,8 @@ def test_metrics_count_what_the_client_did(server, env):
     assert m[("hpkv_write_process_deaths_total", ())] == 0
     assert m[("hpkv_write_process_start_failures_total", ())] == 0
     assert ("hpkv_write_backlog_entries", ()) in m and ("hpkv_write_backlog_bytes", ()) in m
+    assert m[("hpkv_write_backlog_deferred", ())] == 0
+    assert m[("hpkv_write_through_deferred_total", ())] == m[("hpkv_write_through_lost_total", ())] == 0
     assert m[("hpkv_connected_clients", ())] == 1
     assert m[("hpkv_clients", (("kind", "test-engine"),))] == 1
     assert m[("hpkv_request_seconds_count", (("op", "lookup"),))] == 2

@@ -200,7 +200,7 @@ def test_entries_waiting_for_their_write_through_are_counted_until_written(open_
     ns = store.register(desc())
     save(store, ns, keys(write_threads(store.storage.config.io_threads) * 2, "warm"))  # starts every writer
     assert store.flush(timeout=20)
-    assert store.stats()["write_backlog"] == {"entries": 0, "bytes": 0}
+    assert store.stats()["write_backlog"] == {"entries": 0, "bytes": 0, "limit_bytes": 8 << 20, "deferred": 0}
     pids = store.writers.pids()
     assert len(pids) == write_threads(store.storage.config.io_threads)  # no place left to start another
     for pid in pids:
@@ -210,10 +210,50 @@ def test_entries_waiting_for_their_write_through_are_counted_until_written(open_
         save(store, ns, ks)
         assert not store.flush(timeout=0.5)
         backlog = store.stats()["write_backlog"]
-        assert backlog == {"entries": 6, "bytes": 6 * store.entry_bytes(ns)}
+        assert backlog == {"entries": 6, "bytes": 6 * store.entry_bytes(ns), "limit_bytes": 8 << 20, "deferred": 0}
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
     assert store.flush(timeout=20)
-    assert store.stats()["write_backlog"] == {"entries": 0, "bytes": 0}
+    assert store.stats()["write_backlog"]["entries"] == 0
     assert read_back(storage_dir, ns, ks) == [payload(k) for k in ks]
+
+
+def test_a_storage_device_that_falls_behind_pins_at_most_half_the_pool(open_store, storage_dir):
+    """Entries past the backlog limit wait unpinned: the engines' saves still land in DRAM (before,
+    a stalled device pinned every slot and every save after that was skipped), and what the pool
+    still holds is written once the device answers again."""
+    store = open_store(storage=storage(storage_dir))  # 16 MiB: 256 entries of 64 KiB
+    ns = store.register(desc())
+    entry = store.entry_bytes(ns)
+    save(store, ns, keys(write_threads(store.storage.config.io_threads) * 2, "warm"))  # starts every writer
+    assert store.flush(timeout=20)
+    pids = store.writers.pids()
+    for pid in pids:
+        stop(pid)
+    try:
+        first = keys(200, "first")
+        assert save(store, ns, first) == 200
+        backlog = store.stats()["write_backlog"]
+        assert backlog["limit_bytes"] == 8 << 20
+        assert backlog["entries"] == 128 and backlog["bytes"] == 128 * entry and backlog["deferred"] == 72
+        later = keys(100, "later")  # more than the unpinned rest of the pool
+        assert save(store, ns, later) == 100  # 56 before the limit: the rest found every slot pinned
+        assert store.dram.counters.reserve_failures == 0
+        assert store.stats()["write_backlog"]["entries"] == 128
+        assert not store.flush(timeout=0.3)
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    assert store.flush(timeout=60)
+    stats = store.stats()
+    assert stats["write_backlog"] == {"entries": 0, "bytes": 0, "limit_bytes": 8 << 20, "deferred": 0}
+    on_storage = read_back(storage_dir, ns, first + later)
+    in_dram = [k in store.dram.index_of(ns) for k in first + later]
+    for k, stored, held in zip(first + later, on_storage, in_dram):
+        assert stored == payload(k) or (stored is None and not held)  # nothing the pool holds is unwritten
+    lost = on_storage.count(None)
+    assert stats["store"]["write_through_deferred"] == 72 + 100
+    assert stats["store"]["write_through_lost"] == lost > 0  # deferred entries evicted before their turn
+    # Commits go last first: the pinned 128 are the tail of the first prefix, all written.
+    assert on_storage[72:200] == [payload(k) for k in first[72:]]

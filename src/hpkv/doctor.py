@@ -294,6 +294,9 @@ def check_write_backlog(stats: dict) -> Check:
     share = backlog["bytes"] / pool if pool else 0.0
     detail = (f"{backlog['entries']} entries ({human_bytes(backlog['bytes'])}, {share:.0%} of the pool) wait for "
               "their write-through to storage now")
+    if backlog.get("deferred"):
+        detail += (f", and {backlog['deferred']} more wait unpinned (the backlog pins at most half the pool; an "
+                   "entry evicted before its turn stays unwritten)")
     if share <= BACKLOG_WARN_SHARE:
         return Check(name, Verdict.OK, detail)
     return Check(name, Verdict.WARN, f"{detail}: each pins its DRAM slot until written, so the storage device "

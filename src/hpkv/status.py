@@ -92,6 +92,8 @@ def _tiers_table(stats: dict) -> Table:
         backlog = stats.get("write_backlog") or {}
         if backlog.get("entries"):
             state += f", {backlog['entries']} entries ({human_bytes(backlog['bytes'])}) waiting to be written"
+            if backlog.get("deferred"):
+                state += f" and {backlog['deferred']} more deferred (the backlog holds half the pool)"
         table.add_row("storage", path, human_bytes(storage["capacity_bytes"]), _used(storage),
                       str(storage["num_entries"]), str(storage["evictions"]), state)
     return table

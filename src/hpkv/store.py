@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
@@ -39,6 +39,12 @@ from .storage.tier import StorageTier
 from .storage.writer import WriterPool, WriterUnavailable
 
 log = logging.getLogger(__name__)
+
+# Entries waiting for their write-through pin their pool slots, at most this share of the pool.
+# Past it, a committed entry waits unpinned (`write_backlog["deferred"]`), evictable like any other,
+# and is written once the backlog drains, if the pool still holds it. Without the limit a storage
+# device slower than the engines pinned the whole pool, and every save after that was skipped.
+BACKLOG_LIMIT_SHARE = 0.5
 
 
 class Tier(enum.IntEnum):
@@ -108,6 +114,8 @@ class StoreCounters:
     promotions: int = 0
     promotion_failures: int = 0
     write_through_skipped: int = 0
+    write_through_deferred: int = 0
+    write_through_lost: int = 0
 
 
 class TieredStore:
@@ -126,6 +134,9 @@ class TieredStore:
         self._writes: set[Future] = set()
         # Entries committed and not written through yet (each pins its slot), and their payload bytes.
         self._backlog_entries = self._backlog_bytes = 0
+        self._backlog_limit = int(self.dram.alloc.num_slabs * self.dram.alloc.slab_bytes * BACKLOG_LIMIT_SHARE)
+        # Committed entries past the limit, oldest first: written once the backlog drains, if still in DRAM.
+        self._deferred: OrderedDict[tuple[str, bytes], None] = OrderedDict()
         self._quarantine: deque[tuple[float, DramEntry]] = deque()  # (until, reserved entry of a dropped owner)
         self._lease_ids = itertools.count(1)
         # Write-throughs run on threads of their own, so a promotion that a request waits for
@@ -154,8 +165,9 @@ class TieredStore:
         return cls(region, tier, slab_bytes, write_processes=True)
 
     def close(self) -> None:
-        """Finish write-throughs in flight, then remove the pool."""
+        """Finish the write-throughs queued and deferred, then remove the pool."""
         if self._writer is not None:
+            self.flush()
             self._writer.shutdown(wait=True)
         if self.writers is not None:
             self.writers.close()
@@ -334,35 +346,86 @@ class TieredStore:
         """Publish reserved keys and queue their write-through. Keys not reserved by `owner` are
         ignored. Returns the number published. Keys come in prefix order, and are published (and
         written through) last first: see `release`."""
-        published = []
+        published, writes = [], []
         with self._lock:
             held = self._reserved.get(owner, {})
             for key in reversed(keys):
                 entry = held.pop((ns, key), None)
                 if entry is not None and self.dram.commit(entry):
                     published.append(entry)
-                    if self.storage is not None:
-                        self.dram.pin(entry)  # the write-through reads the slot
-                        self._backlog_entries += 1
-                        self._backlog_bytes += self.dram.entry_bytes(ns)
+                    if self.storage is not None and self._admit_write(entry):
+                        writes.append(entry)
             self.counters.commits += len(published)
-        if self.storage is not None:
-            for entry in published:
-                write = self._writer.submit(self._write_through, entry)
-                with self._lock:
-                    self._writes.add(write)
-                write.add_done_callback(self._write_done)
+        self._submit_writes(writes)
         return len(published)
+
+    def _admit_write(self, entry: DramEntry) -> bool:
+        """Into the backlog (pinned: the write-through reads the slot) if the backlog has room and
+        nothing waits before it; else deferred. Caller holds the lock."""
+        size = self.dram.entry_bytes(entry.ns)
+        if self._backlog_entries and (self._deferred or self._backlog_bytes + size > self._backlog_limit):
+            self._deferred[(entry.ns, entry.key)] = None
+            self.counters.write_through_deferred += 1
+            if len(self._deferred) > sum(len(self.dram.index_of(ns)) for ns in self._namespaces):
+                self._deferred.popitem(last=False)  # more than the pool holds: the oldest is gone already
+                self.counters.write_through_lost += 1
+            return False
+        self.dram.pin(entry)
+        self._backlog_entries += 1
+        self._backlog_bytes += size
+        return True
+
+    def _admit_deferred(self) -> list[DramEntry]:
+        """The deferred entries the backlog has room for now, oldest first. Caller holds the lock."""
+        admitted = []
+        while self._deferred:
+            ns, key = next(iter(self._deferred))
+            if self._backlog_entries and self._backlog_bytes + self.dram.entry_bytes(ns) > self._backlog_limit:
+                break
+            del self._deferred[(ns, key)]
+            entry = self.dram.index_of(ns).get(key)
+            if entry is None:  # evicted or cleared before its turn: it was in DRAM only
+                self.counters.write_through_lost += 1
+                continue
+            if not entry.ready:  # evicted and reserved again: its own commit writes it through
+                continue
+            self.dram.pin(entry)
+            self._backlog_entries += 1
+            self._backlog_bytes += self.dram.entry_bytes(ns)
+            admitted.append(entry)
+        return admitted
+
+    def _submit_writes(self, entries: list[DramEntry]) -> None:
+        todo = deque(entries)
+        while todo:
+            entry = todo.popleft()
+            try:
+                write = self._writer.submit(self._write_through, entry)
+            except RuntimeError:  # the store is closed: the entry is not written
+                with self._lock:
+                    self.counters.write_through_lost += 1
+                todo.extend(self._write_finished(entry))
+                continue
+            with self._lock:
+                self._writes.add(write)
+            write.add_done_callback(self._write_done)
 
     def _write_done(self, write: Future) -> None:
         with self._lock:
             self._writes.discard(write)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until the write-throughs queued so far are on storage. False on timeout."""
-        with self._lock:
-            pending = list(self._writes)
-        return not futures_wait(pending, timeout).not_done
+        """Wait until the write-throughs queued so far, deferred ones included, are on storage
+        (or have failed). False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                pending = list(self._writes)
+            if not pending:
+                return True
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if futures_wait(pending, left).not_done:
+                return False
 
     def abort(self, ns: str, keys: list[bytes], owner: int = 0) -> None:
         with self._lock:
@@ -392,10 +455,15 @@ class TieredStore:
         except Exception:
             log.exception("write-through to storage failed; the entry stays in DRAM only")
         finally:
-            with self._lock:
-                self.dram.unpin(entry)
-                self._backlog_entries -= 1
-                self._backlog_bytes -= self.dram.entry_bytes(entry.ns)
+            self._submit_writes(self._write_finished(entry))
+
+    def _write_finished(self, entry: DramEntry) -> list[DramEntry]:
+        """Out of the backlog; returns the deferred entries that now take its place."""
+        with self._lock:
+            self.dram.unpin(entry)
+            self._backlog_entries -= 1
+            self._backlog_bytes -= self.dram.entry_bytes(entry.ns)
+            return self._admit_deferred()
 
     def _write_in_writer(self, entry: DramEntry) -> None:
         length, fsync, writers = self.entry_bytes(entry.ns), self.storage.config.fsync, self.writers
@@ -453,7 +521,8 @@ class TieredStore:
             out["reservations"] = sum(len(h) for h in self._reserved.values())
             out["quarantined"] = len(self._quarantine)
             out["write_backlog"] = None if self.storage is None else {
-                "entries": self._backlog_entries, "bytes": self._backlog_bytes}
+                "entries": self._backlog_entries, "bytes": self._backlog_bytes, "limit_bytes": self._backlog_limit,
+                "deferred": len(self._deferred)}
         out["storage"] = self.storage.stats() if self.storage is not None else None
         writers = self.writers
         out["writers"] = writers.stats() if writers is not None else None

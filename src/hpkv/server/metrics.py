@@ -40,6 +40,10 @@ _STORE_COUNTERS = (
      "Promotions that failed (missing or bad file); the engine recomputes."),
     ("write_through_skipped", "write_through_skipped",
      "Write-throughs skipped because storage already held the entry."),
+    ("write_through_deferred", "write_through_deferred",
+     "Committed entries whose write-through waited unpinned: the backlog held half the pool."),
+    ("write_through_lost", "write_through_lost",
+     "Deferred write-throughs never written: the entry left DRAM first (it stayed in DRAM only)."),
 )
 _STORAGE_COUNTERS = (
     ("storage_reads", "reads", "Entry files read from storage."),
@@ -109,6 +113,8 @@ def _store_families(stats: dict) -> Iterator[Metric]:
                      "(each pins its DRAM slot until written).", backlog["entries"])
         yield _gauge("write_backlog_bytes", "Payload bytes of the entries waiting for their write-through.",
                      backlog["bytes"])
+        yield _gauge("write_backlog_deferred", "Committed entries past the backlog's limit (half the pool), "
+                     "waiting unpinned for their write-through.", backlog.get("deferred", 0))
 
 
 def _tier_families(stats: dict) -> Iterator[Metric]:
