@@ -1,6 +1,6 @@
 """Benchmark: what a storage device that falls behind costs the DRAM tier, with the store's limit
 on the write backlog (half the pool pinned at most; the rest deferred, unpinned) against no limit
-(what the store did before Dec 1: every committed entry pinned until written), on the same
+(what the store did before commit 3c60186: every committed entry pinned until written), on the same
 requests in the same run.
 
 Two real stores (`TieredStore`, pools on /dev/shm, a storage directory, write-through processes)

@@ -62,3 +62,21 @@ def test_bench_rejects_a_total_smaller_than_an_entry(tmp_path):
                             capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert result.returncode == 2
     assert "largest size" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_stalled_storage_benchmark_compares_the_backlog_limit_with_none(shm_dir, tmp_path):
+    """bench/stalled_storage.py, small: with the writers stopped, the store without a limit skips
+    saves once its pool is pinned, the store with one skips none, and both leave nothing behind."""
+    script = Path(__file__).resolve().parents[1] / "bench" / "stalled_storage.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--requests", "150", "--pool-bytes", str(4 << 20), "--doc-blocks", "64",
+         "--storage-dir", str(tmp_path), "--pool-dir", str(shm_dir), "--json"],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    limited, unlimited = out["stores"].values()
+    assert limited["saves_skipped"] == 0 and unlimited["saves_skipped"] > 0
+    assert limited["backlog_entries"] == out["pool_entries"] // 2 and limited["deferred"] > 0
+    assert unlimited["backlog_entries"] == out["pool_entries"] and unlimited["deferred"] == 0
+    assert unlimited["written_after"] == out["pool_entries"]
+    assert list(shm_dir.iterdir()) == [] and list(tmp_path.iterdir()) == []
