@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from serverutil import Node, desc, entry_key, kill, payload, stop, wait_for, wait_gone
@@ -228,7 +229,7 @@ def test_sigterm_finishes_storage_writes_in_flight_and_exits_cleanly(node):
     server.send_signal(signal.SIGTERM)  # at once: the write-throughs are queued, not done
     assert server.wait(timeout=30) == 0
     assert not node.socket_path.exists() and not node.pool_path.exists()
-    assert "finishing storage writes in flight" in node.foreground_log(server)
+    assert "HPKV server stopping" in node.foreground_log(server)
 
     node.start_server()
     reader = node.client("reader")
@@ -238,3 +239,40 @@ def test_sigterm_finishes_storage_writes_in_flight_and_exits_cleanly(node):
     assert reader.wait(lease, timeout_s=10) == 48
     assert all(bytes(lease.view(i)) == payload(key, 0, BIG) for i, key in enumerate(keys))
     reader.release(lease)
+
+
+def test_a_second_sigterm_stops_a_server_whose_storage_does_not_answer(node):
+    """The first SIGTERM waits for the storage writes; with a device that stopped answering, it
+    would wait for ever. The second gives them up: the server exits at once and cleanly."""
+    server = node.start_server()
+    client = node.client("engine")
+    ns = client.register(desc(0, BIG))
+    warm = [entry_key("warm", i) for i in range(4)]
+    res = client.reserve(ns, warm)
+    for i, key in enumerate(warm):
+        res.view(i)[:] = payload(key, 0, BIG)
+    client.commit(ns, warm)
+    wait_for(lambda: client.stats()["storage"]["num_entries"] == 4, what="the warm entries on storage")
+    writers = [child.pid for child in psutil.Process(server.pid).children()
+               if "hpkv.storage.writer" in " ".join(child.cmdline())]
+    assert writers
+    for pid in writers:
+        stop(pid)  # a storage device that stopped answering
+    keys = [entry_key("stuck", i) for i in range(40)]
+    res = client.reserve(ns, keys)
+    for i, key in enumerate(keys):
+        res.view(i)[:] = payload(key, 0, BIG)
+    assert client.commit(ns, keys) == 40
+    client.close()
+    server.send_signal(signal.SIGTERM)
+    with pytest.raises(subprocess.TimeoutExpired):
+        server.wait(timeout=2)  # writing what waits, which it cannot
+    assert "writing 40 entries still waiting for storage" in node.foreground_log(server)
+    server.send_signal(signal.SIGTERM)
+    assert server.wait(timeout=15) == 0
+    assert not node.socket_path.exists() and not node.pool_path.exists()
+    log = node.foreground_log(server)
+    assert "stopping without writing" in log and "HPKV server stopped" in log
+    assert "died" not in log  # the killed writers are not mistaken for deaths
+    for pid in writers:
+        wait_gone(pid)

@@ -164,16 +164,32 @@ class TieredStore:
             raise
         return cls(region, tier, slab_bytes, write_processes=True)
 
-    def close(self) -> None:
-        """Finish the write-throughs queued and deferred, then remove the pool."""
+    def close(self, abandon: threading.Event | None = None) -> None:
+        """Finish the write-throughs queued and deferred, then remove the pool. Once `abandon` is
+        set, the write-throughs not yet done are given up instead (their entries are not on
+        storage): for a storage device that does not answer."""
         if self._writer is not None:
-            self.flush()
+            while not self.flush(timeout=0.2):
+                if abandon is not None and abandon.is_set():
+                    self._abandon_writes()
+                    break
             self._writer.shutdown(wait=True)
         if self.writers is not None:
             self.writers.close()
         if self.storage is not None:
             self.storage.close()
         self.region.close()
+
+    def _abandon_writes(self) -> None:
+        with self._lock:
+            waiting = self._backlog_entries + len(self._deferred)
+            self.counters.write_through_lost += len(self._deferred)
+            self._deferred.clear()
+        self._writer.shutdown(wait=False, cancel_futures=True)
+        if self.writers is not None:
+            self.writers.kill()  # a job in hand fails at once, even on a device that does not answer
+        log.warning("stopping without writing %d entries that were waiting for storage; they are lost with the "
+                    "pool", waiting)
 
     def __enter__(self) -> "TieredStore":
         return self

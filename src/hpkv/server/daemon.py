@@ -11,8 +11,9 @@ another uid are refused (SO_PEERCRED) unless HPKV_SERVER_ALLOW_UIDS lists them. 
 an `Error` and closes only that connection.
 
 Stop: SIGTERM/SIGINT, or (auto-started servers only) no client for HPKV_SERVER_IDLE_EXIT_S. The
-server stops accepting, finishes the storage writes in flight (and stops its write-through
-processes), removes socket and pool, exits 0.
+server stops accepting, writes the entries still waiting for storage (and stops its write-through
+processes), removes socket and pool, exits 0. A second SIGTERM/SIGINT while it writes gives those
+entries up, for a storage device that does not answer.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class Server:
         self.metrics = None
         self.started_at = time.time()
         self._stop = threading.Event()
+        self._abandon = threading.Event()  # a second stop signal: do not wait for storage writes
         self._clients: dict[int, ClientInfo] = {}
         self._clients_lock = threading.Lock()
         self._next_id = 1
@@ -88,6 +90,8 @@ class Server:
         return 0
 
     def stop(self, *_args) -> None:
+        if self._stop.is_set():
+            self._abandon.set()
         self._stop.set()
 
     def _log_settings(self) -> None:
@@ -150,7 +154,15 @@ class Server:
             return time.monotonic() - self._last_client_left > self.settings.server_idle_exit_s
 
     def _shutdown(self) -> None:
-        log.info("HPKV server stopping: finishing storage writes in flight")
+        waiting = 0
+        if self.store is not None and self.store.storage is not None:
+            backlog = self.store.stats()["write_backlog"]
+            waiting = backlog["entries"] + backlog["deferred"]
+        if waiting:
+            log.info("HPKV server stopping: writing %d entries still waiting for storage (stop it again, with "
+                     "SIGTERM or Ctrl-C, to leave them unwritten)", waiting)
+        else:
+            log.info("HPKV server stopping")
         if self._listener is not None:
             self._listener.close()
         try:
@@ -160,7 +172,7 @@ class Server:
         if self.metrics is not None:
             self.metrics.stop()
         if self.store is not None:
-            self.store.close()
+            self.store.close(abandon=self._abandon)
         log.info("HPKV server stopped")
 
     # -- one client ---------------------------------------------------------------------------

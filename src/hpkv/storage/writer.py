@@ -16,7 +16,7 @@ by `{"ok": true}` or `{"errno": E, "error": "..."}`.
 
 Primitives: `WriterPool(pool_path, num_processes, nice)`: `write(ns, key, offset, length, target,
 fsync, version) -> OSError | None` (one job; the caller holds the slot for its duration),
-`pids()`, `stats()`, `close()`. `WriterUnavailable` when no writer process can be started: the
+`pids()`, `stats()`, `close()`, `kill()`. `WriterUnavailable` when no writer process can be started: the
 caller writes in process instead. Must not know: the index, capacity, eviction (the storage tier
 keeps them).
 """
@@ -155,10 +155,13 @@ class WriterPool:
                                 "final": target.final, "tmp": target.tmp, "directory": target.directory,
                                 "mkdir": target.mkdir, "fsync": fsync, "format": version})
             if not proc.alive():
-                log.warning("write-through process %d died: %s; starting another", proc.pid, error)
                 with self._lock:
-                    self.num_died += 1
-                    self._procs.discard(proc)
+                    killed = self._closed and proc not in self._procs
+                    if not killed:
+                        self.num_died += 1
+                        self._procs.discard(proc)
+                if not killed:
+                    log.warning("write-through process %d died: %s; starting another", proc.pid, error)
                 proc.close(timeout_s=1.0)
                 proc = None
             return error
@@ -197,6 +200,14 @@ class WriterPool:
         with self._lock:
             return {"processes": len(self._procs), "started": self.num_started, "died": self.num_died,
                     "start_failures": self.num_start_failures, "unavailable": self._unavailable, "nice": self.nice}
+
+    def kill(self) -> None:
+        """Kill every process now: a job in hand fails (EIO), and no other starts."""
+        with self._lock:
+            self._closed = True
+            procs, self._procs = list(self._procs), set()
+        for proc in procs:
+            proc.proc.kill()
 
     def close(self) -> None:
         """Callers must have finished their writes."""
