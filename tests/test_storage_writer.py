@@ -257,3 +257,26 @@ def test_a_storage_device_that_falls_behind_pins_at_most_half_the_pool(open_stor
     assert stats["store"]["write_through_lost"] == lost > 0  # deferred entries evicted before their turn
     # Commits go last first: the pinned 128 are the tail of the first prefix, all written.
     assert on_storage[72:200] == [payload(k) for k in first[72:]]
+
+
+def test_closing_gives_up_the_writes_of_a_storage_device_that_stopped_answering(open_store, storage_dir, caplog):
+    """A server that stops waits for its storage writes, but not for ever: once none has ended for
+    STALLED_S it gives them up, so the pool file the next server needs is not held for ever."""
+    store = open_store(storage=storage(storage_dir))
+    store.STALLED_S = 1.0
+    ns = store.register(desc())
+    save(store, ns, keys(write_threads(store.storage.config.io_threads) * 2, "warm"))  # starts every writer
+    assert store.flush(timeout=20)
+    pids = store.writers.pids()
+    for pid in pids:
+        stop(pid)
+    ks = keys(6)
+    save(store, ns, ks)
+    started = time.monotonic()
+    store.close()
+    assert 1.0 <= time.monotonic() - started < 10.0
+    assert not store.region.path.exists()
+    assert "storage has finished no write for 1 s: stopping without writing the 6 entries" in caplog.text
+    assert read_back(storage_dir, ns, ks) == [None] * 6
+    for pid in pids:
+        assert not _running(pid)  # killed, stopped as they were

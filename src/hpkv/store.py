@@ -119,6 +119,7 @@ class StoreCounters:
 
 
 class TieredStore:
+    STALLED_S = 30.0  # at close, give up the storage writes when none has ended for this long
     def __init__(self, region: PoolRegion, storage: StorageTier | None, slab_bytes: int | None = None,
                  write_processes: bool = False) -> None:
         self.region = region
@@ -134,6 +135,7 @@ class TieredStore:
         self._writes: set[Future] = set()
         # Entries committed and not written through yet (each pins its slot), and their payload bytes.
         self._backlog_entries = self._backlog_bytes = 0
+        self._writes_ended = 0
         self._backlog_limit = int(self.dram.alloc.num_slabs * self.dram.alloc.slab_bytes * BACKLOG_LIMIT_SHARE)
         # Committed entries past the limit, oldest first: written once the backlog drains, if still in DRAM.
         self._deferred: OrderedDict[tuple[str, bytes], None] = OrderedDict()
@@ -165,13 +167,19 @@ class TieredStore:
         return cls(region, tier, slab_bytes, write_processes=True)
 
     def close(self, abandon: threading.Event | None = None) -> None:
-        """Finish the write-throughs queued and deferred, then remove the pool. Once `abandon` is
-        set, the write-throughs not yet done are given up instead (their entries are not on
-        storage): for a storage device that does not answer."""
+        """Finish the write-throughs queued and deferred, then remove the pool. They are given up
+        (their entries are not on storage) once `abandon` is set, or when none has ended for
+        STALLED_S: a storage device that does not answer must not keep the server, and with it
+        the pool file the next server needs, for ever."""
         if self._writer is not None:
+            done, progress_at = self._writes_ended, time.monotonic()
             while not self.flush(timeout=0.2):
-                if abandon is not None and abandon.is_set():
-                    self._abandon_writes()
+                if self._writes_ended != done:
+                    done, progress_at = self._writes_ended, time.monotonic()
+                stalled = time.monotonic() - progress_at > self.STALLED_S
+                if stalled or (abandon is not None and abandon.is_set()):
+                    self._abandon_writes(f"storage has finished no write for {self.STALLED_S:.0f} s" if stalled
+                                         else "asked to stop again")
                     break
             self._writer.shutdown(wait=True)
         if self.writers is not None:
@@ -180,7 +188,7 @@ class TieredStore:
             self.storage.close()
         self.region.close()
 
-    def _abandon_writes(self) -> None:
+    def _abandon_writes(self, why: str) -> None:
         with self._lock:
             waiting = self._backlog_entries + len(self._deferred)
             self.counters.write_through_lost += len(self._deferred)
@@ -188,8 +196,8 @@ class TieredStore:
         self._writer.shutdown(wait=False, cancel_futures=True)
         if self.writers is not None:
             self.writers.kill()  # a job in hand fails at once, even on a device that does not answer
-        log.warning("stopping without writing %d entries that were waiting for storage; they are lost with the "
-                    "pool", waiting)
+        log.warning("%s: stopping without writing the %d entries still waiting for storage (they are lost with "
+                    "the pool)", why, waiting)
 
     def __enter__(self) -> "TieredStore":
         return self
@@ -476,6 +484,7 @@ class TieredStore:
     def _write_finished(self, entry: DramEntry) -> list[DramEntry]:
         """Out of the backlog; returns the deferred entries that now take its place."""
         with self._lock:
+            self._writes_ended += 1
             self.dram.unpin(entry)
             self._backlog_entries -= 1
             self._backlog_bytes -= self.dram.entry_bytes(entry.ns)

@@ -13,7 +13,7 @@ an `Error` and closes only that connection.
 Stop: SIGTERM/SIGINT, or (auto-started servers only) no client for HPKV_SERVER_IDLE_EXIT_S. The
 server stops accepting, writes the entries still waiting for storage (and stops its write-through
 processes), removes socket and pool, exits 0. A second SIGTERM/SIGINT while it writes gives those
-entries up, for a storage device that does not answer.
+entries up, and so does a storage device that finishes no write for 30 s (`TieredStore.close`).
 """
 
 from __future__ import annotations
