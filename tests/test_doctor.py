@@ -264,3 +264,43 @@ def test_doctor_checks_direct_io_only_when_it_is_asked_for(tmp_path, monkeypatch
     assert check.verdict is Verdict.WARN and str(storage) in check.detail and "page cache" in check.detail
     off = dataclasses.replace(config, direct_io=False)
     assert "storage directory: direct I/O" not in {c.name for c in check_storage(off, probe)}
+
+
+def test_doctor_names_the_setting_that_keeps_two_engines_from_sharing_kv(server, env):
+    """Users cannot tell why reads never happen: one engine saves, another with a different block
+    size looks up the same prompts and finds nothing. Doctor names the difference."""
+    from test_cli_server import DESC, write_entries
+
+    with server.client() as saver, server.client() as reader:
+        write_entries(saver, 8)
+        other = dataclasses.replace(DESC, block_size=32, entry_bytes=2 * DESC.entry_bytes)
+        ns = reader.register(other)
+        for _ in range(3):
+            assert reader.lookup(ns, [bytes([i]) * 16 for i in range(32)]).num_hit == 0
+        code, checks = doctor_json(env)
+    assert code == 0
+    check = checks["namespaces: hits"]
+    assert check["verdict"] == "warn", check
+    assert f"namespace {ns[:12]} (vllm, {DESC.model}, rank 0) looked up 96 keys and found none" in check["detail"]
+    assert "block size 32 here, 16 there" in check["detail"] and "bytes per block" in check["detail"]
+    assert "same settings" in check["fix"]
+
+
+def test_namespaces_that_find_their_keys_are_fine():
+    from hpkv.doctor import check_namespaces
+    from test_cli_server import DESC
+
+    def ns_stats(desc, lookup_keys, hits):
+        return {"desc": desc.to_json(), "lookups": 1, "lookup_keys": lookup_keys, "hit_keys_dram": hits,
+                "hit_keys_storage": 0}
+
+    assert check_namespaces({"namespaces": {}}).verdict is Verdict.INFO
+    rank1 = dataclasses.replace(DESC, tp_size=2, rank=1)
+    rank0 = dataclasses.replace(DESC, tp_size=2, rank=0)
+    fine = {"namespaces": {rank0.ns: ns_stats(rank0, 100, 60), rank1.ns: ns_stats(rank1, 100, 60)}}
+    check = check_namespaces(fine)
+    assert check.verdict is Verdict.OK and "2 namespaces; 120 of 200 keys looked up were found" in check.detail
+    # A cold namespace whose siblings differ only in rank (its own engine's other ranks) is no mismatch.
+    cold = {"namespaces": {rank0.ns: ns_stats(rank0, 100, 0), rank1.ns: ns_stats(rank1, 100, 0)}}
+    check = check_namespaces(cold)
+    assert check.verdict is Verdict.INFO and "2 namespaces found none yet" in check.detail

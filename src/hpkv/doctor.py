@@ -10,6 +10,7 @@ Must not know: how checks are shown (the CLI renders them).
 from __future__ import annotations
 
 import enum
+import json
 import os
 import resource
 from dataclasses import dataclass
@@ -75,6 +76,8 @@ def run_checks(env: Mapping[str, str] | None = None) -> list[Check]:
                check_pool_space(settings.pool), check_memlock(settings.pool, server)]
     checks += check_storage(settings.storage, server)
     checks += [check_server(server), check_hash_seed(env)]
+    if server.stats is not None:
+        checks.append(check_namespaces(server.stats))
     return checks
 
 
@@ -420,6 +423,49 @@ def check_storage_space(storage: StorageConfig, server: ServerProbe) -> Check:
 
 
 # -- the server ------------------------------------------------------------------------------------
+
+COLD_LOOKUP_KEYS = 64  # keys a namespace looked up, all missed, before its misses are worth a word
+# What makes KV bytes differ, in the words of an engine's settings (the rank is not: ranks of one
+# engine have a namespace each by design).
+_DESC_FIELDS = {"engine": "engine", "dtype": "KV dtype", "layout": "KV layout", "block_size": "block size",
+                "num_layers": "layers", "entry_bytes": "bytes per block", "tp_size": "tensor parallel size",
+                "pp_size": "pipeline parallel size", "cp_size": "context parallel size", "extra": "other settings"}
+
+
+def check_namespaces(stats: dict) -> Check:
+    """Why lookups find nothing: a namespace that looked up many keys and hit none, beside another
+    of the same model whose KV it cannot use (engines with different settings)."""
+    name = "namespaces: hits"
+    namespaces = {ns: (json.loads(n["desc"]), n) for ns, n in stats.get("namespaces", {}).items()}
+    if not namespaces:
+        return Check(name, Verdict.INFO, "no engine has registered with the server yet")
+    cold = [ns for ns, (_, n) in namespaces.items()
+            if n["lookup_keys"] >= COLD_LOOKUP_KEYS and not n["hit_keys_dram"] + n["hit_keys_storage"]]
+    mismatches = []
+    for ns in cold:
+        desc = namespaces[ns][0]
+        for other, (other_desc, _) in namespaces.items():
+            if other == ns or other_desc["model"] != desc["model"]:
+                continue
+            differ = [f"{label} {desc.get(key)!r} here, {other_desc.get(key)!r} there"
+                      for key, label in _DESC_FIELDS.items() if desc.get(key) != other_desc.get(key)]
+            if differ:
+                mismatches.append(f"namespace {ns[:12]} ({desc['engine']}, {desc['model']}, rank {desc['rank']}) "
+                                  f"looked up {namespaces[ns][1]['lookup_keys']} keys and found none, and namespace "
+                                  f"{other[:12]} of the same model differs in {', '.join(differ)}")
+                break
+    if mismatches:
+        return Check(name, Verdict.WARN, "; ".join(mismatches) + ": KV saved under one cannot serve the other",
+                     "give every engine serving the model the same settings (those named) to share its KV; HPKV "
+                     "keeps KV of different settings apart on purpose, since loading it would give wrong tokens")
+    lookups = sum(n["lookup_keys"] for _, n in namespaces.values())
+    hits = sum(n["hit_keys_dram"] + n["hit_keys_storage"] for _, n in namespaces.values())
+    detail = f"{len(namespaces)} namespaces; {hits} of {lookups} keys looked up were found"
+    if cold:
+        return Check(name, Verdict.INFO, f"{detail}; {len(cold)} namespaces found none yet (prompts not seen "
+                     "before, or saved only since; an engine's DEBUG log says per request what it loaded and why)")
+    return Check(name, Verdict.OK, detail)
+
 
 def check_server(server: ServerProbe) -> Check:
     name = "server"

@@ -126,6 +126,9 @@ class HpkvScheduler:
         self.stats.add("lookups", 1)
         num_hit = min(hit.num_hit for hit in hits)
         tiers = tuple(max(hit.tiers[i] for hit in hits) for i in range(num_hit))
+        if not num_hit:
+            log.debug("request %s: no HPKV hit: block %d (of %d looked up) is in no tier (never saved with "
+                      "these settings, or evicted)", state.request.request_id, start, stop - start)
         num_load = self.policy.plan(start * self.block_size, tiers)
         self._count_skipped(state, num_hit, num_load)
         if not num_load:
