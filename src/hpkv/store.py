@@ -10,6 +10,8 @@ Primitives (all keyed by namespace id `ns` and engine keys, in prefix order):
   `release(lease_id)` lets them go. Leased entries are never evicted or overwritten.
 - `drop_owner(owner)`: everything a vanished client held is aborted or released.
 - `flush()` waits for queued write-throughs; `clear(memory, storage, ns)`, `stats()`, `close()`.
+  An entry waiting for its write-through is pinned, up to BACKLOG_LIMIT_SHARE of the pool; past
+  that it waits unpinned (deferred), and is written if the pool still holds it when its turn comes.
 
 Thread-safe: one lock guards the DRAM index and the lease tables; file I/O runs outside it: reads
 on the storage tier's threads, write-throughs on write threads of the store's own, each handing
@@ -120,6 +122,7 @@ class StoreCounters:
 
 class TieredStore:
     STALLED_S = 30.0  # at close, give up the storage writes when none has ended for this long
+
     def __init__(self, region: PoolRegion, storage: StorageTier | None, slab_bytes: int | None = None,
                  write_processes: bool = False) -> None:
         self.region = region
