@@ -97,3 +97,20 @@ def test_metrics_are_off_when_the_port_is_0(pool_dir, tmp_path):
 def test_request_types_become_snake_case_op_labels():
     assert op_label("Lookup") == "lookup"
     assert op_label("LeaseWait") == "lease_wait"
+
+
+def test_every_metric_the_alerting_rules_name_is_exported(server, env):
+    """docs/operations.md's alerting rules must name metrics a real server exports, or they would
+    never fire."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    rules = doc.split("### What to alert on", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    named = set(re.findall(r"\bhpkv_[a-z_]+", rules))
+    assert len(named) >= 8
+    with server.client() as client:
+        write_entries(client, 2)  # starts the write-through processes, whose metrics then appear
+        wait_for_storage(client, 2)
+        exported = {name for name, _ in scrape(int(env["HPKV_METRICS_PORT"]))}
+    assert named <= exported, named - exported
