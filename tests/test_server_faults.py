@@ -276,3 +276,32 @@ def test_a_second_sigterm_stops_a_server_whose_storage_does_not_answer(node):
     assert "died" not in log  # the killed writers are not mistaken for deaths
     for pid in writers:
         wait_gone(pid)
+
+
+def test_each_failure_in_a_row_doubles_the_wait_before_the_next_attempt(node):
+    """A server that cannot start (a bad setting) must not cost the engine a start-up attempt every
+    second for ever: the wait doubles with each failure in a row, and a success resets it."""
+    import re
+
+    from hpkv.server.autostart import ServerUnavailable
+
+    client = node.client("engine", retry_interval_s=0.2)
+
+    def next_wait() -> float:
+        with pytest.raises(ServerUnavailable):
+            client.stats()  # an attempt, which fails
+        with pytest.raises(ServerUnavailable) as waiting:
+            client.stats()  # within the wait: no attempt, and it says how long is left
+        return float(re.search(r"retrying in ([0-9.]+) s", str(waiting.value)).group(1))
+
+    waits = []
+    for _ in range(4):
+        waits.append(next_wait())
+        time.sleep(waits[-1] + 0.05)
+    for wait, expected in zip(waits, (0.2, 0.4, 0.8, 1.6)):
+        assert expected - 0.15 <= wait <= expected, waits
+    server = node.start_server()  # the last wait is over: the next call connects
+    assert client.stats()["server"]["pid"] == server.pid
+    kill(server.pid)
+    server.wait()
+    assert 0.05 <= next_wait() <= 0.2  # the success reset the count

@@ -12,7 +12,8 @@ Every call is bounded by `timeout_s`. When the server cannot be reached, or dies
 `ServerUnavailable` at once and the caller treats everything as a miss (the engine recomputes);
 after `retry_interval_s` the next call tries again, starting a server when `autostart` is on,
 and re-registers the namespaces it knew, so a restarted server is picked up without the caller
-doing anything. Reservations and leases always name the pool mapping they were made in, so bytes
+doing anything. Each failure in a row doubles the wait, up to MAX_RETRY_S: a server that cannot
+start (a bad setting) must not cost the engine a Python start-up every second. Reservations and leases always name the pool mapping they were made in, so bytes
 never go to or come from the pool of another server generation.
 
 A handle is only as good as the connection that made it: when that connection closes (a timeout,
@@ -76,6 +77,9 @@ class LeaseHandle:
         return self.region.view(self.offsets[i], self.entry_bytes)
 
 
+MAX_RETRY_S = 30.0
+
+
 class Client:
     def __init__(self, directory: str | os.PathLike, kind: str, timeout_s: float = 5.0,
                  autostart: bool = True, retry_interval_s: float = 1.0, start_timeout_s: float = 60.0,
@@ -96,6 +100,7 @@ class Client:
         self._sock: socket.socket | None = None
         self._lock = threading.RLock()
         self._retry_at = 0.0
+        self._failures = 0  # in a row: each doubles the wait before the next attempt
         self._last_error = ""
         self._namespaces: dict[str, tuple[str, int]] = {}  # ns -> (desc json, entry bytes)
 
@@ -161,6 +166,7 @@ class Client:
             if self.prefault:
                 region.prefault()
         self._sock = sock
+        self._failures = 0
         self.epoch += 1
         self.client_id = welcome.client_id
         self.server_pid = welcome.server_pid
@@ -168,6 +174,7 @@ class Client:
             self._roundtrip(p.Register(desc_json), self.timeout_s)
 
     def _fail(self, message: str) -> None:
+        self._failures += 1
         self._drop(message)
         raise ServerUnavailable(message)
 
@@ -176,7 +183,8 @@ class Client:
             self._sock.close()
             self._sock = None
         self._last_error = reason
-        self._retry_at = time.monotonic() + self.retry_interval_s
+        wait = self.retry_interval_s * 2 ** min(max(self._failures - 1, 0), 16)
+        self._retry_at = time.monotonic() + min(wait, max(self.retry_interval_s, MAX_RETRY_S))
 
     def _call(self, msg: p.Msg, timeout_s: float | None = None) -> p.Reply:
         with self._lock:
