@@ -79,10 +79,16 @@ class StorageTier:
         self.scan_done = threading.Event()
         self._node = socket.gethostname().replace(".", "_")
         self._lock = threading.Lock()
-        self._lru: OrderedDict[tuple[str, bytes], int] = OrderedDict()
+        # Index: file size by index key, least recently used first. An index key is the
+        # namespace's 2-byte number and the engine key in one bytes object (`_ik`): a tuple of the
+        # two cost 64 more bytes per file, and a large directory holds millions of files.
+        self._lru: OrderedDict[bytes, int] = OrderedDict()
+        self._ns_ids: dict[str, bytes] = {}
+        self._ns_names: list[str] = []
+        self._sizes: dict[int, int] = {}  # one int object per file size, not one per file
         self._inflight_bytes = 0
         # Keys removed while the start-up scan runs, so the scan does not bring them back.
-        self._gone: set[tuple[str, bytes]] | None = set()
+        self._gone: set[bytes] | None = set()
         self._cleared: set[str | None] = set()  # namespaces cleared meanwhile (None: all)
         self._dirs: set[str] = set()
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="hpkv-io")
@@ -153,9 +159,25 @@ class StorageTier:
         fan = name.ljust(4, "0")  # keys under 2 bytes still get both levels, where the scan looks
         return f"{self.root}/{ns}/{fan[0:2]}/{fan[2:4]}/{name}.kv"
 
+    def _ik(self, ns: str, key: bytes) -> bytes:
+        """The index key of (ns, key)."""
+        ns_id = self._ns_ids.get(ns)
+        if ns_id is None:
+            with self._lock:
+                ns_id = self._ns_ids.get(ns)
+                if ns_id is None:
+                    if len(self._ns_names) >= 1 << 16:
+                        raise StorageError(f"more than {1 << 16} namespaces under {self.root}")
+                    ns_id = self._ns_ids[ns] = len(self._ns_names).to_bytes(2, "big")
+                    self._ns_names.append(ns)
+        return ns_id + key
+
+    def _split(self, ik: bytes) -> tuple[str, bytes]:
+        return self._ns_names[int.from_bytes(ik[:2], "big")], ik[2:]
+
     def contains(self, ns: str, key: bytes) -> bool:
         """Whether a file for (ns, key) exists, adopting files other tiers wrote."""
-        if (ns, key) in self._lru:
+        if self._ik(ns, key) in self._lru:
             return True
         try:
             size = os.stat(self.path_of(ns, key)).st_size
@@ -225,9 +247,10 @@ class StorageTier:
             return False
         self.counters.reads += 1
         self.counters.read_bytes += len(dest)
+        ik = self._ik(ns, key)
         with self._lock:
-            if (ns, key) in self._lru:
-                self._lru.move_to_end((ns, key))
+            if ik in self._lru:
+                self._lru.move_to_end(ik)
         return True
 
     def _newer_format(self, path: str, version: int) -> None:
@@ -294,21 +317,23 @@ class StorageTier:
     # -- index, capacity, eviction ------------------------------------------------------------
 
     def _remember(self, ns: str, key: bytes, size: int, recent: bool) -> None:
+        ik = self._ik(ns, key)
         with self._lock:
-            old = self._lru.get((ns, key))
-            self._lru[(ns, key)] = size
+            old = self._lru.get(ik)
+            self._lru[ik] = self._sizes.setdefault(size, size)
             self.used_bytes += size - (old or 0)
             if recent:
-                self._lru.move_to_end((ns, key))
+                self._lru.move_to_end(ik)
             elif old is None:
-                self._lru.move_to_end((ns, key), last=False)
+                self._lru.move_to_end(ik, last=False)
 
     def _forget(self, ns: str, key: bytes) -> None:
+        ik = self._ik(ns, key)
         with self._lock:
-            size = self._lru.pop((ns, key), None)
+            size = self._lru.pop(ik, None)
             if size is not None:
                 self.used_bytes -= size
-            self._note_gone([(ns, key)])
+            self._note_gone([ik])
 
     def _note_gone(self, keys) -> None:
         """Caller holds the lock."""
@@ -330,9 +355,9 @@ class StorageTier:
         victims = []
         with self._lock:
             while self._lru and self.used_bytes + self._inflight_bytes + size > self.capacity_bytes:
-                (ns, key), victim_size = self._lru.popitem(last=False)
+                ik, victim_size = self._lru.popitem(last=False)
                 self.used_bytes -= victim_size
-                victims.append((ns, key))
+                victims.append(ik)
             self._note_gone(victims)
             self._inflight_bytes += size
         self._unlink_all(victims)
@@ -342,25 +367,26 @@ class StorageTier:
         victims = []
         with self._lock:
             while self._lru and num_bytes > 0:
-                (ns, key), size = self._lru.popitem(last=False)
+                ik, size = self._lru.popitem(last=False)
                 self.used_bytes -= size
                 num_bytes -= size
-                victims.append((ns, key))
+                victims.append(ik)
             self._note_gone(victims)
         self._unlink_all(victims)
 
-    def _unlink_all(self, victims: list[tuple[str, bytes]]) -> None:
-        for ns, key in victims:
+    def _unlink_all(self, victims: list[bytes]) -> None:
+        for ik in victims:
             try:
-                self.io.unlink(self.path_of(ns, key))
+                self.io.unlink(self.path_of(*self._split(ik)))
             except OSError:
                 pass  # another node evicted it first
         self.counters.evictions += len(victims)
 
     def remove(self, ns: str | None = None) -> int:
         """Delete every entry file (of one namespace), including files other nodes wrote."""
+        prefix = None if ns is None else self._ik(ns, b"")
         with self._lock:
-            for k in [k for k in self._lru if ns is None or k[0] == ns]:
+            for k in [k for k in self._lru if prefix is None or k[:2] == prefix]:
                 self.used_bytes -= self._lru.pop(k)
             if self._gone is not None:  # what a running start-up scan found here must not come back
                 self._cleared.add(ns)
@@ -413,7 +439,7 @@ class StorageTier:
             self._evict_bytes(self.used_bytes - self.capacity_bytes)
         self.scan_done.set()
 
-    def _walk(self) -> list[tuple[float, str, bytes, int]]:
+    def _walk(self) -> list[tuple[float, bytes, int]]:
         last_report = time.monotonic()
         found = []
         for ns_dir in self._namespace_dirs():
@@ -424,24 +450,25 @@ class StorageTier:
                     continue
                 try:
                     st = entry.stat()
-                    key = bytes.fromhex(entry.name[:-3])
+                    ik = self._ik(ns, bytes.fromhex(entry.name[:-3]))
                 except (OSError, ValueError):
                     continue
-                found.append((st.st_mtime, ns, key, st.st_size))
+                found.append((st.st_mtime, ik, self._sizes.setdefault(st.st_size, st.st_size)))
                 self.counters.files_scanned += 1
                 if time.monotonic() - last_report > 2.0:
                     last_report = time.monotonic()
                     log.info("storage index: %d files scanned under %s", len(found), self.root)
         return found
 
-    def _merge(self, found: list[tuple[float, str, bytes, int]]) -> None:
+    def _merge(self, found: list[tuple[float, bytes, int]]) -> None:
         """Add what the walk found, except what was removed meanwhile, behind what is known."""
         found.sort(key=lambda item: item[0], reverse=True)
         with self._lock:
-            gone, cleared = self._gone, self._cleared
-            for _, ns, key, size in found:  # newest first, each to the old end
-                k = (ns, key)
-                if k in self._lru or k in gone or ns in cleared or None in cleared:
+            gone = self._gone
+            cleared = {self._ns_ids.get(ns) for ns in self._cleared if ns is not None}  # no new ids: lock held
+            everything_cleared = None in self._cleared
+            for _, k, size in found:  # newest first, each to the old end
+                if k in self._lru or k in gone or everything_cleared or k[:2] in cleared:
                     continue
                 self._lru[k] = size
                 self._lru.move_to_end(k, last=False)
