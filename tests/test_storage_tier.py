@@ -319,6 +319,29 @@ def test_a_restart_with_a_smaller_capacity_evicts_the_oldest_files(open_tier):
     assert again.stats()["used_bytes"] == 3 * file_bytes()
 
 
+def test_the_start_up_index_merged_in_slices_keeps_the_files_in_age_order(open_tier, monkeypatch):
+    """A large directory is merged into the index a slice at a time (the lock is let go between
+    slices); the order of age across slices is the order of one merge."""
+    import hpkv.storage.tier as tier_module
+
+    monkeypatch.setattr(tier_module, "_MERGE_SLICE", 2)
+    first = open_tier()
+    ages = [50, 10, 70, 30, 60, 20, 40]
+    for i, age_s in enumerate(ages):
+        write(first, key(i))
+        os.utime(first.path_of(NS, key(i)), (time.time() - age_s, time.time() - age_s))
+    first.close()
+
+    again = open_tier(capacity=len(ages) * file_bytes())
+    assert again.scan_done.wait(10)
+    assert again.stats()["num_entries"] == len(ages)
+    oldest_first = sorted(range(len(ages)), key=lambda i: -ages[i])
+    for n, i in enumerate(oldest_first[:4]):
+        write(again, key(100 + n))  # each new file evicts the oldest one left
+        assert not os.path.exists(again.path_of(NS, key(i))), (n, i)
+    assert all(os.path.exists(again.path_of(NS, key(i))) for i in oldest_first[4:])
+
+
 def test_reading_an_old_file_refreshes_its_age_on_disk(tier):
     k = key(1)
     write(tier, k)

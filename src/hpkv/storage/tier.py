@@ -27,11 +27,14 @@ import os
 import socket
 import threading
 import time
+from array import array
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+import numpy as np
 
 from ..config import StorageConfig
 from ..errors import StorageError
@@ -433,15 +436,15 @@ class StorageTier:
                             "space free under %s when the server starts, and there was little; KV files %s. Free "
                             "space there and restart the server, or set HPKV_KV_STORAGE_SIZE",
                             self.capacity_bytes, round(AUTO_CAPACITY_FRACTION * 100), self.root, fate)
-        if len(found) > 10_000 or time.monotonic() - started > 2.0:
-            log.info("storage index ready: %d files in %.1f s", len(found), time.monotonic() - started)
+        if len(found.keys) > 10_000 or time.monotonic() - started > 2.0:
+            log.info("storage index ready: %d files in %.1f s", len(found.keys), time.monotonic() - started)
         if self.used_bytes > self.capacity_bytes:
             self._evict_bytes(self.used_bytes - self.capacity_bytes)
         self.scan_done.set()
 
-    def _walk(self) -> list[tuple[float, bytes, int]]:
+    def _walk(self) -> "_Found":
         last_report = time.monotonic()
-        found = []
+        found = _Found()
         for ns_dir in self._namespace_dirs():
             ns = os.path.basename(ns_dir)
             for path, entry in _entry_files(ns_dir, temps=True):
@@ -453,26 +456,35 @@ class StorageTier:
                     ik = self._ik(ns, bytes.fromhex(entry.name[:-3]))
                 except (OSError, ValueError):
                     continue
-                found.append((st.st_mtime, ik, self._sizes.setdefault(st.st_size, st.st_size)))
+                found.mtimes.append(st.st_mtime)
+                found.keys.append(ik)
+                found.sizes.append(self._sizes.setdefault(st.st_size, st.st_size))
                 self.counters.files_scanned += 1
                 if time.monotonic() - last_report > 2.0:
                     last_report = time.monotonic()
-                    log.info("storage index: %d files scanned under %s", len(found), self.root)
+                    log.info("storage index: %d files scanned under %s", len(found.keys), self.root)
         return found
 
-    def _merge(self, found: list[tuple[float, bytes, int]]) -> None:
-        """Add what the walk found, except what was removed meanwhile, behind what is known."""
-        found.sort(key=lambda item: item[0], reverse=True)
+    def _merge(self, found: "_Found") -> None:
+        """Add what the walk found, newest first, each to the old end, behind what is known,
+        except what was removed meanwhile. In slices, so that lookups and writes are not held
+        up for the whole merge of a large directory."""
+        newest_first = np.argsort(-np.frombuffer(found.mtimes, dtype=np.float64), kind="stable")  # ties: walk order
+        for start in range(0, len(newest_first), _MERGE_SLICE):
+            with self._lock:
+                gone = self._gone
+                cleared = {self._ns_ids.get(ns) for ns in self._cleared if ns is not None}  # no new ids: lock held
+                if None in self._cleared:
+                    break
+                for i in newest_first[start : start + _MERGE_SLICE].tolist():
+                    k = found.keys[i]
+                    if k in self._lru or k in gone or k[:2] in cleared:
+                        continue
+                    size = found.sizes[i]
+                    self._lru[k] = size
+                    self._lru.move_to_end(k, last=False)
+                    self.used_bytes += size
         with self._lock:
-            gone = self._gone
-            cleared = {self._ns_ids.get(ns) for ns in self._cleared if ns is not None}  # no new ids: lock held
-            everything_cleared = None in self._cleared
-            for _, k, size in found:  # newest first, each to the old end
-                if k in self._lru or k in gone or everything_cleared or k[:2] in cleared:
-                    continue
-                self._lru[k] = size
-                self._lru.move_to_end(k, last=False)
-                self.used_bytes += size
             self._gone = None
 
     def _remove_temp_if_dead(self, path: str, entry: os.DirEntry) -> None:
@@ -495,6 +507,19 @@ class StorageTier:
             self._warned.add(code)
             log.warning("%s: %s; the entry stays in DRAM only (further errors of this kind are counted, "
                         "not logged)", what, exc.strerror if exc else "no room within HPKV_KV_STORAGE_SIZE")
+
+
+_MERGE_SLICE = 1 << 16  # files merged into the index per hold of the lock
+
+
+@dataclass
+class _Found:
+    """What the start-up walk found, in columns: a tuple per file cost 90 more bytes per file at
+    the peak of the scan."""
+
+    mtimes: array = field(default_factory=lambda: array("d"))
+    keys: list[bytes] = field(default_factory=list)  # index keys
+    sizes: list[int] = field(default_factory=list)
 
 
 def _is_ns(name: str) -> bool:
