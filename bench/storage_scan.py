@@ -13,7 +13,7 @@ server builds it) and times:
 - the resident memory the index adds, per million files.
 The directory is removed at the end.
 
-    .venv/bin/python bench/storage_scan.py [--files 200000] [--entry-bytes 4096] [--storage-dir .] [--json]
+    .venv/bin/python bench/storage_scan.py [--files 200000] [--entry-bytes 4096] [--storage-dir .] [--no-cold] [--json]
 """
 
 from __future__ import annotations
@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--files", type=int, default=200_000)
     p.add_argument("--entry-bytes", type=int, default=4096, help="size of each entry's payload")
     p.add_argument("--storage-dir", default=".", help="parent of the storage temporary")
+    p.add_argument("--no-cold", dest="cold", action="store_false",
+                   help="skip the walk after dropping the kernel's caches (which slows everything else)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="hpkv-scan-", dir=args.storage_dir))
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         probe = key_of(args.files - 1)
         out = {"files": args.files, "entry_bytes": args.entry_bytes, "fill_seconds": fill_s,
                "warm": scan(root, probe, args.entry_bytes)}
-        out["cold"] = scan(root, probe, args.entry_bytes) if drop_caches() else None
+        out["cold"] = scan(root, probe, args.entry_bytes) if args.cold and drop_caches() else None
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.json:
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("warm", "cold"):
         r = out[name]
         if r is None:
-            print(f"{name:5} skipped: dropping the kernel's caches needs root")
+            print(f"{name:5} skipped: --no-cold, or not root (dropping the kernel's caches needs root)")
             continue
         print(f"{name:5} index of {r['files_indexed']} files in {r['seconds']:.1f} s ({r['seconds'] * per_million:.1f} s "
               f"per million); a lookup and read of an unindexed file during it: "

@@ -80,3 +80,14 @@ def test_the_stalled_storage_benchmark_compares_the_backlog_limit_with_none(shm_
     assert unlimited["backlog_entries"] == out["pool_entries"] and unlimited["deferred"] == 0
     assert unlimited["written_after"] == out["pool_entries"]
     assert list(shm_dir.iterdir()) == [] and list(tmp_path.iterdir()) == []
+
+
+def test_the_storage_scan_benchmark_indexes_every_file_and_hits_during_the_walk(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "bench" / "storage_scan.py"
+    result = subprocess.run([sys.executable, str(script), "--files", "300", "--storage-dir", str(tmp_path),
+                             "--no-cold", "--json"], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["warm"]["files_indexed"] == 300 and out["warm"]["probe_hit"]
+    assert out["cold"] is None
+    assert list(tmp_path.iterdir()) == []
