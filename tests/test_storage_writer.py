@@ -280,3 +280,29 @@ def test_closing_gives_up_the_writes_of_a_storage_device_that_stopped_answering(
     assert read_back(storage_dir, ns, ks) == [None] * 6
     for pid in pids:
         assert not _running(pid)  # killed, stopped as they were
+
+
+def test_entries_cleared_while_deferred_are_not_written(open_store, storage_dir):
+    """`hpkv clear` empties the DRAM tier: deferred entries go with it, and are not written when
+    the backlog drains (counted as lost); the backlog's own entries are written."""
+    store = open_store(storage=storage(storage_dir))  # 16 MiB: a backlog of 128 entries at most
+    ns = store.register(desc())
+    save(store, ns, keys(write_threads(store.storage.config.io_threads) * 2, "warm"))
+    assert store.flush(timeout=20)
+    pids = store.writers.pids()
+    for pid in pids:
+        stop(pid)
+    try:
+        ks = keys(150)
+        assert save(store, ns, ks) == 150
+        assert store.stats()["write_backlog"]["deferred"] == 22
+        store.clear(memory=True)
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    assert store.flush(timeout=60)
+    on_storage = read_back(storage_dir, ns, ks)
+    assert on_storage[:22] == [None] * 22  # the deferred ones (commits go last first)
+    assert on_storage[22:] == [payload(k) for k in ks[22:]]  # pinned when cleared: written, then freed
+    assert store.counters.write_through_lost == 22
+    assert store.stats()["dram"]["num_entries"] == 0
