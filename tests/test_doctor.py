@@ -304,3 +304,8 @@ def test_namespaces_that_find_their_keys_are_fine():
     cold = {"namespaces": {rank0.ns: ns_stats(rank0, 100, 0), rank1.ns: ns_stats(rank1, 100, 0)}}
     check = check_namespaces(cold)
     assert check.verdict is Verdict.INFO and "2 namespaces found none yet" in check.detail
+    # Pipeline stages of one engine hold different layers, so different bytes per block.
+    stage0 = dataclasses.replace(DESC, pp_size=2, rank=0, num_layers=16, entry_bytes=16 * 4096)
+    stage1 = dataclasses.replace(DESC, pp_size=2, rank=1, num_layers=15, entry_bytes=15 * 4096)
+    cold = {"namespaces": {stage0.ns: ns_stats(stage0, 100, 0), stage1.ns: ns_stats(stage1, 100, 0)}}
+    assert check_namespaces(cold).verdict is Verdict.INFO

@@ -447,8 +447,12 @@ def check_namespaces(stats: dict) -> Check:
         for other, (other_desc, _) in namespaces.items():
             if other == ns or other_desc["model"] != desc["model"]:
                 continue
+            fields = _DESC_FIELDS
+            if desc.get("pp_size", 1) > 1 and desc.get("pp_size") == other_desc.get("pp_size"):
+                # Pipeline stages of one engine: their layers (and so bytes per block) may differ.
+                fields = {k: v for k, v in fields.items() if k not in ("num_layers", "entry_bytes")}
             differ = [f"{label} {desc.get(key)!r} here, {other_desc.get(key)!r} there"
-                      for key, label in _DESC_FIELDS.items() if desc.get(key) != other_desc.get(key)]
+                      for key, label in fields.items() if desc.get(key) != other_desc.get(key)]
             if differ:
                 mismatches.append(f"namespace {ns[:12]} ({desc['engine']}, {desc['model']}, rank {desc['rank']}) "
                                   f"looked up {namespaces[ns][1]['lookup_keys']} keys and found none, and namespace "

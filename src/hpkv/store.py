@@ -139,6 +139,8 @@ class TieredStore:
         # Entries committed and not written through yet (each pins its slot), and their payload bytes.
         self._backlog_entries = self._backlog_bytes = 0
         self._writes_ended = 0
+        self._closing = False  # close() has begun: what is committed from now on is not written
+        self._abandoned = False  # close() gave up the writes: write-throughs still running stop short
         self._backlog_limit = int(self.dram.alloc.num_slabs * self.dram.alloc.slab_bytes * BACKLOG_LIMIT_SHARE)
         # Committed entries past the limit, oldest first: written once the backlog drains, if still in DRAM.
         self._deferred: OrderedDict[tuple[str, bytes], None] = OrderedDict()
@@ -169,11 +171,16 @@ class TieredStore:
             raise
         return cls(region, tier, slab_bytes, write_processes=True)
 
-    def close(self, abandon: threading.Event | None = None) -> None:
-        """Finish the write-throughs queued and deferred, then remove the pool. They are given up
-        (their entries are not on storage) once `abandon` is set, or when none has ended for
-        STALLED_S: a storage device that does not answer must not keep the server, and with it
-        the pool file the next server needs, for ever."""
+    def close(self, abandon: threading.Event | None = None) -> bool:
+        """Finish the write-throughs queued and deferred (entries committed from now on are not
+        written: the pool goes), then remove the pool. The writes are given up (their entries are
+        not on storage) once `abandon` is set, or when none has ended for STALLED_S: a storage
+        device that does not answer must not keep the server, and with it the pool file the next
+        server needs, for ever. Returns whether they were given up: threads may then still be
+        stuck in a system call on that device, and the process should exit without joining them
+        (`os._exit`)."""
+        with self._lock:
+            self._closing = True
         if self._writer is not None:
             done, progress_at = self._writes_ended, time.monotonic()
             while not self.flush(timeout=0.2):
@@ -184,15 +191,17 @@ class TieredStore:
                     self._abandon_writes(f"storage has finished no write for {self.STALLED_S:.0f} s" if stalled
                                          else "asked to stop again")
                     break
-            self._writer.shutdown(wait=True)
+            self._writer.shutdown(wait=not self._abandoned)
         if self.writers is not None:
             self.writers.close()
         if self.storage is not None:
-            self.storage.close()
+            self.storage.close(wait=not self._abandoned)
         self.region.close()
+        return self._abandoned
 
     def _abandon_writes(self, why: str) -> None:
         with self._lock:
+            self._abandoned = True
             waiting = self._backlog_entries + len(self._deferred)
             self.counters.write_through_lost += len(self._deferred)
             self._deferred.clear()
@@ -390,17 +399,26 @@ class TieredStore:
         """Into the backlog (pinned: the write-through reads the slot) if the backlog has room and
         nothing waits before it; else deferred. Caller holds the lock."""
         size = self.dram.entry_bytes(entry.ns)
+        if self._closing:  # the pool goes with the server: nothing to write it for
+            self.counters.write_through_lost += 1
+            return False
         if self._backlog_entries and (self._deferred or self._backlog_bytes + size > self._backlog_limit):
             self._deferred[(entry.ns, entry.key)] = None
             self.counters.write_through_deferred += 1
-            if len(self._deferred) > sum(len(self.dram.index_of(ns)) for ns in self._namespaces):
-                self._deferred.popitem(last=False)  # more than the pool holds: the oldest is gone already
-                self.counters.write_through_lost += 1
+            held = sum(len(self.dram.index_of(ns)) for ns in self._namespaces)
+            if len(self._deferred) > 2 * held + 64:  # so at least half are gone from DRAM already
+                self._prune_deferred()
             return False
         self.dram.pin(entry)
         self._backlog_entries += 1
         self._backlog_bytes += size
         return True
+
+    def _prune_deferred(self) -> None:
+        """Forget the deferred entries DRAM no longer holds. Caller holds the lock."""
+        kept = OrderedDict((k, None) for k in self._deferred if k[1] in self.dram.index_of(k[0]))
+        self.counters.write_through_lost += len(self._deferred) - len(kept)
+        self._deferred = kept
 
     def _admit_deferred(self) -> list[DramEntry]:
         """The deferred entries the backlog has room for now, oldest first. Caller holds the lock."""
@@ -465,6 +483,8 @@ class TieredStore:
 
     def _write_through(self, entry: DramEntry) -> None:
         try:
+            if self._abandoned:
+                return
             if self.storage.contains(entry.ns, entry.key):
                 self.counters.write_through_skipped += 1
                 return
@@ -473,7 +493,9 @@ class TieredStore:
                     self._write_in_writer(entry)
                     return
                 except WriterUnavailable:
-                    pass  # said by the writer pool; this one is written here
+                    if self._abandoned:  # the processes were killed: not written, and not here either
+                        return
+                    # said by the writer pool; this one is written here
             view = self.region.view(entry.offset, self.entry_bytes(entry.ns))
             try:
                 self.storage.write_from(entry.ns, entry.key, view)

@@ -114,6 +114,7 @@ class Client:
         with self._lock:
             self._drop("closed")
             self._retry_at = 0.0
+            self._failures = 0
 
     def __enter__(self) -> "Client":
         return self
@@ -166,12 +167,12 @@ class Client:
             if self.prefault:
                 region.prefault()
         self._sock = sock
-        self._failures = 0
         self.epoch += 1
         self.client_id = welcome.client_id
         self.server_pid = welcome.server_pid
         for desc_json, _ in list(self._namespaces.values()):
             self._roundtrip(p.Register(desc_json), self.timeout_s)
+        self._failures = 0
 
     def _fail(self, message: str) -> None:
         self._failures += 1

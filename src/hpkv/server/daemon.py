@@ -171,9 +171,13 @@ class Server:
             pass
         if self.metrics is not None:
             self.metrics.stop()
-        if self.store is not None:
-            self.store.close(abandon=self._abandon)
+        abandoned = self.store is not None and self.store.close(abandon=self._abandon)
         log.info("HPKV server stopped")
+        if abandoned:
+            # A thread may still be stuck in a system call on the storage device, and a normal
+            # exit would wait for it: socket and pool are gone already, so leave now.
+            logging.shutdown()
+            os._exit(0)
 
     # -- one client ---------------------------------------------------------------------------
 

@@ -43,7 +43,8 @@ _STORE_COUNTERS = (
     ("write_through_deferred", "write_through_deferred",
      "Committed entries whose write-through waited unpinned: the backlog held half the pool."),
     ("write_through_lost", "write_through_lost",
-     "Deferred write-throughs never written: the entry left DRAM first (it stayed in DRAM only)."),
+     "Committed entries never written to storage: deferred ones that left DRAM before their turn, and "
+     "those a stopping server gave up."),
 )
 _STORAGE_COUNTERS = (
     ("storage_reads", "reads", "Entry files read from storage."),

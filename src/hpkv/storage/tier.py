@@ -133,9 +133,10 @@ class StorageTier:
                         "go through the page cache instead", self.root)
         threading.Thread(target=self._scan, name="hpkv-storage-scan", daemon=True).start()
 
-    def close(self) -> None:
-        """Finish queued writes, then stop the I/O threads."""
-        self._executor.shutdown(wait=True)
+    def close(self, wait: bool = True) -> None:
+        """Finish queued writes, then stop the I/O threads; without `wait`, drop what is queued
+        and do not wait for what runs (a device that does not answer)."""
+        self._executor.shutdown(wait=wait, cancel_futures=not wait)
 
     def submit(self, fn, *args) -> Future:
         return self._executor.submit(fn, *args)
@@ -454,7 +455,7 @@ class StorageTier:
                 try:
                     st = entry.stat()
                     ik = self._ik(ns, bytes.fromhex(entry.name[:-3]))
-                except (OSError, ValueError):
+                except (OSError, ValueError, StorageError):  # StorageError: too many namespaces
                     continue
                 found.mtimes.append(st.st_mtime)
                 found.keys.append(ik)

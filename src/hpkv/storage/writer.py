@@ -187,9 +187,14 @@ class WriterPool:
                         "tried in %.0f s", exc, self.RETRY_S)
             raise
         with self._lock:
-            self._procs.add(proc)
-            self.num_started += 1
-            self._unavailable = None
+            closed = self._closed
+            if not closed:
+                self._procs.add(proc)
+                self.num_started += 1
+                self._unavailable = None
+        if closed:  # killed or closed while it started
+            proc.kill()
+            raise WriterUnavailable("the write-through processes are closed")
         return proc
 
     def pids(self) -> list[int]:
