@@ -254,6 +254,37 @@ def test_status_shows_entries_deferred_past_the_backlog_limit(server, env):
     assert waiting in " ".join(stopped.stdout.split()), stopped.stdout
 
 
+def test_a_write_budget_shows_in_status_and_metrics(pool_dir, tmp_path):
+    """HPKV_KV_STORAGE_WRITE_BUDGET=1m: an hour's worth is about 43 KB, so of 20 entries of 4 KiB
+    some are written and the rest refused; status and the metrics say so."""
+    port = free_port()
+    env = hpkv_env(pool_dir, tmp_path / "storage", tmp_path, HPKV_KV_STORAGE_WRITE_BUDGET="1m",
+                   HPKV_METRICS_PORT=str(port))
+    server = ServerProcess(env, tmp_path / "server.log")
+    try:
+        with server.client() as client:
+            write_entries(client, 20)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                storage = client.stats()["storage"]
+                if storage["writes"] + storage["over_budget"] == 20:
+                    break
+                time.sleep(0.05)
+            assert 5 <= storage["writes"] <= 12 and storage["over_budget"] == 20 - storage["writes"]
+            status = hpkv(env, "status")
+            import urllib.request
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                metrics = response.read().decode()
+    finally:
+        server.stop()
+    assert status.returncode == 0, status.stderr
+    words = " ".join(status.stdout.split())
+    assert "write budget 1.0 MiB a day" in words and f"{storage['over_budget']} writes over it" in words, words
+    assert "hpkv_storage_write_budget_bytes 1.048576e+06" in metrics
+    assert f"hpkv_storage_writes_over_budget_total {float(storage['over_budget'])}" in metrics
+    assert "the storage write budget (HPKV_KV_STORAGE_WRITE_BUDGET=1048576 bytes a day) is spent" in server.log()
+
+
 def test_status_json_is_the_raw_stats(server, env):
     with server.client() as client:
         ns, keys = write_entries(client, 3)

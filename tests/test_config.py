@@ -45,6 +45,7 @@ def test_nothing_set_gives_the_documented_defaults(home):
     assert settings.enable_vllm is False
     assert settings.storage.enabled is True
     assert settings.storage.capacity_bytes is None
+    assert settings.storage.write_budget_bytes is None  # unlimited
     assert settings.storage.fsync == "off"
     assert settings.storage.io_threads == 8
     assert settings.log_level == "info"
@@ -173,7 +174,7 @@ def test_every_kind_of_value_parses_from_the_file(tmp_path, home):
                           "VLLM_HPKV_TOKEN_THRESHOLD=auto", "HPKV_KV_STORAGE_ENABLE=off",
                           "HPKV_KV_STORAGE_SIZE=2T", "HPKV_KV_STORAGE_FSYNC=FULL",
                           "HPKV_LOG_LEVEL=Warning", "HPKV_METRICS_PORT=65535",
-                          "HPKV_SERVER_IDLE_EXIT_S=2.5")
+                          "HPKV_SERVER_IDLE_EXIT_S=2.5", "HPKV_KV_STORAGE_WRITE_BUDGET=3.5t")
     settings = load_settings(env)
     assert settings.token_threshold is None
     assert settings.storage.enabled is False
@@ -182,6 +183,7 @@ def test_every_kind_of_value_parses_from_the_file(tmp_path, home):
     assert settings.log_level == "warning"
     assert settings.metrics_port == 65535
     assert settings.server_idle_exit_s == 2.5
+    assert settings.storage.write_budget_bytes == 7 * 1024 ** 4 // 2
 
 
 # --- sizes ----------------------------------------------------------------------------------
@@ -221,6 +223,7 @@ def test_a_bad_size_in_the_environment_names_key_value_source_and_syntax(home):
 @pytest.mark.parametrize("key, value, accepted", [
     ("HPKV_KV_MEM_POOL_SIZE", "lots", "bytes or a number with k, m, g or t"),
     ("HPKV_KV_STORAGE_SIZE", "most", "'auto', or a size: bytes"),
+    ("HPKV_KV_STORAGE_WRITE_BUDGET", "little", "'unlimited', or a size per day: bytes"),
     ("VLLM_ENABLE_HPKV", "maybe", "1/0, true/false, yes/no or on/off"),
     ("HPKV_IO_THREADS", "eight", "an integer from 1 to 256"),
     ("HPKV_IO_THREADS", "0", "an integer from 1 to 256"),

@@ -106,6 +106,30 @@ def small_disk(tmp_path):
 
 # -- files ---------------------------------------------------------------------------------------
 
+def test_a_write_budget_refuses_writes_past_it_until_it_refills(storage_dir, caplog):
+    """HPKV_KV_STORAGE_WRITE_BUDGET: the bucket holds an hour's worth and refills at the budget's
+    rate; a write past it is not made (the entry stays in DRAM only), counted, and said once."""
+    import dataclasses
+
+    per_day = 3 * file_bytes() * 24  # an hour's worth: three files
+    tier = StorageTier(dataclasses.replace(make_storage_config(storage_dir, 64 * file_bytes()),
+                                           write_budget_bytes=per_day))
+    tier.start()
+    try:
+        assert [write(tier, key(i)) for i in range(5)] == [True, True, True, False, False]
+        stats = tier.stats()
+        assert stats["over_budget"] == 2 and stats["write_failures"] == 0 and stats["writes"] == 3
+        assert stats["write_budget_bytes"] == per_day and stats["write_budget_available_bytes"] < file_bytes()
+        assert not os.path.exists(tier.path_of(NS, key(3)))
+        assert caplog.text.count("write budget (HPKV_KV_STORAGE_WRITE_BUDGET") == 1
+        tier._budget_at -= 20 * 60  # as if 20 minutes had passed: a file's worth more
+        assert [write(tier, key(i)) for i in (3, 4)] == [True, False]
+        assert read(tier, key(3)) == payload(key(3))  # reads are not counted
+        assert tier.stats()["over_budget"] == 3
+    finally:
+        tier.close()
+
+
 def test_an_entry_written_reads_back_identical(tier):
     k = key(1)
 

@@ -64,6 +64,7 @@ class StorageConfig:
     io_threads: int
     write_nice: int = 10  # niceness of the write-through processes
     direct_io: bool = False  # O_DIRECT for entry files, where the file system takes it
+    write_budget_bytes: int | None = None  # bytes the tier may write per day; None: unlimited
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,10 @@ def parse_size(text: str) -> int:
 
 def _parse_size_or_auto(text: str) -> int | None:
     return None if text.strip().lower() == "auto" else parse_size(text)
+
+
+def _parse_size_or_unlimited(text: str) -> int | None:
+    return None if text.strip().lower() == "unlimited" else parse_size(text)
 
 
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
@@ -226,6 +231,9 @@ KEYS: tuple[KeySpec, ...] = (
     KeySpec("HPKV_KV_STORAGE_DIRECT_IO", "bool", _parse_bool, "false",
             "Read and write KV files with O_DIRECT, bypassing the page cache (where the file system allows).",
             "1/0, true/false, yes/no or on/off"),
+    KeySpec("HPKV_KV_STORAGE_WRITE_BUDGET", "size", _parse_size_or_unlimited, "unlimited",
+            "Bytes the storage tier may write per day (SSD wear); past it, new KV stays in DRAM only.",
+            "'unlimited', or a size per day: " + _SIZE_WORDS),
     KeySpec("HPKV_POOL_PREFAULT", "bool", _parse_bool, "true",
             "Engine processes map every pool page when they attach (page tables: 2 MiB per GiB).",
             "1/0, true/false, yes/no or on/off"),
@@ -399,7 +407,8 @@ def _build(resolved: list[Setting], warnings: tuple[str, ...]) -> Settings:
                               fsync=v["HPKV_KV_STORAGE_FSYNC"],
                               io_threads=v["HPKV_IO_THREADS"],
                               write_nice=v["HPKV_WRITE_NICE"],
-                              direct_io=v["HPKV_KV_STORAGE_DIRECT_IO"]),
+                              direct_io=v["HPKV_KV_STORAGE_DIRECT_IO"],
+                              write_budget_bytes=v["HPKV_KV_STORAGE_WRITE_BUDGET"]),
         token_threshold=v["VLLM_HPKV_TOKEN_THRESHOLD"],
         enable_vllm=v["VLLM_ENABLE_HPKV"],
         log_level=v["HPKV_LOG_LEVEL"],

@@ -89,6 +89,10 @@ def _tiers_table(stats: dict) -> Table:
             state += f"{writers['processes']} write-through processes (nice {writers['nice']})"
         if storage.get("direct_io"):
             state += ", direct I/O"
+        if storage.get("write_budget_bytes") is not None:
+            state += (f", write budget {human_bytes(storage['write_budget_bytes'])} a day "
+                      f"({human_bytes(storage['write_budget_available_bytes'])} left now, "
+                      f"{storage['over_budget']} writes over it)")
         backlog = stats.get("write_backlog") or {}
         if backlog.get("entries"):
             state += f", {backlog['entries']} entries ({human_bytes(backlog['bytes'])}) waiting to be written"

@@ -54,6 +54,8 @@ _STORAGE_COUNTERS = (
     ("checksum_failures", "bad_files",
      "Storage files that failed the length/header/checksum check and were deleted."),
     ("storage_space_errors", "space_errors", "ENOSPC/EDQUOT met while writing to storage."),
+    ("storage_writes_over_budget", "over_budget",
+     "Storage writes not made because HPKV_KV_STORAGE_WRITE_BUDGET was spent (the entry stayed in DRAM only)."),
 )
 
 
@@ -97,6 +99,11 @@ def _store_families(stats: dict) -> Iterator[Metric]:
     if storage is not None:
         for name, key, doc in _STORAGE_COUNTERS:
             yield _counter(name, doc, storage[key])
+        if storage.get("write_budget_bytes") is not None:
+            yield _gauge("storage_write_budget_bytes", "HPKV_KV_STORAGE_WRITE_BUDGET: bytes a day.",
+                         storage["write_budget_bytes"])
+            yield _gauge("storage_write_budget_available_bytes", "Bytes the write budget allows now (it refills "
+                         "at the budget's rate, up to an hour's worth).", storage["write_budget_available_bytes"])
     writers = stats.get("writers")
     if writers is not None:
         yield _gauge("write_processes", "Write-through processes running now.", writers["processes"])

@@ -13,7 +13,8 @@ with O_DIRECT where the file system takes it (see `fileio`).
 Primitives: `start`, `add_namespace`, `contains`, `read_into`, `write_from` (or `publish`, where
 another process writes the file), `submit`, `remove`, `stats`, `close`. Capacity is enforced on
 this tier's view; `ENOSPC` evicts and retries, and a write that still cannot happen is dropped
-(counted), never raised.
+(counted), never raised. A write budget (HPKV_KV_STORAGE_WRITE_BUDGET, bytes a day) is a token
+bucket holding BUDGET_BURST_S worth: a write it cannot pay for is not made (counted).
 Must not know: the pool, engines, devices.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import math
 import mmap
 import os
 import socket
@@ -48,6 +50,7 @@ log = logging.getLogger(__name__)
 
 AUTO_CAPACITY_FRACTION = 0.8
 SMALL_AUTO_CAPACITY = 1 << 30  # below this an automatic capacity is worth a warning
+BUDGET_BURST_S = 3600.0  # a write budget's bucket holds this long's worth (bursts), full at start
 STALE_TEMP_S = 3600.0  # a temporary this old is from a writer that died, on whatever node
 TOUCH_EVERY_S = 60.0  # refresh a file's mtime (its LRU age across restarts) at most this often
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -69,6 +72,7 @@ class StorageCounters:
     space_errors: int = 0
     files_scanned: int = 0
     temps_removed: int = 0
+    over_budget: int = 0
 
 
 class StorageTier:
@@ -98,6 +102,13 @@ class StorageTier:
         self._warned: set[int] = set()
         self.direct = config.direct_io  # cleared by `start` where the file system refuses O_DIRECT
         self._warned_newer = False
+        # HPKV_KV_STORAGE_WRITE_BUDGET: a token bucket of bytes, filled at the budget's rate.
+        budget = config.write_budget_bytes
+        self._budget_rate = None if budget is None else budget / 86400.0
+        self._budget_cap = None if budget is None else budget * BUDGET_BURST_S / 86400.0
+        self._budget_tokens = self._budget_cap
+        self._budget_at = time.monotonic()
+        self._budget_warned_at = -math.inf
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -287,7 +298,10 @@ class StorageTier:
         returned, not raised). A full disk evicts and retries. False when it could not be written
         (counted, logged)."""
         size = fmt.header_bytes(len(key), version) + payload_bytes
+        if not self._spend_budget(size):
+            return False
         if not self._make_room(size):
+            self._spend_budget(-size)
             self.counters.write_failures += 1
             return False
         try:
@@ -310,7 +324,39 @@ class StorageTier:
                 self._inflight_bytes -= size
         self._warn_once(error, f"cannot write KV files under {self.root}")
         self.counters.write_failures += 1
+        self._spend_budget(-size)  # nothing was written
         return False
+
+    def _spend_budget(self, size: int) -> bool:
+        """Take `size` bytes from the write budget (a negative size gives them back). False, and
+        counted, when the budget has not that much left."""
+        if self._budget_rate is None:
+            return True
+        with self._lock:
+            tokens = self._refill_budget()
+            if size <= tokens:
+                self._budget_tokens = min(self._budget_cap, tokens - size)
+                return True
+            self.counters.over_budget += 1
+            now = time.monotonic()
+            if now - self._budget_warned_at <= BUDGET_BURST_S:
+                return False
+            self._budget_warned_at = now
+        log.warning("the storage write budget (HPKV_KV_STORAGE_WRITE_BUDGET=%d bytes a day) is spent: new KV stays "
+                    "in DRAM only until it refills (%d bytes a second); said at most once an hour, counted in "
+                    "over_budget", self.config.write_budget_bytes, round(self._budget_rate))
+        return False
+
+    def _budget_left(self) -> float:
+        with self._lock:
+            return self._refill_budget()
+
+    def _refill_budget(self) -> float:
+        """Caller holds the lock."""
+        now = time.monotonic()
+        self._budget_tokens = min(self._budget_cap, self._budget_tokens + (now - self._budget_at) * self._budget_rate)
+        self._budget_at = now
+        return self._budget_tokens
 
     def _target(self, ns: str, key: bytes) -> FileTarget:
         final = self.path_of(ns, key)
@@ -411,6 +457,8 @@ class StorageTier:
             "num_entries": len(self._lru),
             "index_ready": self.scan_done.is_set(),
             "direct_io": self.direct,
+            "write_budget_bytes": self.config.write_budget_bytes,
+            "write_budget_available_bytes": None if self._budget_rate is None else int(self._budget_left()),
             **vars(self.counters),
         }
 
