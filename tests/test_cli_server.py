@@ -245,13 +245,24 @@ def test_status_shows_entries_deferred_past_the_backlog_limit(server, env):
         try:
             write_entries(client, 40, big)
             stopped = hpkv(env, "status")
+            # 32 MiB more: the pool's unpinned half goes to them, evicting the 8 deferred entries.
+            write_entries(client, 32, dataclasses.replace(big, model="bigger/model"))
         finally:
             for pid in writers:
                 os.kill(pid, signal.SIGCONT)
-        wait_for_storage(client, 44, timeout_s=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            backlog = client.stats()["write_backlog"]
+            if backlog["entries"] == backlog["deferred"] == 0:
+                break
+            time.sleep(0.05)
+        lost = client.stats()["store"]["write_through_lost"]
+        after = hpkv(env, "status")
     assert stopped.returncode == 0, stopped.stderr
     waiting = "32 entries (32.0 MiB) waiting to be written and 8 more deferred"
     assert waiting in " ".join(stopped.stdout.split()), stopped.stdout
+    assert lost >= 8
+    assert f"{lost} entries never written" in " ".join(after.stdout.split()), after.stdout
 
 
 def test_a_write_budget_shows_in_status_and_metrics(pool_dir, tmp_path):

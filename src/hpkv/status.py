@@ -98,6 +98,9 @@ def _tiers_table(stats: dict) -> Table:
             state += f", {backlog['entries']} entries ({human_bytes(backlog['bytes'])}) waiting to be written"
             if backlog.get("deferred"):
                 state += f" and {backlog['deferred']} more deferred (the backlog holds half the pool)"
+        lost = stats["store"].get("write_through_lost", 0)
+        if lost:
+            state += f", {lost} entries never written (evicted before their turn, or given up at a stop)"
         table.add_row("storage", path, human_bytes(storage["capacity_bytes"]), _used(storage),
                       str(storage["num_entries"]), str(storage["evictions"]), state)
     return table
