@@ -130,6 +130,30 @@ def test_a_write_budget_refuses_writes_past_it_until_it_refills(storage_dir, cap
         tier.close()
 
 
+def test_a_write_that_raises_gives_its_budget_back(storage_dir):
+    """A writer that raises (no write-through process could start) wrote nothing: its bytes go
+    back to the budget, so the caller's write in process is not charged twice."""
+    import dataclasses
+
+    from hpkv.storage.writer import WriterUnavailable
+
+    tier = StorageTier(dataclasses.replace(make_storage_config(storage_dir, 64 * file_bytes()),
+                                           write_budget_bytes=3 * file_bytes() * 24))
+    tier.start()
+
+    def no_process(target):
+        raise WriterUnavailable("no write-through process")
+
+    try:
+        before = tier.stats()["write_budget_available_bytes"]
+        with pytest.raises(WriterUnavailable):
+            tier.publish(NS, key(1), ENTRY, fmt.VERSION, no_process)
+        assert tier.stats()["write_budget_available_bytes"] >= before
+        assert [write(tier, key(i)) for i in range(4)] == [True, True, True, False]  # still three files
+    finally:
+        tier.close()
+
+
 def test_an_entry_written_reads_back_identical(tier):
     k = key(1)
 

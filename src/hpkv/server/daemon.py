@@ -71,6 +71,7 @@ class Server:
         self.started_at = time.time()
         self._stop = threading.Event()
         self._abandon = threading.Event()  # a second stop signal: do not wait for storage writes
+        self._status = 0  # the exit status
         self._clients: dict[int, ClientInfo] = {}
         self._clients_lock = threading.Lock()
         self._next_id = 1
@@ -85,9 +86,12 @@ class Server:
         self._open()
         try:
             self._accept_loop()
+        except Exception:
+            log.exception("the HPKV server failed; stopping")
+            self._status = 1
         finally:
             self._shutdown()
-        return 0
+        return self._status
 
     def stop(self, *_args) -> None:
         if self._stop.is_set():
@@ -177,7 +181,7 @@ class Server:
             # A thread may still be stuck in a system call on the storage device, and a normal
             # exit would wait for it: socket and pool are gone already, so leave now.
             logging.shutdown()
-            os._exit(0)
+            os._exit(self._status)
 
     # -- one client ---------------------------------------------------------------------------
 

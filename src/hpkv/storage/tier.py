@@ -319,6 +319,9 @@ class StorageTier:
                     break
                 self.counters.space_errors += 1
                 self._evict_bytes(max(4 * size, self.capacity_bytes // 100))
+        except BaseException:  # e.g. no writer process: the caller may write it another way
+            self._spend_budget(-size)
+            raise
         finally:
             with self._lock:
                 self._inflight_bytes -= size
@@ -342,6 +345,12 @@ class StorageTier:
             if now - self._budget_warned_at <= BUDGET_BURST_S:
                 return False
             self._budget_warned_at = now
+        if size > self._budget_cap:
+            log.warning("the storage write budget (HPKV_KV_STORAGE_WRITE_BUDGET=%d bytes a day) allows %d bytes an "
+                        "hour, less than one KV file of %d bytes: nothing is written to storage; raise the budget "
+                        "to at least %d", self.config.write_budget_bytes, round(self._budget_cap), size,
+                        math.ceil(size * 86400 / BUDGET_BURST_S))
+            return False
         log.warning("the storage write budget (HPKV_KV_STORAGE_WRITE_BUDGET=%d bytes a day) is spent: new KV stays "
                     "in DRAM only until it refills (%d bytes a second); said at most once an hour, counted in "
                     "over_budget", self.config.write_budget_bytes, round(self._budget_rate))
