@@ -412,3 +412,39 @@ def test_the_namespace_is_described_in_plain_text_beside_its_files(open_store, s
     text = (storage_dir / ns / "namespace.json").read_text()
     assert NamespaceDesc.from_json(text) == d
     assert "qwen2.5-1.5b" in text
+
+
+def test_a_slow_storage_stat_does_not_hold_up_other_clients(shm_dir, storage_dir):
+    """A lookup that misses asks the storage directory for a file another node may have written:
+    one `stat`, a round trip on a network file system, or a hang. It runs outside the store's
+    lock, so other clients' lookups and saves go on meanwhile."""
+    from hpkv.pool.region import PoolRegion
+    from hpkv.storage.fileio import FileIO
+    from hpkv.storage.tier import StorageTier
+
+    class SlowMetadataIO(FileIO):
+        """Real system calls; a `stat` of a path takes a second (a busy NFS server)."""
+
+        def stat_path(self, path: str) -> os.stat_result:
+            time.sleep(1.0)
+            return super().stat_path(path)
+
+    tier = StorageTier(make_storage_config(storage_dir), io=SlowMetadataIO())
+    tier.start()
+    store = TieredStore(PoolRegion.create(shm_dir, 16 << 20), tier)
+    try:
+        ns = store.register(desc())
+        held = keys(4)
+        save(store, ns, held)
+        slow = threading.Thread(target=store.lookup, args=(ns, keys(1, "elsewhere")))
+        slow.start()
+        time.sleep(0.2)  # the slow lookup is in its stat now
+        started = time.monotonic()
+        assert store.lookup(ns, held).tiers == (Tier.DRAM,) * 4
+        assert save(store, ns, keys(2, "more")) == 2
+        assert load(store, ns, held) == [payload(k) for k in held]
+        assert time.monotonic() - started < 0.5  # not behind the other lookup's stat
+        assert slow.is_alive()
+        slow.join(5)
+    finally:
+        store.close()

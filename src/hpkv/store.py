@@ -240,12 +240,13 @@ class TieredStore:
         tiers: list[Tier] = []
         index = self.dram.index_of(ns)
         storage = self.storage
+        self._adopt(ns, keys)
         with self._lock:
             for key in keys:
                 entry = index.get(key)
                 if entry is not None and entry.ready:
                     tiers.append(Tier.DRAM)
-                elif storage is not None and storage.contains(ns, key):
+                elif storage is not None and storage.indexed(ns, key):
                     tiers.append(Tier.STORAGE)
                 else:
                     break
@@ -262,6 +263,19 @@ class TieredStore:
             per_ns[3] += len(tiers) - num_dram
         return Lookup(tuple(tiers))
 
+    def _adopt(self, ns: str, keys: list[bytes]) -> None:
+        """Outside the lock: have the storage tier look for the files of the leading keys that
+        neither tier's index holds (written by another node), up to the first it does not find.
+        That is a `stat` on the storage device, which on a network file system takes a round trip
+        (or hangs): under the lock it would hold up every client of the store."""
+        if self.storage is None:
+            return
+        index = self.dram.index_of(ns)
+        for key in keys:
+            entry = index.get(key)
+            if (entry is None or not entry.ready) and not self.storage.contains(ns, key):
+                return
+
     def lease(self, ns: str, keys: list[bytes], owner: int = 0, start_reads: bool = True) -> Lease:
         """Pin the leading hits; storage hits are read into DRAM slots in the background. With
         `start_reads=False` those reads wait for `start_reads(lease)`: a server answers first, so
@@ -269,6 +283,7 @@ class TieredStore:
         entries: list[DramEntry] = []
         promotions: list[Future | None] = []
         reads: list[tuple[DramEntry, Future]] = []
+        self._adopt(ns, keys)
         with self._lock:
             for key in keys:
                 entry, promotion, read = self._pin_for_read(ns, key)
@@ -322,7 +337,7 @@ class TieredStore:
             self.dram.pin(entry)
             self.dram.touch(entry)
             return entry, promotion, False
-        if self.storage is None or not self.storage.contains(ns, key):
+        if self.storage is None or not self.storage.indexed(ns, key):
             return None, None, False
         entry = self.dram.reserve(ns, key)
         if entry is None:

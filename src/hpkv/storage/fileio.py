@@ -38,6 +38,9 @@ class FileIO:
     def stat(self, fd: int) -> os.stat_result:
         return os.fstat(fd)
 
+    def stat_path(self, path: str) -> os.stat_result:
+        return os.stat(path)
+
     def preadv(self, fd: int, buffers: list, offset: int) -> int:
         return os.preadv(fd, buffers, offset)
 

@@ -10,7 +10,7 @@ a lookup finds them, and a reader that loses a race with an evictor just misses.
 (HPKV_KV_STORAGE_DIRECT_IO), files in the aligned format go between the device and pool slots
 with O_DIRECT where the file system takes it (see `fileio`).
 
-Primitives: `start`, `add_namespace`, `contains`, `read_into`, `write_from` (or `publish`, where
+Primitives: `start`, `add_namespace`, `indexed`, `contains`, `read_into`, `write_from` (or `publish`, where
 another process writes the file), `submit`, `remove`, `stats`, `close`. Capacity is enforced on
 this tier's view; `ENOSPC` evicts and retries, and a write that still cannot happen is dropped
 (counted), never raised. A write budget (HPKV_KV_STORAGE_WRITE_BUDGET, bytes a day) is a token
@@ -190,12 +190,17 @@ class StorageTier:
     def _split(self, ik: bytes) -> tuple[str, bytes]:
         return self._ns_names[int.from_bytes(ik[:2], "big")], ik[2:]
 
+    def indexed(self, ns: str, key: bytes) -> bool:
+        """Whether the index holds (ns, key): no I/O, so callers may ask while holding a lock."""
+        return self._ik(ns, key) in self._lru
+
     def contains(self, ns: str, key: bytes) -> bool:
-        """Whether a file for (ns, key) exists, adopting files other tiers wrote."""
+        """Whether a file for (ns, key) exists, adopting files other tiers wrote (one `stat` of
+        the file when the index does not hold it: ask without holding a lock)."""
         if self._ik(ns, key) in self._lru:
             return True
         try:
-            size = os.stat(self.path_of(ns, key)).st_size
+            size = self.io.stat_path(self.path_of(ns, key)).st_size
         except OSError:
             return False
         self._remember(ns, key, size, recent=True)
