@@ -82,6 +82,7 @@ def test_config_json_gives_value_source_and_where(tmp_path, home):
     assert settings["VLLM_ENABLE_HPKV"] == {"value": True, "source": "env", "where": "env"}
     assert settings["HPKV_KV_STORAGE_SIZE"] == {
         "value": "auto", "source": "default", "where": "default"}
+    assert settings["HPKV_KV_STORAGE_WRITE_BUDGET"]["value"] == "unlimited"
     assert settings["HPKV_KV_MEM_POOL_SIZE"]["value"] == 8 * 1024 ** 3
     assert document["warnings"] == []
 

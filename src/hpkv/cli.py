@@ -56,10 +56,13 @@ def _human_bytes(size_bytes: int) -> str:
     return f"{size_bytes} B"
 
 
+_NONE_WORDS = {"HPKV_KV_STORAGE_WRITE_BUDGET": "unlimited"}  # what None means for a key; "auto" elsewhere
+
+
 def _show(setting: Setting) -> str:
     value = setting.value
     if value is None:
-        return "auto"
+        return _NONE_WORDS.get(setting.key, "auto")
     if isinstance(value, bool):
         return "true" if value else "false"
     if _KIND[setting.key] == "size":
@@ -67,9 +70,10 @@ def _show(setting: Setting) -> str:
     return str(value)
 
 
-def _json_value(value: object) -> object:
+def _json_value(setting: Setting) -> object:
+    value = setting.value
     if value is None:
-        return "auto"
+        return _NONE_WORDS.get(setting.key, "auto")
     return str(value) if isinstance(value, Path) else value
 
 
@@ -95,7 +99,7 @@ def _print_table(settings: Settings) -> None:
 
 def _print_json(settings: Settings) -> None:
     document = {
-        "settings": {s.key: {"value": _json_value(s.value), "source": s.source.value,
+        "settings": {s.key: {"value": _json_value(s), "source": s.source.value,
                              "where": s.where} for s in settings.settings},
         "warnings": list(settings.warnings),
     }
