@@ -72,16 +72,21 @@ def serve(store: TieredStore, ns: str, doc: list[bytes]) -> int:
     return num_hit
 
 
-def run(args: argparse.Namespace) -> dict:
-    entries = args.pool_bytes // ENTRY
+def zipf_requests(args: argparse.Namespace, entries: int) -> tuple[list[int], list[list[bytes]], np.ndarray]:
+    """(document lengths, their keys, the document of each request): documents of 1/4 to 7/4 of
+    --doc-blocks that together take --working-set pools of `entries`, drawn by Zipf popularity."""
     rng = np.random.default_rng(args.seed)
     lengths: list[int] = []
-    while sum(lengths) < args.working_set * entries:  # documents of 1/4 to 7/4 of --doc-blocks
+    while sum(lengths) < args.working_set * entries:
         lengths.append(int(rng.integers(args.doc_blocks // 4, args.doc_blocks * 7 // 4 + 1)))
+    weights = 1.0 / np.arange(1, len(lengths) + 1) ** args.zipf
+    return lengths, documents(lengths), rng.choice(len(lengths), size=args.requests, p=weights / weights.sum())
+
+
+def run(args: argparse.Namespace) -> dict:
+    entries = args.pool_bytes // ENTRY
+    lengths, docs, picks = zipf_requests(args, entries)
     num_docs = len(lengths)
-    docs = documents(lengths)
-    weights = 1.0 / np.arange(1, num_docs + 1) ** args.zipf
-    picks = rng.choice(num_docs, size=args.requests, p=weights / weights.sum())
     storage_off = StorageConfig(path=Path(tempfile.gettempdir()) / "unused", enabled=False, capacity_bytes=None,
                                 fsync="off", io_threads=1)
     desc = NamespaceDesc(engine="bench", model="prefix-eviction", dtype="float16", layout="blocks", block_size=32,

@@ -35,7 +35,7 @@ from hpkv.keys import NamespaceDesc, make_key
 from hpkv.store import TieredStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prefix_eviction import ENTRY, documents  # noqa: E402 (the same documents)
+from prefix_eviction import ENTRY, zipf_requests  # noqa: E402 (the same documents)
 
 PERIOD_S = 0.1
 WARM = [make_key(hashlib.sha256(f"warm-{i}".encode()).digest()) for i in range(4)]
@@ -96,13 +96,7 @@ def serve(store: TieredStore, ns: str, doc: list) -> tuple[int, int]:
 
 def run(args: argparse.Namespace) -> dict:
     entries = args.pool_bytes // ENTRY
-    rng = np.random.default_rng(args.seed)
-    lengths: list[int] = []
-    while sum(lengths) < args.working_set * entries:
-        lengths.append(int(rng.integers(args.doc_blocks // 4, args.doc_blocks * 7 // 4 + 1)))
-    docs = documents(lengths)
-    weights = 1.0 / np.arange(1, len(docs) + 1) ** args.zipf
-    picks = rng.choice(len(docs), size=args.requests, p=weights / weights.sum())
+    lengths, docs, picks = zipf_requests(args, entries)
     # Drift: the popularity ranking turns over the documents `--drift` times during the run, as
     # new conversations and documents arrive and old ones fade.
     picks = (picks + (np.arange(args.requests) * args.drift * len(docs) // args.requests).astype(int)) % len(docs)
