@@ -118,18 +118,23 @@ def run(args: argparse.Namespace) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=4000)
+def workload_arguments(description: str, requests: int, working_set: float) -> argparse.ArgumentParser:
+    """The options of the Zipf document workload (`zipf_requests`), shared by the benchmarks that use it."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--requests", type=int, default=requests)
     p.add_argument("--pool-bytes", type=int, default=32 << 20, help="each store's pool (entries of 16 KiB)")
     p.add_argument("--doc-blocks", type=int, default=256,
                    help="mean entries per document (its prefix; 256: 8K tokens in blocks of 32)")
-    p.add_argument("--working-set", type=float, default=1.5, help="all documents, in pools")
+    p.add_argument("--working-set", type=float, default=working_set, help="all documents, in pools")
     p.add_argument("--zipf", type=float, default=1.0, help="exponent of the documents' popularity")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pool-dir", default="/dev/shm", help="parent of the pool temporaries (tmpfs)")
     p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = workload_arguments(__doc__.split("\n\n")[0], requests=4000, working_set=1.5).parse_args(argv)
     out = run(args)
     if args.json:
         print(json.dumps(out, indent=1))

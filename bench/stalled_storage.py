@@ -35,7 +35,7 @@ from hpkv.keys import NamespaceDesc, make_key
 from hpkv.store import TieredStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prefix_eviction import ENTRY, zipf_requests  # noqa: E402 (the same documents)
+from prefix_eviction import ENTRY, workload_arguments, zipf_requests  # noqa: E402 (the same documents)
 
 PERIOD_S = 0.1
 WARM = [make_key(hashlib.sha256(f"warm-{i}".encode()).digest()) for i in range(4)]
@@ -146,19 +146,11 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=3000)
+    p = workload_arguments(__doc__.split("\n\n")[0], requests=3000, working_set=4.0)
     p.add_argument("--stalled", type=float, default=1.0, help="share of the time the writers are stopped")
-    p.add_argument("--pool-bytes", type=int, default=32 << 20, help="each store's pool (entries of 16 KiB)")
-    p.add_argument("--doc-blocks", type=int, default=256, help="mean entries per document")
-    p.add_argument("--working-set", type=float, default=4.0, help="all documents, in pools")
-    p.add_argument("--zipf", type=float, default=1.0)
     p.add_argument("--drift", type=float, default=1.0,
                    help="times the popular documents change over the run (0: the same ones throughout)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pool-dir", default="/dev/shm")
     p.add_argument("--storage-dir", default=".", help="parent of the storage temporaries")
-    p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if not 0.0 <= args.stalled <= 1.0:
         p.error("--stalled is a share of the time, from 0 to 1")

@@ -217,15 +217,20 @@ def test_a_server_that_stops_answering_costs_a_call_its_timeout_not_a_hang(node)
     assert engine.call("lookup", prefix="prompt", n=2)["tiers"] == [DRAM] * 2  # same server, new connection
 
 
+def save_big(client, ns: str, keys: list[bytes]) -> int:
+    """Reserve, fill and commit entries of BIG bytes, as an engine's worker saves them."""
+    res = client.reserve(ns, keys)
+    for i, key in enumerate(keys):
+        res.view(i)[:] = payload(key, 0, BIG)
+    return client.commit(ns, keys)
+
+
 def test_sigterm_finishes_storage_writes_in_flight_and_exits_cleanly(node):
     server = node.start_server()
     client = node.client("engine")
     ns = client.register(desc(0, BIG))
     keys = [entry_key("late", i) for i in range(48)]
-    res = client.reserve(ns, keys)
-    for i, key in enumerate(keys):
-        res.view(i)[:] = payload(key, 0, BIG)
-    assert client.commit(ns, keys) == 48
+    assert save_big(client, ns, keys) == 48
     server.send_signal(signal.SIGTERM)  # at once: the write-throughs are queued, not done
     assert server.wait(timeout=30) == 0
     assert not node.socket_path.exists() and not node.pool_path.exists()
@@ -247,22 +252,14 @@ def test_a_second_sigterm_stops_a_server_whose_storage_does_not_answer(node):
     server = node.start_server()
     client = node.client("engine")
     ns = client.register(desc(0, BIG))
-    warm = [entry_key("warm", i) for i in range(4)]
-    res = client.reserve(ns, warm)
-    for i, key in enumerate(warm):
-        res.view(i)[:] = payload(key, 0, BIG)
-    client.commit(ns, warm)
+    assert save_big(client, ns, [entry_key("warm", i) for i in range(4)]) == 4
     wait_for(lambda: client.stats()["storage"]["num_entries"] == 4, what="the warm entries on storage")
     writers = [child.pid for child in psutil.Process(server.pid).children()
                if "hpkv.storage.writer" in " ".join(child.cmdline())]
     assert writers
     for pid in writers:
         stop(pid)  # a storage device that stopped answering
-    keys = [entry_key("stuck", i) for i in range(40)]
-    res = client.reserve(ns, keys)
-    for i, key in enumerate(keys):
-        res.view(i)[:] = payload(key, 0, BIG)
-    assert client.commit(ns, keys) == 40
+    assert save_big(client, ns, [entry_key("stuck", i) for i in range(40)]) == 40
     client.close()
     server.send_signal(signal.SIGTERM)
     with pytest.raises(subprocess.TimeoutExpired):
