@@ -234,7 +234,9 @@ def _remove_if_stale(path: Path) -> None:
         os.close(fd)
         raise PoolError(
             f"the pool file {path} is owned by a running HPKV process; use that server, or stop it "
-            "first, or give this one another HPKV_SHARE_MEM_FILE_PATH") from None
+            "first, or give this one another HPKV_SHARE_MEM_FILE_PATH (a server whose socket is gone is "
+            "stopping: it writes its last entries to storage, removes the pool and exits; engines recompute "
+            "meanwhile and start a new server after it)") from None
     log.warning("removing stale pool file %s left by a process that is gone", path)
     os.unlink(path)
     os.close(fd)
