@@ -418,8 +418,9 @@ class TieredStore:
             self.counters.write_through_lost += 1
             return False
         if self._backlog_entries and (self._deferred or self._backlog_bytes + size > self._backlog_limit):
-            self._deferred[(entry.ns, entry.key)] = None
-            self.counters.write_through_deferred += 1
+            if (entry.ns, entry.key) not in self._deferred:  # evicted and committed again: once
+                self._deferred[(entry.ns, entry.key)] = None
+                self.counters.write_through_deferred += 1
             held = sum(len(self.dram.index_of(ns)) for ns in self._namespaces)
             if len(self._deferred) > 2 * held + 64:  # so at least half are gone from DRAM already
                 self._prune_deferred()
