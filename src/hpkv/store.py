@@ -240,16 +240,19 @@ class TieredStore:
         tiers: list[Tier] = []
         index = self.dram.index_of(ns)
         storage = self.storage
-        self._adopt(ns, keys)
+        while True:
+            with self._lock:
+                for key in keys[len(tiers):]:
+                    entry = index.get(key)
+                    if entry is not None and entry.ready:
+                        tiers.append(Tier.DRAM)
+                    elif storage is not None and storage.indexed(ns, key):
+                        tiers.append(Tier.STORAGE)
+                    else:
+                        break
+            if not self._found_elsewhere(ns, keys, len(tiers)):
+                break
         with self._lock:
-            for key in keys:
-                entry = index.get(key)
-                if entry is not None and entry.ready:
-                    tiers.append(Tier.DRAM)
-                elif storage is not None and storage.indexed(ns, key):
-                    tiers.append(Tier.STORAGE)
-                else:
-                    break
             c = self.counters
             c.lookups += 1
             c.lookup_keys += len(keys)
@@ -263,18 +266,18 @@ class TieredStore:
             per_ns[3] += len(tiers) - num_dram
         return Lookup(tuple(tiers))
 
-    def _adopt(self, ns: str, keys: list[bytes]) -> None:
-        """Outside the lock: have the storage tier look for the files of the leading keys that
-        neither tier's index holds (written by another node), up to the first it does not find.
-        That is a `stat` on the storage device, which on a network file system takes a round trip
-        (or hangs): under the lock it would hold up every client of the store."""
-        if self.storage is None:
-            return
-        index = self.dram.index_of(ns)
-        for key in keys:
-            entry = index.get(key)
-            if (entry is None or not entry.ready) and not self.storage.contains(ns, key):
-                return
+    def _found_elsewhere(self, ns: str, keys: list[bytes], i: int) -> bool:
+        """Whether keys[i], where a walk of the indexes stopped, has a file on storage after all
+        (another node wrote it, or the start-up scan has not reached it): the tier adopts it, and
+        the walk goes on from there. Called without the lock: it is a `stat` on the storage
+        device, a round trip on a network file system (or a hang), which under the lock would hold
+        up every client of the store."""
+        if self.storage is None or i >= len(keys):
+            return False
+        key = keys[i]
+        if self.dram.get(ns, key) is not None or self.storage.indexed(ns, key):
+            return False  # the walk stopped for another reason (an entry still being written, say)
+        return self.storage.contains(ns, key)
 
     def lease(self, ns: str, keys: list[bytes], owner: int = 0, start_reads: bool = True) -> Lease:
         """Pin the leading hits; storage hits are read into DRAM slots in the background. With
@@ -283,16 +286,19 @@ class TieredStore:
         entries: list[DramEntry] = []
         promotions: list[Future | None] = []
         reads: list[tuple[DramEntry, Future]] = []
-        self._adopt(ns, keys)
+        while True:
+            with self._lock:
+                for key in keys[len(entries):]:
+                    entry, promotion, read = self._pin_for_read(ns, key)
+                    if entry is None:
+                        break
+                    entries.append(entry)
+                    promotions.append(promotion)
+                    if read:
+                        reads.append((entry, promotion))
+            if not self._found_elsewhere(ns, keys, len(entries)):
+                break
         with self._lock:
-            for key in keys:
-                entry, promotion, read = self._pin_for_read(ns, key)
-                if entry is None:
-                    break
-                entries.append(entry)
-                promotions.append(promotion)
-                if read:
-                    reads.append((entry, promotion))
             lease = Lease(next(self._lease_ids), ns, owner, entries, promotions, reads)
             self._leases[lease.id] = lease
             self.counters.leases += 1
