@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 BACKLOG_LIMIT_SHARE = 0.5
 
 
+_NOWHERE = frozenset().__contains__  # the storage index of a store without a storage tier
+
+
 class Tier(enum.IntEnum):
     DRAM = 1
     STORAGE = 2
@@ -239,14 +242,14 @@ class TieredStore:
     def lookup(self, ns: str, keys: list[bytes]) -> Lookup:
         tiers: list[Tier] = []
         index = self.dram.index_of(ns)
-        storage = self.storage
+        prefix, on_storage = self.storage.index_probe(ns) if self.storage is not None else (b"", _NOWHERE)
         while True:
             with self._lock:
-                for key in keys[len(tiers):]:
+                for key in keys[len(tiers):] if tiers else keys:
                     entry = index.get(key)
                     if entry is not None and entry.ready:
                         tiers.append(Tier.DRAM)
-                    elif storage is not None and storage.indexed(ns, key):
+                    elif on_storage(prefix + key):
                         tiers.append(Tier.STORAGE)
                     else:
                         break

@@ -10,7 +10,7 @@ a lookup finds them, and a reader that loses a race with an evictor just misses.
 (HPKV_KV_STORAGE_DIRECT_IO), files in the aligned format go between the device and pool slots
 with O_DIRECT where the file system takes it (see `fileio`).
 
-Primitives: `start`, `add_namespace`, `indexed`, `contains`, `read_into`, `write_from` (or `publish`, where
+Primitives: `start`, `add_namespace`, `indexed` (`index_probe`), `contains`, `read_into`, `write_from` (or `publish`, where
 another process writes the file), `submit`, `remove`, `stats`, `close`. Capacity is enforced on
 this tier's view; `ENOSPC` evicts and retries, and a write that still cannot happen is dropped
 (counted), never raised. A write budget (HPKV_KV_STORAGE_WRITE_BUDGET, bytes a day) is a token
@@ -193,6 +193,12 @@ class StorageTier:
     def indexed(self, ns: str, key: bytes) -> bool:
         """Whether the index holds (ns, key): no I/O, so callers may ask while holding a lock."""
         return self._ik(ns, key) in self._lru
+
+    def index_probe(self, ns: str) -> tuple[bytes, Callable[[bytes], bool]]:
+        """(prefix, holds): `holds(prefix + key)` is `indexed(ns, key)` without a Python call per
+        key, for walks over long prefixes (a method call per key made a lookup of 4,096 keys a
+        third slower)."""
+        return self._ik(ns, b""), self._lru.__contains__
 
     def contains(self, ns: str, key: bytes) -> bool:
         """Whether a file for (ns, key) exists, adopting files other tiers wrote (one `stat` of
