@@ -32,6 +32,7 @@ from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .config import PoolConfig, StorageConfig
 from .keys import NamespaceDesc
@@ -289,10 +290,11 @@ class TieredStore:
         entries: list[DramEntry] = []
         promotions: list[Future | None] = []
         reads: list[tuple[DramEntry, Future]] = []
+        probe = self.storage.index_probe(ns) if self.storage is not None else (b"", _NOWHERE)
         while True:
             with self._lock:
-                for key in keys[len(entries):]:
-                    entry, promotion, read = self._pin_for_read(ns, key)
+                for key in keys[len(entries):] if entries else keys:
+                    entry, promotion, read = self._pin_for_read(ns, key, probe)
                     if entry is None:
                         break
                     entries.append(entry)
@@ -336,8 +338,10 @@ class TieredStore:
                 self.dram.unpin(entry)
         return True
 
-    def _pin_for_read(self, ns: str, key: bytes) -> tuple[DramEntry | None, Future | None, bool]:
-        """(entry, its promotion or None, whether that promotion is new and must be queued)."""
+    def _pin_for_read(self, ns: str, key: bytes, probe: tuple[bytes, Callable[[bytes], bool]]
+                      ) -> tuple[DramEntry | None, Future | None, bool]:
+        """(entry, its promotion or None, whether that promotion is new and must be queued);
+        `probe`: the storage tier's `index_probe(ns)`."""
         entry = self.dram.get(ns, key)
         if entry is not None:
             promotion = self._promoting.get(entry)
@@ -346,7 +350,8 @@ class TieredStore:
             self.dram.pin(entry)
             self.dram.touch(entry)
             return entry, promotion, False
-        if self.storage is None or not self.storage.indexed(ns, key):
+        prefix, on_storage = probe
+        if not on_storage(prefix + key):
             return None, None, False
         entry = self.dram.reserve(ns, key)
         if entry is None:
