@@ -57,12 +57,34 @@ def test_a_hello_of_another_version_is_refused_naming_both_versions(node):
 
 def test_the_client_raises_the_version_error(node, monkeypatch):
     node.start_server()
+    server_version = p.PROTOCOL_VERSION
     monkeypatch.setattr(p, "PROTOCOL_VERSION", 99)  # this process now plays a newer hpkv
     client = node.client("engine")
     with pytest.raises(ServerError) as raised:
         client.stats()
     assert raised.value.code == "version"
-    assert "protocol 99" in str(raised.value) and "speaks 1" in str(raised.value)
+    assert "protocol 99" in str(raised.value) and f"speaks {server_version}" in str(raised.value)
+
+
+def test_a_later_versions_hello_with_more_fields_still_gets_the_version_error(node):
+    """Hello keeps its fields across versions, and a later one may add some at its end: the
+    server must still read its version and answer with the error naming both."""
+    node.start_server()
+    later_hello = msgspec.msgpack.encode(["Hello", p.PROTOCOL_VERSION + 1, "engine", os.getpid(), "new", [1, 2]])
+    replies = exchange(node, frame(later_hello), hello=False)
+    assert [(type(r), r.code) for r in replies] == [(p.Error, "version")]
+    welcome_with_more = msgspec.msgpack.encode(["Welcome", 3, 1, "/dev/shm/x", 4096, 7, 1, "new"])
+    assert p.decode_reply(welcome_with_more).version == 3  # and an older client reads a later Welcome
+
+
+def test_keys_longer_than_a_file_name_allows_are_refused(node):
+    node.start_server()
+    client = node.client("engine")
+    ns = client.register(desc())
+    with pytest.raises(ServerError, match="longer than 64 bytes") as raised:
+        client.reserve(ns, [entry_key("ok", 0), b"k" * 200])
+    assert raised.value.code == "bad_request"
+    assert client.reserve(ns, [entry_key("ok", 0)]).offsets[0] is not None
 
 
 BAD = {

@@ -110,6 +110,90 @@ def test_nothing_is_saved_twice(open_store):
     store.abort(ns, ks)
 
 
+def test_a_key_reserved_again_before_its_commit_keeps_its_first_slot(open_store):
+    """An owner that reserves a key it has not committed yet (listed twice in one request, or a
+    later step's save before the saver thread commits the first) may still be copying into the
+    first slot: that slot must not go to anybody else, and the commit must publish those bytes."""
+    store = open_store(pool_bytes=1 << 20)  # 16 slots
+    ns = store.register(desc())
+    k, other = keys(1)[0], keys(15, "other")
+    (first,) = store.reserve(ns, [k], owner=1)
+    assert store.reserve(ns, [k, k], owner=1) == [None, None]
+    store.region.buf[first : first + ENTRY] = payload(k)  # the owner's copy lands in its first slot
+    taken = store.reserve(ns, other, owner=2)  # every other slot
+    assert None not in taken and first not in taken
+    assert store.commit(ns, [k, k], owner=1) == 1
+    assert load(store, ns, [k]) == [payload(k)]
+    store.abort(ns, other, owner=2)
+
+
+def test_a_hold_is_committed_by_its_settler_for_every_owner_but_the_keys_it_aborts(open_store):
+    """Two workers (owners) reserve in one hold and copy; neither commits. The settler commits
+    the hold but one key, which is aborted in both namespaces and can be saved again."""
+    store = open_store()
+    ns0, ns1 = store.register(desc(rank=0)), store.register(desc(rank=1))
+    good, bad = keys(2), keys(1, "bad")
+    for owner, ns in ((1, ns0), (2, ns1)):
+        offsets = store.reserve(ns, good + bad, owner=owner, hold="step-7")
+        for key, offset in zip(good + bad, offsets):
+            store.region.buf[offset : offset + ENTRY] = payload(key)
+    assert store.lookup(ns0, good).num_hit == 0  # held: not published by the copy alone,
+    assert store.commit(ns0, good, owner=1) == 0  # nor by its owner (only the settler knows)
+    store.abort(ns0, good, owner=1)
+
+    assert store.settle("step-7", abort=bad) == (4, 2)
+
+    for ns in (ns0, ns1):
+        assert store.lookup(ns, good + bad).num_hit == 2
+        assert load(store, ns, good) == [payload(k) for k in good]
+        assert store.reserve(ns, bad, owner=1) != [None]  # aborted: free to be saved again
+        store.abort(ns, bad, owner=1)
+    assert store.settle("step-7", abort=[]) == (0, 0)  # once only
+    assert store.stats()["holds"] == 0
+
+
+def test_a_hold_nobody_settles_is_aborted_after_the_timeout(open_store, monkeypatch):
+    import hpkv.store
+
+    store = open_store()
+    ns = store.register(desc())
+    ks = keys(3)
+    monkeypatch.setattr(hpkv.store, "HOLD_TIMEOUT_S", 0.05)
+    store.reserve(ns, ks, owner=1, hold="forgotten")
+    time.sleep(0.1)
+    store.reserve(ns, keys(1, "later"), owner=2)  # ends holds past their time
+
+    assert store.stats()["holds"] == 0
+    assert store.stats()["reservations"] == 1
+    assert store.settle("forgotten", abort=[]) == (0, 0)
+    assert store.lookup(ns, ks).num_hit == 0
+
+
+def test_a_hold_whose_owner_is_gone_settles_nothing_of_it(open_store):
+    store = open_store()
+    ns = store.register(desc())
+    ks = keys(2)
+    store.reserve(ns, ks, owner=1, hold="h")
+    store.drop_owner(1)
+
+    assert store.settle("h", abort=[]) == (0, 0)
+    assert store.lookup(ns, ks).num_hit == 0
+    assert store.stats()["dram"]["used_bytes"] == 0
+
+
+def test_a_key_cleared_while_reserved_keeps_its_slot_until_the_owner_lets_go(open_store):
+    store = open_store(pool_bytes=1 << 20)  # 16 slots
+    ns = store.register(desc())
+    k, other = keys(1)[0], keys(16, "other")
+    (first,) = store.reserve(ns, [k], owner=1)
+    store.clear(memory=True)
+    assert store.reserve(ns, [k], owner=1) == [None]
+    assert first not in store.reserve(ns, other, owner=2)  # fifteen slots left for sixteen keys
+    assert store.commit(ns, [k], owner=1) == 0  # dropped by the clear: not published, slot freed
+    assert store.lookup(ns, [k]).num_hit == 0
+    assert store.reserve(ns, [k], owner=1) == [first]
+
+
 def test_commits_are_written_through_and_survive_a_dram_clear(open_store):
     store = open_store()
     ns = store.register(desc())

@@ -46,6 +46,7 @@ from vllmutil import (
     start_all,
     wait_for,
     wait_gone,
+    with_load_fault,
 )
 
 pytestmark = [
@@ -80,6 +81,11 @@ class Node:
     home_b: Path
     home_c: Path
     logs: Path
+
+    @property
+    def load_fault(self) -> Path:
+        """While this file exists, engine A's next load fails (vllmutil.with_load_fault)."""
+        return self.root / "fail-next-load"
 
 
 @pytest.fixture(scope="module")
@@ -143,9 +149,10 @@ def unconfigured(node, model):
 def first_engines(node, model, unconfigured):
     """A and plain, started side by side (while the unconfigured engine fails beside them)."""
     no_config = str(node.root / "no-config.ini")  # not the user's config file
-    a = Engine("a", model, {"VLLM_ENABLE_HPKV": "1", "HPKV_KV_MEM_POOL_SIZE": "256m",
-                            "HPKV_SHARE_MEM_FILE_PATH": str(node.shm), "HPKV_KV_STORAGE_PATH": str(node.storage),
-                            "HPKV_SERVER_IDLE_EXIT_S": "2", "HPKV_CONFIG_FILE_PATH": no_config}, node.logs)
+    env_a = {"VLLM_ENABLE_HPKV": "1", "HPKV_KV_MEM_POOL_SIZE": "256m", "HPKV_SHARE_MEM_FILE_PATH": str(node.shm),
+             "HPKV_KV_STORAGE_PATH": str(node.storage), "HPKV_SERVER_IDLE_EXIT_S": "2",
+             "HPKV_CONFIG_FILE_PATH": no_config}
+    a = Engine("a", model, with_load_fault(env_a, node.root / "shim-a", node.load_fault), node.logs)
     plain = Engine("plain", model, {"HPKV_CONFIG_FILE_PATH": no_config}, node.logs, hpkv=False)
     try:
         start_all([a, plain])
@@ -268,6 +275,34 @@ def test_a_follow_up_hits_the_blocks_of_the_generated_answer(engine_a, plain):
     # vLLM's own hit with the same history: the answer's KV was computed while decoding.
     assert same_output(plain.complete(prompt_ids, max_tokens=64), first)
     assert same_output(answer, plain.reference(follow_up))
+
+
+def test_blocks_computed_on_a_load_that_failed_are_not_saved(engine_a, node, plain):
+    """A load that fails in the worker (after the scheduler announced it) leaves the blocks it
+    was loading into with whatever they held; the rest of the prompt, computed in the same step,
+    is computed on those bytes. vLLM drops that step and recomputes; HPKV must not keep the KV
+    that step computed, or the next hit on the prompt loads it (wrong tokens)."""
+    base = _prompt(1500, seed=62)
+    extended = base + " " + _prompt(300, seed=63)
+    engine_a.complete(base)
+    engine_a.reset_prefix_cache()
+    node.load_fault.touch()
+    before = engine_a.counters()
+
+    answer = engine_a.complete(extended)  # loads base's blocks (the load fails), computes the rest
+
+    got = engine_a.counters() - before
+    assert not node.load_fault.exists(), "the load was not attempted"
+    assert got["load_failures"] > 0 and got["held_saves_aborted"] > 0
+    assert same_output(answer, plain.reference(extended))  # vLLM recomputed the failed blocks
+    engine_a.reset_prefix_cache()
+    before = engine_a.counters()
+
+    again = engine_a.complete(extended)
+
+    got = engine_a.counters() - before
+    assert got["host"] >= len(engine_a.tokenize(extended)) // BLOCK_SIZE * BLOCK_SIZE - BLOCK_SIZE
+    assert same_output(again, plain.reference(extended))
 
 
 # -- engines B and C: a restart, a second instance ------------------------------------------

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hpkv.server import protocol
 from serverutil import Node, desc, entry_key, wait_for
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
@@ -102,7 +103,7 @@ def test_a_save_whose_connection_was_lost_copies_nothing_into_the_slots(worker):
 
     reserved = []
     original_reserve = w.client.reserve
-    w.client.reserve = lambda *args: reserved.append(original_reserve(*args)) or reserved[-1]
+    w.client.reserve = lambda *args, **kw: reserved.append(original_reserve(*args, **kw)) or reserved[-1]
 
     keys = [entry_key("lost", i) for i in range(2)]
     w.wait_for_save(_meta(keys, [1, 2]))
@@ -139,3 +140,29 @@ def test_a_load_copies_before_the_forward_pass_and_its_lease_is_released_after(w
     assert w.client.stats()["leases"] == 1  # still held: its release has not gone out yet
     gate.set()
     assert wait_for(lambda: w.client.stats()["leases"] == 0)
+
+
+def test_a_held_save_is_copied_in_its_step_and_published_only_when_its_hold_is_settled(worker):
+    """Saves of a step after a load are reserved in the step's hold: copied before wait_for_save
+    returns (even with asynchronous saves), committed by nobody but the scheduler's settle."""
+    from hpkv.integrations.vllm.metadata import HpkvConnectorMetadata, SaveJob
+
+    w, node = worker
+    keys = [entry_key("held", i) for i in range(3)]
+    blocks = [4, 6, 8]
+    expected = [_entry(w, b) for b in blocks]
+    w.wait_for_save(HpkvConnectorMetadata(saves=[SaveJob("req", keys, blocks)], seq=7, hold="engine.7"))
+    assert w._queue == deque() and w._saver is None  # nothing left for the saver thread
+    reader = node.client("reader")
+    reader.register(w.desc)
+    time.sleep(0.2)
+    assert reader.lookup(w.ns, keys).num_hit == 0
+
+    settler = node.client("vllm-scheduler")
+    assert settler.settle("engine.7", [keys[2]]) == protocol.Settled(2, 1)
+
+    assert reader.lookup(w.ns, keys).num_hit == 2
+    lease = reader.lease(w.ns, keys[:2])
+    assert reader.wait(lease) == 2
+    assert [bytes(lease.view(i)) for i in range(2)] == expected[:2]
+    reader.release(lease)

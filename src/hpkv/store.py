@@ -8,6 +8,9 @@ Primitives (all keyed by namespace id `ns` and engine keys, in prefix order):
 - `lease(ns, keys, owner)` pins the leading hits in DRAM, promoting storage hits into DRAM slots
   on the I/O threads; `Lease.wait()` says how many leading entries are ready to copy from.
   `release(lease_id)` lets them go. Leased entries are never evicted or overwritten.
+- `reserve(..., hold=name)` puts the reservation in a hold instead: `settle(name, abort_keys)`
+  commits every owner's part of it but the keys named, which are aborted (a hold not settled
+  within HOLD_TIMEOUT_S is aborted whole).
 - `drop_owner(owner)`: everything a vanished client held is aborted or released.
 - `flush()` waits for queued write-throughs; `clear(memory, storage, ns)`, `stats()`, `close()`.
   An entry waiting for its write-through is pinned, up to BACKLOG_LIMIT_SHARE of the pool; past
@@ -48,6 +51,9 @@ log = logging.getLogger(__name__)
 # and is written once the backlog drains, if the pool still holds it. Without the limit a storage
 # device slower than the engines pinned the whole pool, and every save after that was skipped.
 BACKLOG_LIMIT_SHARE = 0.5
+# A hold (`reserve(..., hold=)`) nobody settles within this long is aborted: its slots are not
+# pinned for ever by a settler that died or forgot it.
+HOLD_TIMEOUT_S = 60.0
 
 
 _NOWHERE = frozenset().__contains__  # the storage index of a store without a storage tier
@@ -149,6 +155,8 @@ class TieredStore:
         # Committed entries past the limit, oldest first: written once the backlog drains, if still in DRAM.
         self._deferred: OrderedDict[tuple[str, bytes], None] = OrderedDict()
         self._quarantine: deque[tuple[float, DramEntry]] = deque()  # (until, reserved entry of a dropped owner)
+        # hold name -> (when it began, [(owner, ns, keys reserved)]), oldest first
+        self._holds: OrderedDict[str, tuple[float, list[tuple[int, str, list[bytes]]]]] = OrderedDict()
         self._lease_ids = itertools.count(1)
         # Write-throughs run on threads of their own, so a promotion that a request waits for
         # never queues behind them; and on few of them: each waits for one writer process
@@ -223,11 +231,13 @@ class TieredStore:
 
     def register(self, desc: NamespaceDesc) -> str:
         ns = desc.ns
+        if ns not in self._namespaces and self.storage is not None:
+            # File I/O (a hung network file system) outside the lock, which every client needs;
+            # idempotent, so two engines registering at once both may.
+            self.storage.add_namespace(ns, desc.to_json())
         with self._lock:
             if ns not in self._namespaces:
                 self.dram.add_namespace(ns, desc.entry_bytes)
-                if self.storage is not None:
-                    self.storage.add_namespace(ns, desc.to_json())
                 self._namespaces[ns] = desc
                 self._ns_hits[ns] = [0, 0, 0, 0]
         return ns
@@ -385,44 +395,93 @@ class TieredStore:
 
     # -- writes -------------------------------------------------------------------------------
 
-    def reserve(self, ns: str, keys: list[bytes], owner: int = 0) -> list[int | None]:
+    def reserve(self, ns: str, keys: list[bytes], owner: int = 0, hold: str = "") -> list[int | None]:
         """Slots to copy each key's bytes into; None where the key is already held (nothing is
         saved twice) or the pool has no slot that is not pinned. An owner is one writer: its
-        reservations are its own until it commits or aborts them by key."""
+        reservations are its own until it commits or aborts them by key. A key the owner has
+        reserved already (listed twice, or reserved again before its commit) gets None: the owner
+        may still be copying into the first slot, which must stay its own until it commits or
+        aborts, even if a clear dropped the entry meanwhile. With `hold`, the keys reserved join
+        that hold, and `settle` ends them, not the owner's commit or abort."""
         offsets: list[int | None] = []
+        expired = self._expired_holds()
         with self._lock:
             if self._quarantine and self._quarantine[0][0] <= time.monotonic():
                 self._end_quarantine()
             held = self._reserved.setdefault(owner, {})
             for key in keys:
-                stale = held.pop((ns, key), None)
-                if stale is not None:  # cleared while reserved, and reserved again
-                    self.dram.abort(stale)
-                entry = self.dram.reserve(ns, key)
+                entry = None if (ns, key) in held else self.dram.reserve(ns, key)
                 if entry is None:
                     self.counters.skipped_present += 1
                     offsets.append(None)
                     continue
-                held[(ns, key)] = entry
+                held[(ns, key, hold) if hold else (ns, key)] = entry  # a held one is not the owner's to commit
                 offsets.append(entry.offset)
+            if hold:
+                reserved = [key for key, offset in zip(keys, offsets) if offset is not None]
+                if reserved:
+                    self._holds.setdefault(hold, (time.monotonic(), []))[1].append((owner, ns, reserved))
+        for name in expired:
+            log.warning("hold %s was not settled within %.0f s: its entries are not saved", name, HOLD_TIMEOUT_S)
+            self.settle(name, abort=None)
         return offsets
+
+    def settle(self, hold: str, abort: set[bytes] | list[bytes] | None) -> tuple[int, int]:
+        """End a hold: commit every owner's reservations in it but the keys in `abort` (all of
+        them when `abort` is None), which are aborted. Returns (published, aborted); reservations
+        whose owner is gone meanwhile were aborted already and count in neither. Settling a hold
+        that does not exist (settled already, or nothing was reserved in it) does nothing."""
+        bad = None if abort is None else set(abort)
+        num_published = num_aborted = 0
+        writes: list[DramEntry] = []
+        with self._lock:
+            _, parts = self._holds.pop(hold, (0.0, []))
+            for owner, ns, keys in parts:
+                held = self._reserved.get(owner, {})
+                good = []
+                for key in keys:
+                    entry = held.pop((ns, key, hold), None)
+                    if entry is not None and (bad is None or key in bad):
+                        self.dram.abort(entry)
+                        num_aborted += 1
+                    else:
+                        good.append(entry)
+                num, more = self._publish(good)
+                num_published += num
+                writes += more
+            self.counters.aborts += num_aborted
+        self._submit_writes(writes)
+        return num_published, num_aborted
+
+    def _expired_holds(self) -> list[str]:
+        if not self._holds:
+            return []
+        limit = time.monotonic() - HOLD_TIMEOUT_S
+        with self._lock:
+            return list(itertools.takewhile(lambda name: self._holds[name][0] <= limit, self._holds))
 
     def commit(self, ns: str, keys: list[bytes], owner: int = 0) -> int:
         """Publish reserved keys and queue their write-through. Keys not reserved by `owner` are
         ignored. Returns the number published. Keys come in prefix order, and are published (and
         written through) last first: see `release`."""
-        published, writes = [], []
         with self._lock:
             held = self._reserved.get(owner, {})
-            for key in reversed(keys):
-                entry = held.pop((ns, key), None)
-                if entry is not None and self.dram.commit(entry):
-                    published.append(entry)
-                    if self.storage is not None and self._admit_write(entry):
-                        writes.append(entry)
-            self.counters.commits += len(published)
+            num, writes = self._publish([held.pop((ns, key), None) for key in keys])
         self._submit_writes(writes)
-        return len(published)
+        return num
+
+    def _publish(self, entries: list[DramEntry | None]) -> tuple[int, list[DramEntry]]:
+        """Commit reserved entries (in prefix order; published last first; None skipped): the
+        number published (not dropped meanwhile) and the write-throughs to submit once the lock
+        is let go. Caller holds the lock."""
+        published, writes = 0, []
+        for entry in reversed(entries):
+            if entry is not None and self.dram.commit(entry):
+                published += 1
+                if self.storage is not None and self._admit_write(entry):
+                    writes.append(entry)
+        self.counters.commits += published
+        return published, writes
 
     def _admit_write(self, entry: DramEntry) -> bool:
         """Into the backlog (pinned: the write-through reads the slot) if the backlog has room and
@@ -502,14 +561,18 @@ class TieredStore:
             if futures_wait(pending, left).not_done:
                 return False
 
-    def abort(self, ns: str, keys: list[bytes], owner: int = 0) -> None:
+    def abort(self, ns: str, keys: list[bytes], owner: int = 0) -> int:
+        """Give back the slots of keys `owner` reserved; returns how many it held."""
+        num = 0
         with self._lock:
             held = self._reserved.get(owner, {})
             for key in keys:
                 entry = held.pop((ns, key), None)
                 if entry is not None:
                     self.dram.abort(entry)
-                    self.counters.aborts += 1
+                    num += 1
+            self.counters.aborts += num
+        return num
 
     def _write_through(self, entry: DramEntry) -> None:
         try:
@@ -600,6 +663,7 @@ class TieredStore:
             out["leases"] = len(self._leases)
             out["reservations"] = sum(len(h) for h in self._reserved.values())
             out["quarantined"] = len(self._quarantine)
+            out["holds"] = len(self._holds)
             out["write_backlog"] = None if self.storage is None else {
                 "entries": self._backlog_entries, "bytes": self._backlog_bytes, "limit_bytes": self._backlog_limit,
                 "deferred": len(self._deferred)}

@@ -137,6 +137,10 @@ class Client:
             self._open()
         except ServerUnavailable as exc:
             self._fail(str(exc))
+        except ServerError as exc:  # refused (another protocol version, say): the same wait before trying again
+            self._failures += 1
+            self._drop(str(exc))
+            raise
         except OSError as exc:
             self._fail(f"cannot reach the HPKV server in {self.directory}: {exc.strerror or exc}")
         return self._sock
@@ -157,7 +161,9 @@ class Client:
         if isinstance(welcome, p.Error):
             sock.close()
             raise ServerError(welcome.code, welcome.message)
-        if self.region is None or self.region.inode != welcome.pool_inode:
+        # A new server maps a new pool file, even where the file system gave it the old one's
+        # inode number (not tmpfs): its pid tells them apart.
+        if self.region is None or self.region.inode != welcome.pool_inode or self.server_pid != welcome.server_pid:
             try:
                 region = PoolRegion.attach(Path(welcome.pool_path))
             except PoolError as exc:  # e.g. a uid the server admits but the pool file's mode does not
@@ -202,6 +208,9 @@ class Client:
             self._fail(f"the HPKV server did not answer {type(msg).__name__} within {timeout_s:.1f} s")
         except (OSError, EOFError, p.FrameError) as exc:
             self._fail(f"lost the HPKV server: {exc or type(exc).__name__}")
+        except BaseException:  # interrupted between request and reply: the next reply read would be this one's
+            self._drop("a call was interrupted")
+            raise
         if isinstance(reply, p.Error):
             raise ServerError(reply.code, reply.message)
         return reply
@@ -216,9 +225,11 @@ class Client:
     def lookup(self, ns: str, keys: list[bytes]) -> Lookup:
         return Lookup(tuple(map(_TIERS.__getitem__, self._call(p.Lookup(ns, keys)).tiers)))
 
-    def reserve(self, ns: str, keys: list[bytes]) -> Reservation:
+    def reserve(self, ns: str, keys: list[bytes], hold: str = "") -> Reservation:
+        """With `hold`, the reservation is settled by whoever calls `settle(hold)` (this client
+        neither commits nor aborts it)."""
         with self._lock:
-            offsets = self._call(p.Reserve(ns, keys)).offsets
+            offsets = self._call(p.Reserve(ns, keys, hold)).offsets
             return Reservation(self.region, self._namespaces[ns][1], offsets, self.epoch)
 
     def commit(self, ns: str, keys: list[bytes]) -> int:
@@ -226,6 +237,10 @@ class Client:
 
     def abort(self, ns: str, keys: list[bytes]) -> None:
         self._call(p.Abort(ns, keys))
+
+    def settle(self, hold: str, abort: list[bytes]) -> p.Settled:
+        """Commit every client's reservations made with `hold`, except the keys in `abort`."""
+        return self._call(p.Settle(hold, abort))
 
     def lease(self, ns: str, keys: list[bytes]) -> LeaseHandle:
         with self._lock:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import socket
@@ -35,7 +36,7 @@ from pathlib import Path
 from .. import __version__
 from ..config import Settings, load_settings
 from ..errors import HpkvError, PoolError
-from ..keys import NS_DIGEST_BYTES, NamespaceDesc
+from ..keys import MAX_KEY_BYTES, NS_DIGEST_BYTES, NamespaceDesc
 from ..pool.region import prepare_directory
 from ..procs import pid_running
 from ..store import TieredStore
@@ -47,6 +48,8 @@ _PEERCRED = struct.Struct("3i")
 # How long the slots reserved by a client whose connection dropped while its process lives stay
 # unusable: far longer than any copy into them takes.
 QUARANTINE_S = 30.0
+ACCEPT_RETRY_S = 0.2  # the pause after a failed accept (out of file descriptors, say)
+MAX_HOLD_CHARS = 128
 
 
 @dataclass
@@ -77,6 +80,7 @@ class Server:
         self._next_id = 1
         self._last_client_left = time.monotonic()
         self._listener: socket.socket | None = None
+        self._accept_warned_at = -math.inf
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -143,11 +147,30 @@ class Server:
                              self.settings.server_idle_exit_s)
                     return
                 continue
-            except OSError:
+            except OSError as exc:
                 if self._stop.is_set():
                     return
-                raise
-            threading.Thread(target=self._serve, args=(conn,), name="hpkv-client", daemon=True).start()
+                # Out of file descriptors or memory, or a client that gave up while queued: the
+                # clients already connected go on, and so does the server.
+                self._accept_failed(f"cannot accept a connection: {exc}")
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="hpkv-client", daemon=True).start()
+            except RuntimeError as exc:  # "can't start new thread"
+                conn.close()
+                self._accept_failed(f"cannot start a thread for a new client: {exc}")
+
+    def _accept_failed(self, why: str) -> None:
+        """Logged at most once a minute (the rest at DEBUG); a short pause so that a lasting cause
+        (EMFILE) does not spin. The client sees its connection refused or closed and retries."""
+        now = time.monotonic()
+        if now - self._accept_warned_at >= 60.0:
+            self._accept_warned_at = now
+            log.warning("%s; the clients connected already are served, new ones are retried (raise the limit "
+                        "on open files, `ulimit -n`, or the memory limit if this repeats)", why)
+        else:
+            log.debug("%s", why)
+        self._stop.wait(ACCEPT_RETRY_S)
 
     def _idle_expired(self) -> bool:
         if not self.auto:
@@ -282,14 +305,22 @@ class Server:
 
     def _on_Reserve(self, r: p.Reserve, client: ClientInfo) -> p.Reply:
         self._check_ns(r.ns)
-        return p.Offsets(self.store.reserve(r.ns, r.keys, owner=client.id))
+        long_keys = [key for key in r.keys if len(key) > MAX_KEY_BYTES]
+        if long_keys:  # each becomes a file name: make_key digests longer ones
+            return p.Error("bad_request", f"{len(long_keys)} key(s) longer than {MAX_KEY_BYTES} bytes (the first "
+                           f"is {len(long_keys[0])}); build keys with hpkv.keys.make_key")
+        if len(r.hold) > MAX_HOLD_CHARS:
+            return p.Error("bad_request", f"hold name of {len(r.hold)} characters; at most {MAX_HOLD_CHARS}")
+        return p.Offsets(self.store.reserve(r.ns, r.keys, owner=client.id, hold=r.hold))
 
     def _on_Commit(self, r: p.Commit, client: ClientInfo) -> p.Reply:
         return p.Count(self.store.commit(r.ns, r.keys, owner=client.id))
 
     def _on_Abort(self, r: p.Abort, client: ClientInfo) -> p.Reply:
-        self.store.abort(r.ns, r.keys, owner=client.id)
-        return p.Count(0)
+        return p.Count(self.store.abort(r.ns, r.keys, owner=client.id))
+
+    def _on_Settle(self, r: p.Settle, client: ClientInfo) -> p.Reply:
+        return p.Settled(*self.store.settle(r.hold, r.abort))
 
     def _on_Lease(self, r: p.Lease, client: ClientInfo) -> p.Reply:
         self._check_ns(r.ns)

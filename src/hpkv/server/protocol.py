@@ -7,7 +7,14 @@ Every request gets exactly one reply, in order: its result or an `Error`. A fram
 then closes that connection (its framing can no longer be trusted) and nobody else notices.
 
 Version rule: the first message on a connection is `Hello`; a different `PROTOCOL_VERSION` is
-refused with an error that names both versions, and the client raises it.
+refused with an error that names both versions, and the client raises it. So that this holds
+across versions, `Hello`, `Welcome` and `Error` keep their fields (a later version may only add
+fields at their end, which this one ignores); every other message may change with the version.
+
+Holds (version 2): a reservation made with a `hold` name is not the reserving client's to
+commit. Whoever knows whether the bytes are good (vLLM's scheduler, once the step that computed
+them is known not to have read a failed load) settles the whole hold, every client's part of
+it, with `Settle`: the keys it names are aborted, the rest committed.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 16 << 20
 SOCKET_NAME = "hpkv.sock"
 LOCK_NAME = "hpkv.lock"
@@ -28,9 +35,14 @@ class Msg(msgspec.Struct, tag=True, forbid_unknown_fields=True, array_like=True)
     pass
 
 
+class _Stable(msgspec.Struct, tag=True, array_like=True):
+    """The messages of the version handshake: extra trailing fields (a later version's) are
+    ignored, so any two versions can tell each other which version they speak."""
+
+
 # -- requests ------------------------------------------------------------------------------------
 
-class Hello(Msg):
+class Hello(_Stable):
     version: int
     kind: str  # "vllm-scheduler", "vllm-worker-<rank>", "sglang-<thread>", "cli", "doctor", ...
     pid: int
@@ -48,6 +60,12 @@ class Lookup(Msg):
 class Reserve(Msg):
     ns: str
     keys: list[bytes]
+    hold: str = ""  # settled by `Settle(hold)`, not committed by this client
+
+
+class Settle(Msg):
+    hold: str
+    abort: list[bytes]  # keys to abort (in every namespace of the hold); the rest are committed
 
 
 class Commit(Msg):
@@ -84,12 +102,12 @@ class Stats(Msg):
     pass
 
 
-Request = Union[Hello, Register, Lookup, Reserve, Commit, Abort, Lease, LeaseWait, Release, Clear, Stats]
+Request = Union[Hello, Register, Lookup, Reserve, Commit, Abort, Settle, Lease, LeaseWait, Release, Clear, Stats]
 
 
 # -- replies -------------------------------------------------------------------------------------
 
-class Welcome(Msg):
+class Welcome(_Stable):
     version: int
     server_pid: int
     pool_path: str
@@ -126,17 +144,22 @@ class Cleared(Msg):
     storage: int
 
 
+class Settled(Msg):
+    num_committed: int
+    num_aborted: int
+
+
 class StatsReply(Msg):
     stats: dict
 
 
-class Error(Msg):
+class Error(_Stable):
     # "version", "permission", "malformed", "too_large", "unknown_namespace", "bad_request", "internal"
     code: str
     message: str
 
 
-Reply = Union[Welcome, Registered, Hits, Offsets, Count, Leased, Cleared, StatsReply, Error]
+Reply = Union[Welcome, Registered, Hits, Offsets, Count, Leased, Cleared, Settled, StatsReply, Error]
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

@@ -6,7 +6,8 @@ with VLLM_ENABLE_HPKV=1. The scheduler-side instance (engine core) runs `HpkvSch
 worker's instance runs `HpkvWorker`. Loads are synchronous (before the forward pass of the step
 that needs them, from entries already pinned in DRAM); saves start after the forward pass and,
 on accelerators, copy beside the next one (`"hpkv.async_save"` in kv_connector_extra_config
-overrides: true or false).
+overrides: true or false), except those a step after a load holds until the load is known good
+(holds.py), which are copied in the step.
 HPKV is a cache: a block it cannot load is recomputed, so the connector switches vLLM's
 kv_load_failure_policy to "recompute" unless `"hpkv.fail_on_load_error": true` is given in
 kv_connector_extra_config.
@@ -26,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ...config import load_settings
 from ...errors import ConfigError, HpkvError
 from . import layout as lay
+from .holds import HpkvWorkerMeta
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats
 
 log = logging.getLogger("hpkv.vllm")
@@ -92,6 +94,13 @@ class HpkvConnectorV1(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker else set()
+
+    def build_connector_worker_meta(self) -> HpkvWorkerMeta | None:
+        # The step's number, for the scheduler to settle the holds of its saves (holds.py).
+        meta = getattr(self, "_connector_metadata", None) if self._worker else None
+        if isinstance(meta, HpkvConnectorMetadata) and (meta.loads or meta.hold):
+            return HpkvWorkerMeta({meta.seq})
+        return None
 
     def get_kv_connector_stats(self) -> HpkvConnectorStats | None:
         half = self._worker or self._scheduler

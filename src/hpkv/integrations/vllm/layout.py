@@ -8,8 +8,10 @@ look up the keys each worker rank writes without asking the workers.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
+from ...errors import ConfigError
 from ...keys import NamespaceDesc
 
 ENGINE = "vllm"
@@ -39,6 +41,7 @@ class BlockLayout:
 
 def block_layout(vllm_config, kv_cache_config) -> BlockLayout:
     """The layout of an entry, from the first KV cache group (full attention)."""
+    _refuse_context_parallel(vllm_config.parallel_config)
     group = kv_cache_config.kv_cache_groups[0]
     group_spec = group.kv_cache_spec
     per_layer = getattr(group_spec, "kv_cache_specs", None) or {}
@@ -54,6 +57,20 @@ def block_layout(vllm_config, kv_cache_config) -> BlockLayout:
                        max(1, block_size // hash_block_size), spec_text)
 
 
+def _refuse_context_parallel(parallel) -> None:
+    """Context parallelism shards each block's tokens over ranks and makes vLLM's blocks (and
+    block hashes) that many times longer than --block-size; HPKV's entries and keys assume one
+    block per hash boundary and one shard per tensor/pipeline rank, so they would load the wrong
+    blocks. Refused at start rather than giving wrong tokens."""
+    sizes = {name: getattr(parallel, name, 1) or 1
+             for name in ("decode_context_parallel_size", "prefill_context_parallel_size")}
+    used = {name: size for name, size in sizes.items() if size > 1}
+    if used:
+        flags = ", ".join(f"--{name.replace('_', '-')} {size}" for name, size in used.items())
+        raise ConfigError(f"HpkvConnectorV1 does not support context parallelism ({flags}): run this engine without "
+                          "it, or without the HPKV connector")
+
+
 def world_ranks(vllm_config) -> int:
     parallel = vllm_config.parallel_config
     return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
@@ -65,7 +82,7 @@ def namespace(vllm_config, layout: BlockLayout, rank: int) -> NamespaceDesc:
     parallel = vllm_config.parallel_config
     return NamespaceDesc(
         engine=ENGINE,
-        model=f"{model.model}@{model.revision or 'main'}",
+        model=_model_id(model),
         dtype=str(vllm_config.cache_config.cache_dtype if vllm_config.cache_config.cache_dtype != "auto"
                   else model.dtype),
         layout=f"{REQUIRED_LAYOUT};{layout.spec};pages={','.join(map(str, layout.page_bytes))}",
@@ -78,6 +95,19 @@ def namespace(vllm_config, layout: BlockLayout, rank: int) -> NamespaceDesc:
         max(1, getattr(parallel, "decode_context_parallel_size", 1)),
         rank=rank,
     )
+
+
+def _model_id(model) -> str:
+    """The model as far as its KV depends on it: path and revision, plus what changes its
+    numerics on load (online quantization, config overrides such as RoPE scaling), which the
+    block hashes do not cover. Without either, the id is what it always was."""
+    text = f"{model.model}@{model.revision or 'main'}"
+    if getattr(model, "quantization", None):
+        text += f"+quantization={model.quantization}"
+    overrides = getattr(model, "hf_overrides", None)
+    if overrides and not callable(overrides):
+        text += "+hf_overrides=" + json.dumps(overrides, sort_keys=True, default=str)
+    return text
 
 
 def block_keys(block_hashes, layout: BlockLayout, start: int, stop: int) -> list[bytes]:

@@ -39,12 +39,16 @@ class HpkvConnectorMetadata(KVConnectorMetadata):
     # Blocks allocated to requests in this step: the only blocks vLLM can overwrite that an
     # earlier step's save may still be reading (the worker fences on them).
     allocated: list[int] = field(default_factory=list)
+    seq: int = 0  # the step's number, sent back in HpkvWorkerMeta when it loads or holds
+    # Reserve this step's saves in this hold and do not commit them: the scheduler settles it
+    # once it knows no load they depend on failed (holds.py). "": commit them.
+    hold: str = ""
 
 
 _COUNTERS = (
     "lookups", "hit_tokens_dram", "hit_tokens_storage", "skipped_below_threshold", "skipped_tokens",
     "loaded_blocks", "loaded_bytes", "load_time_s", "saved_blocks", "saved_bytes", "save_time_s",
-    "load_failures", "server_errors", "save_wait_s", "save_fences",
+    "load_failures", "server_errors", "save_wait_s", "save_fences", "held_saves_aborted",
 )
 
 
@@ -77,6 +81,7 @@ class HpkvConnectorStats(KVConnectorStats):
             "hpkv_loaded_blocks": d.get("loaded_blocks", 0),
             "hpkv_saved_blocks": d.get("saved_blocks", 0),
             "hpkv_load_failures": d.get("load_failures", 0),
+            "hpkv_held_saves_aborted": d.get("held_saves_aborted", 0),
             "hpkv_save_fences": d.get("save_fences", 0),
             "hpkv_server_errors": d.get("server_errors", 0),
         }

@@ -22,6 +22,7 @@ _COUNTERS = {
     "save_wait_s": "Seconds engine steps waited for HPKV saves (reservations, synchronous copies, fences)",
     "save_fences": "Steps that waited for an asynchronous save before overwriting the blocks it read",
     "load_failures": "Blocks HPKV could not load (recomputed)",
+    "held_saves_aborted": "Blocks not saved because the step that computed them read a block that failed to load",
     "server_errors": "HPKV server calls that failed (treated as misses)",
 }
 

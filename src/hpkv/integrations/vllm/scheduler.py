@@ -8,8 +8,10 @@ promotes storage hits into DRAM. Only once every promotion is done does it tell 
 tokens HPKV supplies, so a load it announces cannot fail: the worker copies from pinned memory.
 While promotions run it answers None ("ask again"), which keeps the request waiting without
 stalling the engine. Every full block the engine computes (prompt and generated tokens) is
-sent to the workers for saving, once. Under `auto` it also times each engine step and each
-promotion, which teaches the cost model this engine's prefill, copy and storage speeds.
+sent to the workers for saving, once; while a step that loads has not reported back, saves are
+held until it has (holds.py), so KV computed on a load that failed is never published. Under
+`auto` it also times each engine step and each promotion, which teaches the cost model this
+engine's prefill, copy and storage speeds.
 
 HPKV faults (server gone, timeouts) make a lookup a miss: the engine recomputes.
 """
@@ -28,6 +30,7 @@ from ...store import Tier
 from . import layout as lay
 from . import probes
 from .costmodel import AffineCost, AutoThreshold, CostModel, FixedThreshold
+from .holds import HpkvWorkerMeta, SaveHolds
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats, LoadJob, SaveJob
 
 log = logging.getLogger("hpkv.vllm.scheduler")
@@ -63,6 +66,9 @@ class HpkvScheduler:
         self.policy = self._load_policy(settings, vllm_config)
         self._reqs: dict[str, _Req] = {}
         self._pending_loads: list[LoadJob] = []
+        self._seq = 0  # steps built
+        self._loading: dict[int, list[str]] = {}  # step -> requests it loads for, until its output is back
+        self.holds = SaveHolds()
         _warn_if_hashes_unstable(vllm_config)
 
     def _load_policy(self, settings: Settings, vllm_config) -> FixedThreshold | AutoThreshold:
@@ -136,7 +142,8 @@ class HpkvScheduler:
         state.tiers = tiers[:num_load]
         state.num_promoting = state.tiers.count(Tier.STORAGE)
         state.asked_at = state.polled_at = time.perf_counter()
-        state.leases = {rank: self.client.lease(ns, keys[:num_load]) for rank, ns in enumerate(namespaces)}
+        for rank, ns in enumerate(namespaces):  # one at a time, so a fault releases those taken
+            state.leases[rank] = self.client.lease(ns, keys[:num_load])
         state.lease_start = start
         state.leased_at = time.monotonic()
         return self._ready(state)
@@ -206,7 +213,11 @@ class HpkvScheduler:
     # -- saves --------------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output) -> HpkvConnectorMetadata:
-        meta = HpkvConnectorMetadata(loads=self._pending_loads, allocated=_allocated_blocks(scheduler_output))
+        self._seq += 1
+        meta = HpkvConnectorMetadata(loads=self._pending_loads, allocated=_allocated_blocks(scheduler_output),
+                                     seq=self._seq, hold=self.holds.begin_step(self._seq, bool(self._pending_loads)))
+        if meta.loads:
+            self._loading[self._seq] = [job.req_id for job in meta.loads]
         self._pending_loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -232,7 +243,9 @@ class HpkvScheduler:
         return meta
 
     def update_connector_output(self, connector_output) -> None:
-        """A step's output is back, with the workers' stats of that step (summed over ranks)."""
+        """A step's output is back, with the workers' stats of that step (summed over ranks):
+        settle the holds it decides, and learn from its timings."""
+        self._settle(connector_output)
         if not self.policy.learns:
             return
         data = getattr(connector_output.kv_connector_stats, "data", None) or {}
@@ -247,7 +260,45 @@ class HpkvScheduler:
         if keys:
             stop = state.saved_blocks + len(keys)
             meta.saves.append(SaveJob(req_id, keys, state.block_ids[state.saved_blocks : stop]))
+            if meta.hold:
+                self.holds.add(meta.seq, req_id, keys, state.block_ids[:stop])
             state.saved_blocks = stop
+
+    def _settle(self, connector_output) -> None:
+        """Requests whose blocks failed to load (as vLLM finds them: any of their blocks in
+        `invalid_block_ids`) lose the saves held on top of that load and save again from the
+        first failed block, which vLLM recomputes; then the holds of the steps this output
+        covers are settled."""
+        invalid = set(connector_output.invalid_block_ids or ())
+        if invalid:
+            failed = self.holds.affected(invalid)
+            for req_id, state in self._reqs.items():
+                bad = [i for i, block in enumerate(state.block_ids) if block in invalid]
+                if bad:
+                    failed.add(req_id)
+                    state.saved_blocks = min(state.saved_blocks, bad[0])
+            self.holds.poison(failed, self._seq)
+        meta = connector_output.kv_connector_worker_meta
+        seqs = meta.seqs if isinstance(meta, HpkvWorkerMeta) else set()
+        if seqs:
+            # The workers have copied what those steps loaded (under leases of their own): the
+            # scheduler's leases need not pin those entries for the rest of the requests' lives.
+            top = max(seqs)
+            for seq in [seq for seq in self._loading if seq <= top]:
+                for req_id in self._loading.pop(seq):
+                    state = self._reqs.get(req_id)
+                    if state is not None and state.leases:
+                        self._release(state)
+        settles = self.holds.step_done(seqs)
+        for hold, abort in settles:
+            try:
+                self.client.settle(hold, abort)
+            except HpkvError as exc:  # the server, and the reservations with it, are gone
+                log.debug("HPKV hold %s not settled: %s", hold, exc)
+            if abort:
+                self.stats.add("held_saves_aborted", len(abort))
+                log.warning("HPKV: %d saved blocks were computed on KV that failed to load; dropped (vLLM "
+                            "recomputes them)", len(abort))
 
     # -- end of requests, resets, faults ------------------------------------------------------
 
@@ -279,7 +330,7 @@ class HpkvScheduler:
     def _fault(self, state: _Req, exc: HpkvError) -> None:
         self.stats.add("server_errors", 1)
         log.warning("HPKV lookup failed, recomputing: %s", exc)
-        state.leases, state.lease_start = {}, -1
+        self._release(state)  # the leases of the ranks before the one that failed
 
     def take_stats(self) -> HpkvConnectorStats | None:
         if self.stats.is_empty():

@@ -158,6 +158,10 @@ class HpkvWorker:
             self._add("server_errors", 1)
             log.warning("HPKV load failed; vLLM recomputes those blocks: %s", exc)
             return 0
+        except Exception:  # never let a load take the engine down: the blocks are recomputed
+            self._add("server_errors", 1)
+            log.exception("HPKV load failed; vLLM recomputes those blocks")
+            return 0
 
     def _release_later(self, lease) -> None:
         """The copy is over (or never started): the release's round trip (0.4-6 ms measured on two
@@ -190,7 +194,7 @@ class HpkvWorker:
         try:
             if self.ns is None and not self._connect():
                 return
-            reservation = self.client.reserve(self.ns, keys)
+            reservation = self.client.reserve(self.ns, keys, hold=meta.hold)
         except HpkvError as exc:
             self._add("server_errors", 1)
             log.debug("HPKV save skipped: %s", exc)
@@ -199,15 +203,20 @@ class HpkvWorker:
         if held:
             save = _Save(reservation, [keys[i] for i in held], [block_ids[i] for i in held],
                          [reservation.offsets[i] for i in held])
-            if self.async_saves:
+            if meta.hold:
+                # The scheduler settles the hold once this step's output is back, so the copy must
+                # be done by then: in this step, not beside the next one. Not committed here.
+                self._save(save, commit=False)
+            elif self.async_saves:
                 save.event = self._forward_done_event()
                 self._enqueue(save)
             else:
                 self._save(save)
         self._add("save_wait_s", time.perf_counter() - started)
 
-    def _save(self, save: _Save) -> None:
-        """Copy the blocks into their reserved slots and publish them."""
+    def _save(self, save: _Save, commit: bool = True) -> None:
+        """Copy the blocks into their reserved slots and publish them (or leave that to the
+        hold they were reserved in)."""
         started = time.perf_counter()
         try:
             if not self.client.holds(save.reservation):
@@ -221,7 +230,8 @@ class HpkvWorker:
                 with device_mod.stream(self._side_stream):
                     self._side_stream.wait_event(save.event)
                     self.copier.save(save.reservation.region, save.block_ids, save.offsets)
-            self.client.commit(self.ns, save.keys)
+            if commit:
+                self.client.commit(self.ns, save.keys)
         except HpkvError as exc:
             self._add("server_errors", 1)
             log.debug("HPKV save skipped: %s", exc)

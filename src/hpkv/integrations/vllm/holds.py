@@ -1,0 +1,101 @@
+"""Saves held until the steps they depend on are known not to have read a failed load.
+
+A step that loads KV for a request computes the rest of its prompt on the loaded bytes, in the
+same forward pass. When a load fails on any worker (its lease timed out, the server restarted
+between the scheduler's lease and the worker's), vLLM learns it from that step's output
+(`invalid_block_ids`), drops the output of the requests whose blocks failed and recomputes them.
+But the KV the step computed for them came from whatever the failed blocks held: saved, it would
+put wrong KV under the right keys, and every later hit on that prefix, from DRAM or storage,
+would give wrong tokens. With async scheduling the next step runs before that output is back, so
+it may compute on the same bad blocks too.
+
+So while the output of any step with loads is outstanding, every step's saves are reserved in a
+hold named after the step (`Client.reserve(hold=)`): the workers copy the blocks and do not
+commit them. Once a step's output is back, the scheduler settles the holds of it and of every
+step before it (`Client.settle`): the keys of requests that read a failed block are aborted, the
+rest committed, in every rank's namespace at once. Steps are told apart by a sequence number the
+metadata carries and the workers send back (`HpkvWorkerMeta`); a step whose output never comes
+back (an engine stopping) leaves its hold to the server, which aborts it after a timeout.
+
+Primitives: `SaveHolds.begin_step(seq, has_loads)` -> the hold of that step's saves ("" when
+they need none), `add(seq, req_id, keys, blocks)`, `affected(invalid_block_ids)`,
+`poison(req_ids, up_to_seq)`, `step_done(seqs)` -> [(hold, keys to abort)].
+Must not know: the server, vLLM's objects (the scheduler passes plain ids).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+
+
+@dataclass
+class HpkvWorkerMeta(KVConnectorWorkerMetadata):
+    """What the workers tell the scheduler after a step: its sequence number, when it loaded
+    or held saves. The same from every rank; aggregated by union."""
+
+    seqs: set[int]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "HpkvWorkerMeta":
+        if isinstance(other, HpkvWorkerMeta):
+            self.seqs |= other.seqs
+        return self
+
+
+@dataclass
+class _Held:
+    req_id: str
+    keys: list[bytes]
+    blocks: list[int]  # the request's blocks up to the saved ones (the loaded ones among them)
+
+
+class SaveHolds:
+    def __init__(self) -> None:
+        self._prefix = f"vllm.{os.getpid()}.{os.urandom(4).hex()}"  # unique per engine
+        self._loading: set[int] = set()  # steps with loads whose output is not back
+        self._steps: OrderedDict[int, list[_Held]] = OrderedDict()  # held saves by step, in order
+        self._poisoned: dict[str, int] = {}  # request -> the last step built on its failed load
+
+    def name(self, seq: int) -> str:
+        return f"{self._prefix}.{seq}"
+
+    def begin_step(self, seq: int, has_loads: bool) -> str:
+        if has_loads:
+            self._loading.add(seq)
+        return self.name(seq) if self._loading else ""
+
+    def add(self, seq: int, req_id: str, keys: list[bytes], blocks: list[int]) -> None:
+        self._steps.setdefault(seq, []).append(_Held(req_id, keys, blocks))
+
+    def pending(self) -> int:
+        return sum(len(held) for held in self._steps.values())
+
+    def affected(self, invalid_block_ids: set[int]) -> set[str]:
+        """Requests with held saves whose blocks include a failed one (finished ones too)."""
+        return {h.req_id for held in self._steps.values() for h in held if not invalid_block_ids.isdisjoint(h.blocks)}
+
+    def poison(self, req_ids: set[str], up_to_seq: int) -> None:
+        """These requests read a failed load: their saves held in steps up to `up_to_seq` (the
+        last step built before vLLM rolled them back) are aborted."""
+        for req_id in req_ids:
+            self._poisoned[req_id] = max(up_to_seq, self._poisoned.get(req_id, -1))
+
+    def step_done(self, seqs: set[int]) -> list[tuple[str, list[bytes]]]:
+        """The output of steps `seqs` is back (and every earlier step's, outputs come in order):
+        the holds to settle now, each with the keys to abort."""
+        if not seqs:
+            return []
+        top = max(seqs)
+        self._loading = {seq for seq in self._loading if seq > top}
+        settles = []
+        while self._steps and next(iter(self._steps)) <= top:
+            seq, held = self._steps.popitem(last=False)
+            abort = [key for h in held if self._poisoned.get(h.req_id, -1) >= seq for key in h.keys]
+            settles.append((self.name(seq), abort))
+        low = next(iter(self._steps), math.inf)  # steps built later come after every poisoned one
+        self._poisoned = {req_id: seq for req_id, seq in self._poisoned.items() if seq >= low}
+        return settles

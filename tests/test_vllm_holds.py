@@ -1,0 +1,66 @@
+"""Which saves the vLLM scheduler holds, and how it settles them (`holds.SaveHolds`): steps are
+numbered, a step with loads holds its saves and those of every step built before its output is
+back, and a request vLLM finds reading a failed block loses the saves held on top of it."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+
+
+@pytest.fixture
+def holds():
+    from hpkv.integrations.vllm.holds import SaveHolds
+
+    return SaveHolds()
+
+
+def test_steps_hold_their_saves_from_a_load_until_its_output_is_back(holds):
+    assert holds.begin_step(1, has_loads=False) == ""
+    assert holds.begin_step(2, has_loads=True) == holds.name(2)
+    assert holds.begin_step(3, has_loads=False) == holds.name(3)  # built before step 2's output
+    holds.add(2, "r", [b"k2"], [10, 11])
+    holds.add(3, "q", [b"k3"], [20])
+
+    assert holds.step_done({2}) == [(holds.name(2), [])]
+    assert holds.begin_step(4, has_loads=False) == ""  # step 2's output is back: nothing to wait for
+    assert holds.step_done({3}) == [(holds.name(3), [])]
+    assert holds.pending() == 0
+
+
+def test_a_request_that_read_a_failed_block_loses_the_saves_held_on_top_of_it(holds):
+    holds.begin_step(5, has_loads=True)
+    holds.add(5, "bad", [b"a", b"b"], [1, 2, 3])
+    holds.add(5, "good", [b"c"], [7, 8])
+    holds.begin_step(6, has_loads=False)  # async scheduling: built before step 5's output
+    holds.add(6, "bad", [b"d"], [1, 2, 3, 4])
+    holds.add(6, "good", [b"e"], [7, 8, 9])
+
+    assert holds.affected({2}) == {"bad"}
+    holds.poison({"bad"}, up_to_seq=6)
+    assert holds.step_done({5}) == [(holds.name(5), [b"a", b"b"])]
+    holds.begin_step(7, has_loads=False)  # built after the rollback: "bad" is recomputed from here
+    assert holds.step_done({6}) == [(holds.name(6), [b"d"])]
+    holds.begin_step(8, has_loads=True)
+    holds.add(8, "bad", [b"a"], [1, 5])
+    assert holds.step_done({8}) == [(holds.name(8), [])]  # its recomputed blocks are saved
+
+
+def test_a_step_whose_output_never_came_is_settled_with_the_next_one(holds):
+    holds.begin_step(1, has_loads=True)
+    holds.add(1, "r", [b"x"], [1])
+    holds.begin_step(2, has_loads=True)
+    holds.add(2, "r", [b"y"], [1, 2])
+
+    assert holds.step_done({2}) == [(holds.name(1), []), (holds.name(2), [])]
+    assert holds.begin_step(3, has_loads=False) == ""
+
+
+def test_worker_metadata_of_every_rank_aggregates_to_the_steps_they_ran():
+    from hpkv.integrations.vllm.holds import HpkvWorkerMeta
+
+    meta = HpkvWorkerMeta({4}).aggregate(HpkvWorkerMeta({4})).aggregate(HpkvWorkerMeta({5}))
+    assert meta.seqs == {4, 5}
