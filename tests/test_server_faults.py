@@ -302,3 +302,33 @@ def test_each_failure_in_a_row_doubles_the_wait_before_the_next_attempt(node):
     kill(server.pid)
     server.wait()
     assert 0.05 <= next_wait() <= 0.2  # the success reset the count
+
+
+def test_a_server_out_of_file_descriptors_keeps_serving_its_clients_and_accepts_again_later(node):
+    """accept() failing with EMFILE (a burst of connections past `ulimit -n`) used to stop the
+    server, and every engine lost its cache. Now it waits and accepts again."""
+    import resource
+    import socket
+
+    proc = node.start_server()
+    client = node.client("engine")
+    ns = client.register(desc())
+    soft, hard = resource.prlimit(proc.pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (len(os.listdir(f"/proc/{proc.pid}/fd")) + 3, hard))
+    burst = []
+    try:
+        for _ in range(12):  # past the limit: the ones the server cannot accept wait in its backlog
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(str(node.socket_path))
+            burst.append(sock)
+        time.sleep(1.0)  # the server meets EMFILE on accept, several times
+        assert proc.poll() is None
+        assert client.lookup(ns, [entry_key("k", 0)]).num_hit == 0  # the connected client is served
+    finally:
+        for sock in burst:
+            sock.close()
+        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (soft, hard))
+    late = node.client("late")
+    assert late.register(desc()) == ns
+    assert proc.poll() is None
+    assert "cannot accept a connection" in node.foreground_log(proc)

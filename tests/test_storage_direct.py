@@ -284,9 +284,12 @@ def test_a_file_of_a_newer_format_is_a_miss_left_in_place_for_the_nodes_that_rea
     if layout == "other size":
         data += b"\0" * 512  # a longer header, say
     path.write_bytes(bytes(data))
+    assert tier.contains(NS, k)
     with caplog.at_level(logging.WARNING, logger="hpkv.storage.tier"):
         assert read(tier, k) is None and read(tier, k) is None
     assert path.read_bytes() == bytes(data)  # kept, unchanged
     assert tier.counters.bad_files == 0 and tier.counters.read_misses == 2
+    # No longer a hit here (every load of it would miss), nor adopted again from the disk:
+    assert not tier.indexed(NS, k) and not tier.contains(NS, k)
     warnings = [r.getMessage() for r in caplog.records if "newer than this HPKV reads" in r.getMessage()]
     assert len(warnings) == 1 and f"file format {fmt.VERSIONS[-1] + 1}" in warnings[0]

@@ -133,7 +133,7 @@ class PoolRegion:
         except BufferError:
             # Someone still holds a view of the map: leave it to the garbage collector.
             log.debug("pool map still exported; leaving unmap to the collector")
-        if self.owner:
+        if self.owner and _names(self.path, self._fd):  # not another server's file of the same name
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
@@ -219,7 +219,9 @@ def _create_exclusive(path: Path) -> int:
             _remove_if_stale(path)
             continue
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return fd
+        if _names(path, fd):
+            return fd
+        os.close(fd)  # another server starting took our new, unlocked file for a stale one: again
     raise PoolError(f"cannot create the pool file {path}: it keeps reappearing; is another server starting?")
 
 
@@ -237,9 +239,22 @@ def _remove_if_stale(path: Path) -> None:
             "first, or give this one another HPKV_SHARE_MEM_FILE_PATH (a server whose socket is gone is "
             "stopping: it writes its last entries to storage, removes the pool and exits; engines recompute "
             "meanwhile and start a new server after it)") from None
-    log.warning("removing stale pool file %s left by a process that is gone", path)
-    os.unlink(path)
-    os.close(fd)
+    try:
+        if _names(path, fd):  # still the file we locked, not one created since by a server starting
+            log.warning("removing stale pool file %s left by a process that is gone", path)
+            os.unlink(path)
+    finally:
+        os.close(fd)
+
+
+def _names(path: Path, fd: int) -> bool:
+    """Whether `path` is (still) the file open as `fd`."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 def _reserve(fd: int, path: Path, size_bytes: int) -> None:

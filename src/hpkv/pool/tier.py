@@ -56,6 +56,7 @@ class DramTier:
         self._entry_bytes: dict[str, int] = {}
         self._index: dict[str, dict[bytes, DramEntry]] = {}
         self._by_offset: dict[int, DramEntry] = {}
+        self._used_bytes = 0  # slot bytes of the entries in _by_offset (stats are asked for often)
         self._lru: dict[int, OrderedDict[DramEntry, None]] = {}
         self._clock = itertools.count(1)
 
@@ -93,6 +94,7 @@ class DramTier:
         entry = DramEntry(ns, key, offset, slot_bytes)
         index[key] = entry
         self._by_offset[offset] = entry
+        self._used_bytes += slot_bytes
         return entry
 
     def commit(self, entry: DramEntry) -> bool:
@@ -143,7 +145,7 @@ class DramTier:
         return num
 
     def stats(self) -> dict[str, int]:
-        used = sum(e.slot_bytes for e in self._by_offset.values())
+        used = self._used_bytes
         return {
             "capacity_bytes": self.alloc.num_slabs * self.alloc.slab_bytes,
             "used_bytes": used,
@@ -175,6 +177,7 @@ class DramTier:
         entry.dead = True
         self._lru.get(entry.slot_bytes, {}).pop(entry, None)
         del self._by_offset[entry.offset]
+        self._used_bytes -= entry.slot_bytes
         self.alloc.free(entry.offset)
 
     def _make_room(self, slot_bytes: int) -> int | None:

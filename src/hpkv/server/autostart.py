@@ -86,9 +86,17 @@ _LAUNCHER = (
 
 def _start_and_wait(directory: Path, socket_path: Path, deadline: float) -> None:
     log_path = directory / LOG_NAME
-    launched = subprocess.run(
-        [sys.executable, "-c", _LAUNCHER, str(log_path), sys.executable, "-m", "hpkv.server.daemon", "--auto"],
-        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()))
+    # The launcher is a Python start-up: at least 10 s for it, on a machine slow enough to need it.
+    timeout_s = max(10.0, deadline - time.monotonic())
+    try:
+        launched = subprocess.run(
+            [sys.executable, "-c", _LAUNCHER, str(log_path), sys.executable, "-m", "hpkv.server.daemon", "--auto"],
+            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise ServerUnavailable(f"starting the HPKV server took over {timeout_s:.0f} s (is the machine "
+                                f"overloaded?); see {log_path}") from None
+    except OSError as exc:
+        raise ServerUnavailable(f"could not start the HPKV server: {exc}") from None
     try:
         pid = int(launched.stdout.strip())
     except ValueError:

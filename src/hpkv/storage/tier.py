@@ -53,6 +53,7 @@ SMALL_AUTO_CAPACITY = 1 << 30  # below this an automatic capacity is worth a war
 BUDGET_BURST_S = 3600.0  # a write budget's bucket holds this long's worth (bursts), full at start
 STALE_TEMP_S = 3600.0  # a temporary this old is from a writer that died, on whatever node
 TOUCH_EVERY_S = 60.0  # refresh a file's mtime (its LRU age across restarts) at most this often
+MAX_FOREIGN = 1 << 20  # files of a newer format remembered, so no lookup counts them as hits
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # One sequence for every tier in the process: two tiers on one root (same node, same pid) must
 # never pick the same temporary name, or one's O_EXCL fails and its clean-up deletes the other's.
@@ -99,9 +100,12 @@ class StorageTier:
         self._cleared: set[str | None] = set()  # namespaces cleared meanwhile (None: all)
         self._dirs: set[str] = set()
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="hpkv-io")
-        self._warned: set[int] = set()
+        self._warned: set[tuple[str, int]] = set()
         self.direct = config.direct_io  # cleared by `start` where the file system refuses O_DIRECT
         self._warned_newer = False
+        # Files a newer HPKV wrote (`_newer_format`): out of the index, and not adopted again by a
+        # `stat`, or every lookup would count them as hits that every read then misses.
+        self._foreign: set[bytes] = set()
         # HPKV_KV_STORAGE_WRITE_BUDGET: a token bucket of bytes, filled at the budget's rate.
         budget = config.write_budget_bytes
         self._budget_rate = None if budget is None else budget / 86400.0
@@ -203,8 +207,11 @@ class StorageTier:
     def contains(self, ns: str, key: bytes) -> bool:
         """Whether a file for (ns, key) exists, adopting files other tiers wrote (one `stat` of
         the file when the index does not hold it: ask without holding a lock)."""
-        if self._ik(ns, key) in self._lru:
+        ik = self._ik(ns, key)
+        if ik in self._lru:
             return True
+        if ik in self._foreign:
+            return False
         try:
             size = self.io.stat_path(self.path_of(ns, key)).st_size
         except OSError:
@@ -222,7 +229,10 @@ class StorageTier:
             fd = self.io.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
         except OSError as exc:
             if not (direct and exc.errno == errno.EINVAL):
-                self._forget(ns, key)
+                if exc.errno in (errno.ENOENT, errno.ENOTDIR):  # gone (removed by another node, say)
+                    self._forget(ns, key)
+                else:  # out of file descriptors, a permission: the file may be fine, and is still counted
+                    self._warn_once(exc, f"cannot open KV files under {self.root}", "the request recomputes")
                 self.counters.read_misses += 1
                 return False
             if self.direct:  # the file system changed under us: no more O_DIRECT
@@ -239,7 +249,7 @@ class StorageTier:
                 got = transfer(self.io, fd, self.io.preadv, [head], direct)
                 newer = fmt.newer_version(head[:got])
                 if newer is not None:
-                    self._newer_format(path, newer)
+                    self._newer_format(ns, key, path, newer)
                     return False
                 got, reason = -1, f"{st.st_size} bytes on disk, expected a header and {len(dest)} bytes"
             else:
@@ -255,10 +265,13 @@ class StorageTier:
                 reason = (fmt.check(header, bytes.fromhex(ns), key, dest, version) if got == st.st_size
                           else f"read {got} of {st.st_size} bytes")
                 if reason is not None and (newer := fmt.newer_version(header)) is not None:
-                    self._newer_format(path, newer)
+                    self._newer_format(ns, key, path, newer)
                     return False
             if reason is None and time.time() - st.st_mtime > TOUCH_EVERY_S:
-                os.utime(fd)
+                try:
+                    os.utime(fd)
+                except OSError:  # a read-only mount, say: the bytes read are good all the same
+                    pass
         except OSError as exc:
             # The medium failed, not the file's content: a miss, but the file may be fine later.
             log.warning("cannot read KV file %s: %s (the request recomputes)", path, exc.strerror)
@@ -279,10 +292,16 @@ class StorageTier:
                 self._lru.move_to_end(ik)
         return True
 
-    def _newer_format(self, path: str, version: int) -> None:
+    def _newer_format(self, ns: str, key: bytes, path: str, version: int) -> None:
         """A file a newer HPKV wrote (a node sharing this directory, upgraded first): a miss here,
-        left in place for the nodes that can read it."""
+        left in place for the nodes that can read it, and no longer a hit for this tier's lookups
+        (nor its bytes counted against this tier's capacity: the newer nodes manage it)."""
         self.counters.read_misses += 1
+        self._forget(ns, key)
+        with self._lock:
+            if len(self._foreign) >= MAX_FOREIGN:  # bounded: the rest are found again, one read each
+                self._foreign.clear()
+            self._foreign.add(self._ik(ns, key))
         if not self._warned_newer:
             self._warned_newer = True
             log.warning("KV file %s is in file format %d, newer than this HPKV reads (%s): treated as a miss and "
@@ -570,12 +589,12 @@ class StorageTier:
             except OSError:
                 pass
 
-    def _warn_once(self, exc: OSError | None, what: str) -> None:
+    def _warn_once(self, exc: OSError | None, what: str, then: str = "the entry stays in DRAM only") -> None:
         code = exc.errno if exc else 0
-        if code not in self._warned:
-            self._warned.add(code)
-            log.warning("%s: %s; the entry stays in DRAM only (further errors of this kind are counted, "
-                        "not logged)", what, exc.strerror if exc else "no room within HPKV_KV_STORAGE_SIZE")
+        if (what, code) not in self._warned:
+            self._warned.add((what, code))
+            log.warning("%s: %s; %s (further errors of this kind are counted, not logged)", what,
+                        exc.strerror if exc else "no room within HPKV_KV_STORAGE_SIZE", then)
 
 
 _MERGE_SLICE = 1 << 16  # files merged into the index per hold of the lock

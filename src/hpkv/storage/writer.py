@@ -84,9 +84,12 @@ class WriterProcess:
             reply = self._read_reply()
         except (OSError, ValueError):  # it died, or the pool closed it (ValueError: closed pipe)
             reply = {"errno": errno.EIO, "error": f"the write-through process {self.proc.pid} is gone"}
-        if reply.get("ok"):
+        if reply.get("ok") is True:
             return None
-        return OSError(reply.get("errno", errno.EIO), reply.get("error", "write-through process failed"))
+        if not isinstance(reply.get("errno"), int):  # what answered was not the writer's reply
+            self._out_of_step(repr(reply)[:80])
+            reply = {"errno": errno.EPROTO, "error": f"the write-through process said {reply!r:.80}"}
+        return OSError(reply["errno"], reply.get("error", "write-through process failed"))
 
     def _read_reply(self) -> dict:
         line = self.proc.stdout.readline()  # blocks without the GIL
@@ -94,9 +97,20 @@ class WriterProcess:
             code = self.proc.wait()
             return {"errno": errno.EIO, "error": f"the write-through process {self.proc.pid} exited ({code})"}
         try:
-            return json.loads(line)
+            reply = json.loads(line)
         except ValueError:
+            reply = None
+        if not isinstance(reply, dict):
+            self._out_of_step(repr(line[:80]))
             return {"errno": errno.EPROTO, "error": f"the write-through process said {line[:80]!r}"}
+        return reply
+
+    def _out_of_step(self, what: str) -> None:
+        """A line that is not a reply (something the child printed): its real reply may still
+        come, for this job or the next, and it may still be reading this job's slot, which the
+        caller frees once we return. Only a process that is gone reads nothing: kill it."""
+        log.warning("write-through process %d wrote %s, not a reply; stopping it", self.proc.pid, what)
+        self.kill()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """End of input: it finishes the job in hand and exits."""
