@@ -20,6 +20,7 @@ SYSTEMS = ("off", "hpkv", "lmcache")
 ROWS = {  # TTFT row -> (what it measures, the tier its prefix must come from)
     "cold": ("cold, no connector (recompute)", None),
     "engine_hit": ("vLLM prefix-cache hit (in-engine limit)", "device"),
+    "engine_hit_busy": ("vLLM prefix-cache hit right after the cold prefill, no pause", "device"),
     "hpkv_cold": ("cold, HPKV engine (computes + saves)", None),
     "hpkv_dram": ("HPKV DRAM hit", "host"),
     "hpkv_storage": ("HPKV storage hit (engine restarted)", "disk"),
