@@ -152,6 +152,20 @@ def test_a_hold_is_committed_by_its_settler_for_every_owner_but_the_keys_it_abor
     assert store.stats()["holds"] == 0
 
 
+def test_an_owner_gives_back_what_it_reserved_in_a_hold_and_the_settle_cannot_publish_it(open_store):
+    """A worker whose copy failed gives its held slots back; the scheduler's settle, which knows
+    nothing of that, must not publish them."""
+    store = open_store()
+    ns = store.register(desc())
+    ks = keys(2)
+    store.reserve(ns, ks, owner=1, hold="h")
+    assert store.abort(ns, ks, owner=1) == 0  # not without naming the hold
+    assert store.abort(ns, ks[:1], owner=1, hold="h") == 1
+
+    assert store.settle("h", abort=[]) == (1, 0)
+    assert store.lookup(ns, ks).num_hit == 0 and store.lookup(ns, ks[1:]).num_hit == 1
+
+
 def test_a_hold_nobody_settles_is_aborted_after_the_timeout(open_store, monkeypatch):
     import hpkv.store
 

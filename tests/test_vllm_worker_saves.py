@@ -166,3 +166,23 @@ def test_a_held_save_is_copied_in_its_step_and_published_only_when_its_hold_is_s
     assert reader.wait(lease) == 2
     assert [bytes(lease.view(i)) for i in range(2)] == expected[:2]
     reader.release(lease)
+
+
+def test_a_held_save_whose_copy_fails_gives_its_slots_back_before_the_settle(worker):
+    from hpkv.integrations.vllm.metadata import HpkvConnectorMetadata, SaveJob
+
+    w, node = worker
+    keys = [entry_key("torn", i) for i in range(2)]
+
+    def torn_copy(*args):
+        raise RuntimeError("the device went away mid-copy")
+
+    w.copier.save = torn_copy
+    w.wait_for_save(HpkvConnectorMetadata(saves=[SaveJob("req", keys, [1, 2])], seq=9, hold="engine.9"))
+
+    settler = node.client("vllm-scheduler")
+    assert settler.settle("engine.9", []) == protocol.Settled(0, 0)
+    reader = node.client("reader")
+    reader.register(w.desc)
+    assert reader.lookup(w.ns, keys).num_hit == 0
+    assert w.client.stats()["reservations"] == 0

@@ -561,13 +561,14 @@ class TieredStore:
             if futures_wait(pending, left).not_done:
                 return False
 
-    def abort(self, ns: str, keys: list[bytes], owner: int = 0) -> int:
-        """Give back the slots of keys `owner` reserved; returns how many it held."""
+    def abort(self, ns: str, keys: list[bytes], owner: int = 0, hold: str = "") -> int:
+        """Give back the slots of keys `owner` reserved (in `hold`, with one: an owner may give
+        back what it reserved in a hold, never commit it); returns how many it held."""
         num = 0
         with self._lock:
             held = self._reserved.get(owner, {})
             for key in keys:
-                entry = held.pop((ns, key), None)
+                entry = held.pop((ns, key, hold) if hold else (ns, key), None)
                 if entry is not None:
                     self.dram.abort(entry)
                     num += 1

@@ -235,8 +235,10 @@ class Client:
     def commit(self, ns: str, keys: list[bytes]) -> int:
         return self._call(p.Commit(ns, keys)).num
 
-    def abort(self, ns: str, keys: list[bytes]) -> None:
-        self._call(p.Abort(ns, keys))
+    def abort(self, ns: str, keys: list[bytes], hold: str = "") -> None:
+        """Give back reserved slots (those reserved in `hold`, with one: its owner may always
+        give them back, never commit them)."""
+        self._call(p.Abort(ns, keys, hold))
 
     def settle(self, hold: str, abort: list[bytes]) -> p.Settled:
         """Commit every client's reservations made with `hold`, except the keys in `abort`."""

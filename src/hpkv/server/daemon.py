@@ -317,7 +317,7 @@ class Server:
         return p.Count(self.store.commit(r.ns, r.keys, owner=client.id))
 
     def _on_Abort(self, r: p.Abort, client: ClientInfo) -> p.Reply:
-        return p.Count(self.store.abort(r.ns, r.keys, owner=client.id))
+        return p.Count(self.store.abort(r.ns, r.keys, owner=client.id, hold=r.hold))
 
     def _on_Settle(self, r: p.Settle, client: ClientInfo) -> p.Reply:
         return p.Settled(*self.store.settle(r.hold, r.abort))

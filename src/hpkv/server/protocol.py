@@ -76,6 +76,7 @@ class Commit(Msg):
 class Abort(Msg):
     ns: str
     keys: list[bytes]
+    hold: str = ""  # the hold they were reserved in, if any
 
 
 class Lease(Msg):

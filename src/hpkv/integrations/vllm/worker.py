@@ -52,6 +52,7 @@ class _Save:
     block_ids: list[int]
     offsets: list[int]
     event: object | None = None  # accelerators: recorded when the forward pass wrote the blocks
+    hold: str = ""  # the hold they were reserved in (the scheduler commits them), or ""
 
 
 class HpkvWorker:
@@ -206,7 +207,8 @@ class HpkvWorker:
             if meta.hold:
                 # The scheduler settles the hold once this step's output is back, so the copy must
                 # be done by then: in this step, not beside the next one. Not committed here.
-                self._save(save, commit=False)
+                save.hold = meta.hold
+                self._save(save)
             elif self.async_saves:
                 save.event = self._forward_done_event()
                 self._enqueue(save)
@@ -214,9 +216,10 @@ class HpkvWorker:
                 self._save(save)
         self._add("save_wait_s", time.perf_counter() - started)
 
-    def _save(self, save: _Save, commit: bool = True) -> None:
+    def _save(self, save: _Save) -> None:
         """Copy the blocks into their reserved slots and publish them (or leave that to the
-        hold they were reserved in)."""
+        hold they were reserved in). A copy that fails gives the slots back, held or not: a
+        hold must not commit bytes that were never copied."""
         started = time.perf_counter()
         try:
             if not self.client.holds(save.reservation):
@@ -230,19 +233,28 @@ class HpkvWorker:
                 with device_mod.stream(self._side_stream):
                     self._side_stream.wait_event(save.event)
                     self.copier.save(save.reservation.region, save.block_ids, save.offsets)
-            if commit:
+            if not save.hold:
                 self.client.commit(self.ns, save.keys)
         except HpkvError as exc:
             self._add("server_errors", 1)
             log.debug("HPKV save skipped: %s", exc)
+            self._give_back(save)
             return
         except Exception:  # never let a save take the engine (or the saver thread) down
             self._add("server_errors", 1)
             log.exception("HPKV save failed; those blocks will be recomputed when needed")
+            self._give_back(save)
             return
         self._add("save_time_s", time.perf_counter() - started)
         self._add("saved_blocks", len(save.keys))
         self._add("saved_bytes", len(save.keys) * self.layout.entry_bytes)
+
+    def _give_back(self, save: _Save) -> None:
+        try:
+            if self.client.holds(save.reservation):
+                self.client.abort(self.ns, save.keys, hold=save.hold)
+        except HpkvError:
+            pass  # the connection is gone, and the reservation with it
 
     def _forward_done_event(self):
         """An event on the engine's current stream, after the forward pass's writes (None on
