@@ -19,48 +19,69 @@ def holds():
 
 
 def test_steps_hold_their_saves_from_a_load_until_its_output_is_back(holds):
+    from hpkv.integrations.vllm.holds import Settle
+
     assert holds.begin_step(1, has_loads=False) == ""
     assert holds.begin_step(2, has_loads=True) == holds.name(2)
     assert holds.begin_step(3, has_loads=False) == holds.name(3)  # built before step 2's output
-    holds.add(2, "r", [b"k2"], [10, 11])
-    holds.add(3, "q", [b"k3"], [20])
+    holds.add(2, "r", [b"k2"], [10, 11], first_block=1)
+    holds.add(3, "q", [b"k3"], [20], first_block=0)
 
-    assert holds.step_done({2}) == [(holds.name(2), [])]
+    assert holds.step_done({2}) == [Settle(holds.name(2), [], {})]
     assert holds.begin_step(4, has_loads=False) == ""  # step 2's output is back: nothing to wait for
-    assert holds.step_done({3}) == [(holds.name(3), [])]
+    assert holds.step_done({3}) == [Settle(holds.name(3), [], {})]
     assert holds.pending() == 0
 
 
 def test_a_request_that_read_a_failed_block_loses_the_saves_held_on_top_of_it(holds):
     holds.begin_step(5, has_loads=True)
-    holds.add(5, "bad", [b"a", b"b"], [1, 2, 3])
-    holds.add(5, "good", [b"c"], [7, 8])
+    holds.add(5, "bad", [b"a", b"b"], [1, 2, 3], first_block=1)
+    holds.add(5, "good", [b"c"], [7, 8], first_block=1)
     holds.begin_step(6, has_loads=False)  # async scheduling: built before step 5's output
-    holds.add(6, "bad", [b"d"], [1, 2, 3, 4])
-    holds.add(6, "good", [b"e"], [7, 8, 9])
+    holds.add(6, "bad", [b"d"], [1, 2, 3, 4], first_block=3)
+    holds.add(6, "good", [b"e"], [7, 8, 9], first_block=2)
 
     assert holds.affected({2}) == {"bad"}
     holds.poison({"bad"}, up_to_seq=6)
-    assert holds.step_done({5}) == [(holds.name(5), [b"a", b"b"])]
+    (five,) = holds.step_done({5})
+    assert (five.abort, five.resave) == ([b"a", b"b"], {"bad": 1})
     holds.begin_step(7, has_loads=False)  # built after the rollback: "bad" is recomputed from here
-    assert holds.step_done({6}) == [(holds.name(6), [b"d"])]
+    (six,) = holds.step_done({6})
+    assert (six.abort, six.resave) == ([b"d"], {"bad": 3})  # saved again once recomputed
     holds.begin_step(8, has_loads=True)
-    holds.add(8, "bad", [b"a"], [1, 5])
-    assert holds.step_done({8}) == [(holds.name(8), [])]  # its recomputed blocks are saved
+    holds.add(8, "bad", [b"a"], [1, 5], first_block=1)
+    assert holds.step_done({8})[0].abort == []  # its recomputed blocks are saved
+
+
+def test_a_step_a_rank_did_not_copy_in_full_is_aborted_whole(holds):
+    holds.begin_step(3, has_loads=True)
+    holds.add(3, "r", [b"x", b"y"], [1, 2], first_block=0)
+    holds.add(3, "s", [b"z"], [5], first_block=0)
+
+    (three,) = holds.step_done({3}, failed={3})
+    assert (three.abort, three.resave) == ([b"x", b"y", b"z"], {"r": 0, "s": 0})
 
 
 def test_a_step_whose_output_never_came_is_settled_with_the_next_one(holds):
     holds.begin_step(1, has_loads=True)
-    holds.add(1, "r", [b"x"], [1])
+    holds.add(1, "r", [b"x"], [1], first_block=0)
     holds.begin_step(2, has_loads=True)
-    holds.add(2, "r", [b"y"], [1, 2])
+    holds.add(2, "r", [b"y"], [1, 2], first_block=1)
 
-    assert holds.step_done({2}) == [(holds.name(1), []), (holds.name(2), [])]
+    assert [s.hold for s in holds.step_done({2})] == [holds.name(1), holds.name(2)]
     assert holds.begin_step(3, has_loads=False) == ""
+
+
+def test_a_stopping_engine_aborts_every_hold_it_has_not_settled(holds):
+    holds.begin_step(1, has_loads=True)
+    holds.add(1, "r", [b"x"], [1], first_block=0)
+
+    assert [(s.hold, s.abort) for s in holds.abandon()] == [(holds.name(1), [b"x"])]
+    assert holds.pending() == 0
 
 
 def test_worker_metadata_of_every_rank_aggregates_to_the_steps_they_ran():
     from hpkv.integrations.vllm.holds import HpkvWorkerMeta
 
-    meta = HpkvWorkerMeta({4}).aggregate(HpkvWorkerMeta({4})).aggregate(HpkvWorkerMeta({5}))
-    assert meta.seqs == {4, 5}
+    meta = HpkvWorkerMeta({4}).aggregate(HpkvWorkerMeta({4}, {4})).aggregate(HpkvWorkerMeta({5}))
+    assert (meta.seqs, meta.failed) == ({4, 5}, {4})

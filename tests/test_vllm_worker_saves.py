@@ -37,7 +37,7 @@ def worker(shm_dir, tmp_path):
     w.layout = SimpleNamespace(entry_bytes=ENTRY)
     w.desc = desc(0, ENTRY)
     w.client = Client(shm_dir, kind="vllm-worker-0", autostart=False)
-    w.stats, w._failed_blocks = HpkvConnectorStats(), set()
+    w.stats, w._failed_blocks, w._failed_holds = HpkvConnectorStats(), set(), set()
     w._stats_lock, w._cond = threading.Lock(), threading.Condition()
     w._queue, w._reading, w._saver, w._side_stream, w._closing = deque(), {}, None, None, False
     w._releaser = None
@@ -180,6 +180,7 @@ def test_a_held_save_whose_copy_fails_gives_its_slots_back_before_the_settle(wor
     w.copier.save = torn_copy
     w.wait_for_save(HpkvConnectorMetadata(saves=[SaveJob("req", keys, [1, 2])], seq=9, hold="engine.9"))
 
+    assert w.take_failed_holds() == {9}  # told to the scheduler, which aborts the hold on every rank
     settler = node.client("vllm-scheduler")
     assert settler.settle("engine.9", []) == protocol.Settled(0, 0)
     reader = node.client("reader")

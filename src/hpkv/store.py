@@ -54,6 +54,7 @@ BACKLOG_LIMIT_SHARE = 0.5
 # A hold (`reserve(..., hold=)`) nobody settles within this long is aborted: its slots are not
 # pinned for ever by a settler that died or forgot it.
 HOLD_TIMEOUT_S = 60.0
+HOLD_QUARANTINE_S = 30.0  # then its slots stay unusable this long (its owner may still be copying)
 
 
 _NOWHERE = frozenset().__contains__  # the storage index of a store without a storage tier
@@ -404,8 +405,9 @@ class TieredStore:
         aborts, even if a clear dropped the entry meanwhile. With `hold`, the keys reserved join
         that hold, and `settle` ends them, not the owner's commit or abort."""
         offsets: list[int | None] = []
-        expired = self._expired_holds()
         with self._lock:
+            if self._holds:
+                self._expire_holds(hold)
             if self._quarantine and self._quarantine[0][0] <= time.monotonic():
                 self._end_quarantine()
             held = self._reserved.setdefault(owner, {})
@@ -421,9 +423,6 @@ class TieredStore:
                 reserved = [key for key, offset in zip(keys, offsets) if offset is not None]
                 if reserved:
                     self._holds.setdefault(hold, (time.monotonic(), []))[1].append((owner, ns, reserved))
-        for name in expired:
-            log.warning("hold %s was not settled within %.0f s: its entries are not saved", name, HOLD_TIMEOUT_S)
-            self.settle(name, abort=None)
         return offsets
 
     def settle(self, hold: str, abort: set[bytes] | list[bytes] | None) -> tuple[int, int]:
@@ -453,12 +452,24 @@ class TieredStore:
         self._submit_writes(writes)
         return num_published, num_aborted
 
-    def _expired_holds(self) -> list[str]:
-        if not self._holds:
-            return []
-        limit = time.monotonic() - HOLD_TIMEOUT_S
-        with self._lock:
-            return list(itertools.takewhile(lambda name: self._holds[name][0] <= limit, self._holds))
+    def _expire_holds(self, joining: str) -> None:
+        """Abort the holds nobody settled within HOLD_TIMEOUT_S, but `joining` (a late owner
+        joining it now gets slots it will copy into). An owner may still be copying into the
+        slots of one (a stalled process), so they are quarantined first, like those of a client
+        whose connection dropped. Caller holds the lock."""
+        now = time.monotonic()
+        for name in list(itertools.takewhile(lambda n: self._holds[n][0] <= now - HOLD_TIMEOUT_S, self._holds)):
+            if name == joining:
+                continue
+            _, parts = self._holds.pop(name)
+            log.warning("hold %s was not settled within %.0f s: its entries are not saved", name, HOLD_TIMEOUT_S)
+            for owner, ns, keys in parts:
+                held = self._reserved.get(owner, {})
+                for key in keys:
+                    entry = held.pop((ns, key, name), None)
+                    if entry is not None:
+                        self._quarantine.append((now + HOLD_QUARANTINE_S, entry))
+                        self.counters.aborts += 1
 
     def commit(self, ns: str, keys: list[bytes], owner: int = 0) -> int:
         """Publish reserved keys and queue their write-through. Keys not reserved by `owner` are

@@ -212,13 +212,17 @@ def _check_space(directory: Path, size_bytes: int) -> None:
 
 def _create_exclusive(path: Path) -> int:
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-    for _ in range(2):
+    for _ in range(3):
         try:
             fd = os.open(path, flags, 0o600)
         except FileExistsError:
             _remove_if_stale(path)
             continue
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another server starting, checking our new file for staleness
+            os.close(fd)
+            continue
         if _names(path, fd):
             return fd
         os.close(fd)  # another server starting took our new, unlocked file for a stale one: again

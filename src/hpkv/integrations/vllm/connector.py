@@ -99,7 +99,7 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         # The step's number, for the scheduler to settle the holds of its saves (holds.py).
         meta = getattr(self, "_connector_metadata", None) if self._worker else None
         if isinstance(meta, HpkvConnectorMetadata) and (meta.loads or meta.hold):
-            return HpkvWorkerMeta({meta.seq})
+            return HpkvWorkerMeta({meta.seq}, self._worker.take_failed_holds())
         return None
 
     def get_kv_connector_stats(self) -> HpkvConnectorStats | None:

@@ -19,7 +19,8 @@ back (an engine stopping) leaves its hold to the server, which aborts it after a
 
 Primitives: `SaveHolds.begin_step(seq, has_loads)` -> the hold of that step's saves ("" when
 they need none), `add(seq, req_id, keys, blocks)`, `affected(invalid_block_ids)`,
-`poison(req_ids, up_to_seq)`, `step_done(seqs)` -> [(hold, keys to abort)].
+`poison(req_ids, up_to_seq)`, `step_done(seqs, failed)` -> [Settle(hold, keys to abort, blocks to
+save again)].
 Must not know: the server, vLLM's objects (the scheduler passes plain ids).
 """
 
@@ -28,7 +29,7 @@ from __future__ import annotations
 import math
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
@@ -36,13 +37,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 @dataclass
 class HpkvWorkerMeta(KVConnectorWorkerMetadata):
     """What the workers tell the scheduler after a step: its sequence number, when it loaded
-    or held saves. The same from every rank; aggregated by union."""
+    or held saves, and the steps whose held saves a rank did not copy in full (a reservation
+    that timed out on the client but may have been made, a copy that failed, a connection gone):
+    those holds must be aborted whole. Aggregated over ranks by union."""
 
     seqs: set[int]
+    failed: set[int] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "HpkvWorkerMeta":
         if isinstance(other, HpkvWorkerMeta):
             self.seqs |= other.seqs
+            self.failed |= other.failed
         return self
 
 
@@ -51,6 +56,14 @@ class _Held:
     req_id: str
     keys: list[bytes]
     blocks: list[int]  # the request's blocks up to the saved ones (the loaded ones among them)
+    first_block: int  # the index of the first saved block in the request
+
+
+@dataclass
+class Settle:
+    hold: str
+    abort: list[bytes]  # keys to abort; the rest of the hold is committed
+    resave: dict[str, int]  # request -> first block to save again (its saves here were lost)
 
 
 class SaveHolds:
@@ -68,11 +81,19 @@ class SaveHolds:
             self._loading.add(seq)
         return self.name(seq) if self._loading else ""
 
-    def add(self, seq: int, req_id: str, keys: list[bytes], blocks: list[int]) -> None:
-        self._steps.setdefault(seq, []).append(_Held(req_id, keys, blocks))
+    def add(self, seq: int, req_id: str, keys: list[bytes], blocks: list[int], first_block: int) -> None:
+        self._steps.setdefault(seq, []).append(_Held(req_id, keys, blocks, first_block))
 
     def pending(self) -> int:
         return sum(len(held) for held in self._steps.values())
+
+    def abandon(self) -> list[Settle]:
+        """Every hold not settled yet, all its keys to abort (the engine is stopping: their
+        steps' outputs will not come)."""
+        settles = [Settle(self.name(seq), [key for h in held for key in h.keys], {})
+                   for seq, held in self._steps.items()]
+        self._steps.clear()
+        return settles
 
     def affected(self, invalid_block_ids: set[int]) -> set[str]:
         """Requests with held saves whose blocks include a failed one (finished ones too)."""
@@ -84,9 +105,10 @@ class SaveHolds:
         for req_id in req_ids:
             self._poisoned[req_id] = max(up_to_seq, self._poisoned.get(req_id, -1))
 
-    def step_done(self, seqs: set[int]) -> list[tuple[str, list[bytes]]]:
+    def step_done(self, seqs: set[int], failed: set[int] = frozenset()) -> list[Settle]:
         """The output of steps `seqs` is back (and every earlier step's, outputs come in order):
-        the holds to settle now, each with the keys to abort."""
+        the holds to settle now, each with the keys to abort (all of a step in `failed`) and,
+        for each request that loses saves, the first block it must save again."""
         if not seqs:
             return []
         top = max(seqs)
@@ -94,8 +116,11 @@ class SaveHolds:
         settles = []
         while self._steps and next(iter(self._steps)) <= top:
             seq, held = self._steps.popitem(last=False)
-            abort = [key for h in held if self._poisoned.get(h.req_id, -1) >= seq for key in h.keys]
-            settles.append((self.name(seq), abort))
+            lost = [h for h in held if seq in failed or self._poisoned.get(h.req_id, -1) >= seq]
+            resave: dict[str, int] = {}
+            for h in lost:
+                resave[h.req_id] = min(h.first_block, resave.get(h.req_id, h.first_block))
+            settles.append(Settle(self.name(seq), [key for h in lost for key in h.keys], resave))
         low = next(iter(self._steps), math.inf)  # steps built later come after every poisoned one
         self._poisoned = {req_id: seq for req_id, seq in self._poisoned.items() if seq >= low}
         return settles

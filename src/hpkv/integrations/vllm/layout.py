@@ -42,6 +42,10 @@ class BlockLayout:
 def block_layout(vllm_config, kv_cache_config) -> BlockLayout:
     """The layout of an entry, from the first KV cache group (full attention)."""
     _refuse_context_parallel(vllm_config.parallel_config)
+    if len(kv_cache_config.kv_cache_groups) > 1:  # vLLM turns its hybrid manager off for us; else
+        raise ConfigError(f"HpkvConnectorV1 supports one KV cache group; this model has "
+                          f"{len(kv_cache_config.kv_cache_groups)} (a hybrid model, or "
+                          "--no-disable-hybrid-kv-cache-manager): run it without the HPKV connector")
     group = kv_cache_config.kv_cache_groups[0]
     group_spec = group.kv_cache_spec
     per_layer = getattr(group_spec, "kv_cache_specs", None) or {}
@@ -102,7 +106,10 @@ def _model_id(model) -> str:
     numerics on load (online quantization, config overrides such as RoPE scaling), which the
     block hashes do not cover. Without either, the id is what it always was."""
     text = f"{model.model}@{model.revision or 'main'}"
-    if getattr(model, "quantization", None):
+    # Online only: a pre-quantized checkpoint is named by its path already, and vLLM may pick
+    # another kernel for it per GPU (awq, awq_marlin), which must not split the namespace.
+    prequantized = getattr(getattr(model, "hf_config", None), "quantization_config", None)
+    if getattr(model, "quantization", None) and not prequantized:
         text += f"+quantization={model.quantization}"
     overrides = getattr(model, "hf_overrides", None)
     if overrides and not callable(overrides):

@@ -67,7 +67,8 @@ class HpkvScheduler:
         self._reqs: dict[str, _Req] = {}
         self._pending_loads: list[LoadJob] = []
         self._seq = 0  # steps built
-        self._loading: dict[int, list[str]] = {}  # step -> requests it loads for, until its output is back
+        # step -> (request, its leases) it loads for, until its output is back
+        self._loading: dict[int, list[tuple[str, dict]]] = {}
         self.holds = SaveHolds()
         _warn_if_hashes_unstable(vllm_config)
 
@@ -217,7 +218,8 @@ class HpkvScheduler:
         meta = HpkvConnectorMetadata(loads=self._pending_loads, allocated=_allocated_blocks(scheduler_output),
                                      seq=self._seq, hold=self.holds.begin_step(self._seq, bool(self._pending_loads)))
         if meta.loads:
-            self._loading[self._seq] = [job.req_id for job in meta.loads]
+            self._loading[self._seq] = [(job.req_id, self._reqs[job.req_id].leases) for job in meta.loads
+                                        if job.req_id in self._reqs]
         self._pending_loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -261,7 +263,7 @@ class HpkvScheduler:
             stop = state.saved_blocks + len(keys)
             meta.saves.append(SaveJob(req_id, keys, state.block_ids[state.saved_blocks : stop]))
             if meta.hold:
-                self.holds.add(meta.seq, req_id, keys, state.block_ids[:stop])
+                self.holds.add(meta.seq, req_id, keys, state.block_ids[:stop], state.saved_blocks)
             state.saved_blocks = stop
 
     def _settle(self, connector_output) -> None:
@@ -279,26 +281,29 @@ class HpkvScheduler:
                     state.saved_blocks = min(state.saved_blocks, bad[0])
             self.holds.poison(failed, self._seq)
         meta = connector_output.kv_connector_worker_meta
-        seqs = meta.seqs if isinstance(meta, HpkvWorkerMeta) else set()
+        seqs, failed = (meta.seqs, meta.failed) if isinstance(meta, HpkvWorkerMeta) else (set(), set())
         if seqs:
             # The workers have copied what those steps loaded (under leases of their own): the
             # scheduler's leases need not pin those entries for the rest of the requests' lives.
             top = max(seqs)
             for seq in [seq for seq in self._loading if seq <= top]:
-                for req_id in self._loading.pop(seq):
+                for req_id, leases in self._loading.pop(seq):
                     state = self._reqs.get(req_id)
-                    if state is not None and state.leases:
+                    if state is not None and state.leases is leases:  # not a lease taken since
                         self._release(state)
-        settles = self.holds.step_done(seqs)
-        for hold, abort in settles:
+        for settle in self.holds.step_done(seqs, failed):
             try:
-                self.client.settle(hold, abort)
+                self.client.settle(settle.hold, settle.abort)
             except HpkvError as exc:  # the server, and the reservations with it, are gone
-                log.debug("HPKV hold %s not settled: %s", hold, exc)
-            if abort:
-                self.stats.add("held_saves_aborted", len(abort))
-                log.warning("HPKV: %d saved blocks were computed on KV that failed to load; dropped (vLLM "
-                            "recomputes them)", len(abort))
+                log.debug("HPKV hold %s not settled: %s", settle.hold, exc)
+            for req_id, first in settle.resave.items():  # saved again once recomputed
+                state = self._reqs.get(req_id)
+                if state is not None:
+                    state.saved_blocks = min(state.saved_blocks, first)
+            if settle.abort:
+                self.stats.add("held_saves_aborted", len(settle.abort))
+                log.warning("HPKV: %d saved blocks were not published: computed on KV that failed to load, or not "
+                            "copied in full", len(settle.abort))
 
     # -- end of requests, resets, faults ------------------------------------------------------
 
@@ -342,6 +347,11 @@ class HpkvScheduler:
         self.policy.close()
         for state in self._reqs.values():
             self._release(state)
+        for settle in self.holds.abandon():  # not left pinned until the server's timeout
+            try:
+                self.client.settle(settle.hold, settle.abort)
+            except HpkvError:
+                break
         self.client.close()
 
 

@@ -68,6 +68,7 @@ class HpkvWorker:
         self.copier: BlockCopier | None = None
         self.stats = HpkvConnectorStats()
         self._failed_blocks: set[int] = set()
+        self._failed_holds: set[int] = set()  # steps whose held saves were not all copied here
         self.async_saves = async_saves  # None: decided in register_kv_caches, by device
         self._stats_lock = threading.Lock()
         self._cond = threading.Condition()
@@ -178,6 +179,10 @@ class HpkvWorker:
         except HpkvError as exc:  # the connection is gone, and the lease with it
             log.debug("HPKV lease release skipped: %s", exc)
 
+    def take_failed_holds(self) -> set[int]:
+        failed, self._failed_holds = self._failed_holds, set()
+        return failed
+
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
@@ -199,6 +204,8 @@ class HpkvWorker:
         except HpkvError as exc:
             self._add("server_errors", 1)
             log.debug("HPKV save skipped: %s", exc)
+            if meta.hold:  # it may have been made on the server all the same, and nothing copied
+                self._failed_holds.add(meta.seq)
             return
         held = [i for i, offset in enumerate(reservation.offsets) if offset is not None]
         if held:
@@ -208,7 +215,8 @@ class HpkvWorker:
                 # The scheduler settles the hold once this step's output is back, so the copy must
                 # be done by then: in this step, not beside the next one. Not committed here.
                 save.hold = meta.hold
-                self._save(save)
+                if not self._save(save):
+                    self._failed_holds.add(meta.seq)
             elif self.async_saves:
                 save.event = self._forward_done_event()
                 self._enqueue(save)
@@ -216,14 +224,14 @@ class HpkvWorker:
                 self._save(save)
         self._add("save_wait_s", time.perf_counter() - started)
 
-    def _save(self, save: _Save) -> None:
+    def _save(self, save: _Save) -> bool:
         """Copy the blocks into their reserved slots and publish them (or leave that to the
-        hold they were reserved in). A copy that fails gives the slots back, held or not: a
-        hold must not commit bytes that were never copied."""
+        hold they were reserved in). A copy that fails gives the slots back, held or not, and
+        returns False: a hold must not commit bytes that were never copied."""
         started = time.perf_counter()
         try:
             if not self.client.holds(save.reservation):
-                return  # the connection that reserved the slots is gone, and the slots with it
+                return False  # the connection that reserved the slots is gone, and the slots with it
             if save.event is None:
                 self.copier.save(save.reservation.region, save.block_ids, save.offsets)
             else:
@@ -239,15 +247,16 @@ class HpkvWorker:
             self._add("server_errors", 1)
             log.debug("HPKV save skipped: %s", exc)
             self._give_back(save)
-            return
+            return False
         except Exception:  # never let a save take the engine (or the saver thread) down
             self._add("server_errors", 1)
             log.exception("HPKV save failed; those blocks will be recomputed when needed")
             self._give_back(save)
-            return
+            return False
         self._add("save_time_s", time.perf_counter() - started)
         self._add("saved_blocks", len(save.keys))
         self._add("saved_bytes", len(save.keys) * self.layout.entry_bytes)
+        return True
 
     def _give_back(self, save: _Save) -> None:
         try:
