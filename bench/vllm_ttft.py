@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from hpkv.benchmark.machine import describe
+from hpkv.benchmark.shim import after_import, install
 from hpkv.demo.engine import Completion, VllmServer, documented_flags
 from hpkv.demo.model import BENCH, build_model, prompt_text
 from hpkv.demo.scenario import documented_env
@@ -72,35 +73,15 @@ WAKE_PROMPT = prompt_text(8, seed=-7)
 # (docs/benchmarks.md, "What selects the slow mode"). The benchmarks keep vLLM's default;
 # HPKV_BENCH_VLLM_SPIN=0 starts every engine, of every system alike, with busy_loop_s=0 (a reader
 # waits for the queue's zmq notification), through this sitecustomize on its PYTHONPATH.
-NO_SPIN = """\
-import importlib.abc, importlib.util, sys
-class _NoSpin(importlib.abc.MetaPathFinder):
-    NAME = "vllm.distributed.device_communicators.shm_broadcast"
-    def find_spec(self, name, path, target=None):
-        if name != self.NAME:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-        def exec_module(module):
-            run(module)
-            module.SpinCondition.__init__.__defaults__ = (0.0,)  # busy_loop_s
-        spec.loader.exec_module = exec_module
-        return spec
-sys.meta_path.insert(0, _NoSpin())
-"""
+NO_SPIN = after_import("vllm.distributed.device_communicators.shm_broadcast",
+                       "module.SpinCondition.__init__.__defaults__ = (0.0,)  # busy_loop_s")
 
 
 def engine_shim(env: dict[str, str], shim_dir: Path, code: str | None = None) -> dict[str, str]:
     """`env` with a sitecustomize first on the engine's PYTHONPATH: NO_SPIN (with
     HPKV_BENCH_VLLM_SPIN=0), then `code`."""
     code = "\n".join(filter(None, [NO_SPIN if os.environ.get("HPKV_BENCH_VLLM_SPIN") == "0" else None, code]))
-    if not code:
-        return env
-    shim_dir.mkdir(parents=True, exist_ok=True)
-    (shim_dir / "sitecustomize.py").write_text(code)
-    path = env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))
-    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(shim_dir), path]))}
+    return install(env, shim_dir, code) if code else env
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import serverutil
+from hpkv.benchmark.shim import after_import, install
 from hpkv.demo.engine import Completion, VllmServer
 from hpkv.errors import HpkvError
 from hpkv.server import protocol
@@ -270,40 +271,23 @@ def serving(engine: Engine, shm_dir: Path, env_prefixes: tuple[str, ...] = HPKV_
 # A load that fails inside the engine (its lease lost between the scheduler's and the worker's,
 # say), on demand: once `flag` exists, the worker's next load zeroes the blocks it was loading
 # into (a copy torn by the failure) and reports them all failed, and `flag` is removed. The real
-# engine, server and connector otherwise; installed as a sitecustomize on the engine's PYTHONPATH,
-# inert while `flag` does not exist.
-_LOAD_FAULT = """\
-import importlib.abc, importlib.util, os, sys
-FLAG = {flag!r}
-class _Fault(importlib.abc.MetaPathFinder):
-    NAME = "hpkv.integrations.vllm.worker"
-    def find_spec(self, name, path, target=None):
-        if name != self.NAME:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-        def exec_module(module):
-            run(module)
-            load = module.HpkvWorker._load
-            def failing_load(self, job):
-                try:
-                    os.unlink(FLAG)
-                except FileNotFoundError:
-                    return load(self, job)
-                for view in self.copier.layer_views:
-                    view[job.block_ids] = 0
-                return 0
-            module.HpkvWorker._load = failing_load
-        spec.loader.exec_module = exec_module
-        return spec
-sys.meta_path.insert(0, _Fault())
+# engine, server and connector otherwise; inert while `flag` does not exist.
+_LOAD_FAULT = """
+import os
+load = module.HpkvWorker._load
+def failing_load(self, job, _load=load, _flag={flag!r}):
+    try:
+        os.unlink(_flag)
+    except FileNotFoundError:
+        return _load(self, job)
+    for view in self.copier.layer_views:
+        view[job.block_ids] = 0
+    return 0
+module.HpkvWorker._load = failing_load
 """
 
 
 def with_load_fault(env: dict[str, str], shim_dir: Path, flag: Path) -> dict[str, str]:
     """`env` for an engine whose next load fails once `flag` exists (see _LOAD_FAULT)."""
-    shim_dir.mkdir(parents=True, exist_ok=True)
-    (shim_dir / "sitecustomize.py").write_text(_LOAD_FAULT.format(flag=str(flag)))
-    path = env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))
-    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(shim_dir), path]))}
+    code = after_import("hpkv.integrations.vllm.worker", _LOAD_FAULT.format(flag=str(flag)))
+    return install(env, shim_dir, code)
