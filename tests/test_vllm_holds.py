@@ -85,3 +85,62 @@ def test_worker_metadata_of_every_rank_aggregates_to_the_steps_they_ran():
 
     meta = HpkvWorkerMeta({4}).aggregate(HpkvWorkerMeta({4}, {4})).aggregate(HpkvWorkerMeta({5}))
     assert (meta.seqs, meta.failed) == ({4, 5}, {4})
+
+
+def test_the_scheduler_settles_a_step_on_every_rank_and_rewinds_the_requests_that_read_a_failed_block(
+        shm_dir, tmp_path):
+    """The scheduler half against a real server, with two ranks' workers as plain clients: a
+    step's output names a failed block of one request; that request's held saves are aborted in
+    both namespaces and it saves again from the failed block, the other request's are published,
+    and the lease the step loaded under is released."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from hpkv.integrations.vllm.costmodel import FixedThreshold
+    from hpkv.integrations.vllm.holds import HpkvWorkerMeta, SaveHolds
+    from hpkv.integrations.vllm.metadata import HpkvConnectorStats
+    from hpkv.integrations.vllm.scheduler import HpkvScheduler, _Req
+    from serverutil import Node, desc, entry_key, payload
+
+    node = Node(shm_dir, tmp_path)
+    node.start_server()
+    try:
+        ranks = [node.client(f"vllm-worker-{r}") for r in (0, 1)]
+        namespaces = [client.register(desc(r)) for r, client in enumerate(ranks)]
+        scheduler = HpkvScheduler.__new__(HpkvScheduler)  # the half as vLLM's engine core holds it
+        scheduler.client = node.client("vllm-scheduler")
+        for r in (0, 1):
+            scheduler.client.register(desc(r))
+        scheduler.stats, scheduler.holds = HpkvConnectorStats(), SaveHolds()
+        scheduler._seq, scheduler._loading, scheduler._reqs = 1, {}, {}
+        scheduler.policy = FixedThreshold(1204, 32)
+        scheduler._reqs["bad"] = _Req(None, block_ids=[10, 11, 12, 13], saved_blocks=4)
+        scheduler._reqs["good"] = _Req(None, block_ids=[20, 21], saved_blocks=2)
+        loaded = entry_key("loaded", 0)
+        for r, client in enumerate(ranks):  # an entry a request loaded, under the scheduler's lease
+            client.reserve(namespaces[r], [loaded])
+            client.commit(namespaces[r], [loaded])
+        scheduler._reqs["good"].leases = {0: scheduler.client.lease(namespaces[0], [loaded])}
+        scheduler._loading[1] = [("good", scheduler._reqs["good"].leases)]
+        bad_keys, good_keys = [entry_key("bad", 2), entry_key("bad", 3)], [entry_key("good", 1)]
+        hold = scheduler.holds.begin_step(1, has_loads=True)
+        scheduler.holds.add(1, "bad", bad_keys, [10, 11, 12, 13], first_block=2)
+        scheduler.holds.add(1, "good", good_keys, [20, 21], first_block=1)
+        for r, client in enumerate(ranks):
+            reservation = client.reserve(namespaces[r], bad_keys + good_keys, hold=hold)
+            for key, offset in zip(bad_keys + good_keys, reservation.offsets):
+                size = reservation.entry_bytes
+                client.region.buf[offset : offset + size] = payload(key, r, size)
+
+        scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids={11},
+                                                            kv_connector_worker_meta=HpkvWorkerMeta({1})))
+
+        for r, client in enumerate(ranks):
+            assert client.lookup(namespaces[r], good_keys).num_hit == 1
+            assert client.lookup(namespaces[r], bad_keys).num_hit == 0
+            assert client.stats()["reservations"] == 0 and client.stats()["holds"] == 0
+        assert scheduler._reqs["bad"].saved_blocks == 1  # from block 11, which vLLM recomputes
+        assert scheduler._reqs["good"].saved_blocks == 2
+        assert scheduler.stats.data["held_saves_aborted"] == 2
+        assert scheduler._reqs["good"].leases == {} and scheduler.client.stats()["leases"] == 0
+    finally:
+        node.close()
