@@ -120,7 +120,9 @@ def test_the_scheduler_settles_a_step_on_every_rank_and_rewinds_the_requests_tha
             client.reserve(namespaces[r], [loaded])
             client.commit(namespaces[r], [loaded])
         scheduler._reqs["good"].leases = {0: scheduler.client.lease(namespaces[0], [loaded])}
-        scheduler._loading[1] = [("good", scheduler._reqs["good"].leases)]
+        scheduler._loading[1] = [("good", scheduler._reqs["good"].leases, [20]),
+                                 ("bad", {}, [10, 11])]
+        scheduler._reqs["shares"] = _Req(None, block_ids=[10, 11, 30], saved_blocks=3)  # vLLM's prefix hit on bad's
         bad_keys, good_keys = [entry_key("bad", 2), entry_key("bad", 3)], [entry_key("good", 1)]
         hold = scheduler.holds.begin_step(1, has_loads=True)
         scheduler.holds.add(1, "bad", bad_keys, [10, 11, 12, 13], first_block=2)
@@ -140,6 +142,7 @@ def test_the_scheduler_settles_a_step_on_every_rank_and_rewinds_the_requests_tha
             assert client.stats()["reservations"] == 0 and client.stats()["holds"] == 0
         assert scheduler._reqs["bad"].saved_blocks == 1  # from block 11, which vLLM recomputes
         assert scheduler._reqs["good"].saved_blocks == 2
+        assert scheduler._reqs["shares"].saved_blocks == 3  # block 11 is bad's to recompute, not its
         assert scheduler.stats.data["held_saves_aborted"] == 2
         assert scheduler._reqs["good"].leases == {} and scheduler.client.stats()["leases"] == 0
     finally:

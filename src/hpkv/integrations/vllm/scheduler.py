@@ -67,8 +67,8 @@ class HpkvScheduler:
         self._reqs: dict[str, _Req] = {}
         self._pending_loads: list[LoadJob] = []
         self._seq = 0  # steps built
-        # step -> (request, its leases) it loads for, until its output is back
-        self._loading: dict[int, list[tuple[str, dict]]] = {}
+        # step -> (request, its leases, the blocks loaded) it loads for, until its output is back
+        self._loading: dict[int, list[tuple[str, dict, list[int]]]] = {}
         self.holds = SaveHolds()
         _warn_if_hashes_unstable(vllm_config)
 
@@ -218,8 +218,8 @@ class HpkvScheduler:
         meta = HpkvConnectorMetadata(loads=self._pending_loads, allocated=_allocated_blocks(scheduler_output),
                                      seq=self._seq, hold=self.holds.begin_step(self._seq, bool(self._pending_loads)))
         if meta.loads:
-            self._loading[self._seq] = [(job.req_id, self._reqs[job.req_id].leases) for job in meta.loads
-                                        if job.req_id in self._reqs]
+            self._loading[self._seq] = [(job.req_id, self._reqs[job.req_id].leases, job.block_ids)
+                                        for job in meta.loads if job.req_id in self._reqs]
         self._pending_loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -274,12 +274,17 @@ class HpkvScheduler:
         invalid = set(connector_output.invalid_block_ids or ())
         if invalid:
             failed = self.holds.affected(invalid)
-            for req_id, state in self._reqs.items():
-                bad = [i for i, block in enumerate(state.block_ids) if block in invalid]
-                if bad:
-                    failed.add(req_id)
-                    state.saved_blocks = min(state.saved_blocks, bad[0])
+            failed.update(req_id for req_id, state in self._reqs.items() if not invalid.isdisjoint(state.block_ids))
             self.holds.poison(failed, self._seq)
+            # The requests whose own loads failed recompute those blocks: they save them again.
+            # (One that only shares such a block, through vLLM's prefix cache, must not: vLLM
+            # leaves its recompute to the loading request, and it may not have happened yet.)
+            for loads in self._loading.values():
+                for req_id, _, block_ids in loads:
+                    state = self._reqs.get(req_id)
+                    if state is not None and not invalid.isdisjoint(block_ids):
+                        first = next(i for i, block in enumerate(state.block_ids) if block in invalid)
+                        state.saved_blocks = min(state.saved_blocks, first)
         meta = connector_output.kv_connector_worker_meta
         seqs, failed = (meta.seqs, meta.failed) if isinstance(meta, HpkvWorkerMeta) else (set(), set())
         if seqs:
@@ -287,7 +292,7 @@ class HpkvScheduler:
             # scheduler's leases need not pin those entries for the rest of the requests' lives.
             top = max(seqs)
             for seq in [seq for seq in self._loading if seq <= top]:
-                for req_id, leases in self._loading.pop(seq):
+                for req_id, leases, _ in self._loading.pop(seq):
                     state = self._reqs.get(req_id)
                     if state is not None and state.leases is leases:  # not a lease taken since
                         self._release(state)
