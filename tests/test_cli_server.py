@@ -204,6 +204,16 @@ def test_status_shows_tiers_namespace_hit_rates_and_clients(server, env):
         assert words in out, f"{words!r} missing from:\n{out}"
 
 
+def test_status_shows_holds_waiting_for_a_scheduler(server, env):
+    with server.client() as client:
+        ns, _ = write_entries(client, 1)
+        client.reserve(ns, [b"held-key"], hold="vllm.1.step-3")
+        result = hpkv(env, "status")
+        assert "1 holds waiting for an engine's scheduler" in result.stdout, result.stdout
+        client.settle("vllm.1.step-3", [b"held-key"])
+        assert "holds waiting" not in hpkv(env, "status").stdout
+
+
 def test_status_shows_entries_waiting_for_a_storage_device_that_stopped(server, env):
     with server.client() as client:
         ns, keys = write_entries(client, 4)  # starts the server's write-through processes

@@ -155,7 +155,12 @@ def _server_table(stats: dict) -> Table:
     table.add_column("value")
     rows = (("pid", str(server["pid"])), ("version", f"{server['version']} (protocol {server['protocol']})"),
             ("uptime", human_duration(server["uptime_s"])), ("mode", mode), ("socket", server["socket"]),
-            ("held now", f"{stats['leases']} leases, {stats['reservations']} reservations"))
+            ("held now", f"{stats['leases']} leases, {stats['reservations']} reservations" + _holds(stats)))
     for what, value in rows:
         table.add_row(what, Text(value))
     return table
+
+
+def _holds(stats: dict) -> str:
+    num = stats.get("holds", 0)
+    return f" ({num} holds waiting for an engine's scheduler to settle them)" if num else ""

@@ -115,6 +115,8 @@ def _store_families(stats: dict) -> Iterator[Metric]:
     yield _gauge("active_leases", "Leases held by readers now.", stats["leases"])
     yield _gauge("active_reservations", "Entries reserved by writers and not yet committed.",
                  stats["reservations"])
+    yield _gauge("active_holds", "Holds of reservations waiting for an engine's scheduler to settle them "
+                 "(saves computed next to a load not yet known good).", stats.get("holds", 0))
     backlog = stats.get("write_backlog")
     if backlog is not None:
         yield _gauge("write_backlog_entries", "Committed entries waiting for their write-through to storage "
