@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from ...config import Settings
 from ...errors import HpkvError
 from ...server.client import Client, LeaseHandle
-from ...store import Tier
+from ...store import HOLD_TIMEOUT_S, Tier
 from . import layout as lay
 from . import probes
 from .costmodel import AffineCost, AutoThreshold, CostModel, FixedThreshold
@@ -247,7 +247,11 @@ class HpkvScheduler:
     def update_connector_output(self, connector_output) -> None:
         """A step's output is back, with the workers' stats of that step (summed over ranks):
         settle the holds it decides, and learn from its timings."""
-        self._settle(connector_output)
+        try:
+            self._settle(connector_output)
+        except Exception:  # a bug here must not stop the engine: the holds time out on the server
+            log.exception("HPKV could not settle this step's held saves; the server aborts them after %.0f s",
+                          HOLD_TIMEOUT_S)
         if not self.policy.learns:
             return
         data = getattr(connector_output.kv_connector_stats, "data", None) or {}
@@ -283,8 +287,10 @@ class HpkvScheduler:
                 for req_id, _, block_ids in loads:
                     state = self._reqs.get(req_id)
                     if state is not None and not invalid.isdisjoint(block_ids):
-                        first = next(i for i, block in enumerate(state.block_ids) if block in invalid)
-                        state.saved_blocks = min(state.saved_blocks, first)
+                        # None where its blocks changed since (preempted and resumed: recomputed anew)
+                        first = next((i for i, block in enumerate(state.block_ids) if block in invalid), None)
+                        if first is not None:
+                            state.saved_blocks = min(state.saved_blocks, first)
         meta = connector_output.kv_connector_worker_meta
         seqs, failed = (meta.seqs, meta.failed) if isinstance(meta, HpkvWorkerMeta) else (set(), set())
         if seqs:
