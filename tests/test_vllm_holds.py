@@ -5,6 +5,7 @@ back, and a request vLLM finds reading a failed block loses the saves held on to
 from __future__ import annotations
 
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 
@@ -44,10 +45,10 @@ def test_a_request_that_read_a_failed_block_loses_the_saves_held_on_top_of_it(ho
     assert holds.affected({2}) == {"bad"}
     holds.poison({"bad"}, up_to_seq=6)
     (five,) = holds.step_done({5})
-    assert (five.abort, five.resave) == ([b"a", b"b"], {"bad": 1})
+    assert (five.abort, five.resave) == ([b"a", b"b"], {})  # its KV rests on the failed block
     holds.begin_step(7, has_loads=False)  # built after the rollback: "bad" is recomputed from here
     (six,) = holds.step_done({6})
-    assert (six.abort, six.resave) == ([b"d"], {"bad": 3})  # saved again once recomputed
+    assert (six.abort, six.resave) == ([b"d"], {})
     holds.begin_step(8, has_loads=True)
     holds.add(8, "bad", [b"a"], [1, 5], first_block=1)
     assert holds.step_done({8})[0].abort == []  # its recomputed blocks are saved
@@ -98,7 +99,7 @@ def test_the_scheduler_settles_a_step_on_every_rank_and_rewinds_the_requests_tha
     from hpkv.integrations.vllm.costmodel import FixedThreshold
     from hpkv.integrations.vllm.holds import HpkvWorkerMeta, SaveHolds
     from hpkv.integrations.vllm.metadata import HpkvConnectorStats
-    from hpkv.integrations.vllm.scheduler import HpkvScheduler, _Req
+    from hpkv.integrations.vllm.scheduler import NEVER, HpkvScheduler, _Req
     from serverutil import Node, desc, entry_key, payload
 
     node = Node(shm_dir, tmp_path)
@@ -111,21 +112,26 @@ def test_the_scheduler_settles_a_step_on_every_rank_and_rewinds_the_requests_tha
         for r in (0, 1):
             scheduler.client.register(desc(r))
         scheduler.stats, scheduler.holds = HpkvConnectorStats(), SaveHolds()
-        scheduler._seq, scheduler._loading, scheduler._reqs = 1, {}, {}
+        scheduler._seq, scheduler._loading, scheduler._reqs, scheduler.block_size = 1, {}, {}, 32
         scheduler.policy = FixedThreshold(1204, 32)
-        scheduler._reqs["bad"] = _Req(None, block_ids=[10, 11, 12, 13], saved_blocks=4)
-        scheduler._reqs["good"] = _Req(None, block_ids=[20, 21], saved_blocks=2)
+        # vLLM's requests as update_from_output leaves them: "bad" rolled back to its failed block
+        # 11, "shares" (block 11 through vLLM's prefix cache) left relying on bad's recompute.
+        scheduler._reqs["bad"] = _Req(SimpleNamespace(num_computed_tokens=32), block_ids=[10, 11, 12, 13],
+                                      saved_blocks=4)
+        scheduler._reqs["good"] = _Req(SimpleNamespace(num_computed_tokens=64), block_ids=[20, 21], saved_blocks=2)
+        scheduler._reqs["shares"] = _Req(SimpleNamespace(num_computed_tokens=96), block_ids=[10, 11, 30],
+                                         saved_blocks=3)
         loaded = entry_key("loaded", 0)
         for r, client in enumerate(ranks):  # an entry a request loaded, under the scheduler's lease
             client.reserve(namespaces[r], [loaded])
             client.commit(namespaces[r], [loaded])
         scheduler._reqs["good"].leases = {0: scheduler.client.lease(namespaces[0], [loaded])}
-        scheduler._loading[1] = [("good", scheduler._reqs["good"].leases, [20]),
-                                 ("bad", {}, [10, 11])]
-        scheduler._reqs["shares"] = _Req(None, block_ids=[10, 11, 30], saved_blocks=3)  # vLLM's prefix hit on bad's
-        bad_keys, good_keys = [entry_key("bad", 2), entry_key("bad", 3)], [entry_key("good", 1)]
+        scheduler._loading[1] = [("good", scheduler._reqs["good"].leases, [20]), ("bad", {}, [10, 11])]
+        bad_keys = [entry_key("bad", 2), entry_key("bad", 3), entry_key("shares", 2)]
+        good_keys = [entry_key("good", 1)]
         hold = scheduler.holds.begin_step(1, has_loads=True)
-        scheduler.holds.add(1, "bad", bad_keys, [10, 11, 12, 13], first_block=2)
+        scheduler.holds.add(1, "bad", bad_keys[:2], [10, 11, 12, 13], first_block=2)
+        scheduler.holds.add(1, "shares", bad_keys[2:], [10, 11, 30], first_block=2)
         scheduler.holds.add(1, "good", good_keys, [20, 21], first_block=1)
         for r, client in enumerate(ranks):
             reservation = client.reserve(namespaces[r], bad_keys + good_keys, hold=hold)
@@ -142,8 +148,8 @@ def test_the_scheduler_settles_a_step_on_every_rank_and_rewinds_the_requests_tha
             assert client.stats()["reservations"] == 0 and client.stats()["holds"] == 0
         assert scheduler._reqs["bad"].saved_blocks == 1  # from block 11, which vLLM recomputes
         assert scheduler._reqs["good"].saved_blocks == 2
-        assert scheduler._reqs["shares"].saved_blocks == 3  # block 11 is bad's to recompute, not its
-        assert scheduler.stats.data["held_saves_aborted"] == 2
+        assert scheduler._reqs["shares"].saved_blocks == NEVER  # its KV rests on bad's recompute
+        assert scheduler.stats.data["held_saves_aborted"] == 3
         assert scheduler._reqs["good"].leases == {} and scheduler.client.stats()["leases"] == 0
     finally:
         node.close()

@@ -37,7 +37,7 @@ def worker(shm_dir, tmp_path):
     w.layout = SimpleNamespace(entry_bytes=ENTRY)
     w.desc = desc(0, ENTRY)
     w.client = Client(shm_dir, kind="vllm-worker-0", autostart=False)
-    w.stats, w._failed_blocks, w._failed_holds = HpkvConnectorStats(), set(), set()
+    w.stats, w._failed_blocks, w._failed_holds, w._meta_out = HpkvConnectorStats(), set(), set(), None
     w._stats_lock, w._cond = threading.Lock(), threading.Condition()
     w._queue, w._reading, w._saver, w._side_stream, w._closing = deque(), {}, None, None, False
     w._releaser = None
@@ -180,10 +180,24 @@ def test_a_held_save_whose_copy_fails_gives_its_slots_back_before_the_settle(wor
     w.copier.save = torn_copy
     w.wait_for_save(HpkvConnectorMetadata(saves=[SaveJob("req", keys, [1, 2])], seq=9, hold="engine.9"))
 
-    assert w.take_failed_holds() == {9}  # told to the scheduler, which aborts the hold on every rank
+    assert w.worker_meta(10).failed == {9}  # told to the scheduler, which aborts the hold on every rank
     settler = node.client("vllm-scheduler")
     assert settler.settle("engine.9", []) == protocol.Settled(0, 0)
     reader = node.client("reader")
     reader.register(w.desc)
     assert reader.lookup(w.ns, keys).num_hit == 0
     assert w.client.stats()["reservations"] == 0
+
+
+def test_a_held_save_that_fails_after_its_step_reported_still_reaches_the_scheduler(worker):
+    """With speculative decoding vLLM builds the step's worker metadata before the saves run:
+    a failure then must land in that same metadata, not in a later step's."""
+    from hpkv.integrations.vllm.metadata import HpkvConnectorMetadata, SaveJob
+
+    w, node = worker
+    meta = w.worker_meta(11)
+    w.copier.save = lambda *args: (_ for _ in ()).throw(RuntimeError("torn"))
+    w.wait_for_save(HpkvConnectorMetadata(saves=[SaveJob("req", [entry_key("late", 0)], [3])], seq=11,
+                                          hold="engine.11"))
+    assert meta.failed == {11}
+    assert w.worker_meta(12).failed == set()

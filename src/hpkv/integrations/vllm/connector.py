@@ -27,7 +27,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ...config import load_settings
 from ...errors import ConfigError, HpkvError
 from . import layout as lay
-from .holds import HpkvWorkerMeta
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats
 
 log = logging.getLogger("hpkv.vllm")
@@ -95,11 +94,11 @@ class HpkvConnectorV1(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker else set()
 
-    def build_connector_worker_meta(self) -> HpkvWorkerMeta | None:
+    def build_connector_worker_meta(self):
         # The step's number, for the scheduler to settle the holds of its saves (holds.py).
         meta = getattr(self, "_connector_metadata", None) if self._worker else None
         if isinstance(meta, HpkvConnectorMetadata) and (meta.loads or meta.hold):
-            return HpkvWorkerMeta({meta.seq}, self._worker.take_failed_holds())
+            return self._worker.worker_meta(meta.seq)
         return None
 
     def get_kv_connector_stats(self) -> HpkvConnectorStats | None:

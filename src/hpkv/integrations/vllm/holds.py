@@ -63,7 +63,7 @@ class _Held:
 class Settle:
     hold: str
     abort: list[bytes]  # keys to abort; the rest of the hold is committed
-    resave: dict[str, int]  # request -> first block to save again (its saves here were lost)
+    resave: dict[str, int]  # request -> first block to save again (good KV a rank did not copy)
 
 
 class SaveHolds:
@@ -116,11 +116,12 @@ class SaveHolds:
         settles = []
         while self._steps and next(iter(self._steps)) <= top:
             seq, held = self._steps.popitem(last=False)
-            lost = [h for h in held if seq in failed or self._poisoned.get(h.req_id, -1) >= seq]
-            resave: dict[str, int] = {}
-            for h in lost:
+            poisoned = [h for h in held if self._poisoned.get(h.req_id, -1) >= seq]
+            uncopied = [h for h in held if seq in failed and h not in poisoned]
+            resave: dict[str, int] = {}  # good KV that was not copied: saved again (poisoned KV never)
+            for h in uncopied:
                 resave[h.req_id] = min(h.first_block, resave.get(h.req_id, h.first_block))
-            settles.append(Settle(self.name(seq), [key for h in lost for key in h.keys], resave))
+            settles.append(Settle(self.name(seq), [key for h in poisoned + uncopied for key in h.keys], resave))
         low = next(iter(self._steps), math.inf)  # steps built later come after every poisoned one
         self._poisoned = {req_id: seq for req_id, seq in self._poisoned.items() if seq >= low}
         return settles

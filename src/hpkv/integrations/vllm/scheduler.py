@@ -38,6 +38,7 @@ log = logging.getLogger("hpkv.vllm.scheduler")
 DEFAULT_THRESHOLD = 1204
 PROMOTION_DEADLINE_S = 30.0
 _POLL_S = 0.002
+NEVER = 1 << 62  # saved_blocks of a request whose KV may rest on a block that failed to load
 
 
 @dataclass
@@ -280,17 +281,10 @@ class HpkvScheduler:
             failed = self.holds.affected(invalid)
             failed.update(req_id for req_id, state in self._reqs.items() if not invalid.isdisjoint(state.block_ids))
             self.holds.poison(failed, self._seq)
-            # The requests whose own loads failed recompute those blocks: they save them again.
-            # (One that only shares such a block, through vLLM's prefix cache, must not: vLLM
-            # leaves its recompute to the loading request, and it may not have happened yet.)
-            for loads in self._loading.values():
-                for req_id, _, block_ids in loads:
-                    state = self._reqs.get(req_id)
-                    if state is not None and not invalid.isdisjoint(block_ids):
-                        # None where its blocks changed since (preempted and resumed: recomputed anew)
-                        first = next((i for i, block in enumerate(state.block_ids) if block in invalid), None)
-                        if first is not None:
-                            state.saved_blocks = min(state.saved_blocks, first)
+            for req_id in failed:
+                state = self._reqs.get(req_id)
+                if state is not None:
+                    self._after_failed_load(state, invalid)
         meta = connector_output.kv_connector_worker_meta
         seqs, failed = (meta.seqs, meta.failed) if isinstance(meta, HpkvWorkerMeta) else (set(), set())
         if seqs:
@@ -315,6 +309,19 @@ class HpkvScheduler:
                 self.stats.add("held_saves_aborted", len(settle.abort))
                 log.warning("HPKV: %d saved blocks were not published: computed on KV that failed to load, or not "
                             "copied in full", len(settle.abort))
+
+    def _after_failed_load(self, state: _Req, invalid: set[int]) -> None:
+        """vLLM has just rolled back the requests reading a failed block (update_from_output runs
+        before this): one of those that hold it recomputes from it, and HPKV saves its blocks
+        again as it does; the others (sharing the block through vLLM's prefix cache) keep
+        theirs as computed and rely on that recompute, which need not have happened when they
+        next compute: nothing more of theirs is saved."""
+        first = next((i for i, block in enumerate(state.block_ids) if block in invalid), None)
+        recomputes_from = getattr(state.request, "num_computed_tokens", None)
+        if first is not None and recomputes_from is not None and recomputes_from <= first * self.block_size:
+            state.saved_blocks = min(state.saved_blocks, recomputes_from // self.block_size)
+        else:
+            state.saved_blocks = NEVER
 
     # -- end of requests, resets, faults ------------------------------------------------------
 

@@ -33,6 +33,7 @@ from ...errors import HpkvError
 from ...server.client import Client, Reservation
 from ...transfer.blocks import BlockCopier
 from . import layout as lay
+from .holds import HpkvWorkerMeta
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats
 
 log = logging.getLogger("hpkv.vllm.worker")
@@ -69,6 +70,9 @@ class HpkvWorker:
         self.stats = HpkvConnectorStats()
         self._failed_blocks: set[int] = set()
         self._failed_holds: set[int] = set()  # steps whose held saves were not all copied here
+        # The metadata built for the step running now, when it was built before its saves ran
+        # (vLLM with speculative decoding finalizes saves after building it): failures go there.
+        self._meta_out: tuple[int, HpkvWorkerMeta] | None = None
         self.async_saves = async_saves  # None: decided in register_kv_caches, by device
         self._stats_lock = threading.Lock()
         self._cond = threading.Condition()
@@ -179,9 +183,20 @@ class HpkvWorker:
         except HpkvError as exc:  # the connection is gone, and the lease with it
             log.debug("HPKV lease release skipped: %s", exc)
 
-    def take_failed_holds(self) -> set[int]:
-        failed, self._failed_holds = self._failed_holds, set()
-        return failed
+    def worker_meta(self, seq: int) -> HpkvWorkerMeta:
+        """What this step tells the scheduler: its number, and the held steps not copied in full
+        (this one's too, should its saves fail after this is built: it is not sent before)."""
+        meta = HpkvWorkerMeta({seq}, self._failed_holds)
+        self._failed_holds = set()
+        self._meta_out = (seq, meta)
+        return meta
+
+    def _hold_failed(self, seq: int) -> None:
+        out = self._meta_out
+        if out is not None and out[0] == seq:
+            out[1].failed.add(seq)
+        else:
+            self._failed_holds.add(seq)
 
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -205,7 +220,7 @@ class HpkvWorker:
             self._add("server_errors", 1)
             log.debug("HPKV save skipped: %s", exc)
             if meta.hold:  # it may have been made on the server all the same, and nothing copied
-                self._failed_holds.add(meta.seq)
+                self._hold_failed(meta.seq)
             return
         held = [i for i, offset in enumerate(reservation.offsets) if offset is not None]
         if held:
@@ -216,7 +231,7 @@ class HpkvWorker:
                 # be done by then: in this step, not beside the next one. Not committed here.
                 save.hold = meta.hold
                 if not self._save(save):
-                    self._failed_holds.add(meta.seq)
+                    self._hold_failed(meta.seq)
             elif self.async_saves:
                 save.event = self._forward_done_event()
                 self._enqueue(save)
