@@ -107,8 +107,9 @@ class SaveHolds:
 
     def step_done(self, seqs: set[int], failed: set[int] = frozenset()) -> list[Settle]:
         """The output of steps `seqs` is back (and every earlier step's, outputs come in order):
-        the holds to settle now, each with the keys to abort (all of a step in `failed`) and,
-        for each request that loses saves, the first block it must save again."""
+        the holds to settle now, each with the keys to abort (those of poisoned requests, and
+        all of a step in `failed`) and, for each request whose good KV a rank did not copy, the
+        first block to save again."""
         if not seqs:
             return []
         top = max(seqs)
