@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 
 import msgspec
 import pytest
@@ -116,6 +117,37 @@ def test_a_peer_that_stops_mid_frame_is_closed_without_a_reply(node):
     node.start_server()
     assert exchange(node, length_prefix(100) + b"half", hello=True) == []
     assert exchange(node, b"\x00\x00", hello=False) == []
+
+
+def call(sock: socket.socket, msg: p.Msg) -> p.Reply:
+    sock.sendall(p.encode(msg))
+    return p.decode_reply(p.recv_frame(sock))
+
+
+def test_a_client_stuck_mid_frame_loses_its_connection_and_leases_but_a_quiet_one_keeps_them(node):
+    node.start_server(HPKV_SERVER_FRAME_TIMEOUT_S="1")
+    ns = desc().ns
+    clients = []
+    for name in ("stuck", "quiet"):
+        sock = raw_connect(node, timeout_s=10.0)
+        assert isinstance(call(sock, p.Register(desc().to_json())), p.Registered)
+        key = entry_key(name, 0)
+        assert call(sock, p.Reserve(ns, [key])).offsets[0] is not None
+        assert call(sock, p.Commit(ns, [key])).num == 1
+        assert call(sock, p.Lease(ns, [key])).offsets
+        clients.append(sock)
+    stuck, quiet = clients
+    stats = node.client("observer")
+    assert stats.stats()["leases"] == 2
+    quiet_since = time.monotonic()
+    stuck.sendall(length_prefix(100) + b"part of a message")
+    assert read_replies(stuck) == []  # closed by the server, within the socket's 10 s
+    wait_for(lambda: stats.stats()["leases"] == 1, timeout_s=5.0)
+    time.sleep(max(0.0, quiet_since + 2.5 - time.monotonic()))
+    quiet.sendall(p.encode(p.Stats()))  # quiet between messages for over twice the timeout: still served
+    assert isinstance(p.decode_reply(p.recv_frame(quiet)), p.StatsReply)
+    stuck.close()
+    quiet.close()
 
 
 # -- the fuzzer ----------------------------------------------------------------------------------

@@ -77,6 +77,7 @@ class Settings:
     metrics_port: int
     metrics_host: str
     server_idle_exit_s: float
+    server_frame_timeout_s: float
     server_allow_uids: tuple[int, ...]
     config_file: Path
     settings: tuple[Setting, ...]
@@ -151,6 +152,13 @@ def _parse_seconds(text: str) -> float:
     except ValueError:
         raise ValueError("not a number") from None
     if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError("out of range")
+    return seconds
+
+
+def _parse_positive_seconds(text: str) -> float:
+    seconds = _parse_seconds(text)
+    if seconds == 0:
         raise ValueError("out of range")
     return seconds
 
@@ -251,6 +259,10 @@ KEYS: tuple[KeySpec, ...] = (
     KeySpec("HPKV_SERVER_IDLE_EXIT_S", "float", _parse_seconds, "10",
             "Seconds an auto-started server lingers after its last client leaves.",
             "a number of seconds >= 0 (e.g. 10, 2.5)"),
+    KeySpec("HPKV_SERVER_FRAME_TIMEOUT_S", "float", _parse_positive_seconds, "30",
+            "Seconds a client may take to finish a message it started, or to read a reply, before the "
+            "server closes its connection and releases what it held.",
+            "a number of seconds > 0 (e.g. 30, 2.5)"),
     KeySpec("HPKV_SERVER_ALLOW_UIDS", "word", _parse_uids, "",
             "Other user ids the server accepts as clients (its own uid always).",
             "a comma-separated list of user ids, or empty"),
@@ -415,6 +427,7 @@ def _build(resolved: list[Setting], warnings: tuple[str, ...]) -> Settings:
         metrics_port=v["HPKV_METRICS_PORT"],
         metrics_host=v["HPKV_METRICS_HOST"],
         server_idle_exit_s=v["HPKV_SERVER_IDLE_EXIT_S"],
+        server_frame_timeout_s=v["HPKV_SERVER_FRAME_TIMEOUT_S"],
         server_allow_uids=v["HPKV_SERVER_ALLOW_UIDS"],
         config_file=v[CONFIG_FILE_KEY],
         settings=tuple(resolved),

@@ -8,7 +8,10 @@ Clients: every connection is one owner in the store; when it closes, for whateve
 reservations are aborted and its leases released (the reservations of a client whose process
 lives on stay unusable for QUARANTINE_S first: it may still be copying into them). Peers of
 another uid are refused (SO_PEERCRED) unless HPKV_SERVER_ALLOW_UIDS lists them. A bad frame gets
-an `Error` and closes only that connection.
+an `Error` and closes only that connection. A client may stay quiet between messages as long as
+it likes, but one that stops within a message, or stops reading replies, for
+HPKV_SERVER_FRAME_TIMEOUT_S loses its connection (and what it held) instead of keeping a server
+thread and its leases for good.
 
 Stop: SIGTERM/SIGINT, or (auto-started servers only) no client for HPKV_SERVER_IDLE_EXIT_S. The
 server stops accepting, writes the entries still waiting for storage (and stops its write-through
@@ -236,7 +239,7 @@ class Server:
                                 f"{os.geteuid()}); run as uid {os.geteuid()} or start the server with "
                                 f"HPKV_SERVER_ALLOW_UIDS={client.uid}"))
             return False
-        conn.settimeout(30.0)
+        conn.settimeout(self.settings.server_frame_timeout_s)
         try:
             hello = p.decode_request(p.recv_frame(conn))
         except p.FrameError as exc:
@@ -256,16 +259,20 @@ class Server:
         region = self.store.region
         _send(conn, p.Welcome(p.PROTOCOL_VERSION, os.getpid(), str(region.path), region.size_bytes,
                               region.inode, client.id))
-        conn.settimeout(None)
         return True
 
     def _dialogue(self, conn: socket.socket, client: ClientInfo) -> None:
         while True:
             try:
-                request = p.decode_request(p.recv_frame(conn))
+                request = p.decode_request(p.recv_frame(conn, idle_ok=True))
             except p.FrameError as exc:
                 _send(conn, p.Error(exc.code, str(exc)))
                 return  # framing is lost: close this connection only
+            except TimeoutError:
+                log.warning("client %d (pid %d, %s) sent part of a message and then nothing for %.0f s; closing "
+                            "its connection and releasing its leases (HPKV_SERVER_FRAME_TIMEOUT_S)", client.id,
+                            client.pid, client.kind, self.settings.server_frame_timeout_s)
+                return
             started = time.perf_counter()
             reply = self._handle(request, client)
             if self.metrics is not None:

@@ -201,16 +201,23 @@ def decode_reply(body: bytes) -> Reply:
         raise FrameError("malformed", f"malformed reply: {exc}") from None
 
 
-def recv_exact(sock, num_bytes: int) -> bytes:
-    """Read exactly `num_bytes`; EOFError if the peer closed first."""
+def recv_exact(sock, num_bytes: int, idle_ok: bool = False) -> bytes:
+    """Read exactly `num_bytes`; EOFError if the peer closed first. The socket's timeout
+    (TimeoutError) bounds each wait for more bytes; with `idle_ok`, waiting for the first byte
+    is not bounded: a peer may stay quiet between frames, not within one."""
     chunks = bytearray()
     while len(chunks) < num_bytes:
-        chunk = sock.recv(num_bytes - len(chunks))
+        try:
+            chunk = sock.recv(num_bytes - len(chunks))
+        except TimeoutError:
+            if idle_ok and not chunks:
+                continue
+            raise
         if not chunk:
             raise EOFError("connection closed")
         chunks += chunk
     return bytes(chunks)
 
 
-def recv_frame(sock) -> bytes:
-    return recv_exact(sock, frame_length(recv_exact(sock, _LENGTH.size)))
+def recv_frame(sock, idle_ok: bool = False) -> bytes:
+    return recv_exact(sock, frame_length(recv_exact(sock, _LENGTH.size, idle_ok)))
