@@ -89,8 +89,8 @@ class Node:
         except OSError:
             return ""
 
-    def agent(self, kind: str = "worker", **client_kw) -> "Agent":
-        agent = Agent(self, kind, client_kw)
+    def agent(self, kind: str = "worker", cwd: Path | None = None, **client_kw) -> "Agent":
+        agent = Agent(self, kind, client_kw, cwd)
         self.agents.append(agent)
         return agent
 
@@ -172,12 +172,12 @@ class AgentError(AssertionError):
 class Agent:
     """A client process running `hpkv.server.client.Client` calls on command."""
 
-    def __init__(self, node: Node, kind: str, client_kw: dict) -> None:
+    def __init__(self, node: Node, kind: str, client_kw: dict, cwd: Path | None = None) -> None:
         self.node = node
         self.stderr_path = node.work_dir / f"agent-{kind}-{len(node.agents)}.err"
         with open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen([sys.executable, __file__, json.dumps({"kind": kind, **client_kw})],
-                                         env=node.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         env=node.env, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=err, text=True, bufsize=1)
         self.pid = self.proc.pid
         self._lines: queue.Queue = queue.Queue()

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -152,6 +153,25 @@ def test_stale_socket_pool_and_lock_are_recovered_by_the_next_auto_start(node):
     assert answer["elapsed_s"] < 10
     assert answer["server_pid"] != old_pid and node.server_pids() == [answer["server_pid"]]
     assert answer["stats"]["server"]["pool_path"] == str(node.pool_path)
+
+
+def test_an_auto_started_server_resolves_relative_paths_where_its_starter_runs(node):
+    """The server runs in /, but the engine that starts it may name the pool directory, the
+    config file and (in that file) the storage directory relative to its own directory."""
+    here = node.shm_dir / "engine-cwd"
+    here.mkdir()
+    (here / "relative.ini").write_text("HPKV_KV_STORAGE_PATH=stored-kv\n")
+    node.env.update(HPKV_SHARE_MEM_FILE_PATH="pool", HPKV_CONFIG_FILE_PATH="relative.ini")
+    engine = node.agent("worker", cwd=here)
+    assert engine.call("register")
+    assert engine.call("save", prefix="rel", n=2)["committed"] == 2
+    server = engine.call("stats")
+    assert server["stats"]["server"]["pool_path"] == str(here / "pool" / "hpkv.pool")
+    wait_for(lambda: len([f for f in (here / "stored-kv").rglob("*") if f.is_file() and f.suffix != ".json"]) == 2,
+             what="the two entries written under the starter's stored-kv")
+    assert not Path("/pool").exists() and not Path("/stored-kv").exists()
+    kill(server["server_pid"])
+    wait_gone(server["server_pid"])
 
 
 def test_lock_held_by_a_live_starter_is_waited_for_not_broken(node):

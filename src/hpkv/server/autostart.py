@@ -5,8 +5,10 @@ server takes an exclusive `flock` on `<dir>/hpkv.lock`, looks again, and only th
 server, so exactly one is started. The lock dies with its holder, so a killed starter leaves
 nothing stale; a socket left by a killed server is removed by the next server.
 
-The server is started detached (its own session, stdio to `<dir>/server.log`) with the caller's
-environment, so it reads the same configuration; it exits on its own after its last client leaves.
+The server is started detached (its own session, stdio to `<dir>/server.log`, working directory
+/) with the caller's environment, and reads its settings in the caller's working directory, so it
+resolves the same configuration, relative paths included; it exits on its own after its last
+client leaves.
 """
 
 from __future__ import annotations
@@ -50,7 +52,10 @@ def ensure_server(directory: Path, timeout_s: float = 60.0) -> None:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         lock_fd = os.open(directory / p.LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as exc:
-        raise ServerUnavailable(f"cannot use {directory} (HPKV_SHARE_MEM_FILE_PATH): {exc.strerror}") from None
+        raise ServerUnavailable(
+            f"cannot use {directory} (HPKV_SHARE_MEM_FILE_PATH): {exc.strerror}; give uid {os.geteuid()} read, "
+            f"write and search permission on it (as root: chown {os.geteuid()} {directory} && chmod 700 "
+            f"{directory}), or point HPKV_SHARE_MEM_FILE_PATH at a directory this user owns") from None
     deadline = time.monotonic() + timeout_s
     try:
         _lock(lock_fd, deadline, directory)
@@ -88,9 +93,16 @@ def _start_and_wait(directory: Path, socket_path: Path, deadline: float) -> None
     log_path = directory / LOG_NAME
     # The launcher is a Python start-up: at least 10 s for it, on a machine slow enough to need it.
     timeout_s = max(10.0, deadline - time.monotonic())
+    command = [sys.executable, "-m", "hpkv.server.daemon", "--auto"]
+    try:
+        # The server runs in /, but reads its settings where its starter runs, so that relative
+        # paths (HPKV_CONFIG_FILE_PATH, the directories) mean the same to both.
+        command += ["--settings-cwd", os.getcwd()]
+    except OSError:
+        pass  # the starter's directory is gone: relative paths then resolve from /
     try:
         launched = subprocess.run(
-            [sys.executable, "-c", _LAUNCHER, str(log_path), sys.executable, "-m", "hpkv.server.daemon", "--auto"],
+            [sys.executable, "-c", _LAUNCHER, str(log_path), *command],
             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise ServerUnavailable(f"starting the HPKV server took over {timeout_s:.0f} s (is the machine "

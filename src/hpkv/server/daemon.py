@@ -441,8 +441,22 @@ def serve(auto: bool = False, settings: Settings | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpkv.server.daemon")
     parser.add_argument("--auto", action="store_true", help="exit after the last client leaves")
+    parser.add_argument("--settings-cwd", help="resolve relative paths in the settings from this directory "
+                        "(the auto-starter's), although the server runs in /")
     args = parser.parse_args(argv)
-    return serve(auto=args.auto)
+    return serve(auto=args.auto, settings=_settings_in(args.settings_cwd) if args.settings_cwd else None)
+
+
+def _settings_in(directory: str) -> Settings:
+    here = os.getcwd()
+    try:
+        os.chdir(directory)
+    except OSError:
+        pass  # gone since: resolve from where the server runs
+    try:
+        return load_settings()
+    finally:
+        os.chdir(here)
 
 
 if __name__ == "__main__":
