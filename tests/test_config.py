@@ -256,6 +256,18 @@ def test_an_unknown_key_in_the_file_suggests_the_near_one(tmp_path, home):
                  "did you mean HPKV_KV_MEM_POOL_SIZE?")
 
 
+def test_a_byte_order_mark_from_an_editor_is_not_part_of_the_first_key(tmp_path, home):
+    path = tmp_path / "config.ini"
+    path.write_bytes("HPKV_KV_MEM_POOL_SIZE=16g\n".encode("utf-8-sig"))
+    settings = load_settings(env_with(home, HPKV_CONFIG_FILE_PATH=str(path)))
+    assert settings.pool.size_bytes == 16 * GIB
+
+
+def test_the_benchmarks_own_switches_are_not_called_unknown_settings(home):
+    settings = load_settings(env_with(home, HPKV_BENCH_VLLM_SPIN="0", HPKV_KV_MEM_POOL_SZIE="8g"))
+    assert [w.split()[2] for w in settings.warnings] == ["HPKV_KV_MEM_POOL_SZIE"]
+
+
 def test_a_lowercase_key_is_unknown_but_the_suggestion_finds_it(tmp_path, home):
     _, env = named_config(tmp_path, home, "hpkv_log_level=debug")
     with pytest.raises(ConfigError, match="did you mean HPKV_LOG_LEVEL"):

@@ -29,6 +29,7 @@ from hpkv.errors import ConfigError
 CONFIG_FILE_KEY = "HPKV_CONFIG_FILE_PATH"
 # Other tools may share these prefixes, so an unknown name there is only a warning.
 _ENV_PREFIXES = ("HPKV_", "VLLM_HPKV_")
+_BENCH_PREFIX = "HPKV_BENCH_"  # the benchmarks' own switches (docs/benchmarks.md), not settings
 
 
 class Source(enum.Enum):
@@ -342,7 +343,7 @@ def _parse_file(text: str, path: Path) -> tuple[dict[str, _Entry], list[str]]:
 
 def _read_file(path: Path, explicit: bool) -> tuple[dict[str, _Entry], list[str]]:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # an editor's byte-order mark is not part of the first key
     except FileNotFoundError:
         if not explicit:
             return {}, []
@@ -384,7 +385,7 @@ def _resolve(spec: KeySpec, entries: Mapping[str, _Entry], env: Mapping[str, str
 def _env_warnings(env: Mapping[str, str]) -> list[str]:
     warnings = []
     for name in sorted(env):
-        if name.startswith(_ENV_PREFIXES) and name not in _BY_NAME:
+        if name.startswith(_ENV_PREFIXES) and name not in _BY_NAME and not name.startswith(_BENCH_PREFIX):
             match = _suggest(name, list(_BY_NAME))
             hint = f" (did you mean {match}?)" if match else ""
             warnings.append(f"environment variable {name} is not an HPKV setting{hint}; "

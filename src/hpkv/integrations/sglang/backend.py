@@ -54,7 +54,11 @@ class HpkvStorage(HiCacheStorage):
                 "HPKV's SGLang backend needs the zero-copy v1 interface: add \"interface_v1\": 1 to "
                 f"--hicache-storage-backend-extra-config (or use --enable-ct-hpkv), e.g. {backend_config(1204)}")
         self.storage_config = storage_config
-        pool = load_settings().pool
+        settings = load_settings()
+        if getattr(storage_config, "tp_rank", 0) == 0:
+            for warning in settings.warnings:  # a mistyped key, a config file that is not there
+                log.warning("%s", warning)
+        pool = settings.pool
         self.pool_dir, self.prefault = pool.dir, pool.prefault
         self.layout: lay.PageLayout | None = None
         self.desc = None

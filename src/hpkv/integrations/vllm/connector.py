@@ -36,6 +36,9 @@ class HpkvConnectorV1(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         settings = load_settings()
+        if role == KVConnectorRole.SCHEDULER:
+            for warning in settings.warnings:  # a mistyped key, a config file that is not there
+                log.warning("%s", warning)
         if not settings.enable_vllm:
             raise ConfigError(
                 "HpkvConnectorV1 was requested in --kv-transfer-config but HPKV is not enabled: set "

@@ -10,7 +10,6 @@ naming the variable instead of "Unsupported connector type".
 from __future__ import annotations
 
 import logging
-import os
 
 log = logging.getLogger("hpkv.vllm")
 
@@ -27,11 +26,18 @@ def register() -> None:
             KVConnectorFactory.register_connector(
                 CONNECTOR_NAME, "hpkv.integrations.vllm.connector", CONNECTOR_NAME)
         for name in _OUR_ENV:
-            # Known to vLLM, so its check of VLLM_* variables doesn't call them unknown.
-            envs.environment_variables.setdefault(name, lambda name=name: os.environ.get(name))
+            # Known to vLLM, so its check of VLLM_* variables doesn't call them unknown. The getter
+            # gives None, not the value: vLLM hashes every getter's value into its compile cache
+            # key, and neither variable changes a compiled graph (tuning the threshold must not
+            # recompile the model). HPKV reads them through hpkv.config.
+            envs.environment_variables.setdefault(name, _none)
         _log_like_vllm()
     except Exception:  # never break vLLM's start-up
         log.exception("HPKV could not register %s with vLLM", CONNECTOR_NAME)
+
+
+def _none() -> None:
+    return None
 
 
 def _log_like_vllm() -> None:
