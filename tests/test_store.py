@@ -244,6 +244,25 @@ def test_a_lease_can_answer_before_its_storage_reads_are_queued(open_store):
     store.release(lease.id)
 
 
+def test_a_promotion_whose_pool_is_gone_resolves_as_a_miss(open_store):
+    """A promotion that cannot even see its slot (the pool closed under it, as a close that gave
+    up its writes does) still resolves: its lease's untimed waits end, with nothing ready."""
+    store = open_store()
+    ns = store.register(desc())
+    ks = keys(2)
+    save(store, ns, ks)
+    assert store.flush(timeout=10)
+    store.clear(memory=True)
+    lease = store.lease(ns, ks, start_reads=False)
+    store.region.buf.release()  # what region.close() does first
+
+    store.start_reads(lease)
+
+    assert lease.wait(timeout=10) == 0
+    assert lease.done and store.stats()["store"]["promotion_failures"] == 2
+    store.storage.close()
+
+
 def test_a_promotion_does_not_queue_behind_write_throughs(open_store):
     store = open_store(pool_bytes=64 << 20)
     ns = store.register(desc())

@@ -374,15 +374,19 @@ class TieredStore:
         return entry, promotion, True
 
     def _promote(self, entry: DramEntry, promotion: Future) -> None:
-        view = self.region.view(entry.offset, self.entry_bytes(entry.ns))
+        """Read one storage hit into its reserved slot. Whatever happens, the promotion resolves:
+        its slot is reserved and readers may wait on it without a timeout."""
+        ok = False
         try:
-            ok = self.storage.read_into(entry.ns, entry.key, view)
+            view = self.region.view(entry.offset, self.entry_bytes(entry.ns))  # raises once the pool is closed
+            try:
+                ok = self.storage.read_into(entry.ns, entry.key, view)
+            finally:
+                view.release()
         except Exception:
             log.exception("promotion of an entry from storage failed; the request recomputes it")
-            ok = False
         finally:
-            view.release()
-        self._promote_done(entry, promotion, ok)
+            self._promote_done(entry, promotion, ok)
 
     def _promote_done(self, entry: DramEntry, promotion: Future, ok: bool) -> None:
         with self._lock:
