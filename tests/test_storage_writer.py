@@ -92,6 +92,39 @@ def test_a_writer_that_dies_costs_its_jobs_storage_copy_and_another_takes_over(o
     assert store.stats()["writers"]["started"] == store.stats()["writers"]["died"] + len(store.writers.pids())
 
 
+def test_a_writer_killed_mid_job_leaves_no_temporary_behind(shm_dir, storage_dir):
+    """A temporary carries the server's pid, so no start-up scan removes it while the server lives:
+    the server removes the one a process killed mid-job left."""
+    from hpkv.storage.fileio import FileTarget
+
+    size = 128 << 20  # long enough to write that the test sees the temporary and kills the writer
+    pool_path = shm_dir / "pool"
+    with open(pool_path, "wb") as f:
+        f.truncate(size)
+    writers = WriterPool(pool_path, 1, nice=0)
+    try:
+        for attempt in range(5):
+            target = FileTarget(str(storage_dir / f"{attempt}.kv"), str(storage_dir / f".{attempt}.tmp"),
+                                str(storage_dir), mkdir=False)
+            errors: list[OSError | None] = []
+            job = threading.Thread(target=lambda: errors.append(
+                writers.write("ab" * 16, b"key", 0, size, target, "off")))
+            job.start()
+            deadline = time.monotonic() + 20
+            while not os.path.exists(target.tmp) and job.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            if os.path.exists(target.tmp):
+                os.kill(writers.pids()[0], signal.SIGKILL)
+            job.join(20)
+            if errors[0] is not None:
+                break
+        assert errors[0] is not None, "every job finished before the test could kill its writer"
+        assert not os.path.exists(target.tmp) and not os.path.exists(target.final)
+        assert writers.stats()["died"] == 1
+    finally:
+        writers.close()
+
+
 def test_a_file_in_the_way_of_a_directory_is_a_failed_write_not_a_crash(open_store, storage_dir):
     store = open_store(storage=storage(storage_dir))
     ns = store.register(desc())
