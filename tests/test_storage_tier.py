@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import socket
 import subprocess
 import threading
 import time
@@ -18,7 +19,7 @@ from conftest import make_storage_config
 from hpkv.errors import StorageError
 from hpkv.keys import make_key
 from hpkv.storage import format as fmt
-from hpkv.storage.fileio import FileIO
+from hpkv.storage.fileio import FileIO, FileTarget, direct_supported, write_entry_file
 from hpkv.storage.tier import STALE_TEMP_S, StorageTier
 
 NS = "0123456789abcdef" * 2
@@ -733,6 +734,59 @@ def test_fsync_modes_sync_what_they_promise(open_tier, fsync, datasyncs, dir_syn
 
     assert (io.num_datasyncs, io.num_dir_syncs) == (datasyncs, dir_syncs)
     assert read(tier, key(1)) == payload(key(1))
+
+
+class FailingDirSync(FileIO):
+    def fsync_dir(self, path):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+
+def test_a_directory_sync_failing_after_the_rename_leaves_the_file_published(storage_dir, caplog):
+    """HPKV_KV_STORAGE_FSYNC=full: the file is whole and in place once renamed; a directory fsync
+    failing after that is said (at most every ten minutes), and the write has succeeded."""
+    import hpkv.storage.fileio as fileio
+
+    fileio._dir_sync_warned_at = -float("inf")
+    written = []
+    for i in range(2):
+        target = FileTarget(str(storage_dir / f"{i}.kv"), str(storage_dir / f".{i}.tmp"), str(storage_dir), False)
+        written.append(write_entry_file(FailingDirSync(), target, [b"header", b"payload"], "full"))
+
+    assert written == [None, None]
+    assert (storage_dir / "0.kv").read_bytes() == (storage_dir / "1.kv").read_bytes() == b"headerpayload"
+    assert temps(storage_dir) == []
+    said = [r.getMessage() for r in caplog.records if "cannot fsync the directory" in r.getMessage()]
+    assert len(said) == 1 and str(storage_dir) in said[0]
+
+
+def test_direct_io_probes_survive_another_node_sweeping_their_files_away(storage_dir):
+    """Nodes sharing a directory probe it at once: a probe whose file someone else removed is not
+    an error out of the server's start."""
+    stop = threading.Event()
+    swept = []
+
+    def other_node() -> None:
+        while not stop.is_set():
+            for path in storage_dir.glob(".direct-probe.*"):
+                try:
+                    path.unlink()
+                    swept.append(path.name)
+                except FileNotFoundError:
+                    pass
+
+    sweeper = threading.Thread(target=other_node)
+    sweeper.start()
+    try:
+        results = {direct_supported(str(storage_dir)) for _ in range(500)}
+    finally:
+        stop.set()
+        sweeper.join()
+
+    if results == {False}:
+        pytest.skip(f"{storage_dir} does not take O_DIRECT")
+    assert swept, "the sweeper never met a probe file"
+    assert socket.gethostname().replace(".", "_") in swept[0]
+    assert list(storage_dir.glob(".direct-probe.*")) == []
 
 
 # -- the storage root ----------------------------------------------------------------------------

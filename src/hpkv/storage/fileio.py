@@ -18,13 +18,22 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import logging
+import math
 import mmap
 import os
+import secrets
+import socket
+import time
 from dataclasses import dataclass
 
 from .format import ALIGN
 
+log = logging.getLogger(__name__)
+
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none: never direct
+DIR_SYNC_WARN_EVERY_S = 600.0
+_dir_sync_warned_at = -math.inf
 
 
 class FileIO:
@@ -120,27 +129,37 @@ def open_direct(io: FileIO, path: str, flags: int) -> tuple[int, bool]:
 
 
 def direct_supported(directory: str) -> bool:
-    """Whether files in `directory` take aligned O_DIRECT writes (one probe file, removed)."""
+    """Whether files in `directory` take aligned O_DIRECT writes (one probe file, removed). The
+    probe's name is this call's alone (host, pid, a random token), so servers of several nodes
+    sharing the directory never remove one another's probes."""
     if not O_DIRECT:
         return False
-    path = os.path.join(directory, f".direct-probe.{os.getpid()}.{id(directory)}")
+    node = socket.gethostname().replace(".", "_")
+    path = os.path.join(directory, f".direct-probe.{node}.{os.getpid()}.{secrets.token_hex(8)}")
     buf = aligned_buffer(ALIGN)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT | os.O_CLOEXEC, 0o600)
-    except OSError:
         try:
-            os.unlink(path)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:  # Linux refuses O_DIRECT after creating the file: ours to remove
+                _unlink_quietly(path)
+            return False  # never after EEXIST: that file is somebody else's
+        try:
+            return os.pwritev(fd, [buf], 0) == len(buf)
         except OSError:
-            pass
-        return False
-    try:
-        return os.pwritev(fd, [buf], 0) == len(buf)
-    except OSError:
-        return False
+            return False
+        finally:
+            os.close(fd)
+            _unlink_quietly(path)
     finally:
-        os.close(fd)
-        os.unlink(path)
         buf.close()
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:  # gone already (someone cleaning the directory), or a device error: not ours to raise
+        pass
 
 
 @dataclass(frozen=True)
@@ -161,7 +180,8 @@ def write_entry_file(io: FileIO, target: FileTarget, buffers: list, fsync: str,
     someone else created), and nothing appears under `target.final`. With `direct`, every buffer
     after the first (the header, copied to aligned memory here) must be aligned already; the
     file is written with O_DIRECT where the file system takes it, through the page cache where
-    not."""
+    not. Once renamed the file is published: a directory fsync that fails after it (fsync
+    `full`) is a warning (`_sync_dir`), not an error."""
     size = sum(len(b) for b in buffers)
     created = False
     header = None
@@ -186,7 +206,7 @@ def write_entry_file(io: FileIO, target: FileTarget, buffers: list, fsync: str,
             io.close(fd)
         io.rename(target.tmp, target.final)
         if fsync == "full":
-            io.fsync_dir(target.directory)
+            _sync_dir(io, target.directory)
         return None
     except OSError as exc:
         if created:
@@ -198,3 +218,20 @@ def write_entry_file(io: FileIO, target: FileTarget, buffers: list, fsync: str,
     finally:
         if header is not None:
             header.close()
+
+
+def _sync_dir(io: FileIO, directory: str) -> None:
+    """fsync a directory after a rename into it. A failure does not unpublish the file (it is
+    whole and in place: a reader finds it, and the index must count it); it may lose only the
+    file's name in a crash, which the checksums make a miss. So a warning, at most every
+    DIR_SYNC_WARN_EVERY_S, and not a failed write."""
+    global _dir_sync_warned_at
+    try:
+        io.fsync_dir(directory)
+    except OSError as exc:
+        now = time.monotonic()
+        if now - _dir_sync_warned_at >= DIR_SYNC_WARN_EVERY_S:
+            _dir_sync_warned_at = now
+            log.warning("cannot fsync the directory %s after publishing a KV file into it: %s; the file is "
+                        "published, but a crash may lose it (HPKV_KV_STORAGE_FSYNC=full; said at most every %.0f "
+                        "minutes)", directory, exc.strerror, DIR_SYNC_WARN_EVERY_S / 60)
