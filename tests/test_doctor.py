@@ -14,7 +14,7 @@ import pytest
 from hpkv.config import PoolConfig, StorageConfig
 from hpkv.doctor import (Check, ServerProbe, Verdict, check_hash_seed, check_memlock, check_pool_fs,
                          check_pool_pages, check_pool_permissions, check_socket_path, check_storage,
-                         check_storage_permissions, check_write_backlog, run_checks)
+                         check_storage_permissions, check_storage_space, check_write_backlog, run_checks)
 from hpkv.fsinfo import mount_of
 from test_cli_server import env, hpkv, hpkv_env, pool_dir, server  # noqa: F401
 
@@ -202,6 +202,22 @@ def test_an_automatic_capacity_with_little_free_space_is_a_warning(small_tmpfs, 
     running = ServerProbe(tmp_path / "no.sock", stats={"storage": {"used_bytes": 0, "capacity_bytes": 3 << 30}})
     space = {c.name: c for c in check_storage(storage, running)}["storage directory: free space"]
     assert space.verdict is Verdict.OK and "the running server sized the tier to 3.0 GiB" in space.detail
+
+
+def test_an_automatic_capacity_on_ramfs_is_a_share_of_half_the_memory_available(tmp_path):
+    """A ramfs says 0 free (it has no size): the storage tier there takes 80% of half the
+    memory available, as a default tmpfs may take half the RAM, and doctor says so."""
+    for mount_point in mount_tmpfs(tmp_path / "ramfs", "mode=0700", fs_type="ramfs"):
+        storage = StorageConfig(path=mount_point / "storage", enabled=True, capacity_bytes=None, fsync="off",
+                                io_threads=1)
+        space = {c.name: c for c in check_storage(storage, ServerProbe(tmp_path / "no.sock"))}[
+            "storage directory: free space"]
+        assert space.verdict is Verdict.OK, space
+        assert "half the memory available" in space.detail and "a ramfs has no size of its own" in space.detail
+        sized = StorageConfig(path=mount_point / "storage", enabled=True, capacity_bytes=1 << 50, fsync="off",
+                              io_threads=1)
+        too_big = check_storage_space(sized, ServerProbe(tmp_path / "no.sock"))
+        assert too_big.verdict is Verdict.WARN and "memory the engines and the pool need" in too_big.detail
 
 
 def test_a_write_backlog_holding_much_of_the_pool_is_a_warning(tmp_path):

@@ -88,12 +88,12 @@ def tier(open_tier):
     return tier
 
 
-def mount_tmpfs(point: Path, options: str) -> None:
+def mount_tmpfs(point: Path, options: str, fs_type: str = "tmpfs") -> None:
     point.mkdir(exist_ok=True)
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
+    result = subprocess.run(["mount", "-t", fs_type, "-o", options, fs_type, str(point)],
                             capture_output=True, text=True)
     if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs (needs root): {result.stderr.strip()}")
+        pytest.skip(f"cannot mount a {fs_type} (needs root): {result.stderr.strip()}")
 
 
 @pytest.fixture
@@ -847,6 +847,30 @@ def test_an_automatic_capacity_is_a_share_of_the_free_space(open_tier, small_dis
     assert tier.scan_done.wait(10)
 
     assert 0.7 * (4 << 20) < tier.capacity_bytes <= 0.8 * (4 << 20)
+
+
+def test_an_automatic_capacity_on_ramfs_has_room_and_writes(open_tier, tmp_path, caplog):
+    """The quick start puts storage on a ramfs, which says 0 free (it has no size): auto takes 80%
+    of half the memory available there, KV files appear, and the log says they take RAM."""
+    from hpkv.fsinfo import mem_available_bytes
+
+    point = tmp_path / "ramfs"
+    mount_tmpfs(point, "mode=0700", fs_type="ramfs")
+    try:
+        with caplog.at_level("WARNING", logger="hpkv.storage.tier"):
+            tier = open_tier(root=point / "storage", capacity=None)
+            assert tier.scan_done.wait(10)
+
+        assert 0.3 * mem_available_bytes() < tier.capacity_bytes < 0.5 * mem_available_bytes()
+        assert write(tier, key(1))
+        assert list((point / "storage").rglob("*.kv")) == [Path(tier.path_of(NS, key(1)))]
+        said = [r.getMessage() for r in caplog.records if "memory file system" in r.getMessage()]
+        assert len(said) == 1 and "ramfs" in said[0] and "lost at reboot" in said[0]
+        assert "HPKV_KV_STORAGE_SIZE=auto gave" in said[0]
+        assert not [r for r in caplog.records if "storage tier holds only" in r.getMessage()]
+        tier.close()
+    finally:
+        subprocess.run(["umount", "-l", str(point)], check=True)
 
 
 def test_an_automatic_capacity_on_a_full_disk_says_so_and_writes_nothing(open_tier, small_disk, caplog):

@@ -20,7 +20,7 @@ from typing import Mapping
 from . import __version__
 from .config import PoolConfig, Settings, StorageConfig, load_settings
 from .errors import ConfigError, HpkvError
-from .fsinfo import PSEUDO_FS, existing_ancestor, free_bytes, mem_available_bytes, mount_of
+from .fsinfo import PSEUDO_FS, existing_ancestor, free_bytes, mem_available_bytes, mount_of, room_bytes
 from .pool.region import POOL_FILE_NAME
 from .server import protocol as p
 from .server.autostart import ServerUnavailable
@@ -389,7 +389,11 @@ def check_storage_fs(storage: StorageConfig) -> Check:
 
 def check_storage_space(storage: StorageConfig, server: ServerProbe) -> Check:
     name = "storage directory: free space"
-    free = free_bytes(storage.path)
+    ramfs = mount_of(storage.path).fs_type == "ramfs"
+    free = room_bytes(storage.path)
+    # A ramfs has no size and says 0 free: the tier takes half the memory available as its room.
+    room = (f"{human_bytes(free)} of room (half the memory available: a ramfs has no size of its own, and "
+            "nothing bounds it but memory)" if ramfs else f"{human_bytes(free)} free")
     ours = 0
     if server.stats is not None and server.stats.get("storage") is not None:
         ours = server.stats["storage"]["used_bytes"]
@@ -399,27 +403,35 @@ def check_storage_space(storage: StorageConfig, server: ServerProbe) -> Check:
         if server.stats is not None and server.stats.get("storage") is not None:
             capacity = server.stats["storage"].get("capacity_bytes", estimate)
             detail = (f"HPKV_KV_STORAGE_SIZE=auto: the running server sized the tier to {human_bytes(capacity)} "
-                      f"({share}% of the space free when it started, plus {share}% of what its files took); "
-                      f"{human_bytes(free)} free now")
+                      f"({share}% of {'half the memory available' if ramfs else 'the space free'} when it started, "
+                      f"plus {share}% of what its files took); "
+                      f"{room} now")
         else:
             capacity = estimate
             detail = (f"HPKV_KV_STORAGE_SIZE=auto: a server starting now sizes the tier to {human_bytes(capacity)} "
-                      f"({share}% of the {human_bytes(free)} free, plus {share}% of what HPKV's files already take "
-                      "there)")
+                      f"({share}% of the {room}, plus {share}% of what HPKV's files already take there)")
         if capacity < SMALL_AUTO_CAPACITY:
+            fix = ("free memory on this node (then restart the server), set HPKV_KV_STORAGE_SIZE, or point "
+                   "HPKV_KV_STORAGE_PATH at an SSD or a parallel file system" if ramfs else
+                   "free space on that file system (then restart the server), set HPKV_KV_STORAGE_SIZE, or point "
+                   "HPKV_KV_STORAGE_PATH at a larger file system")
             return Check(name, Verdict.WARN, f"{detail}: little room, so KV files are evicted soon after they are "
-                         "written (none are written at 0 B)",
-                         "free space on that file system (then restart the server), set HPKV_KV_STORAGE_SIZE, or "
-                         "point HPKV_KV_STORAGE_PATH at a larger file system")
+                         "written (none are written at 0 B)", fix)
         return Check(name, Verdict.OK, detail)
     held = f" plus {human_bytes(ours)} HPKV holds there" if server.stats is not None else ""
     if storage.capacity_bytes > free + ours:
+        if ramfs:
+            return Check(name, Verdict.WARN,
+                         f"HPKV_KV_STORAGE_SIZE={human_bytes(storage.capacity_bytes)} is more than the {room}"
+                         f"{held}: KV files on this ramfs may take memory the engines and the pool need",
+                         f"lower HPKV_KV_STORAGE_SIZE to at most {human_bytes(free + ours)}, or point "
+                         "HPKV_KV_STORAGE_PATH at an SSD or a parallel file system")
         return Check(name, Verdict.WARN,
                      f"HPKV_KV_STORAGE_SIZE={human_bytes(storage.capacity_bytes)} is more than the "
-                     f"{human_bytes(free)} free{held}: writes will meet a full disk and evict early or be dropped",
+                     f"{room}{held}: writes will meet a full disk and evict early or be dropped",
                      f"lower HPKV_KV_STORAGE_SIZE to at most {human_bytes(free + ours)}, or set it to auto")
     return Check(name, Verdict.OK, f"HPKV_KV_STORAGE_SIZE={human_bytes(storage.capacity_bytes)} fits: "
-                 f"{human_bytes(free)} free{held}")
+                 f"{room}{held}")
 
 
 # -- the server ------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """What the operating system says about a path: its mount, file system type and free space.
 
-Used by the pool (ramfs/tmpfs expected), the storage tier (auto capacity) and `hpkv doctor`.
+Used by the pool (ramfs/tmpfs expected), the storage tier (auto capacity: `room_bytes`) and
+`hpkv doctor`.
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ def free_bytes(path: str | os.PathLike) -> int:
     """Bytes an unprivileged writer may still use on the file system holding `path`."""
     st = os.statvfs(existing_ancestor(Path(path)))
     return st.f_bavail * st.f_frsize
+
+
+def room_bytes(path: str | os.PathLike) -> int:
+    """Bytes the file system holding `path` has room for: its free space, or on ramfs (which has
+    no size, and says 0 free) half of MemAvailable, the most a tmpfs of the default size may take."""
+    if mount_of(path).fs_type == "ramfs":
+        return mem_available_bytes() // 2
+    return free_bytes(path)
 
 
 def total_bytes(path: str | os.PathLike) -> int:
