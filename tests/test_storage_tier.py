@@ -674,6 +674,96 @@ def test_an_io_error_on_read_is_a_miss(open_tier, storage_dir):
     assert read(tier, key(1)) == payload(key(1))
 
 
+class ShortReads(FileIO):
+    """Real reads that return at most `most` bytes each, as a signal or a network file system's
+    transfer size may; with `ended`, nothing after the first (a file cut short under the reader)."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.ended = False
+
+    def preadv(self, fd, buffers, offset):
+        if self.ended and offset > 0:
+            return 0
+        with memoryview(buffers[0]) as first, first[: self.most] as part:
+            return os.preadv(fd, [part], offset)
+
+
+def test_reads_that_return_short_go_on_to_the_whole_file(open_tier):
+    tier = open_tier(io=ShortReads(4096))
+    write(tier, key(1))
+
+    assert read(tier, key(1)) == payload(key(1))
+    assert tier.stats()["bad_files"] == 0 and tier.stats()["reads"] == 1
+
+
+def test_a_read_that_ends_short_is_a_miss_and_keeps_the_file(open_tier, caplog):
+    """Only a file read whole that fails its checks is deleted."""
+    io = ShortReads(4096)
+    tier = open_tier(io=io)
+    write(tier, key(1))
+    io.ended = True
+
+    assert read(tier, key(1)) is None and read(tier, key(1)) is None
+
+    assert os.path.exists(tier.path_of(NS, key(1))) and tier.indexed(NS, key(1))
+    assert tier.stats()["bad_files"] == 0 and tier.stats()["read_misses"] == 2
+    assert caplog.text.count("cannot read KV files") == 1
+    io.ended = False
+    assert read(tier, key(1)) == payload(key(1))
+
+
+class RefusedOpens(FileIO):
+    """Real opens, but of entry files for reading, refused with `errno` while it is set."""
+
+    def __init__(self) -> None:
+        self.errno = 0
+
+    def open(self, path, flags, mode=0o600):
+        if self.errno and path.endswith(".kv") and not flags & os.O_WRONLY:
+            raise OSError(self.errno, os.strerror(self.errno), path)
+        return super().open(path, flags, mode)
+
+
+@pytest.mark.parametrize("refusal", [errno.EACCES, errno.EPERM, errno.ENAMETOOLONG])
+def test_a_file_this_tier_may_not_open_is_no_longer_a_hit(open_tier, caplog, refusal):
+    """Left in the index, every lookup was a hit that every promotion missed, each with a
+    warning. Forgotten, not adopted again by a lookup's stat, said once; written again, it is a
+    hit again."""
+    io = RefusedOpens()
+    tier = open_tier(io=io)
+    write(tier, key(1))
+    write(tier, key(2))
+    io.errno = refusal
+
+    assert [read(tier, key(i)) for i in (1, 2, 1)] == [None, None, None]
+
+    assert not tier.indexed(NS, key(1)) and not tier.contains(NS, key(1)) and not tier.contains(NS, key(2))
+    assert os.path.exists(tier.path_of(NS, key(1)))  # not this tier's to delete
+    assert tier.stats()["used_bytes"] == 0 and tier.stats()["bad_files"] == 0
+    assert caplog.text.count("cannot read KV files") == 1
+    io.errno = 0
+    assert write(tier, key(1)) and tier.contains(NS, key(1))
+    assert read(tier, key(1)) == payload(key(1))
+
+
+def test_a_file_its_device_fails_to_read_is_forgotten_and_found_again_by_a_scan(open_tier, caplog):
+    io = FailingIO()
+    tier = open_tier(io=io)
+    write(tier, key(1))
+    write(tier, key(2))
+    io.read_errno = errno.EIO
+
+    assert read(tier, key(1)) is None and read(tier, key(2)) is None
+
+    assert not tier.contains(NS, key(1)) and not tier.contains(NS, key(2))
+    assert caplog.text.count("cannot read KV files") == 1
+    io.read_errno = 0
+    again = open_tier()
+    assert again.scan_done.wait(10) and again.indexed(NS, key(1))
+    assert read(again, key(1)) == payload(key(1))
+
+
 def test_an_injected_no_space_error_evicts_and_retries(open_tier, storage_dir):
     io = FailingIO()
     tier = open_tier(io=io)

@@ -98,16 +98,48 @@ def aligned_copy(data: bytes) -> mmap.mmap:
     return buf
 
 
-def transfer(io: FileIO, fd: int, op, buffers: list, direct: bool) -> int:
-    """`op(fd, buffers, 0)` (io.preadv or io.pwritev); where a direct transfer is refused (EINVAL:
-    a buffer, length or device it would not take), the same through the page cache."""
+def transfer(io: FileIO, fd: int, op, buffers: list, direct: bool, offset: int = 0) -> int:
+    """`op(fd, buffers, offset)` (io.preadv or io.pwritev); where a direct transfer is refused
+    (EINVAL: a buffer, length or device it would not take), the same through the page cache."""
     try:
-        return op(fd, buffers, 0)
+        return op(fd, buffers, offset)
     except OSError as exc:
         if not direct or exc.errno != errno.EINVAL:
             raise
         io.set_direct(fd, False)
-        return op(fd, buffers, 0)
+        return op(fd, buffers, offset)
+
+
+def read_full(io: FileIO, fd: int, buffers: list, direct: bool) -> int:
+    """Read the file from its start into `buffers` until they are full or a read returns 0 (the
+    file ended); the bytes read. One preadv may return fewer bytes than asked with more to come
+    (a signal, a network file system's transfer size): that is not a short file."""
+    total = sum(len(b) for b in buffers)
+    done = transfer(io, fd, io.preadv, buffers, direct)
+    while 0 < done < total:
+        rest = _after(buffers, done)
+        try:
+            got = transfer(io, fd, io.preadv, rest, direct, offset=done)  # EINVAL where unaligned: page cache
+        finally:
+            for view in rest:
+                view.release()  # its owner cannot close an mmap buffer while a view of it lives
+        if got == 0:
+            break
+        done += got
+    return done
+
+
+def _after(buffers: list, skip: int) -> list[memoryview]:
+    """Views of what `buffers` hold past their first `skip` bytes."""
+    views = []
+    for buf in buffers:
+        if skip >= len(buf):
+            skip -= len(buf)
+            continue
+        with memoryview(buf) as whole:
+            views.append(whole[skip:])
+        skip = 0
+    return views
 
 
 def open_direct(io: FileIO, path: str, flags: int) -> tuple[int, bool]:

@@ -5,10 +5,11 @@ the readable namespace description. Files are immutable once published: they are
 temporary name in the same directory and renamed into place, so a reader sees a whole file or
 none. Every read checks length, header and payload checksum; a bad file is deleted and the read is
 a miss (a file in a format newer than this HPKV reads is a miss too, but stays for the nodes that
-wrote it). Several tiers (nodes) may share one root: the index learns files it did not write when
-a lookup finds them, and a reader that loses a race with an evictor just misses. With direct I/O
-(HPKV_KV_STORAGE_DIRECT_IO), files in the aligned format go between the device and pool slots
-with O_DIRECT where the file system takes it (see `fileio`).
+wrote it); a read that fails or stops short is a miss that leaves the file. Several tiers (nodes)
+may share one root: the index learns files it did not write when a lookup finds them, and a
+reader that loses a race with an evictor just misses. With direct I/O (HPKV_KV_STORAGE_DIRECT_IO),
+files in the aligned format go between the device and pool slots with O_DIRECT where the file
+system takes it (see `fileio`).
 
 Primitives: `start`, `add_namespace`, `indexed` (`index_probe`), `contains`, `read_into`, `write_from` (or `publish`, where
 another process writes the file), `submit`, `remove`, `stats`, `close`. Capacity is enforced on
@@ -43,7 +44,7 @@ from ..errors import StorageError
 from ..fsinfo import MEMORY_FS, PSEUDO_FS, existing_ancestor, mount_of, room_bytes
 from ..procs import pid_alive
 from . import format as fmt
-from .fileio import (ALIGN, O_DIRECT, FileIO, FileTarget, aligned, aligned_buffer, direct_supported, transfer,
+from .fileio import (ALIGN, O_DIRECT, FileIO, FileTarget, aligned, aligned_buffer, direct_supported, read_full,
                      write_entry_file)
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,11 @@ SMALL_AUTO_CAPACITY = 1 << 30  # below this an automatic capacity is worth a war
 BUDGET_BURST_S = 3600.0  # a write budget's bucket holds this long's worth (bursts), full at start
 STALE_TEMP_S = 3600.0  # a temporary this old is from a writer that died, on whatever node
 TOUCH_EVERY_S = 60.0  # refresh a file's mtime (its LRU age across restarts) at most this often
-MAX_FOREIGN = 1 << 20  # files of a newer format remembered, so no lookup counts them as hits
+MAX_UNREADABLE = 1 << 20  # files this tier cannot read, remembered so that no lookup counts them as hits
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# A file this tier is refused (a permission, a name too long) or that its device fails to read
+# (EIO, which may pass): out of the index, or every lookup is a hit that every promotion misses.
+_UNREADABLE_ERRNOS = (errno.EACCES, errno.EPERM, errno.ENAMETOOLONG, errno.EIO)
 # One sequence for every tier in the process: two tiers on one root (same node, same pid) must
 # never pick the same temporary name, or one's O_EXCL fails and its clean-up deletes the other's.
 _TEMP_SEQ = itertools.count(1)
@@ -103,9 +107,10 @@ class StorageTier:
         self._warned: set[tuple[str, int]] = set()
         self.direct = config.direct_io  # cleared by `start` where the file system refuses O_DIRECT
         self._warned_newer = False
-        # Files a newer HPKV wrote (`_newer_format`): out of the index, and not adopted again by a
-        # `stat`, or every lookup would count them as hits that every read then misses.
-        self._foreign: set[bytes] = set()
+        # Files a newer HPKV wrote (`_newer_format`) or that cannot be read (`_read_failed`): out
+        # of the index, and not adopted again by a `stat`, or every lookup would count them as
+        # hits that every read then misses. Until this tier writes the key again.
+        self._unreadable: set[bytes] = set()
         # HPKV_KV_STORAGE_WRITE_BUDGET: a token bucket of bytes, filled at the budget's rate.
         budget = config.write_budget_bytes
         self._budget_rate = None if budget is None else budget / 86400.0
@@ -226,7 +231,7 @@ class StorageTier:
         ik = self._ik(ns, key)
         if ik in self._lru:
             return True
-        if ik in self._foreign:
+        if ik in self._unreadable:
             return False
         try:
             size = self.io.stat_path(self.path_of(ns, key)).st_size
@@ -238,36 +243,34 @@ class StorageTier:
     def read_into(self, ns: str, key: bytes, dest: memoryview) -> bool:
         """Read and verify (ns, key) into `dest` (exactly the payload size). False is a miss; the
         content of `dest` is then undefined and must not be used. With direct I/O, an aligned
-        `dest` (a pool slot) is read into with O_DIRECT where the file's layout allows it."""
+        `dest` (a pool slot) is read into with O_DIRECT where the file's layout allows it. Only a
+        file read whole that fails its checks is deleted; a read that fails or stops short is a
+        miss that leaves the file where it is."""
         path = self.path_of(ns, key)
         direct = self.direct and aligned(dest)
         try:
             fd = self.io.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
         except OSError as exc:
-            if not (direct and exc.errno == errno.EINVAL):
-                if exc.errno in (errno.ENOENT, errno.ENOTDIR):  # gone (removed by another node, say)
-                    self._forget(ns, key)
-                else:  # out of file descriptors, a permission: the file may be fine, and is still counted
-                    self._warn_once(exc, f"cannot open KV files under {self.root}", "the request recomputes")
-                self.counters.read_misses += 1
-                return False
-            if self.direct:  # the file system changed under us: no more O_DIRECT
-                self.direct = False
-                log.warning("the file system of %s refused O_DIRECT on a read (HPKV_KV_STORAGE_DIRECT_IO=on); KV "
-                            "files go through the page cache from now on", self.root)
-            return self.read_into(ns, key, dest)
+            if direct and exc.errno == errno.EINVAL:
+                if self.direct:  # the file system changed under us: no more O_DIRECT
+                    self.direct = False
+                    log.warning("the file system of %s refused O_DIRECT on a read (HPKV_KV_STORAGE_DIRECT_IO=on); "
+                                "KV files go through the page cache from now on", self.root)
+                return self.read_into(ns, key, dest)
+            self._read_failed(ns, key, exc)
+            return False
         header = None
         try:
             st = self.io.stat(fd)
             version = fmt.version_of_size(st.st_size, len(key), len(dest))
             if version is None:
                 head = bytearray(16)
-                got = transfer(self.io, fd, self.io.preadv, [head], direct)
+                got = read_full(self.io, fd, [head], direct)
                 newer = fmt.newer_version(head[:got])
                 if newer is not None:
                     self._newer_format(ns, key, path, newer)
                     return False
-                got, reason = -1, f"{st.st_size} bytes on disk, expected a header and {len(dest)} bytes"
+                reason = f"{st.st_size} bytes on disk, expected a header and {len(dest)} bytes"
             else:
                 header_len = fmt.header_bytes(len(key), version)
                 if direct and version == fmt.VERSION_ALIGNED:
@@ -277,9 +280,11 @@ class StorageTier:
                     if direct:
                         self.io.set_direct(fd, False)  # a version 1 file: its payload is not aligned
                         direct = False
-                got = transfer(self.io, fd, self.io.preadv, [header, dest], direct)
-                reason = (fmt.check(header, bytes.fromhex(ns), key, dest, version) if got == st.st_size
-                          else f"read {got} of {st.st_size} bytes")
+                got = read_full(self.io, fd, [header, dest], direct)
+                if got != st.st_size:  # it ended before its size said: changed under us, not known bad
+                    self._read_failed(ns, key, OSError(0, f"the file ended after {got} of {st.st_size} bytes"))
+                    return False
+                reason = fmt.check(header, bytes.fromhex(ns), key, dest, version)
                 if reason is not None and (newer := fmt.newer_version(header)) is not None:
                     self._newer_format(ns, key, path, newer)
                     return False
@@ -289,9 +294,7 @@ class StorageTier:
                 except OSError:  # a read-only mount, say: the bytes read are good all the same
                     pass
         except OSError as exc:
-            # The medium failed, not the file's content: a miss, but the file may be fine later.
-            log.warning("cannot read KV file %s: %s (the request recomputes)", path, exc.strerror)
-            self.counters.read_misses += 1
+            self._read_failed(ns, key, exc)
             return False
         finally:
             self.io.close(fd)
@@ -308,16 +311,36 @@ class StorageTier:
                 self._lru.move_to_end(ik)
         return True
 
+    def _read_failed(self, ns: str, key: bytes, exc: OSError) -> None:
+        """A miss that leaves the file in place. A file gone (another node removed it) leaves the
+        index; so does one this tier is refused or its device fails to read, and a `stat` does
+        not bring it back (a later start-up scan, or a write of the key, does); anything else
+        (out of file descriptors, a read cut short) may pass, and the file stays indexed."""
+        self.counters.read_misses += 1
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            self._forget(ns, key)
+            return
+        if exc.errno in _UNREADABLE_ERRNOS:
+            self._forget(ns, key)
+            self._mark_unreadable(self._ik(ns, key))
+            then = "the request recomputes, and such files are misses until written again or the server restarts"
+        else:
+            then = "the request recomputes"
+        self._warn_once(exc, f"cannot read KV files under {self.root}", then)
+
+    def _mark_unreadable(self, ik: bytes) -> None:
+        with self._lock:
+            if len(self._unreadable) >= MAX_UNREADABLE:  # bounded: the rest are found again, one read each
+                self._unreadable.clear()
+            self._unreadable.add(ik)
+
     def _newer_format(self, ns: str, key: bytes, path: str, version: int) -> None:
         """A file a newer HPKV wrote (a node sharing this directory, upgraded first): a miss here,
         left in place for the nodes that can read it, and no longer a hit for this tier's lookups
         (nor its bytes counted against this tier's capacity: the newer nodes manage it)."""
         self.counters.read_misses += 1
         self._forget(ns, key)
-        with self._lock:
-            if len(self._foreign) >= MAX_FOREIGN:  # bounded: the rest are found again, one read each
-                self._foreign.clear()
-            self._foreign.add(self._ik(ns, key))
+        self._mark_unreadable(self._ik(ns, key))
         if not self._warned_newer:
             self._warned_newer = True
             log.warning("KV file %s is in file format %d, newer than this HPKV reads (%s): treated as a miss and "
