@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import shutil
 import socket
 import subprocess
 import threading
@@ -776,6 +777,72 @@ def test_an_injected_no_space_error_evicts_and_retries(open_tier, storage_dir):
     assert not os.path.exists(tier.path_of(NS, key(0)))  # evicted to make room
     assert read(tier, key(1)) == payload(key(1))
     assert temps(storage_dir) == []
+
+
+def test_a_quota_met_teaches_the_tier_its_capacity_and_evicts_little(open_tier, caplog):
+    """HPKV_KV_STORAGE_SIZE=auto on a shared file system of petabytes, under a user quota: the
+    first "no room" evicts a few files (not 1% of petabytes: the whole directory, other nodes'
+    files too), and the tier holds at most what fitted from then on, saying so once."""
+    tier = open_tier(capacity=1 << 52)
+    assert tier.scan_done.wait(10)
+    io = tier.io = FailingIO()
+    assert all(write(tier, key(i)) for i in range(200))
+    io.no_space_writes = 1
+
+    assert write(tier, key("new"))
+
+    stats = tier.stats()
+    assert stats["capacity_bytes"] == 200 * file_bytes()
+    assert stats["evictions"] == 4 and stats["space_errors"] == 1 and stats["num_entries"] == 197
+    assert [os.path.exists(tier.path_of(NS, key(i))) for i in range(6)] == [False] * 4 + [True] * 2
+    said = [r.getMessage() for r in caplog.records if "has no room for more KV files" in r.getMessage()]
+    assert len(said) == 1 and "HPKV_KV_STORAGE_SIZE" in said[0]
+    assert all(write(tier, key(i)) for i in range(200, 210))  # within what it learned: evicted LRU, no error
+    assert tier.stats()["space_errors"] == 1 and tier.stats()["used_bytes"] <= 200 * file_bytes()
+
+
+def test_no_room_that_one_eviction_does_not_cure_drops_the_write(open_tier):
+    """A write is given up (a miss later) rather than evicting again and again."""
+    io = FailingIO()
+    tier = open_tier(io=io)
+    assert all(write(tier, key(i)) for i in range(20))
+    io.write_errno = errno.EDQUOT
+
+    assert not write(tier, key("new"))
+
+    stats = tier.stats()
+    assert stats["evictions"] == 4 and stats["space_errors"] == 2 and stats["write_failures"] == 1
+    assert stats["num_entries"] == 16
+
+
+def test_a_namespace_directory_removed_under_the_tier_is_made_again(tier, storage_dir):
+    """The tier remembers the directories it made: one removed under it (`rm -rf` of the root or
+    of a namespace) is made again, and the write is not lost."""
+    assert write(tier, key(1))
+    shutil.rmtree(storage_dir / NS)
+
+    assert write(tier, key(1))
+
+    assert read(tier, key(1)) == payload(key(1))
+    assert tier.stats()["write_failures"] == 0
+
+
+def test_a_write_reported_failed_after_its_rename_is_indexed(open_tier):
+    """A writer process killed after its rename reports a failure: the file is in place, whole,
+    and counted, not left out of the index."""
+    tier = open_tier()
+    k = key(1)
+    header = fmt.encode_header(bytes.fromhex(NS), k, payload(k), fmt.VERSION)
+
+    def killed_after_rename(target: FileTarget) -> OSError:
+        assert write_entry_file(tier.io, target, [header, payload(k)], "off") is None
+        return OSError(errno.EIO, "the write-through process 1234 exited (-9)")
+
+    assert tier.publish(NS, k, ENTRY, fmt.VERSION, killed_after_rename)
+
+    assert tier.indexed(NS, k) and tier.stats()["used_bytes"] == file_bytes()
+    assert tier.stats()["write_failures"] == 0
+    assert read(tier, k) == payload(k)
 
 
 def test_one_short_write_is_retried_and_the_file_is_whole(open_tier, storage_dir):

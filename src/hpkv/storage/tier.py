@@ -11,11 +11,12 @@ reader that loses a race with an evictor just misses. With direct I/O (HPKV_KV_S
 files in the aligned format go between the device and pool slots with O_DIRECT where the file
 system takes it (see `fileio`).
 
-Primitives: `start`, `add_namespace`, `indexed` (`index_probe`), `contains`, `read_into`, `write_from` (or `publish`, where
-another process writes the file), `submit`, `remove`, `stats`, `close`. Capacity is enforced on
-this tier's view; `ENOSPC` evicts and retries, and a write that still cannot happen is dropped
-(counted), never raised. A write budget (HPKV_KV_STORAGE_WRITE_BUDGET, bytes a day) is a token
-bucket holding BUDGET_BURST_S worth: a write it cannot pay for is not made (counted).
+Primitives: `start`, `add_namespace`, `indexed` (`index_probe`), `contains`, `read_into`,
+`write_from` (or `publish`, where another process writes the file), `submit`, `remove`, `stats`,
+`close`. Capacity is enforced on this tier's view; `ENOSPC`/`EDQUOT` lower the capacity to what
+fitted, evict once and retry once, and a write that still cannot happen is dropped (counted),
+never raised. A write budget (HPKV_KV_STORAGE_WRITE_BUDGET, bytes a day) is a token bucket holding
+BUDGET_BURST_S worth: a write it cannot pay for is not made (counted).
 Must not know: the pool, engines, devices.
 """
 
@@ -111,6 +112,8 @@ class StorageTier:
         # of the index, and not adopted again by a `stat`, or every lookup would count them as
         # hits that every read then misses. Until this tier writes the key again.
         self._unreadable: set[bytes] = set()
+        # The file system said "no room" (or a quota did): capacity_bytes is what fitted then.
+        self._capacity_learned = False
         # HPKV_KV_STORAGE_WRITE_BUDGET: a token bucket of bytes, filled at the budget's rate.
         budget = config.write_budget_bytes
         self._budget_rate = None if budget is None else budget / 86400.0
@@ -364,8 +367,9 @@ class StorageTier:
                 write: Callable[[FileTarget], OSError | None]) -> bool:
         """Make room for (ns, key) and have `write` put its file, in format `version`, at a target
         this tier names (`write_entry_file`'s contract: the whole file or nothing, the error
-        returned, not raised). A full disk evicts and retries. False when it could not be written
-        (counted, logged)."""
+        returned, not raised). A full disk evicts and retries once (`_put`). False when it could
+        not be written (counted, logged); a failed write whose file is in place all the same (a
+        writer process killed after its rename) is indexed, and True."""
         size = fmt.header_bytes(len(key), version) + payload_bytes
         if not self._spend_budget(size):
             return False
@@ -374,30 +378,79 @@ class StorageTier:
             self.counters.write_failures += 1
             return False
         try:
-            for _ in range(3):
-                target = self._target(ns, key)
-                error = write(target)
-                if error is None:
-                    self._dirs.add(target.directory)
-                    self._remember(ns, key, size, recent=True)
-                    self.counters.writes += 1
-                    self.counters.write_bytes += payload_bytes
-                    return True
-                self._dirs.discard(target.directory)
-                if error.errno not in _SPACE_ERRNOS:
-                    break
-                self.counters.space_errors += 1
-                self._evict_bytes(max(4 * size, self.capacity_bytes // 100))
+            error = self._put(ns, key, size, write)
+            published = error is None or self._adopt(ns, key)
         except BaseException:  # e.g. no writer process: the caller may write it another way
             self._spend_budget(-size)
             raise
         finally:
             with self._lock:
                 self._inflight_bytes -= size
+        if error is None:
+            self.counters.writes += 1
+            self.counters.write_bytes += payload_bytes
+        if published:
+            return True
         self._warn_once(error, f"cannot write KV files under {self.root}")
         self.counters.write_failures += 1
         self._spend_budget(-size)  # nothing was written
         return False
+
+    def _put(self, ns: str, key: bytes, size: int, write: Callable[[FileTarget], OSError | None]) -> OSError | None:
+        """`write` the file and index it; the error where it could not. A directory removed under
+        this tier (ENOENT where it was known to exist) is made again, once. A full disk or quota
+        teaches the tier what fits (`_learn_capacity`), evicts once and retries once: evicting
+        again and again emptied whole shared directories on one quota error."""
+        target = self._target(ns, key)
+        error = write(target)
+        if error is not None and error.errno == errno.ENOENT and not target.mkdir:
+            self._dirs.discard(target.directory)
+            target = self._target(ns, key)
+            error = write(target)
+        if error is not None and error.errno in _SPACE_ERRNOS:
+            self.counters.space_errors += 1
+            self._learn_capacity(size)
+            self._evict_bytes(max(4 * size, self.used_bytes // 100))
+            target = self._target(ns, key)
+            error = write(target)
+            if error is not None and error.errno in _SPACE_ERRNOS:
+                self.counters.space_errors += 1  # and given up: a miss later, never a lost entry
+        if error is not None:
+            self._dirs.discard(target.directory)
+            return error
+        self._dirs.add(target.directory)
+        self._remember(ns, key, size, recent=True)
+        with self._lock:
+            self._unreadable.discard(self._ik(ns, key))
+        return None
+
+    def _adopt(self, ns: str, key: bytes) -> bool:
+        """Index the file of (ns, key) if one is in place after a failed write (its writer
+        process was killed after its rename, or another node wrote it)."""
+        try:
+            st = self.io.stat_path(self.path_of(ns, key))
+        except OSError:
+            return False
+        self._remember(ns, key, st.st_size, recent=True)
+        return True
+
+    def _learn_capacity(self, size: int) -> None:
+        """The file system had no room (or the quota was spent) with `used_bytes` of this tier's
+        files on it: that is what fits, whatever HPKV_KV_STORAGE_SIZE said (auto on a shared file
+        system of petabytes, say, under a user quota). Only lowered, and to at least one file, so
+        the tier goes on writing what fits."""
+        with self._lock:
+            learned = max(self.used_bytes, size)
+            if learned >= self.capacity_bytes:
+                return
+            before, self.capacity_bytes = self.capacity_bytes, learned
+            first, self._capacity_learned = not self._capacity_learned, True
+        if first:
+            log.warning("the file system under %s has no room for more KV files (full, or a quota) with %d bytes of "
+                        "them there: the storage tier now holds at most that, not the %d bytes it was sized to "
+                        "(HPKV_KV_STORAGE_SIZE=%s), until the server restarts. Set HPKV_KV_STORAGE_SIZE below the "
+                        "space (or quota) HPKV may use there", self.root, learned, before,
+                        "auto" if self.config.capacity_bytes is None else self.config.capacity_bytes)
 
     def _spend_budget(self, size: int) -> bool:
         """Take `size` bytes from the write budget (a negative size gives them back). False, and
@@ -555,7 +608,7 @@ class StorageTier:
         started = time.monotonic()
         found = self._walk()
         self._merge(found)
-        if self.config.capacity_bytes is None:
+        if self.config.capacity_bytes is None and not self._capacity_learned:
             self.capacity_bytes += int(self.used_bytes * AUTO_CAPACITY_FRACTION)
             if self.capacity_bytes < SMALL_AUTO_CAPACITY:
                 fate = "are not written" if self.capacity_bytes == 0 else "are evicted soon after they are written"
@@ -611,6 +664,8 @@ class StorageTier:
                     self._lru[k] = size
                     self._lru.move_to_end(k, last=False)
                     self.used_bytes += size
+                    if self._capacity_learned:  # it was on disk when the tier learned what fits
+                        self.capacity_bytes += size
         with self._lock:
             self._gone = None
 
