@@ -354,6 +354,50 @@ def test_after_a_restart_the_file_used_longest_ago_is_evicted_first(open_tier):
     assert os.path.exists(again.path_of(NS, key(0)))
 
 
+def age(tier: StorageTier, ages_s: dict[int, float]) -> None:
+    """Set the mtimes of key(i)'s files to `ages_s[i]` seconds ago."""
+    now = time.time()
+    for i, age_s in ages_s.items():
+        os.utime(tier.path_of(NS, key(i)), (now - age_s, now - age_s))
+
+
+def test_eviction_spares_a_file_another_node_read_since(open_tier):
+    """Reads refresh a file's mtime, on every node: the oldest file in this node's index that
+    another node has read since is not evicted, but goes to the recent end; the next one goes."""
+    first = open_tier()
+    for i in range(3):
+        write(first, key(i))
+    age(first, {0: 3 * 3600, 1: 2 * 3600, 2: 3600})  # key 0 used longest ago, then key 1
+    tier, other = open_tier(capacity=3 * file_bytes()), open_tier()
+    assert tier.scan_done.wait(10) and other.scan_done.wait(10)
+    assert read(other, key(0)) == payload(key(0))  # another node uses key 0 now
+
+    assert write(tier, key(3))
+
+    assert os.path.exists(tier.path_of(NS, key(0))) and tier.indexed(NS, key(0))
+    assert not os.path.exists(tier.path_of(NS, key(1))) and not tier.indexed(NS, key(1))
+    assert tier.stats()["evictions"] == 1 and tier.stats()["used_bytes"] == 3 * file_bytes()
+    assert write(tier, key(4))  # key 0 is the most recent now, but for key 3: key 2 goes
+    assert not os.path.exists(tier.path_of(NS, key(2))) and os.path.exists(tier.path_of(NS, key(0)))
+
+
+def test_an_eviction_ends_when_every_file_was_read_elsewhere(open_tier):
+    """Each victim is looked at once per eviction: when all were read by other nodes, the oldest
+    goes after all."""
+    first = open_tier()
+    for i in range(3):
+        write(first, key(i))
+    age(first, {0: 3 * 3600, 1: 2 * 3600, 2: 3600})
+    tier, other = open_tier(capacity=3 * file_bytes()), open_tier()
+    assert tier.scan_done.wait(10) and other.scan_done.wait(10)
+    assert [read(other, key(i)) for i in range(3)] == [payload(key(i)) for i in range(3)]
+
+    assert write(tier, key(3))
+
+    assert [os.path.exists(tier.path_of(NS, key(i))) for i in range(4)] == [False, True, True, True]
+    assert tier.stats()["evictions"] == 1 and tier.stats()["used_bytes"] == 3 * file_bytes()
+
+
 def test_a_restart_with_a_smaller_capacity_evicts_the_oldest_files(open_tier):
     first = open_tier()
     for i in range(5):

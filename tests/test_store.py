@@ -244,6 +244,31 @@ def test_a_lease_can_answer_before_its_storage_reads_are_queued(open_store):
     store.release(lease.id)
 
 
+def test_a_storage_hit_leased_for_promotion_is_not_evicted_before_its_read(open_store):
+    """A lease makes its storage hits the most recently used on storage: writes that run before
+    the promotion reads the file evict others, not the file the lease was promised."""
+    from hpkv.storage import format as fmt
+
+    ks, more = keys(4), keys(1, "more")
+    store = open_store(capacity=4 * (fmt.header_bytes(len(ks[0])) + ENTRY))  # four files
+    ns = store.register(desc())
+    save(store, ns, ks)
+    assert store.flush(timeout=10)
+    store.clear(memory=True)
+    for k in ks[1:]:  # ks[0] is now the least recently used on storage
+        assert store.storage.read_into(ns, k, memoryview(bytearray(ENTRY)))
+    lease = store.lease(ns, ks[:1], start_reads=False)
+
+    save(store, ns, more)  # its write-through needs room on storage
+    assert store.flush(timeout=10)
+    store.start_reads(lease)
+
+    assert lease.wait(timeout=10) == 1
+    assert bytes(store.region.buf[lease.offsets[0] : lease.offsets[0] + ENTRY]) == payload(ks[0])
+    store.release(lease.id)
+    assert store.storage.stats()["evictions"] == 1 and not store.storage.indexed(ns, ks[1])
+
+
 def test_a_promotion_whose_pool_is_gone_resolves_as_a_miss(open_store):
     """A promotion that cannot even see its slot (the pool closed under it, as a close that gave
     up its writes does) still resolves: its lease's untimed waits end, with nothing ready."""

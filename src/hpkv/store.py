@@ -367,6 +367,7 @@ class TieredStore:
         entry = self.dram.reserve(ns, key)
         if entry is None:
             return None, None, False
+        self.storage.touch(ns, key)  # most recently used now: writes queued before its read do not evict it
         self.dram.pin(entry)
         promotion: Future = Future()
         self._promoting[entry] = promotion

@@ -11,11 +11,12 @@ reader that loses a race with an evictor just misses. With direct I/O (HPKV_KV_S
 files in the aligned format go between the device and pool slots with O_DIRECT where the file
 system takes it (see `fileio`).
 
-Primitives: `start`, `add_namespace`, `indexed` (`index_probe`), `contains`, `read_into`,
+Primitives: `start`, `add_namespace`, `indexed` (`index_probe`), `contains`, `touch`, `read_into`,
 `write_from` (or `publish`, where another process writes the file), `submit`, `remove`, `stats`,
 `close`. Capacity is enforced on this tier's view; `ENOSPC`/`EDQUOT` lower the capacity to what
 fitted, evict once and retry once, and a write that still cannot happen is dropped (counted),
-never raised. A write budget (HPKV_KV_STORAGE_WRITE_BUDGET, bytes a day) is a token bucket holding
+never raised. Eviction spares a file another node read since this tier last used it (its
+mtime). A write budget (HPKV_KV_STORAGE_WRITE_BUDGET, bytes a day) is a token bucket holding
 BUDGET_BURST_S worth: a write it cannot pay for is not made (counted).
 Must not know: the pool, engines, devices.
 """
@@ -56,10 +57,14 @@ BUDGET_BURST_S = 3600.0  # a write budget's bucket holds this long's worth (burs
 STALE_TEMP_S = 3600.0  # a temporary this old is from a writer that died, on whatever node
 TOUCH_EVERY_S = 60.0  # refresh a file's mtime (its LRU age across restarts) at most this often
 MAX_UNREADABLE = 1 << 20  # files this tier cannot read, remembered so that no lookup counts them as hits
+SPARE_CHECKS_PER_PASS = 16  # eviction victims whose mtime one eviction looks at (`_evict`)
+MAX_VALUES = 1 << 16  # distinct index values kept for sharing (`_value`)
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # A file this tier is refused (a permission, a name too long) or that its device fails to read
 # (EIO, which may pass): out of the index, or every lookup is a hit that every promotion misses.
 _UNREADABLE_ERRNOS = (errno.EACCES, errno.EPERM, errno.ENAMETOOLONG, errno.EIO)
+_SIZE_BITS = 40  # an index value: the file's size in its low bits, a minute above them (`_value`)
+_SIZE_MASK = (1 << _SIZE_BITS) - 1
 # One sequence for every tier in the process: two tiers on one root (same node, same pid) must
 # never pick the same temporary name, or one's O_EXCL fails and its clean-up deletes the other's.
 _TEMP_SEQ = itertools.count(1)
@@ -92,13 +97,14 @@ class StorageTier:
         self.scan_done = threading.Event()
         self._node = socket.gethostname().replace(".", "_")
         self._lock = threading.Lock()
-        # Index: file size by index key, least recently used first. An index key is the
-        # namespace's 2-byte number and the engine key in one bytes object (`_ik`): a tuple of the
-        # two cost 64 more bytes per file, and a large directory holds millions of files.
+        # Index: by index key, least recently used first, the file's size and the minute this
+        # index last knew it used, packed in one int (`_value`). An index key is the namespace's
+        # 2-byte number and the engine key in one bytes object (`_ik`): a tuple of the two cost 64
+        # more bytes per file, and a large directory holds millions of files.
         self._lru: OrderedDict[bytes, int] = OrderedDict()
         self._ns_ids: dict[str, bytes] = {}
         self._ns_names: list[str] = []
-        self._sizes: dict[int, int] = {}  # one int object per file size, not one per file
+        self._values: dict[int, int] = {}  # one int object per (size, minute), not one per file
         self._inflight_bytes = 0
         # Keys removed while the start-up scan runs, so the scan does not bring them back.
         self._gone: set[bytes] | None = set()
@@ -237,11 +243,20 @@ class StorageTier:
         if ik in self._unreadable:
             return False
         try:
-            size = self.io.stat_path(self.path_of(ns, key)).st_size
+            st = self.io.stat_path(self.path_of(ns, key))
         except OSError:
             return False
-        self._remember(ns, key, size, recent=True)
+        self._remember(ns, key, st.st_size, recent=True, used_s=st.st_mtime)
         return True
+
+    def touch(self, ns: str, key: bytes) -> None:
+        """Make (ns, key) the most recently used, if indexed: a promotion is about to read it (no
+        I/O, so callers may hold a lock). Without it, writes queued before that read could evict
+        the file a lookup just reported as a hit."""
+        ik = self._ik(ns, key)
+        with self._lock:
+            if ik in self._lru:
+                self._lru.move_to_end(ik)
 
     def read_into(self, ns: str, key: bytes, dest: memoryview) -> bool:
         """Read and verify (ns, key) into `dest` (exactly the payload size). False is a miss; the
@@ -310,7 +325,9 @@ class StorageTier:
         self.counters.read_bytes += len(dest)
         ik = self._ik(ns, key)
         with self._lock:
-            if ik in self._lru:
+            value = self._lru.get(ik)
+            if value is not None:
+                self._lru[ik] = self._value(value & _SIZE_MASK, time.time())
                 self._lru.move_to_end(ik)
         return True
 
@@ -431,7 +448,7 @@ class StorageTier:
             st = self.io.stat_path(self.path_of(ns, key))
         except OSError:
             return False
-        self._remember(ns, key, st.st_size, recent=True)
+        self._remember(ns, key, st.st_size, recent=True, used_s=st.st_mtime)
         return True
 
     def _learn_capacity(self, size: int) -> None:
@@ -497,12 +514,22 @@ class StorageTier:
 
     # -- index, capacity, eviction ------------------------------------------------------------
 
-    def _remember(self, ns: str, key: bytes, size: int, recent: bool) -> None:
+    def _value(self, size: int, used_s: float) -> int:
+        """An index value: `size` and the minute of `used_s` (the wall clock, as file mtimes are)
+        in one int, shared by every file of that size and minute."""
+        value = (int(used_s // 60) << _SIZE_BITS) | size
+        if len(self._values) >= MAX_VALUES:  # bounded: values already indexed stay, only less shared
+            self._values.clear()
+        return self._values.setdefault(value, value)
+
+    def _remember(self, ns: str, key: bytes, size: int, recent: bool, used_s: float | None = None) -> None:
+        """Index (ns, key), last used at `used_s` (now when None)."""
         ik = self._ik(ns, key)
+        value = self._value(size, time.time() if used_s is None else used_s)
         with self._lock:
             old = self._lru.get(ik)
-            self._lru[ik] = self._sizes.setdefault(size, size)
-            self.used_bytes += size - (old or 0)
+            self._lru[ik] = value
+            self.used_bytes += size - (old & _SIZE_MASK if old is not None else 0)
             if recent:
                 self._lru.move_to_end(ik)
             elif old is None:
@@ -511,9 +538,9 @@ class StorageTier:
     def _forget(self, ns: str, key: bytes) -> None:
         ik = self._ik(ns, key)
         with self._lock:
-            size = self._lru.pop(ik, None)
-            if size is not None:
-                self.used_bytes -= size
+            value = self._lru.pop(ik, None)
+            if value is not None:
+                self.used_bytes -= value & _SIZE_MASK
             self._note_gone([ik])
 
     def _note_gone(self, keys) -> None:
@@ -531,44 +558,72 @@ class StorageTier:
             pass
 
     def _make_room(self, size: int) -> bool:
+        """Count `size` bytes in flight and evict until they fit; False if they never can."""
         if size > self.capacity_bytes:
             return False
-        victims = []
         with self._lock:
-            while self._lru and self.used_bytes + self._inflight_bytes + size > self.capacity_bytes:
-                ik, victim_size = self._lru.popitem(last=False)
-                self.used_bytes -= victim_size
-                victims.append(ik)
-            self._note_gone(victims)
             self._inflight_bytes += size
-        self._unlink_all(victims)
+        self._evict(lambda freed: self.used_bytes + self._inflight_bytes - self.capacity_bytes)
         return True
 
     def _evict_bytes(self, num_bytes: int) -> None:
-        victims = []
-        with self._lock:
-            while self._lru and num_bytes > 0:
-                ik, size = self._lru.popitem(last=False)
-                self.used_bytes -= size
-                num_bytes -= size
-                victims.append(ik)
-            self._note_gone(victims)
-        self._unlink_all(victims)
+        self._evict(lambda freed: num_bytes - freed)
 
-    def _unlink_all(self, victims: list[bytes]) -> None:
-        for ik in victims:
-            try:
-                self.io.unlink(self.path_of(*self._split(ik)))
-            except OSError:
-                pass  # another node evicted it first
-        self.counters.evictions += len(victims)
+    def _evict(self, excess: Callable[[int], int]) -> None:
+        """Evict the least recently used files while `excess(bytes freed so far)`, called with the
+        lock held, is positive. A victim's file is looked at first: one another node read since
+        this index last knew it used (reads refresh the mtime) goes to the recent end instead.
+        At most SPARE_CHECKS_PER_PASS victims are looked at, each once, so a pass ends."""
+        freed = 0
+        checked: set[bytes] = set()
+        while True:
+            victims = []
+            with self._lock:
+                over = excess(freed)
+                while self._lru and over > 0:
+                    ik, value = self._lru.popitem(last=False)
+                    self.used_bytes -= value & _SIZE_MASK
+                    over -= value & _SIZE_MASK
+                    victims.append((ik, value))
+                self._note_gone([ik for ik, _ in victims])
+            spared = []
+            for ik, value in victims:
+                path = self.path_of(*self._split(ik))
+                if ik not in checked and len(checked) < SPARE_CHECKS_PER_PASS:
+                    checked.add(ik)
+                    used_s = self._used_since(path, value)
+                    if used_s is not None:
+                        spared.append((ik, self._value(value & _SIZE_MASK, used_s)))
+                        continue
+                try:
+                    self.io.unlink(path)
+                except OSError:
+                    pass  # another node evicted it first
+                freed += value & _SIZE_MASK
+                self.counters.evictions += 1
+            if not spared:
+                return
+            with self._lock:
+                for ik, value in spared:
+                    if ik not in self._lru:  # not written again meanwhile
+                        self._lru[ik] = value
+                        self.used_bytes += value & _SIZE_MASK
+
+    def _used_since(self, path: str, value: int) -> float | None:
+        """The mtime of `path` where it is later than the minute `value` knows, with a minute to
+        spare for clocks and for reads refreshing it at most every TOUCH_EVERY_S; else None."""
+        try:
+            mtime = self.io.stat_path(path).st_mtime
+        except OSError:
+            return None
+        return mtime if mtime >= ((value >> _SIZE_BITS) + 2) * 60 else None
 
     def remove(self, ns: str | None = None) -> int:
         """Delete every entry file (of one namespace), including files other nodes wrote."""
         prefix = None if ns is None else self._ik(ns, b"")
         with self._lock:
             for k in [k for k in self._lru if prefix is None or k[:2] == prefix]:
-                self.used_bytes -= self._lru.pop(k)
+                self.used_bytes -= self._lru.pop(k) & _SIZE_MASK
             if self._gone is not None:  # what a running start-up scan found here must not come back
                 self._cleared.add(ns)
         num = 0
@@ -638,7 +693,7 @@ class StorageTier:
                     continue
                 found.mtimes.append(st.st_mtime)
                 found.keys.append(ik)
-                found.sizes.append(self._sizes.setdefault(st.st_size, st.st_size))
+                found.values.append(self._value(st.st_size, st.st_mtime))
                 self.counters.files_scanned += 1
                 if time.monotonic() - last_report > 2.0:
                     last_report = time.monotonic()
@@ -660,12 +715,12 @@ class StorageTier:
                     k = found.keys[i]
                     if k in self._lru or k in gone or k[:2] in cleared:
                         continue
-                    size = found.sizes[i]
-                    self._lru[k] = size
+                    value = found.values[i]
+                    self._lru[k] = value
                     self._lru.move_to_end(k, last=False)
-                    self.used_bytes += size
+                    self.used_bytes += value & _SIZE_MASK
                     if self._capacity_learned:  # it was on disk when the tier learned what fits
-                        self.capacity_bytes += size
+                        self.capacity_bytes += value & _SIZE_MASK
         with self._lock:
             self._gone = None
 
@@ -701,7 +756,7 @@ class _Found:
 
     mtimes: array = field(default_factory=lambda: array("d"))
     keys: list[bytes] = field(default_factory=list)  # index keys
-    sizes: list[int] = field(default_factory=list)
+    values: list[int] = field(default_factory=list)  # index values (`StorageTier._value`)
 
 
 def _is_ns(name: str) -> bool:
