@@ -14,6 +14,9 @@ command lines, real SGLang host KV pools, SGLang-style page keys, and HPKV's ent
   `ENTRY_POINTS` is put on sys.path (and on PYTHONPATH for subprocesses).
 - `host_pool(kind, layout, ...)`: a real `MHATokenToKVPoolHost`/`MLATokenToKVPoolHost` built the
   way SGLang builds it, from a real device pool on the CPU, with random page contents.
+- `tiny_model(dir)` and `published(argv)`: a model directory with just a config.json, and SGLang's
+  server arguments for a command line, parsed and published the way a scheduler process does
+  before it builds its cache (`--device cpu`: there is no accelerator here).
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ import importlib.abc
 import importlib.machinery
 import logging
 import os
+import json
 import struct
 import sys
 import types
+from contextlib import contextmanager
 from functools import lru_cache
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -172,43 +177,86 @@ def subprocess_env(extra_path: str | None, **env: str) -> dict[str, str]:
     return out
 
 
+# -- server arguments -------------------------------------------------------------------------
+
+TINY_CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
+               "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "num_hidden_layers": 3, "vocab_size": 1000, "max_position_embeddings": 4096,
+               "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16", "tie_word_embeddings": True}
+
+
+def tiny_model(directory: Path, **config) -> Path:
+    """A model directory SGLang can resolve its arguments against (no weights: nothing loads them)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({**TINY_CONFIG, **config}))
+    return directory
+
+
+@contextmanager
+def published(argv: list[str]):
+    """SGLang's server arguments for `argv`, published in this process as its scheduler
+    processes publish them (`run_scheduler_process`), for the duration of the block."""
+    sglang_modules()  # the torchvision stand-in, before SGLang's model configs are imported
+    from sglang.srt.runtime_context import create_context, use_context
+    from sglang.srt.server_args import prepare_server_args
+
+    offline = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        with root_logging_kept():
+            args = prepare_server_args([*map(str, argv), "--device", "cpu"])
+        context = create_context(args, role="scheduler")
+    finally:
+        if offline is None:
+            del os.environ["HF_HUB_OFFLINE"]
+        else:
+            os.environ["HF_HUB_OFFLINE"] = offline
+    with use_context(context):
+        yield args
+
+
 # -- host pools -------------------------------------------------------------------------------
 
 def host_pool(kind: str = "mha", layout: str = "page_first", page_size: int = 4, num_layers: int = 3,
-              dtype: torch.dtype = torch.bfloat16, device_tokens: int = 64, seed: int | None = 0):
-    """A real SGLang host KV pool (2 x device_tokens slots), filled with random bytes unless
-    `seed` is None (then zeros, as SGLang allocates it)."""
+              dtype: torch.dtype = torch.bfloat16, device_tokens: int = 64, seed: int | None = 0,
+              start_layer: int = 0, **options):
+    """A real SGLang host KV pool (2 x device_tokens slots) of the model layers from
+    `start_layer` on (a pipeline stage), filled with random bytes unless `seed` is None (then
+    zeros, as SGLang allocates it). `options` go to the host pool (MLA's layer_shard_enabled)."""
     # SGLang refuses a host pool when the machine has under 10 GiB free (engines in other tests
     # may hold that much); a budget of its own for these few kilobytes, the way SGLang books
     # the pools of one start-up against one snapshot.
     with sglang_modules().host_base.host_memory_budget_scope(HOST_BUDGET_BYTES):
-        pool = _host_pool(kind, layout, page_size, num_layers, dtype, device_tokens)
+        pool = _host_pool(kind, layout, page_size, num_layers, dtype, device_tokens, start_layer, options)
     if seed is not None:
         flat = pool.kv_buffer.view(-1).view(torch.uint8)
         flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
     return pool
 
 
-def _host_pool(kind, layout, page_size, num_layers, dtype, device_tokens):
+def _host_pool(kind, layout, page_size, num_layers, dtype, device_tokens, start_layer, options):
     sg = sglang_modules()
+    layers = {"start_layer": start_layer, "end_layer": start_layer + num_layers - 1}
     if kind == "mha":
         device = sg.memory_pool.MHATokenToKVPool(size=device_tokens, page_size=page_size, dtype=dtype, head_num=2,
                                                  head_dim=8, layer_num=num_layers, device="cpu",
-                                                 enable_memory_saver=False)
+                                                 enable_memory_saver=False, **layers)
         info = device.get_device_pool_infos()[0].buffer_info
         pool = sg.mha_host.MHATokenToKVPoolHost(info, 2.0, 0, page_size, layout, pin_memory=False, device="cpu",
                                                  device_capacity_tokens=device.size,
-                                                 start_layer=device.start_layer, end_layer=device.end_layer)
+                                                 start_layer=device.start_layer, end_layer=device.end_layer,
+                                                 **options)
     elif kind == "mla":
         device = sg.memory_pool.MLATokenToKVPool(size=device_tokens, page_size=page_size, dtype=dtype,
                                                  kv_lora_rank=16, qk_rope_head_dim=8, layer_num=num_layers,
-                                                 device="cpu", enable_memory_saver=False)
+                                                 device="cpu", enable_memory_saver=False, **layers)
         info = device.get_device_pool_infos()[0].buffer_info
         pool = sg.mla_host.MLATokenToKVPoolHost(info, 2.0, 0, page_size, layout, pin_memory=False, device="cpu",
                                                  device_capacity_tokens=device.size,
                                                  start_layer=device.start_layer, end_layer=device.end_layer,
                                                  target_layer_num=device.layer_num,
-                                                 override_kv_cache_dim=device.kv_cache_dim)
+                                                 override_kv_cache_dim=device.kv_cache_dim, **options)
     else:
         raise ValueError(kind)
     return pool

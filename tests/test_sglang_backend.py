@@ -103,6 +103,60 @@ def test_another_layout_dtype_or_rank_never_hits(node):
     assert su.backend(su.host_pool("mha", "page_first")).batch_exists(keys) == 3
 
 
+def test_another_model_under_the_same_served_name_never_hits(node, tmp_path):
+    """SGLang restarted under the same --served-model-name with another checkpoint, revision,
+    online quantization or config override: the pages stored before are another model's KV.
+    The served name itself is only an alias: the same model under another name hits."""
+    keys = su.page_hashes("prompt", 3)
+    model, other = su.tiny_model(tmp_path / "model"), su.tiny_model(tmp_path / "fine-tune")
+    current = tmp_path / "current"
+    current.symlink_to(model)
+    served = ["--served-model-name", su.SERVED]
+    pool = su.host_pool()
+    with su.published(["--model-path", current, *served]):
+        write_pages(su.backend(pool), pool, keys)
+    restarts = {
+        "another checkpoint": ["--model-path", other, *served],
+        "another revision": ["--model-path", current, "--revision", "v2", *served],
+        "quantized on load": ["--model-path", current, "--quantization", "fp8", *served],
+        "a config override": ["--model-path", current, "--json-model-override-args",
+                              '{"rope_scaling": {"rope_type": "linear", "factor": 2.0}}', *served],
+    }
+    hits = {}
+    for what, argv in restarts.items():
+        with su.published(argv):
+            hits[what] = su.backend(pool).batch_exists(keys)
+    current.unlink()
+    current.symlink_to(other)  # the deployment's "current" now names the fine-tune
+    with su.published(["--model-path", current, *served]):
+        hits["the symlink switched"] = su.backend(pool).batch_exists(keys)
+    assert hits == dict.fromkeys(hits, 0)
+    with su.published(["--model-path", model, "--served-model-name", "an-alias"]):
+        assert su.backend(pool).batch_exists(keys) == 3
+
+
+def test_without_sglangs_server_args_the_served_name_names_the_model(node, caplog):
+    with caplog.at_level("WARNING", logger="hpkv.sglang"):
+        storage = su.backend(su.host_pool())
+    assert "--served-model-name" in caplog.text
+    assert json.loads(storage.desc.to_json())["model"] == su.SERVED
+
+
+def test_fp8_e4m3_and_fp8_e5m2_pages_never_mix(node, tmp_path):
+    """SGLang keeps every fp8 KV format as uint8 bytes, in its device and host pools alike: only
+    --kv-cache-dtype tells e4m3 from e5m2, whose bytes mean other numbers."""
+    model = su.tiny_model(tmp_path / "model")
+    keys = su.page_hashes("prompt", 3)
+    storages = {}
+    for name, dtype in (("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
+        with su.published(["--model-path", model, "--kv-cache-dtype", name]):
+            storages[name] = su.backend(su.host_pool(dtype=dtype))
+    e4m3, e5m2 = storages["fp8_e4m3"], storages["fp8_e5m2"]
+    assert e4m3.mem_pool_host.dtype == e5m2.mem_pool_host.dtype == torch.uint8
+    assert write_pages(e4m3, e4m3.mem_pool_host, keys) == [True] * 3
+    assert e4m3.batch_exists(keys) == 3 and e5m2.batch_exists(keys) == 0
+
+
 def test_mla_pages_written_by_rank_0_are_read_by_every_rank(node):
     keys = su.page_hashes("prompt", 3)
     pool = su.host_pool("mla", "page_first")

@@ -75,7 +75,13 @@ class HpkvStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)
         self.layout = lay.page_layout(mem_pool_host)
-        self.desc = lay.namespace(self.storage_config, self.layout)
+        model = lay.model_id()
+        if model is None and self.storage_config.tp_rank == 0:
+            log.warning("SGLang's server arguments are not published in this process, so HPKV names the model by "
+                        "its served name %r only: give every model (and every fine-tune, quantization or KV dtype "
+                        "of it) its own --served-model-name, or HPKV may load another model's KV",
+                        self.storage_config.model_name)
+        self.desc = lay.namespace(self.storage_config, self.layout, model)
         self.ns = self.desc.ns
         log.info("HPKV storage for SGLang: namespace %s (%s), %d bytes per page, pool %s", self.ns,
                  self.desc.to_json(), self.layout.entry_bytes, self.pool_dir)

@@ -8,15 +8,21 @@ one page, nothing is read), so every pool SGLang can describe that way is suppor
 HPKV knowing its shapes.
 
 SGLang's page keys are content hashes of tokens only, the same on every rank and model. The
-namespace adds everything that makes the bytes incompatible: served model name, dtype, host
-layout and region sizes, page size, layers, and the shard the bytes belong to. MHA: every
-(pp, attn-cp, tp) rank stores its own head shard. MLA: the KV is the same on every TP rank, so
-one namespace per (pp, attn-cp) shard, written by TP rank 0 and read by all (SGLang skips the
-backups of the other ranks).
+namespace adds everything that makes the bytes incompatible: the model (`ModelId`, from SGLang's
+server arguments: path, revision and what changes its numerics on load), the KV dtype, host
+layout and region sizes, page size, layers, and the shard the bytes belong
+to. MHA: every (pp, attn-cp, tp) rank stores its own head shard. MLA: the KV is the same on every
+TP rank, so one namespace per (pp, attn-cp) shard, written by TP rank 0 and read by all (SGLang
+skips the backups of the other ranks).
+
+Primitives: `page_layout(host_pool)`, `model_id()`, `namespace(config, layout, model)`,
+`page_keys(keys)`.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +42,7 @@ class PageLayout:
     geometry: str  # head or latent sizes, for the namespace
     region_bytes: tuple[int, ...]  # the buffer regions of one page, in SGLang's order
     layer_sharded: bool = False  # MLA with layers split over TP ranks: no longer rank-replicated
+    format_tag: str = ""  # a host pool's own page format (SGLang's storage_format_tag)
 
     @property
     def entry_bytes(self) -> int:
@@ -65,6 +72,7 @@ def page_layout(host_pool) -> PageLayout:
         geometry=_geometry(host_pool),
         region_bytes=tuple(int(size) for size in sizes),
         layer_sharded=bool(getattr(host_pool, "_layer_shard_enabled", False)),
+        format_tag=str(getattr(host_pool, "storage_format_tag", None) or ""),
     )
 
 
@@ -73,19 +81,75 @@ def _geometry(host_pool) -> str:
     return ",".join(f"{name}={getattr(host_pool, name)}" for name in names if getattr(host_pool, name, None))
 
 
-def namespace(config, layout: PageLayout) -> NamespaceDesc:
-    """The namespace of this rank's pages; `config` is SGLang's HiCacheStorageConfig."""
+@dataclass(frozen=True)
+class ModelId:
+    """The model as far as its KV bytes depend on it, from SGLang's server arguments."""
+
+    text: str  # path@revision, plus what changes the numerics on load
+    kv_cache_dtype: str  # --kv-cache-dtype as SGLang resolved it: fp8_e4m3 and fp8_e5m2 both store uint8
+
+
+# Server arguments that change a model's numerics on load, with the values that change nothing.
+_NUMERICS_ARGS = (("quantization", None), ("modelopt_quant", None), ("load_format", "auto"), ("dtype", "auto"))
+
+
+def model_id() -> ModelId | None:
+    """This scheduler process's model, from the server arguments SGLang publishes in it before it
+    builds the cache; None where none are published (SGLang embedded some other way)."""
+    try:
+        from sglang.srt.runtime_context import get_model, get_server_args
+
+        args = get_server_args()
+    except Exception:  # not published ("Global server args is not set yet!"), or another SGLang
+        return None
+    try:
+        kv_cache_dtype = str(get_model().kv_cache_dtype)
+    except Exception:  # the resolved view is not readable here: the raw flag
+        kv_cache_dtype = str(getattr(args, "kv_cache_dtype", "auto"))
+    return ModelId(_model_text(args), kv_cache_dtype)
+
+
+def _model_text(args) -> str:
+    """As the vLLM integration's model id: path (resolved, so a symlink switched to another
+    checkpoint is another model) and revision, plus online quantization, dummy weights, another
+    compute dtype and config overrides (RoPE scaling, say), none of which the page hashes cover."""
+    path = str(args.model_path)
+    if os.path.exists(path):
+        path = os.path.realpath(path)
+    text = f"{path}@{getattr(args, 'revision', None) or 'main'}"
+    for name, default in _NUMERICS_ARGS:
+        value = getattr(args, name, default)
+        if value != default and value is not None:
+            text += f"+{name}={value}"
+    overrides = getattr(args, "json_model_override_args", None) or "{}"
+    try:
+        overrides = json.dumps(json.loads(overrides), sort_keys=True)
+    except (TypeError, ValueError):
+        overrides = str(overrides)
+    if overrides != "{}":
+        text += f"+json_model_override_args={overrides}"
+    return text
+
+
+def namespace(config, layout: PageLayout, model: ModelId | None) -> NamespaceDesc:
+    """The namespace of this rank's pages; `config` is SGLang's HiCacheStorageConfig. Without
+    `model` the model is named by SGLang's model_name (--served-model-name) only."""
     replicated = bool(config.is_mla_model) and not layout.layer_sharded
     tp_size, tp_rank = (1, 0) if replicated else (config.tp_size, config.tp_rank)
     cp_size, cp_rank = max(1, config.attn_cp_size), config.attn_cp_rank
     extra = [("kv", "rank-replicated" if replicated else "tp-sharded"), ("geometry", layout.geometry)]
+    if layout.format_tag:
+        extra.append(("format", layout.format_tag))
     dcp_size = getattr(config, "dcp_size", 1)
     if dcp_size > 1:  # decode-CP splits each page over the DCP ranks
         extra.append(("dcp", f"{config.dcp_rank}/{dcp_size}"))
+    dtype = layout.dtype
+    if model is not None and model.kv_cache_dtype != "auto":
+        dtype = f"{layout.dtype}/{model.kv_cache_dtype}"
     return NamespaceDesc(
         engine=ENGINE,
-        model=config.model_name or "unnamed",
-        dtype=layout.dtype,
+        model=model.text if model is not None else config.model_name or "unnamed",
+        dtype=dtype,
         layout=f"{layout.mem_layout};{layout.pool_kind};regions={','.join(map(str, layout.region_bytes))}",
         block_size=layout.page_size,
         num_layers=layout.num_layers,
