@@ -157,6 +157,17 @@ def test_fp8_e4m3_and_fp8_e5m2_pages_never_mix(node, tmp_path):
     assert e4m3.batch_exists(keys) == 3 and e5m2.batch_exists(keys) == 0
 
 
+def test_a_pipeline_stage_of_other_layers_never_hits(node):
+    """PP rank 1 of 2 holds layers 3-5 of a 6-layer model, or 4-6 of a 7-layer one under
+    another partition: the same number of layers, other layers."""
+    keys = su.page_hashes("prompt", 3)
+    config = su.storage_config(pp_rank=1, pp_size=2)
+    stage = su.host_pool(start_layer=3)
+    write_pages(su.backend(stage, config), stage, keys)
+    assert su.backend(su.host_pool(start_layer=4), config).batch_exists(keys) == 0
+    assert su.backend(su.host_pool(start_layer=3), config).batch_exists(keys) == 3
+
+
 def test_mla_pages_written_by_rank_0_are_read_by_every_rank(node):
     keys = su.page_hashes("prompt", 3)
     pool = su.host_pool("mla", "page_first")

@@ -10,7 +10,7 @@ HPKV knowing its shapes.
 SGLang's page keys are content hashes of tokens only, the same on every rank and model. The
 namespace adds everything that makes the bytes incompatible: the model (`ModelId`, from SGLang's
 server arguments: path, revision and what changes its numerics on load), the KV dtype, host
-layout and region sizes, page size, layers, and the shard the bytes belong
+layout and region sizes, page size, the layers this stage holds, and the shard the bytes belong
 to. MHA: every (pp, attn-cp, tp) rank stores its own head shard. MLA: the KV is the same on every
 TP rank, so one namespace per (pp, attn-cp) shard, written by TP rank 0 and read by all (SGLang
 skips the backups of the other ranks).
@@ -42,6 +42,7 @@ class PageLayout:
     geometry: str  # head or latent sizes, for the namespace
     region_bytes: tuple[int, ...]  # the buffer regions of one page, in SGLang's order
     layer_sharded: bool = False  # MLA with layers split over TP ranks: no longer rank-replicated
+    layers: str = ""  # the model layers this stage holds, "start-end" (PP splits are configurable)
     format_tag: str = ""  # a host pool's own page format (SGLang's storage_format_tag)
 
     @property
@@ -72,6 +73,7 @@ def page_layout(host_pool) -> PageLayout:
         geometry=_geometry(host_pool),
         region_bytes=tuple(int(size) for size in sizes),
         layer_sharded=bool(getattr(host_pool, "_layer_shard_enabled", False)),
+        layers=f"{getattr(host_pool, 'start_layer', '?')}-{getattr(host_pool, 'end_layer', '?')}",
         format_tag=str(getattr(host_pool, "storage_format_tag", None) or ""),
     )
 
@@ -137,7 +139,8 @@ def namespace(config, layout: PageLayout, model: ModelId | None) -> NamespaceDes
     replicated = bool(config.is_mla_model) and not layout.layer_sharded
     tp_size, tp_rank = (1, 0) if replicated else (config.tp_size, config.tp_rank)
     cp_size, cp_rank = max(1, config.attn_cp_size), config.attn_cp_rank
-    extra = [("kv", "rank-replicated" if replicated else "tp-sharded"), ("geometry", layout.geometry)]
+    extra = [("kv", "rank-replicated" if replicated else "tp-sharded"), ("geometry", layout.geometry),
+             ("layers", layout.layers)]
     if layout.format_tag:
         extra.append(("format", layout.format_tag))
     dcp_size = getattr(config, "dcp_size", 1)
