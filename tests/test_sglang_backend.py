@@ -230,6 +230,40 @@ def test_a_vllm_engine_on_the_node_never_sees_sglangs_pages(node):
     vllm.release(lease)
 
 
+def test_a_model_with_side_pools_stores_no_kv_pages(node, caplog):
+    """A hybrid model (here a sliding-window pool beside the full-attention one): SGLang asks
+    only batch_exists_v2, which HPKV answers with no hits, so KV pages stored for it would only
+    take the pool's room from other engines."""
+    sg = su.sglang_modules()
+    pool = su.host_pool()
+    storage = su.backend(pool)
+    storage.register_mem_host_pool_v2(pool, sg.hicache_storage.PoolName.KV)
+    storage.register_mem_host_pool_v2(su.host_pool(), sg.hicache_storage.PoolName.SWA)
+    with caplog.at_level("WARNING", logger="hpkv.sglang"):
+        storage.on_host_pools_registered()
+    assert "['swa']" in caplog.text
+    keys = su.page_hashes("prompt", 3)
+    assert write_pages(storage, pool, keys) == [True] * 3  # reported stored: SGLang does not retry
+    assert storage.batch_exists_v2(keys).kv_hit_pages == 0
+    assert su.backend(pool).batch_exists(keys) == 0  # nothing went into the pool
+    assert storage.stats.snapshot()["saved_pages"] == 0
+
+
+def test_mla_with_layers_split_over_tp_ranks_stores_nothing(node, caplog):
+    """Layer-sharded MLA: each TP rank holds other layers (so its own namespace), yet SGLang
+    lets only rank 0 back up: the other ranks never hit, so rank 0's pages would be waste."""
+    keys = su.page_hashes("prompt", 3)
+    pool = su.host_pool("mla", layer_shard_enabled=True)
+    with caplog.at_level("WARNING", logger="hpkv.sglang"):
+        rank0 = su.backend(pool, su.storage_config(is_mla=True, tp_rank=0, tp_size=2))
+    assert "layer sharding" in caplog.text
+    assert write_pages(rank0, pool, keys) == [True] * 3
+    assert rank0.batch_exists(keys) == 0
+    rank1 = su.backend(su.host_pool("mla", layer_shard_enabled=True), su.storage_config(is_mla=True, tp_rank=1,
+                                                                                        tp_size=2))
+    assert rank1.ns != rank0.ns and rank1.batch_exists(keys) == 0
+
+
 def test_clear_removes_this_namespace_only(node):
     pool = su.host_pool()
     keys = su.page_hashes("prompt", 3)

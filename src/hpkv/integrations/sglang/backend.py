@@ -13,6 +13,7 @@ What SGLang calls, from which thread:
   bytes copied while the lease still held are reported loaded.
 - `batch_set_v1(keys, host_indices)` (backup thread): reserve, copy, commit. A page HPKV
   already holds, or has no room for, is skipped and reported stored: a future miss at worst.
+  Pages that could never hit are not stored at all, only reported stored (`stores_pages`).
 - `clear()` (scheduler, `POST /hicache/storage-backend/clear`): this namespace only, DRAM and
   storage. `get_stats()`, `close()`.
 
@@ -69,6 +70,8 @@ class HpkvStorage(HiCacheStorage):
         self._lock = threading.Lock()
         self._closed = False
         self._next_fault_log = 0.0
+        self.stores_pages = True  # False where no page stored could ever be a hit (see _store_nothing)
+        self._pools_registered = False
 
     # -- registration -------------------------------------------------------------------------
 
@@ -85,12 +88,37 @@ class HpkvStorage(HiCacheStorage):
         self.ns = self.desc.ns
         log.info("HPKV storage for SGLang: namespace %s (%s), %d bytes per page, pool %s", self.ns,
                  self.desc.to_json(), self.layout.entry_bytes, self.pool_dir)
+        config = self.storage_config
+        if self.layout.layer_sharded and config.is_mla_model and config.tp_size > 1:
+            # Each TP rank holds other layers, so each has its own namespace; but SGLang treats
+            # MLA KV as rank-replicated and lets only rank 0 back it up: the other ranks never
+            # hit, and the hit every rank agrees on is theirs.
+            self._store_nothing()
+            if config.tp_rank == 0:
+                log.warning("HPKV cannot serve MLA KV whose layers are split over the TP ranks: SGLang saves only "
+                            "TP rank 0's layers, so no rank ever has a whole page. HPKV stores nothing for this "
+                            "engine; run it without layer sharding to use HPKV")
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if str(host_pool_name) != "kv":
+            # With side pools SGLang asks only batch_exists_v2, which finds nothing (side pools
+            # are not stored): a KV page stored would never hit, only evict other engines' pages.
+            self._store_nothing()
+            if self._pools_registered:  # a sidecar added after start-up
+                self.on_host_pools_registered()
 
     def on_host_pools_registered(self) -> None:
+        self._pools_registered = True
         side = [name for name in getattr(self, "registered_pools", {}) if str(name) != "kv"]
         if side:
             log.warning("HPKV stores the KV pool only; this model's side pools %s are not stored, so SGLang finds "
-                        "no L3 hits for it", [str(name) for name in side])
+                        "no L3 hits for it and HPKV stores none of its pages", [str(name) for name in side])
+
+    def _store_nothing(self) -> None:
+        """Report every page stored without storing it: SGLang then neither retries nor keeps the
+        pages back, and HPKV's pool keeps its room for pages that can hit."""
+        self.stores_pages = False
 
     # -- the v1 interface ---------------------------------------------------------------------
 
@@ -107,6 +135,8 @@ class HpkvStorage(HiCacheStorage):
     def batch_set_v1(self, keys: List[str], host_indices, extra_info: Any = None) -> List[bool]:
         if not keys:
             return []
+        if not self.stores_pages:
+            return [True] * len(keys)
         return self._guard("save", [False] * len(keys), self._save, keys, host_indices)
 
     def exists(self, key: str) -> bool:
