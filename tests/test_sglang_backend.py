@@ -6,6 +6,7 @@ pages survive a server restart on storage; a vLLM engine on the node never sees 
 from __future__ import annotations
 
 import json
+import logging
 import signal
 
 import pytest
@@ -287,6 +288,20 @@ def test_without_a_reachable_server_everything_is_a_miss(node, monkeypatch, tmp_
     assert storage.batch_get_v1(keys, su.page_indices(pool, [0, 1])) == [False, False]
     storage.clear()
     assert storage.stats.snapshot()["faults"] >= 3
+
+
+def test_an_unexpected_error_is_logged_with_its_traceback_once_per_interval(node, caplog):
+    """SGLang calling with host indices that are not whole pages (a bug somewhere): a miss,
+    and one traceback per 30 s however often the three storage threads repeat the call."""
+    pool = su.host_pool()
+    storage = su.backend(pool)
+    keys = su.page_hashes("prompt", 2)
+    with caplog.at_level("DEBUG", logger="hpkv.sglang"):
+        for _ in range(5):
+            assert storage.batch_get_v1(keys, su.page_indices(pool, [0])) == [False, False]
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING and r.exc_info]
+    assert len(loud) == 1 and "host indices" in caplog.text
+    assert storage.stats.snapshot()["faults"] == 5
 
 
 def test_stats_and_close(node):

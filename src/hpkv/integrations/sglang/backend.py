@@ -69,7 +69,7 @@ class HpkvStorage(HiCacheStorage):
         self._clients: dict[threading.Thread, Client] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._next_fault_log = 0.0
+        self._next_fault_log = {False: 0.0, True: 0.0}  # by kind: HPKV faults, unexpected errors
         self.stores_pages = True  # False where no page stored could ever be a hit (see _store_nothing)
         self._pools_registered = False
 
@@ -285,15 +285,23 @@ class HpkvStorage(HiCacheStorage):
         try:
             return fn(*args)
         except HpkvError as exc:
-            self.stats.fault()
-            now = time.monotonic()
-            if now >= self._next_fault_log:
-                self._next_fault_log = now + FAULT_LOG_INTERVAL_S
-                log.warning("HPKV %s failed, SGLang recomputes (next %.0f s of such faults logged at debug): %s",
-                            what, FAULT_LOG_INTERVAL_S, exc)
-            else:
-                log.debug("HPKV %s failed: %s", what, exc)
-        except Exception:
-            self.stats.fault()
-            log.exception("HPKV %s failed unexpectedly; SGLang recomputes", what)
+            self._fault(what, exc, unexpected=False)
+        except Exception as exc:
+            self._fault(what, exc, unexpected=True)
         return miss
+
+    def _fault(self, what: str, exc: Exception, unexpected: bool) -> None:
+        """One record per FAULT_LOG_INTERVAL_S for each kind (HPKV faults; bugs, with their
+        traceback), the rest at debug: a fault repeats on every call of three threads."""
+        self.stats.fault()
+        now = time.monotonic()
+        if now < self._next_fault_log[unexpected]:
+            log.debug("HPKV %s failed: %s", what, exc, exc_info=unexpected)
+            return
+        self._next_fault_log[unexpected] = now + FAULT_LOG_INTERVAL_S
+        if unexpected:
+            log.error("HPKV %s failed unexpectedly, SGLang recomputes (next %.0f s of such failures logged at "
+                      "debug)", what, FAULT_LOG_INTERVAL_S, exc_info=exc)
+        else:
+            log.warning("HPKV %s failed, SGLang recomputes (next %.0f s of such faults logged at debug): %s",
+                        what, FAULT_LOG_INTERVAL_S, exc)
