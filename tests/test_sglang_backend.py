@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import threading
 
 import pytest
 import torch
 
 import sglangutil as su
-from serverutil import Node
+from serverutil import Node, wait_for
 from hpkv.errors import ConfigError
 from hpkv.integrations.sglang import flag
 from hpkv.keys import NamespaceDesc, make_key
@@ -273,6 +274,43 @@ def test_clear_removes_this_namespace_only(node):
     write_pages(theirs, pool, keys)
     ours.clear()
     assert ours.batch_exists(keys) == 0 and theirs.batch_exists(keys) == 3
+
+
+def test_clear_keeps_the_scheduler_waiting_a_few_seconds_at_most(node, monkeypatch):
+    """A server that does not answer (stopped here): SGLang's scheduler thread, which calls
+    clear(), is back after CLEAR_WAIT_S; the clear finishes once the server answers."""
+    from hpkv.integrations.sglang import backend as sglang_backend
+
+    monkeypatch.setattr(sglang_backend, "CLEAR_WAIT_S", 1.0)
+    pool = su.host_pool()
+    storage = su.backend(pool)
+    keys = su.page_hashes("prompt", 3)
+    scheduler = threading.Thread(target=lambda: (write_pages(storage, pool, keys), stopped.wait(), storage.clear()))
+    stopped = threading.Event()
+    server = node.servers[0]
+    scheduler.start()
+    try:
+        wait_for(lambda: storage.batch_exists(keys) == 3, 10, what="the pages stored")
+        server.send_signal(signal.SIGSTOP)
+        stopped.set()
+        scheduler.join(timeout=6.0)
+        assert not scheduler.is_alive(), "clear() held the scheduler thread"
+    finally:
+        server.send_signal(signal.SIGCONT)
+        scheduler.join(timeout=30)
+    wait_for(lambda: storage.batch_exists(keys) == 0, 30, what="the clear to finish")
+
+
+def test_only_the_rank_that_writes_an_mla_namespace_clears_it(node):
+    keys = su.page_hashes("prompt", 3)
+    pool = su.host_pool("mla")
+    ranks = [su.backend(pool, su.storage_config(is_mla=True, tp_rank=rank, tp_size=2)) for rank in (0, 1)]
+    assert ranks[0].ns == ranks[1].ns
+    write_pages(ranks[0], pool, keys)
+    ranks[1].clear()  # SGLang asks every rank; rank 1 only reads
+    assert ranks[1].batch_exists(keys) == 3
+    ranks[0].clear()
+    assert ranks[1].batch_exists(keys) == 0
 
 
 def test_without_a_reachable_server_everything_is_a_miss(node, monkeypatch, tmp_path):

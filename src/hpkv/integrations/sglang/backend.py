@@ -15,7 +15,8 @@ What SGLang calls, from which thread:
   already holds, or has no room for, is skipped and reported stored: a future miss at worst.
   Pages that could never hit are not stored at all, only reported stored (`stores_pages`).
 - `clear()` (scheduler, `POST /hicache/storage-backend/clear`): this namespace only, DRAM and
-  storage. `get_stats()`, `close()`.
+  storage, by the ranks that write it; the scheduler waits CLEAR_WAIT_S at most. `get_stats()`,
+  `close()`.
 
 Every thread has its own HPKV client, so a timeout in one never closes another's connection in
 the middle of a copy. HPKV faults (no server, a server killed or restarted, timeouts) are
@@ -45,6 +46,7 @@ log = logging.getLogger("hpkv.sglang")
 
 PROMOTION_WAIT_S = 10.0  # storage hits being read into DRAM; SGLang's own prefetch timeout runs too
 FAULT_LOG_INTERVAL_S = 30.0
+CLEAR_WAIT_S = 5.0  # the scheduler thread serves every request: a longer clear goes on in the background
 
 
 class HpkvStorage(HiCacheStorage):
@@ -234,10 +236,25 @@ class HpkvStorage(HiCacheStorage):
     # -- administration -----------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Remove this namespace's pages from HPKV, DRAM and storage; other namespaces stay."""
-        if self.ns is None:
+        """Remove this namespace's pages from HPKV, DRAM and storage; other namespaces stay.
+
+        SGLang calls it on every rank's scheduler thread, between requests. Only a rank that
+        writes the namespace clears it (with MLA every TP rank reads rank 0's). The clear runs
+        in a thread of its own (starting a server, if need be, to reach the storage tier);
+        the scheduler waits for it CLEAR_WAIT_S at most, then leaves it to finish."""
+        if self.ns is None or self._closed or not self.storage_config.is_storage_writer:
             return
-        self._guard("clear", None, lambda: self._client().clear(memory=True, storage=True, ns=self.ns))
+        worker = threading.Thread(target=self._guard, args=("clear", None, self._clear), name="hpkv-clear",
+                                  daemon=True)
+        worker.start()
+        worker.join(CLEAR_WAIT_S)
+        if worker.is_alive():
+            log.warning("HPKV is still clearing namespace %s after %.0f s; it goes on in the background",
+                        self.ns, CLEAR_WAIT_S)
+
+    def _clear(self) -> None:
+        with Client(self.pool_dir, kind="sglang-clear") as client:
+            client.clear(memory=True, storage=True, ns=self.ns)
 
     def get_stats(self):
         """SGLang's StorageMetrics since the last call; None unless SGLang's metrics are on."""
