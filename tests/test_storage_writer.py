@@ -5,6 +5,7 @@ dies under them."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import signal
 import subprocess
@@ -123,6 +124,27 @@ def test_a_writer_killed_mid_job_leaves_no_temporary_behind(shm_dir, storage_dir
         assert writers.stats()["died"] == 1
     finally:
         writers.close()
+
+
+def test_a_job_whose_temporary_name_is_taken_leaves_that_file_alone(shm_dir, storage_dir):
+    """A temporary of the same name that somebody else created (EEXIST: the job created none) is
+    not the server's to remove after the failed job."""
+    from hpkv.storage.fileio import FileTarget
+
+    pool_path = shm_dir / "pool"
+    with open(pool_path, "wb") as f:
+        f.truncate(1 << 20)
+    target = FileTarget(str(storage_dir / "k.kv"), str(storage_dir / ".k.tmp"), str(storage_dir), mkdir=False)
+    Path(target.tmp).write_bytes(b"another writer's half file")
+    writers = WriterPool(pool_path, 1, nice=0)
+    try:
+        error = writers.write("ab" * 16, b"key", 0, 64 << 10, target, "off")
+    finally:
+        writers.close()
+
+    assert error is not None and error.errno == errno.EEXIST
+    assert Path(target.tmp).read_bytes() == b"another writer's half file"
+    assert not os.path.exists(target.final)
 
 
 def test_a_file_in_the_way_of_a_directory_is_a_failed_write_not_a_crash(open_store, storage_dir):

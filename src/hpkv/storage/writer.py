@@ -178,10 +178,12 @@ class WriterPool:
                     log.warning("write-through process %d died: %s; starting another", proc.pid, error)
                 proc.close(timeout_s=1.0)
                 proc = None
-            if error is not None:
+            if error is not None and error.errno != errno.EEXIST:
                 # A process that died mid-job left its temporary, named with this server's pid:
                 # no start-up scan removes it while the server lives. The name is this job's
-                # alone, and the process is done with it (it answered, or it is gone).
+                # alone, and the process is done with it (it answered, or it is gone). But not
+                # after EEXIST: the process created no temporary, and the file of that name is
+                # somebody else's.
                 try:
                     os.unlink(target.tmp)
                 except OSError:
