@@ -758,6 +758,26 @@ def test_a_read_that_ends_short_is_a_miss_and_keeps_the_file(open_tier, caplog):
     assert read(tier, key(1)) == payload(key(1))
 
 
+def test_read_errors_are_said_again_after_a_while_not_once_for_good(open_tier, caplog, monkeypatch):
+    """A device that fails, recovers, and fails again hours later is said again: one kind of
+    error at most every WARN_EVERY_S, counted always."""
+    import hpkv.storage.tier as tier_module
+
+    monkeypatch.setattr(tier_module, "WARN_EVERY_S", 0.5)
+    io = ShortReads(4096)
+    tier = open_tier(io=io)
+    write(tier, key(1))
+    io.ended = True
+
+    assert read(tier, key(1)) is None and read(tier, key(1)) is None
+    assert caplog.text.count("cannot read KV files") == 1
+    time.sleep(0.6)
+    assert read(tier, key(1)) is None
+
+    assert caplog.text.count("cannot read KV files") == 2
+    assert tier.stats()["read_misses"] == 3
+
+
 class RefusedOpens(FileIO):
     """Real opens, but of entry files for reading, refused with `errno` while it is set."""
 

@@ -59,6 +59,7 @@ TOUCH_EVERY_S = 60.0  # refresh a file's mtime (its LRU age across restarts) at 
 MAX_UNREADABLE = 1 << 20  # files this tier cannot read, remembered so that no lookup counts them as hits
 SPARE_CHECKS_PER_PASS = 16  # eviction victims whose mtime one eviction looks at (`_evict`)
 MAX_VALUES = 1 << 16  # distinct index values kept for sharing (`_value`)
+WARN_EVERY_S = 600.0  # an I/O error of one kind (what failed, errno) is said at most this often
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # A file this tier is refused (a permission, a name too long) or that its device fails to read
 # (EIO, which may pass): out of the index, or every lookup is a hit that every promotion misses.
@@ -111,7 +112,7 @@ class StorageTier:
         self._cleared: set[str | None] = set()  # namespaces cleared meanwhile (None: all)
         self._dirs: set[str] = set()
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="hpkv-io")
-        self._warned: set[tuple[str, int]] = set()
+        self._warned_at: dict[tuple[str, int], float] = {}  # (what failed, errno) -> when last said
         self.direct = config.direct_io  # cleared by `start` where the file system refuses O_DIRECT
         self._warned_newer = False
         # Files a newer HPKV wrote (`_newer_format`) or that cannot be read (`_read_failed`): out
@@ -346,7 +347,7 @@ class StorageTier:
             then = "the request recomputes, and such files are misses until written again or the server restarts"
         else:
             then = "the request recomputes"
-        self._warn_once(exc, f"cannot read KV files under {self.root}", then)
+        self._warn(exc, f"cannot read KV files under {self.root}", then)
 
     def _mark_unreadable(self, ik: bytes) -> None:
         with self._lock:
@@ -408,7 +409,7 @@ class StorageTier:
             self.counters.write_bytes += payload_bytes
         if published:
             return True
-        self._warn_once(error, f"cannot write KV files under {self.root}")
+        self._warn(error, f"cannot write KV files under {self.root}")
         self.counters.write_failures += 1
         self._spend_budget(-size)  # nothing was written
         return False
@@ -738,12 +739,16 @@ class StorageTier:
             except OSError:
                 pass
 
-    def _warn_once(self, exc: OSError | None, what: str, then: str = "the entry stays in DRAM only") -> None:
+    def _warn(self, exc: OSError | None, what: str, then: str = "the entry stays in DRAM only") -> None:
+        """Say an I/O error, at most every WARN_EVERY_S per kind: once for the life of the process
+        hid a device that failed again hours later; every time flooded the log."""
         code = exc.errno if exc else 0
-        if (what, code) not in self._warned:
-            self._warned.add((what, code))
-            log.warning("%s: %s; %s (further errors of this kind are counted, not logged)", what,
-                        exc.strerror if exc else "no room within HPKV_KV_STORAGE_SIZE", then)
+        now = time.monotonic()
+        if now - self._warned_at.get((what, code), -math.inf) < WARN_EVERY_S:
+            return
+        self._warned_at[(what, code)] = now
+        log.warning("%s: %s; %s (errors of this kind are counted, and said at most every %.0f minutes)", what,
+                    exc.strerror if exc else "no room within HPKV_KV_STORAGE_SIZE", then, WARN_EVERY_S / 60)
 
 
 _MERGE_SLICE = 1 << 16  # files merged into the index per hold of the lock
