@@ -220,6 +220,26 @@ def test_an_automatic_capacity_on_ramfs_is_a_share_of_half_the_memory_available(
         assert too_big.verdict is Verdict.WARN and "memory the engines and the pool need" in too_big.detail
 
 
+def test_on_ramfs_beside_the_pool_a_server_starting_now_leaves_the_pool_its_memory(tmp_path, monkeypatch):
+    """Storage and a 2 GiB pool on one ramfs, 8 GiB available (in a container: what its cgroup
+    leaves): a server starting now takes the pool's memory first, and the tier half of the rest."""
+    from test_fsinfo import GIB, pretend
+
+    point = tmp_path / "ram"
+    pretend(monkeypatch, tmp_path, 64 * GIB, ramfs=(point,), cgroup="/ctr", limits={"/ctr": (str(10 * GIB), 2 * GIB, 0)})
+    storage = StorageConfig(path=point / "storage", enabled=True, capacity_bytes=None, fsync="off", io_threads=1)
+    pool = PoolConfig(dir=point / "pool", size_bytes=2 * GIB)
+
+    space = {c.name: c for c in check_storage(storage, ServerProbe(tmp_path / "no.sock"), pool)}[
+        "storage directory: free space"]
+
+    assert "sizes the tier to 2.4 GiB" in space.detail, space.detail
+    assert "3.0 GiB of room (half the memory available, less the 2.0 GiB DRAM pool" in space.detail
+    running = ServerProbe(tmp_path / "no.sock", stats={"storage": {"used_bytes": 0, "capacity_bytes": 2 << 30}})
+    space = check_storage_space(storage, running, pool)  # its pool is there: in the memory available already
+    assert "4.0 GiB of room (half the memory available:" in space.detail, space.detail
+
+
 def test_a_write_backlog_holding_much_of_the_pool_is_a_warning(tmp_path):
     stats = {"dram": {"capacity_bytes": 64 << 20},
              "write_backlog": {"entries": 32, "bytes": 32 << 20, "limit_bytes": 32 << 20, "deferred": 0}}

@@ -1094,6 +1094,27 @@ def test_an_automatic_capacity_on_ramfs_has_room_and_writes(open_tier, tmp_path,
         subprocess.run(["umount", "-l", str(point)], check=True)
 
 
+def test_an_automatic_capacity_on_ramfs_leaves_out_the_pool_and_a_container_s_limit(open_tier, tmp_path,
+                                                                                    monkeypatch, caplog):
+    """The host says 64 GiB available, the container's cgroup leaves 24 GiB, and a 10 GiB pool on
+    ramfs will take its pages later: auto is 80% of half of the 14 GiB left."""
+    from test_fsinfo import GIB, pretend
+
+    point = tmp_path / "ram"
+    pretend(monkeypatch, tmp_path, 64 * GIB, ramfs=(point,), cgroup="/ctr", limits={"/ctr": (str(32 * GIB), 8 * GIB, 0)})
+
+    with caplog.at_level("WARNING", logger="hpkv.storage.tier"):
+        tier = StorageTier(make_storage_config(point / "storage", None))
+        tier.start(promised_ram_bytes=10 * GIB)
+    try:
+        assert tier.scan_done.wait(10)
+        assert tier.capacity_bytes == int(7 * GIB * 0.8)
+        said = next(r.getMessage() for r in caplog.records if "memory file system" in r.getMessage())
+        assert f"less the DRAM pool's {10 * GIB} bytes still to come" in said
+    finally:
+        tier.close()
+
+
 def test_an_automatic_capacity_on_a_full_disk_says_so_and_writes_nothing(open_tier, small_disk, caplog):
     filler = small_disk / "filler"
     with open(filler, "wb") as f:

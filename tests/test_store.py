@@ -288,6 +288,73 @@ def test_a_promotion_whose_pool_is_gone_resolves_as_a_miss(open_store):
     store.storage.close()
 
 
+def no_fallocate(monkeypatch) -> None:
+    """posix_fallocate as a C library that does not emulate it (musl) has it on ramfs: refused."""
+    import errno
+
+    def refused(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    monkeypatch.setattr(os, "posix_fallocate", refused)
+
+
+@pytest.mark.parametrize("fallocate", ["emulated", "refused"])
+def test_storage_on_ramfs_beside_a_pool_on_ramfs_leaves_the_pool_its_memory(tmp_path, monkeypatch, fallocate):
+    """The quick start puts pool and storage on one ramfs, which has no fallocate: where the C
+    library does not emulate it by touching every page, the pool is only sized when the storage
+    tier starts, its pages come on first touch, and the memory available still counts them. An
+    automatic capacity that took half of them too left the pool's pages nowhere to come from: the
+    tier leaves out what the pool has not taken yet (all of it, or none once its pages are in)."""
+    from test_fsinfo import GIB, pretend
+
+    point = tmp_path / "ram"
+    pretend(monkeypatch, tmp_path, 8 * GIB, ramfs=(point,))
+    if fallocate == "refused":
+        no_fallocate(monkeypatch)
+    pool_bytes = 64 << 20
+    store = TieredStore.open(make_pool_config(point / "pool", pool_bytes),
+                             make_storage_config(point / "storage", None))
+    try:
+        assert store.storage.scan_done.wait(10)
+        to_come = pool_bytes if fallocate == "refused" else 0
+        assert store.storage.capacity_bytes == int((8 * GIB - to_come) // 2 * 0.8)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("fallocate", ["emulated", "refused"])
+def test_storage_on_a_real_ramfs_beside_a_pool_on_it_leaves_the_pool_its_memory(tmp_path, monkeypatch, fallocate):
+    """As above, on a real ramfs (needs root), with the memory available fixed (the machine's
+    moves by a GiB in a second, others' work): the pool's pages not taken yet are left out, and
+    those glibc's posix_fallocate touched are not left out twice."""
+    import subprocess
+
+    from test_fsinfo import GIB, pretend
+
+    point = tmp_path / "ramfs"
+    point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "ramfs", "-o", "mode=0700", "ramfs", str(point)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a ramfs (needs root): {mounted.stderr.strip()}")
+    try:
+        pretend(monkeypatch, tmp_path, 8 * GIB)
+        if fallocate == "refused":
+            no_fallocate(monkeypatch)
+        pool_bytes = 64 << 20
+        store = TieredStore.open(make_pool_config(point / "pool", pool_bytes),
+                                 make_storage_config(point / "storage", None))
+        try:
+            assert store.storage.scan_done.wait(10)
+            to_come = store.region.unbacked_bytes()
+            assert to_come == pool_bytes if fallocate == "refused" else to_come in (0, pool_bytes)
+            assert store.storage.capacity_bytes == int((8 * GIB - to_come) // 2 * 0.8)
+        finally:
+            store.close()
+    finally:
+        subprocess.run(["umount", "-l", str(point)], check=True)
+
+
 def test_a_promotion_does_not_queue_behind_write_throughs(open_store):
     store = open_store(pool_bytes=64 << 20)
     ns = store.register(desc())

@@ -74,7 +74,7 @@ def run_checks(env: Mapping[str, str] | None = None) -> list[Check]:
     checks += [check_pool_fs(settings.pool), check_pool_pages(settings.pool),
                check_pool_permissions(settings.pool), check_socket_path(settings.pool),
                check_pool_space(settings.pool), check_memlock(settings.pool, server)]
-    checks += check_storage(settings.storage, server)
+    checks += check_storage(settings.storage, server, settings.pool)
     checks += [check_server(server), check_hash_seed(env)]
     if server.stats is not None:
         checks.append(check_namespaces(server.stats))
@@ -271,7 +271,7 @@ def check_memlock(pool: PoolConfig, server: ServerProbe) -> Check:
 
 # -- the storage directory -------------------------------------------------------------------------
 
-def check_storage(storage: StorageConfig, server: ServerProbe) -> list[Check]:
+def check_storage(storage: StorageConfig, server: ServerProbe, pool: PoolConfig | None = None) -> list[Check]:
     if not storage.enabled:
         return [Check("storage directory", Verdict.INFO,
                       "the storage tier is off (HPKV_KV_STORAGE_ENABLE=false): KV lives in DRAM only")]
@@ -279,7 +279,7 @@ def check_storage(storage: StorageConfig, server: ServerProbe) -> list[Check]:
     if checks[0].verdict is not Verdict.FAIL:
         checks.append(check_storage_fs(storage))
         if checks[-1].verdict is not Verdict.FAIL:
-            checks.append(check_storage_space(storage, server))
+            checks.append(check_storage_space(storage, server, pool))
         if storage.direct_io and Path(storage.path).is_dir():
             checks.append(check_storage_direct_io(storage))
     if server.stats is not None and server.stats.get("write_backlog") is not None:
@@ -387,13 +387,18 @@ def check_storage_fs(storage: StorageConfig) -> Check:
     return Check(name, Verdict.OK, where)
 
 
-def check_storage_space(storage: StorageConfig, server: ServerProbe) -> Check:
+def check_storage_space(storage: StorageConfig, server: ServerProbe, pool: PoolConfig | None = None) -> Check:
     name = "storage directory: free space"
     ramfs = mount_of(storage.path).fs_type == "ramfs"
-    free = room_bytes(storage.path)
+    # A server starting now puts its pool on ramfs without taking its pages (they come on first
+    # touch): the memory available still counts them, and the tier leaves them out (`room_bytes`).
+    promised = (pool.size_bytes if ramfs and pool is not None and server.stats is None
+                and mount_of(pool.dir).fs_type == "ramfs" else 0)
+    free = room_bytes(storage.path, promised)
     # A ramfs has no size and says 0 free: the tier takes half the memory available as its room.
-    room = (f"{human_bytes(free)} of room (half the memory available: a ramfs has no size of its own, and "
-            "nothing bounds it but memory)" if ramfs else f"{human_bytes(free)} free")
+    less_pool = f", less the {human_bytes(promised)} DRAM pool" if promised else ""
+    room = (f"{human_bytes(free)} of room (half the memory available{less_pool}: a ramfs has no size of its own, "
+            "and nothing bounds it but memory)" if ramfs else f"{human_bytes(free)} free")
     ours = 0
     if server.stats is not None and server.stats.get("storage") is not None:
         ours = server.stats["storage"]["used_bytes"]

@@ -1,4 +1,5 @@
-"""What the operating system says about a path: its mount, file system type and free space.
+"""What the operating system says about a path (its mount, file system type and free space) and
+about memory (what this process may still take: `mem_available_bytes`).
 
 Used by the pool (ramfs/tmpfs expected), the storage tier (auto capacity: `room_bytes`) and
 `hpkv doctor`.
@@ -17,6 +18,11 @@ PSEUDO_FS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs
                        "configfs", "bpf", "pstore", "efivarfs", "fusectl", "mqueue", "binfmt_misc", "nsfs",
                        "rpc_pipefs", "selinuxfs", "smackfs", "hugetlbfs"})
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+# What is read, as names (tests point them at files of their own).
+_MOUNTINFO = "/proc/self/mountinfo"
+_MEMINFO = "/proc/meminfo"
+_SELF_CGROUP = "/proc/self/cgroup"
+_CGROUP_ROOT = "/sys/fs/cgroup"
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,7 @@ def mount_of(path: str | os.PathLike) -> Mount:
     """The mount holding `path` (the longest mount point that is a prefix of its real path)."""
     target = os.path.realpath(existing_ancestor(Path(path)))
     best = Mount("/", "unknown", "unknown")
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+    with open(_MOUNTINFO, encoding="utf-8", errors="replace") as f:
         for line in f:
             left, _, right = line.partition(" - ")
             point = _unescape(left.split()[4])
@@ -69,11 +75,13 @@ def free_bytes(path: str | os.PathLike) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def room_bytes(path: str | os.PathLike) -> int:
+def room_bytes(path: str | os.PathLike, promised_ram_bytes: int = 0) -> int:
     """Bytes the file system holding `path` has room for: its free space, or on ramfs (which has
-    no size, and says 0 free) half of MemAvailable, the most a tmpfs of the default size may take."""
+    no size, and says 0 free) half of the memory available (`mem_available_bytes`), the most a
+    tmpfs of the default size may take, less `promised_ram_bytes` first: memory promised and not
+    taken yet (a pool on ramfs, whose pages arrive on first touch, is still counted available)."""
     if mount_of(path).fs_type == "ramfs":
-        return mem_available_bytes() // 2
+        return max(0, mem_available_bytes() - promised_ram_bytes) // 2
     return free_bytes(path)
 
 
@@ -83,10 +91,65 @@ def total_bytes(path: str | os.PathLike) -> int:
 
 
 def mem_available_bytes() -> int:
-    with open("/proc/meminfo", encoding="ascii") as f:
+    """Memory this process may still take: MemAvailable, at most what its cgroup has left
+    (`cgroup_memory_left`). In a container /proc/meminfo is the host's."""
+    available = 0
+    with open(_MEMINFO, encoding="ascii") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                available = int(line.split()[1]) * 1024
+                break
+    left = cgroup_memory_left()
+    return available if left is None else min(available, left)
+
+
+def cgroup_memory_left() -> int | None:
+    """What this process's cgroup v2 may still take before its memory.max, the least of it and
+    of every cgroup above it (a pod's limit sits above its container's): memory.max less the
+    memory.current that is not inactive page cache (reclaimed before the limit bites). None
+    where no limit applies ("max") or none can be read (cgroup v1, no /sys/fs/cgroup)."""
+    try:
+        with open(_SELF_CGROUP, encoding="utf-8", errors="replace") as f:
+            own = next((line[3:].rstrip("\n") for line in f if line.startswith("0::")), None)
+    except OSError:
+        return None
+    if own is None:
+        return None
+    root = os.path.normpath(_CGROUP_ROOT)
+    cgroup = os.path.normpath(root + "/" + own.lstrip("/"))
+    if cgroup != root and not cgroup.startswith(root + "/"):  # outside this namespace's view
+        cgroup = root
+    least = None
+    while True:
+        left = _cgroup_left(cgroup)
+        if left is not None and (least is None or left < least):
+            least = left
+        if cgroup == root:
+            return least
+        cgroup = os.path.dirname(cgroup)
+
+
+def _cgroup_left(cgroup: str) -> int | None:
+    try:
+        with open(f"{cgroup}/memory.max", encoding="ascii") as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open(f"{cgroup}/memory.current", encoding="ascii") as f:
+            current = int(f.read())
+        return max(0, int(limit) - current + _inactive_file_bytes(cgroup))
+    except (OSError, ValueError):
+        return None
+
+
+def _inactive_file_bytes(cgroup: str) -> int:
+    try:
+        with open(f"{cgroup}/memory.stat", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("inactive_file "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
     return 0
 
 

@@ -120,6 +120,13 @@ class PoolRegion:
                 log.debug("pool prefault stopped at %d of %d bytes: %s", start, self.size_bytes, exc)
                 return
 
+    def unbacked_bytes(self) -> int:
+        """Bytes of the pool file with no pages (or blocks) behind them yet. On ramfs, which has
+        no fallocate, glibc's posix_fallocate touches every page (none are left), while other C
+        libraries fail it and `_reserve` only sizes the file (all are: they arrive on first touch,
+        and until then the memory available still counts them)."""
+        return max(0, self.size_bytes - os.fstat(self._fd).st_blocks * 512)
+
     def view(self, offset: int, num_bytes: int) -> memoryview:
         return self.buf[offset : offset + num_bytes]
 

@@ -131,8 +131,10 @@ class StorageTier:
 
     # -- life ---------------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Make the root usable, size the tier, and rebuild the index in the background."""
+    def start(self, promised_ram_bytes: int = 0) -> None:
+        """Make the root usable, size the tier, and rebuild the index in the background.
+        `promised_ram_bytes`: memory promised elsewhere and not taken yet (a DRAM pool on ramfs,
+        whose pages arrive on first touch), which an automatic capacity on ramfs leaves out."""
         fs_type = mount_of(self.root).fs_type
         if fs_type in PSEUDO_FS:
             raise StorageError(
@@ -156,22 +158,23 @@ class StorageTier:
                 f"the storage directory {self.root} (HPKV_KV_STORAGE_PATH) is not a writable directory for "
                 f"uid {os.geteuid()}; fix its permissions or point HPKV_KV_STORAGE_PATH elsewhere")
         if self.config.capacity_bytes is None:
-            self.capacity_bytes = int(room_bytes(self.root) * AUTO_CAPACITY_FRACTION)
+            self.capacity_bytes = int(room_bytes(self.root, promised_ram_bytes) * AUTO_CAPACITY_FRACTION)
         if fs_type in MEMORY_FS:
-            self._say_memory_fs(fs_type)
+            self._say_memory_fs(fs_type, promised_ram_bytes)
         if self.direct and not direct_supported(str(self.root)):
             self.direct = False
             log.warning("the file system of %s does not take O_DIRECT (HPKV_KV_STORAGE_DIRECT_IO=on); KV files "
                         "go through the page cache instead", self.root)
         threading.Thread(target=self._scan, name="hpkv-storage-scan", daemon=True).start()
 
-    def _say_memory_fs(self, fs_type: str) -> None:
+    def _say_memory_fs(self, fs_type: str, promised_ram_bytes: int) -> None:
         share = round(AUTO_CAPACITY_FRACTION * 100)
         if self.config.capacity_bytes is not None:
             size = f"HPKV_KV_STORAGE_SIZE bounds it to {self.capacity_bytes} bytes"
         elif fs_type == "ramfs":
+            pool = f", less the DRAM pool's {promised_ram_bytes} bytes still to come" if promised_ram_bytes else ""
             size = (f"HPKV_KV_STORAGE_SIZE=auto gave {self.capacity_bytes} bytes ({share}% of half the memory "
-                    f"available: a ramfs has no size of its own), plus {share}% of its KV files already there")
+                    f"available{pool}: a ramfs has no size of its own), plus {share}% of its KV files already there")
         else:
             size = (f"HPKV_KV_STORAGE_SIZE=auto gave {self.capacity_bytes} bytes ({share}% of the {fs_type}'s free "
                     f"space), plus {share}% of its KV files already there")

@@ -1,0 +1,104 @@
+"""Stories about what the operating system says: the memory a process may still take (a
+container's limit, not the host's memory) and the room of a ramfs, which has no size. The files
+read are pointed at files of the test's own (`pretend`), so no root and no container is needed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hpkv import fsinfo
+
+GIB = 1 << 30
+
+
+def pretend(monkeypatch, tmp_path: Path, mem_available: int, ramfs: tuple[Path, ...] = (),
+            cgroup: str | None = None, limits: dict[str, tuple[str, int, int]] | None = None) -> None:
+    """Make fsinfo see `mem_available` bytes in /proc/meminfo; each of `ramfs` mounted as a ramfs
+    (over the real mounts); this process in cgroup v2 `cgroup` ("/a/b"), and in `limits` (cgroup
+    path -> (memory.max, memory.current, inactive_file)) the limits of those cgroups."""
+    fake = tmp_path / "fake-proc"
+    fake.mkdir(exist_ok=True)
+    meminfo = fake / "meminfo"
+    meminfo.write_text(f"MemTotal:       {4 * mem_available // 1024} kB\n"
+                       f"MemFree:        {mem_available // 2048} kB\n"
+                       f"MemAvailable:   {mem_available // 1024} kB\n")
+    monkeypatch.setattr(fsinfo, "_MEMINFO", str(meminfo))
+    mountinfo = fake / "mountinfo"
+    lines = Path("/proc/self/mountinfo").read_text()
+    for n, point in enumerate(ramfs):
+        point.mkdir(parents=True, exist_ok=True)
+        lines += f"{9000 + n} 1 0:{900 + n} / {point.resolve()} rw,relatime shared:900 - ramfs ramfs rw,mode=700\n"
+    mountinfo.write_text(lines)
+    monkeypatch.setattr(fsinfo, "_MOUNTINFO", str(mountinfo))
+    own = fake / "cgroup"
+    own.write_text("" if cgroup is None else f"0::{cgroup}\n")
+    monkeypatch.setattr(fsinfo, "_SELF_CGROUP", str(own))
+    root = fake / "sys-fs-cgroup"
+    root.mkdir(exist_ok=True)
+    for path, (limit, current, inactive_file) in (limits or {}).items():
+        d = root / path.lstrip("/")
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "memory.max").write_text(f"{limit}\n")
+        (d / "memory.current").write_text(f"{current}\n")
+        (d / "memory.stat").write_text(f"anon 4096\nfile 8192\nactive_file 4096\ninactive_file {inactive_file}\n")
+    monkeypatch.setattr(fsinfo, "_CGROUP_ROOT", str(root))
+
+
+def test_without_a_cgroup_limit_the_memory_available_is_memavailable(monkeypatch, tmp_path):
+    pretend(monkeypatch, tmp_path, 64 * GIB, cgroup="/system.slice/hpkv.service",
+            limits={"/system.slice/hpkv.service": ("max", 3 * GIB, 0)})
+
+    assert fsinfo.cgroup_memory_left() is None
+    assert fsinfo.mem_available_bytes() == 64 * GIB
+
+
+def test_in_a_container_the_memory_available_is_what_its_limit_leaves(monkeypatch, tmp_path):
+    """/proc/meminfo in a container is the host's: 64 GiB there, but the container may take 8 GiB
+    and has 3 GiB of it (1 GiB of which inactive page cache, reclaimed before the limit bites)."""
+    pretend(monkeypatch, tmp_path, 64 * GIB, cgroup="/", limits={"/": (str(8 * GIB), 3 * GIB, GIB)})
+
+    assert fsinfo.mem_available_bytes() == 6 * GIB
+
+
+def test_a_limit_above_the_process_s_own_cgroup_counts_too(monkeypatch, tmp_path):
+    """A pod's limit sits above its container's: the least either leaves."""
+    pretend(monkeypatch, tmp_path, 64 * GIB, cgroup="/kubepods/pod1/ctr",
+            limits={"/kubepods/pod1": (str(10 * GIB), 8 * GIB, 0), "/kubepods/pod1/ctr": (str(16 * GIB), 7 * GIB, 0)})
+
+    assert fsinfo.mem_available_bytes() == 2 * GIB
+
+
+def test_a_cgroup_over_its_limit_leaves_nothing(monkeypatch, tmp_path):
+    pretend(monkeypatch, tmp_path, 64 * GIB, cgroup="/c", limits={"/c": (str(GIB), 2 * GIB, 0)})
+
+    assert fsinfo.mem_available_bytes() == 0
+
+
+def test_cgroup_files_that_cannot_be_read_are_no_limit(monkeypatch, tmp_path):
+    """cgroup v1 only (no "0::" line), a cgroup directory not mounted, a garbled file: no cap."""
+    pretend(monkeypatch, tmp_path, 64 * GIB)
+    (tmp_path / "fake-proc" / "cgroup").write_text("4:memory:/process_api/x\n1:cpu:/\n")
+    assert fsinfo.mem_available_bytes() == 64 * GIB
+
+    pretend(monkeypatch, tmp_path, 64 * GIB, cgroup="/not/mounted/here")
+    assert fsinfo.mem_available_bytes() == 64 * GIB
+
+    pretend(monkeypatch, tmp_path, 64 * GIB, cgroup="/c", limits={"/c": ("lots", GIB, 0)})
+    assert fsinfo.mem_available_bytes() == 64 * GIB
+
+    monkeypatch.setattr(fsinfo, "_SELF_CGROUP", str(tmp_path / "no-such-file"))
+    assert fsinfo.mem_available_bytes() == 64 * GIB
+
+
+def test_the_room_of_a_ramfs_is_half_the_memory_left_once_the_pool_takes_its_own(monkeypatch, tmp_path):
+    """A ramfs has no size: its room is half the memory available. A pool on ramfs is only sized
+    when the tier starts (its pages come on first touch), so the memory available still holds
+    it: the room is half of what is left without it, and never below 0."""
+    point = tmp_path / "ram"
+    pretend(monkeypatch, tmp_path, 64 * GIB, ramfs=(point,), cgroup="/c",
+            limits={"/c": (str(48 * GIB), 8 * GIB, 0)})
+
+    assert fsinfo.mount_of(point / "storage").fs_type == "ramfs"
+    assert fsinfo.room_bytes(point / "storage") == 20 * GIB
+    assert fsinfo.room_bytes(point / "storage", promised_ram_bytes=30 * GIB) == 5 * GIB
+    assert fsinfo.room_bytes(point / "storage", promised_ram_bytes=50 * GIB) == 0
