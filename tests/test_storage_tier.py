@@ -829,6 +829,31 @@ def test_a_file_its_device_fails_to_read_is_forgotten_and_found_again_by_a_scan(
     assert read(again, key(1)) == payload(key(1))
 
 
+def test_a_device_error_passes_and_the_file_is_found_again(open_tier, monkeypatch):
+    """EIO often passes (a Lustre client evicted, an NFS soft timeout): the file is a miss for a
+    while, then a lookup adopts it again and its bytes count again; a read that succeeds
+    meanwhile ends the while at once."""
+    import hpkv.storage.tier as tier_module
+
+    monkeypatch.setattr(tier_module, "UNREADABLE_EIO_S", 0.5)
+    io = FailingIO()
+    tier = open_tier(io=io)
+    write(tier, key(1))
+    write(tier, key(2))
+    io.read_errno = errno.EIO
+    assert read(tier, key(1)) is None and read(tier, key(2)) is None
+    assert not tier.contains(NS, key(1)) and tier.stats()["used_bytes"] == 0
+    io.read_errno = 0
+
+    assert read(tier, key(2)) == payload(key(2))  # a promotion queued before the error, say
+    assert tier.contains(NS, key(2)) and not tier.contains(NS, key(1))
+    time.sleep(0.6)
+    assert tier.contains(NS, key(1))
+
+    assert tier.stats()["used_bytes"] == 2 * file_bytes() and tier.stats()["num_entries"] == 2
+    assert read(tier, key(1)) == payload(key(1))
+
+
 def test_an_injected_no_space_error_evicts_and_retries(open_tier, storage_dir):
     io = FailingIO()
     tier = open_tier(io=io)

@@ -57,13 +57,16 @@ BUDGET_BURST_S = 3600.0  # a write budget's bucket holds this long's worth (burs
 STALE_TEMP_S = 3600.0  # a temporary this old is from a writer that died, on whatever node
 TOUCH_EVERY_S = 60.0  # refresh a file's mtime (its LRU age across restarts) at most this often
 MAX_UNREADABLE = 1 << 20  # files this tier cannot read, remembered so that no lookup counts them as hits
+UNREADABLE_EIO_S = 60.0  # a file its device failed to read is a miss this long, then found again
 SPARE_CHECKS_PER_PASS = 16  # eviction victims whose mtime one eviction looks at (`_evict`)
 MAX_VALUES = 1 << 16  # distinct index values kept for sharing (`_value`)
 WARN_EVERY_S = 600.0  # an I/O error of one kind (what failed, errno) is said at most this often
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-# A file this tier is refused (a permission, a name too long) or that its device fails to read
-# (EIO, which may pass): out of the index, or every lookup is a hit that every promotion misses.
-_UNREADABLE_ERRNOS = (errno.EACCES, errno.EPERM, errno.ENAMETOOLONG, errno.EIO)
+# A file this tier is refused (a permission, a name too long): out of the index until written
+# again, or every lookup is a hit that every promotion misses. One its device fails to read (EIO)
+# only for UNREADABLE_EIO_S: that often passes (a Lustre client evicted, an NFS soft timeout), and
+# the files read most would otherwise stay out for good.
+_REFUSED_ERRNOS = (errno.EACCES, errno.EPERM, errno.ENAMETOOLONG)
 _SIZE_BITS = 40  # an index value: the file's size in its low bits, a minute above them (`_value`)
 _SIZE_MASK = (1 << _SIZE_BITS) - 1
 # One sequence for every tier in the process: two tiers on one root (same node, same pid) must
@@ -117,8 +120,9 @@ class StorageTier:
         self._warned_newer = False
         # Files a newer HPKV wrote (`_newer_format`) or that cannot be read (`_read_failed`): out
         # of the index, and not adopted again by a `stat`, or every lookup would count them as
-        # hits that every read then misses. Until this tier writes the key again.
-        self._unreadable: set[bytes] = set()
+        # hits that every read then misses. Until this tier writes or reads the key, or the
+        # monotonic time given (inf: for good).
+        self._unreadable: dict[bytes, float] = {}
         # The file system said "no room" (or a quota did): capacity_bytes is what fitted then.
         self._capacity_learned = False
         # HPKV_KV_STORAGE_WRITE_BUDGET: a token bucket of bytes, filled at the budget's rate.
@@ -244,7 +248,7 @@ class StorageTier:
         ik = self._ik(ns, key)
         if ik in self._lru:
             return True
-        if ik in self._unreadable:
+        if self._is_unreadable(ik):
             return False
         try:
             st = self.io.stat_path(self.path_of(ns, key))
@@ -329,6 +333,7 @@ class StorageTier:
         self.counters.read_bytes += len(dest)
         ik = self._ik(ns, key)
         with self._lock:
+            self._unreadable.pop(ik, None)  # it can be read after all (a device error that passed)
             value = self._lru.get(ik)
             if value is not None:
                 self._lru[ik] = self._value(value & _SIZE_MASK, time.time())
@@ -337,26 +342,43 @@ class StorageTier:
 
     def _read_failed(self, ns: str, key: bytes, exc: OSError) -> None:
         """A miss that leaves the file in place. A file gone (another node removed it) leaves the
-        index; so does one this tier is refused or its device fails to read, and a `stat` does
-        not bring it back (a later start-up scan, or a write of the key, does); anything else
-        (out of file descriptors, a read cut short) may pass, and the file stays indexed."""
+        index; so does one this tier is refused, and a `stat` does not bring it back (a later
+        start-up scan, or a write of the key, does); one its device fails to read (EIO) leaves it
+        for UNREADABLE_EIO_S, then a lookup's `stat` adopts it again, and its bytes, out of
+        `used_bytes` meanwhile, count again. Anything else (out of file descriptors, a read cut short) may pass,
+        and the file stays indexed."""
         self.counters.read_misses += 1
         if exc.errno in (errno.ENOENT, errno.ENOTDIR):
             self._forget(ns, key)
             return
-        if exc.errno in _UNREADABLE_ERRNOS:
+        if exc.errno in _REFUSED_ERRNOS:
             self._forget(ns, key)
             self._mark_unreadable(self._ik(ns, key))
             then = "the request recomputes, and such files are misses until written again or the server restarts"
+        elif exc.errno == errno.EIO:
+            self._forget(ns, key)
+            self._mark_unreadable(self._ik(ns, key), UNREADABLE_EIO_S)
+            then = (f"the request recomputes, and such a file is a miss for {UNREADABLE_EIO_S:.0f} s, then found "
+                    "again by a lookup")
         else:
             then = "the request recomputes"
         self._warn(exc, f"cannot read KV files under {self.root}", then)
 
-    def _mark_unreadable(self, ik: bytes) -> None:
+    def _mark_unreadable(self, ik: bytes, for_s: float = math.inf) -> None:
         with self._lock:
             if len(self._unreadable) >= MAX_UNREADABLE:  # bounded: the rest are found again, one read each
                 self._unreadable.clear()
-            self._unreadable.add(ik)
+            self._unreadable[ik] = time.monotonic() + for_s
+
+    def _is_unreadable(self, ik: bytes) -> bool:
+        """Whether `ik` is marked unreadable; a mark past its time is dropped. No lock needed."""
+        until = self._unreadable.get(ik)
+        if until is None:
+            return False
+        if until > time.monotonic():
+            return True
+        self._unreadable.pop(ik, None)
+        return False
 
     def _newer_format(self, ns: str, key: bytes, path: str, version: int) -> None:
         """A file a newer HPKV wrote (a node sharing this directory, upgraded first): a miss here,
@@ -442,7 +464,7 @@ class StorageTier:
         self._dirs.add(target.directory)
         self._remember(ns, key, size, recent=True)
         with self._lock:
-            self._unreadable.discard(self._ik(ns, key))
+            self._unreadable.pop(self._ik(ns, key), None)
         return None
 
     def _adopt(self, ns: str, key: bytes) -> bool:
