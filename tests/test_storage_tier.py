@@ -890,6 +890,58 @@ def test_a_quota_met_teaches_the_tier_its_capacity_and_evicts_little(open_tier, 
     assert tier.stats()["space_errors"] == 1 and tier.stats()["used_bytes"] <= 200 * file_bytes()
 
 
+def test_a_learned_capacity_goes_back_to_the_size_after_a_while_without_no_room(open_tier, caplog, monkeypatch):
+    """A quota met once (others' files took the room, say) is not a capacity for good: after
+    CAPACITY_RECOVERY_S without another "no room", the tier holds what it was sized to again,
+    and the warning says when."""
+    import hpkv.storage.tier as tier_module
+
+    monkeypatch.setattr(tier_module, "CAPACITY_RECOVERY_S", 0.5)
+    tier = open_tier(capacity=64 * file_bytes())
+    assert tier.scan_done.wait(10)
+    io = tier.io = FailingIO()
+    assert all(write(tier, key(i)) for i in range(8))
+    io.no_space_writes = 1
+    assert write(tier, key("new"))
+    assert tier.stats()["capacity_bytes"] == 8 * file_bytes()
+    said = next(r.getMessage() for r in caplog.records if "has no room for more KV files" in r.getMessage())
+    assert "minutes pass without such an error, when it tries that size again" in said
+
+    time.sleep(0.6)
+    assert all(write(tier, key(i)) for i in range(100, 110))
+
+    assert tier.stats()["capacity_bytes"] == 64 * file_bytes()
+    assert tier.stats()["num_entries"] == 15 and tier.stats()["evictions"] == 4
+
+
+def test_no_room_while_the_start_up_scan_runs_evicts_a_little_and_learns_nothing(open_tier):
+    """Mid-scan, the index holds only the files written since the start: what fitted would be
+    learned as one file, and the files the scan still finds would all be evicted after it."""
+    class HeldScan(StorageTier):
+        gate = threading.Event()
+
+        def _scan(self) -> None:
+            self.gate.wait(10)
+            super()._scan()
+
+    first = open_tier()
+    assert all(write(first, key(i)) for i in range(10))
+    first.close()
+    io = FailingIO()
+    again = open_tier(cls=HeldScan, io=io)
+    assert write(again, key(10))
+    io.no_space_writes = 1
+
+    assert write(again, key(11))
+
+    assert again.stats()["space_errors"] == 1 and again.stats()["capacity_bytes"] == 64 * file_bytes()
+    assert again.stats()["evictions"] == 1  # key 10: all the index held
+    HeldScan.gate.set()
+    assert again.scan_done.wait(10)
+    assert again.stats()["capacity_bytes"] == 64 * file_bytes() and again.stats()["num_entries"] == 11
+    assert all(os.path.exists(again.path_of(NS, key(i))) for i in range(10))
+
+
 def test_no_room_that_one_eviction_does_not_cure_drops_the_write(open_tier):
     """A write is given up (a miss later) rather than evicting again and again."""
     io = FailingIO()

@@ -60,6 +60,7 @@ MAX_UNREADABLE = 1 << 20  # files this tier cannot read, remembered so that no l
 UNREADABLE_EIO_S = 60.0  # a file its device failed to read is a miss this long, then found again
 SPARE_CHECKS_PER_PASS = 16  # eviction victims whose mtime one eviction looks at (`_evict`)
 MAX_VALUES = 1 << 16  # distinct index values kept for sharing (`_value`)
+CAPACITY_RECOVERY_S = 600.0  # a capacity learned from "no room" holds this long after the last such error
 WARN_EVERY_S = 600.0  # an I/O error of one kind (what failed, errno) is said at most this often
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # A file this tier is refused (a permission, a name too long): out of the index until written
@@ -97,6 +98,7 @@ class StorageTier:
         self.io = io or FileIO()
         self.counters = StorageCounters()
         self.capacity_bytes = config.capacity_bytes or 0
+        self._sized_bytes = self.capacity_bytes  # what the settings (or auto) gave: see `_learn_capacity`
         self.used_bytes = 0
         self.scan_done = threading.Event()
         self._node = socket.gethostname().replace(".", "_")
@@ -123,8 +125,10 @@ class StorageTier:
         # hits that every read then misses. Until this tier writes or reads the key, or the
         # monotonic time given (inf: for good).
         self._unreadable: dict[bytes, float] = {}
-        # The file system said "no room" (or a quota did): capacity_bytes is what fitted then.
+        # The file system said "no room" (or a quota did): capacity_bytes is what fitted then,
+        # until CAPACITY_RECOVERY_S pass without another such error (`_recover_capacity`).
         self._capacity_learned = False
+        self._space_error_at = -math.inf
         # HPKV_KV_STORAGE_WRITE_BUDGET: a token bucket of bytes, filled at the budget's rate.
         budget = config.write_budget_bytes
         self._budget_rate = None if budget is None else budget / 86400.0
@@ -163,6 +167,7 @@ class StorageTier:
                 f"uid {os.geteuid()}; fix its permissions or point HPKV_KV_STORAGE_PATH elsewhere")
         if self.config.capacity_bytes is None:
             self.capacity_bytes = int(room_bytes(self.root, promised_ram_bytes) * AUTO_CAPACITY_FRACTION)
+            self._sized_bytes = self.capacity_bytes
         if fs_type in MEMORY_FS:
             self._say_memory_fs(fs_type, promised_ram_bytes)
         if self.direct and not direct_supported(str(self.root)):
@@ -443,7 +448,9 @@ class StorageTier:
         """`write` the file and index it; the error where it could not. A directory removed under
         this tier (ENOENT where it was known to exist) is made again, once. A full disk or quota
         teaches the tier what fits (`_learn_capacity`), evicts once and retries once: evicting
-        again and again emptied whole shared directories on one quota error."""
+        again and again emptied whole shared directories on one quota error. While the start-up
+        scan runs it teaches nothing: `used_bytes` holds only part of this tier's files then, and
+        what fits would be learned as one file."""
         target = self._target(ns, key)
         error = write(target)
         if error is not None and error.errno == errno.ENOENT and not target.mkdir:
@@ -452,12 +459,15 @@ class StorageTier:
             error = write(target)
         if error is not None and error.errno in _SPACE_ERRNOS:
             self.counters.space_errors += 1
-            self._learn_capacity(size)
+            self._space_error_at = time.monotonic()
+            if self.scan_done.is_set():
+                self._learn_capacity(size)
             self._evict_bytes(max(4 * size, self.used_bytes // 100))
             target = self._target(ns, key)
             error = write(target)
             if error is not None and error.errno in _SPACE_ERRNOS:
                 self.counters.space_errors += 1  # and given up: a miss later, never a lost entry
+                self._space_error_at = time.monotonic()
         if error is not None:
             self._dirs.discard(target.directory)
             return error
@@ -481,19 +491,31 @@ class StorageTier:
         """The file system had no room (or the quota was spent) with `used_bytes` of this tier's
         files on it: that is what fits, whatever HPKV_KV_STORAGE_SIZE said (auto on a shared file
         system of petabytes, say, under a user quota). Only lowered, and to at least one file, so
-        the tier goes on writing what fits."""
+        the tier goes on writing what fits; back to what the tier was sized to once
+        CAPACITY_RECOVERY_S pass without another such error (others' files, which took the room,
+        may be gone by then)."""
         with self._lock:
             learned = max(self.used_bytes, size)
             if learned >= self.capacity_bytes:
                 return
-            before, self.capacity_bytes = self.capacity_bytes, learned
+            self.capacity_bytes = learned
             first, self._capacity_learned = not self._capacity_learned, True
         if first:
             log.warning("the file system under %s has no room for more KV files (full, or a quota) with %d bytes of "
                         "them there: the storage tier now holds at most that, not the %d bytes it was sized to "
-                        "(HPKV_KV_STORAGE_SIZE=%s), until the server restarts. Set HPKV_KV_STORAGE_SIZE below the "
-                        "space (or quota) HPKV may use there", self.root, learned, before,
-                        "auto" if self.config.capacity_bytes is None else self.config.capacity_bytes)
+                        "(HPKV_KV_STORAGE_SIZE=%s), until %.0f minutes pass without such an error, when it tries "
+                        "that size again. Set HPKV_KV_STORAGE_SIZE below the space (or quota) HPKV may use there",
+                        self.root, learned, self._sized_bytes,
+                        "auto" if self.config.capacity_bytes is None else self.config.capacity_bytes,
+                        CAPACITY_RECOVERY_S / 60)
+
+    def _recover_capacity(self) -> None:
+        with self._lock:
+            if not self._capacity_learned:
+                return
+            learned, self.capacity_bytes, self._capacity_learned = self.capacity_bytes, self._sized_bytes, False
+        log.info("no room errors under %s for %.0f minutes: the storage tier holds up to %d bytes again (it held "
+                 "at most %d since the last one)", self.root, CAPACITY_RECOVERY_S / 60, self._sized_bytes, learned)
 
     def _spend_budget(self, size: int) -> bool:
         """Take `size` bytes from the write budget (a negative size gives them back). False, and
@@ -585,6 +607,8 @@ class StorageTier:
 
     def _make_room(self, size: int) -> bool:
         """Count `size` bytes in flight and evict until they fit; False if they never can."""
+        if self._capacity_learned and time.monotonic() - self._space_error_at >= CAPACITY_RECOVERY_S:
+            self._recover_capacity()
         if size > self.capacity_bytes:
             return False
         with self._lock:
@@ -689,8 +713,9 @@ class StorageTier:
         started = time.monotonic()
         found = self._walk()
         self._merge(found)
-        if self.config.capacity_bytes is None and not self._capacity_learned:
-            self.capacity_bytes += int(self.used_bytes * AUTO_CAPACITY_FRACTION)
+        if self.config.capacity_bytes is None:
+            self._sized_bytes += int(self.used_bytes * AUTO_CAPACITY_FRACTION)
+            self.capacity_bytes = self._sized_bytes  # none learned yet: not while the scan runs
             if self.capacity_bytes < SMALL_AUTO_CAPACITY:
                 fate = "are not written" if self.capacity_bytes == 0 else "are evicted soon after they are written"
                 log.warning("the storage tier holds only %d bytes: HPKV_KV_STORAGE_SIZE=auto takes %d%% of the "
@@ -745,8 +770,6 @@ class StorageTier:
                     self._lru[k] = value
                     self._lru.move_to_end(k, last=False)
                     self.used_bytes += value & _SIZE_MASK
-                    if self._capacity_learned:  # it was on disk when the tier learned what fits
-                        self.capacity_bytes += value & _SIZE_MASK
         with self._lock:
             self._gone = None
 
