@@ -269,6 +269,57 @@ def test_a_storage_hit_leased_for_promotion_is_not_evicted_before_its_read(open_
     assert store.storage.stats()["evictions"] == 1 and not store.storage.indexed(ns, ks[1])
 
 
+def test_of_a_prefix_leased_from_storage_the_last_key_is_evicted_first(open_store):
+    """A lookup stops at the first miss: of the storage hits a lease promotes, the first key
+    must be the last evicted, as in DRAM."""
+    from hpkv.storage import format as fmt
+
+    ks, more = keys(4), keys(1, "more")
+    store = open_store(capacity=4 * (fmt.header_bytes(len(ks[0])) + ENTRY))  # four files
+    ns = store.register(desc())
+    save(store, ns, ks)
+    assert store.flush(timeout=10)
+    store.clear(memory=True)
+    lease = store.lease(ns, ks, start_reads=False)
+
+    save(store, ns, more)  # its write-through needs room on storage
+    assert store.flush(timeout=10)
+
+    assert [store.storage.indexed(ns, k) for k in ks] == [True, True, True, False]
+    store.start_reads(lease)
+    assert lease.wait(timeout=10) == 3
+    store.release(lease.id)
+
+
+def test_a_lease_waiting_for_the_storage_index_does_not_hold_up_lookups(open_store):
+    """The storage tier's lock is held for long stretches (an eviction popping many files, a
+    remove walking its index): a lease that waits for it must not hold the store's lock."""
+    stored, in_dram = keys(4), keys(2, "dram")
+    store = open_store()
+    ns = store.register(desc())
+    save(store, ns, stored)
+    assert store.flush(timeout=10)
+    store.clear(memory=True)
+    save(store, ns, in_dram)
+    assert store.flush(timeout=10)
+    looked_up = threading.Event()
+
+    def lookup() -> None:
+        assert store.lookup(ns, in_dram).num_dram == 2
+        looked_up.set()
+
+    with store.storage._lock:  # busy, as an eviction keeps it
+        leasing = threading.Thread(target=store.lease, args=(ns, stored), kwargs={"start_reads": False})
+        leasing.start()
+        time.sleep(0.3)  # the lease has pinned its entries and waits for the tier
+        threading.Thread(target=lookup, daemon=True).start()
+        answered = looked_up.wait(5)
+    leasing.join(10)
+
+    assert answered
+    assert store.stats()["leases"] == 1
+
+
 def test_a_promotion_whose_pool_is_gone_resolves_as_a_miss(open_store):
     """A promotion that cannot even see its slot (the pool closed under it, as a close that gave
     up its writes does) still resolves: its lease's untimed waits end, with nothing ready."""

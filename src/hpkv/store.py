@@ -319,6 +319,11 @@ class TieredStore:
                         reads.append((entry, promotion))
             if not self._found_elsewhere(ns, keys, len(entries)):
                 break
+        if reads:
+            # Most recently used on storage now, so writes queued before their reads do not evict
+            # them; last first, so the first key is the last evicted (a lookup stops at the first
+            # miss). Outside the lock: the tier's lock may be held for long (an eviction).
+            self.storage.touch(ns, [entry.key for entry, _ in reversed(reads)])
         with self._lock:
             lease = Lease(next(self._lease_ids), ns, owner, entries, promotions, reads)
             self._leases[lease.id] = lease
@@ -372,7 +377,6 @@ class TieredStore:
         entry = self.dram.reserve(ns, key)
         if entry is None:
             return None, None, False
-        self.storage.touch(ns, key)  # most recently used now: writes queued before its read do not evict it
         self.dram.pin(entry)
         promotion: Future = Future()
         self._promoting[entry] = promotion

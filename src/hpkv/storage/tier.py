@@ -262,14 +262,16 @@ class StorageTier:
         self._remember(ns, key, st.st_size, recent=True, used_s=st.st_mtime)
         return True
 
-    def touch(self, ns: str, key: bytes) -> None:
-        """Make (ns, key) the most recently used, if indexed: a promotion is about to read it (no
-        I/O, so callers may hold a lock). Without it, writes queued before that read could evict
-        the file a lookup just reported as a hit."""
-        ik = self._ik(ns, key)
+    def touch(self, ns: str, keys: list[bytes]) -> None:
+        """Make the keys indexed the most recently used, in the order given (the last most
+        recent): promotions are about to read them. Without it, writes queued before those reads
+        could evict the files a lookup just reported as hits. No I/O, but it waits for this
+        tier's lock, which an eviction or a `remove` holds for long: callers must hold no lock."""
+        prefix = self._ik(ns, b"")
         with self._lock:
-            if ik in self._lru:
-                self._lru.move_to_end(ik)
+            for key in keys:
+                if prefix + key in self._lru:
+                    self._lru.move_to_end(prefix + key)
 
     def read_into(self, ns: str, key: bytes, dest: memoryview) -> bool:
         """Read and verify (ns, key) into `dest` (exactly the payload size). False is a miss; the
