@@ -398,6 +398,47 @@ def test_an_eviction_ends_when_every_file_was_read_elsewhere(open_tier):
     assert tier.stats()["evictions"] == 1 and tier.stats()["used_bytes"] == 3 * file_bytes()
 
 
+def test_files_found_by_a_scan_or_a_lookup_share_their_index_values(open_tier):
+    """The index keeps per file the minute it knew it used, packed with its size: files scanned
+    or adopted get the minute they were found in, not their own mtimes, so files of one size
+    share one int (10 million mtimes of their own cost 350 MB); the scan's order is still theirs."""
+    first = open_tier()
+    for i in range(6):
+        write(first, key(i))
+    age(first, {i: 3600 * (i + 1) for i in range(6)})
+    first.close()
+    again = open_tier(capacity=9 * file_bytes())
+    assert again.scan_done.wait(10)
+    other = open_tier()
+    for i in range(6, 9):
+        write(other, key(i))
+    age(other, {i: 3600 * (i + 1) for i in range(6, 9)})
+
+    assert all(again.contains(NS, key(i)) for i in range(6, 9))  # adopted
+
+    assert len(again._lru) == 9 and len({id(v) for v in again._lru.values()}) <= 3  # the scan's minute, the lookups'
+    write(again, key(9))
+    assert not os.path.exists(again.path_of(NS, key(5)))  # the oldest mtime scanned: the first evicted
+
+
+def test_a_file_of_a_terabyte_or_more_is_never_indexed(open_tier):
+    """An index value keeps a file's size in 40 bits: a larger file (no KV file of ours) is
+    neither adopted by a lookup nor found by a scan, and counts for nothing."""
+    tier = open_tier()
+    huge = Path(tier.path_of(NS, key(1)))
+    huge.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(huge, "wb") as f:
+            f.truncate(1 << 40)  # sparse
+    except OSError as exc:
+        pytest.skip(f"cannot make a sparse file of 1 TiB here: {exc}")
+
+    assert not tier.contains(NS, key(1))
+    again = open_tier()
+    assert again.scan_done.wait(10)
+    assert not again.indexed(NS, key(1)) and again.stats()["used_bytes"] == 0
+
+
 def test_a_restart_with_a_smaller_capacity_evicts_the_oldest_files(open_tier):
     first = open_tier()
     for i in range(5):

@@ -69,7 +69,8 @@ _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # the files read most would otherwise stay out for good.
 _REFUSED_ERRNOS = (errno.EACCES, errno.EPERM, errno.ENAMETOOLONG)
 _SIZE_BITS = 40  # an index value: the file's size in its low bits, a minute above them (`_value`)
-_SIZE_MASK = (1 << _SIZE_BITS) - 1
+_SIZE_MASK = (1 << _SIZE_BITS) - 1  # a file larger than this (1 TiB) is no KV file of ours: never indexed
+_SLACK_MINUTES = 2  # a file read elsewhere since: its mtime this many minutes past the minute known (`_used_since`)
 # One sequence for every tier in the process: two tiers on one root (same node, same pid) must
 # never pick the same temporary name, or one's O_EXCL fails and its clean-up deletes the other's.
 _TEMP_SEQ = itertools.count(1)
@@ -259,7 +260,9 @@ class StorageTier:
             st = self.io.stat_path(self.path_of(ns, key))
         except OSError:
             return False
-        self._remember(ns, key, st.st_size, recent=True, used_s=st.st_mtime)
+        if st.st_size > _SIZE_MASK:
+            return False
+        self._remember(ns, key, st.st_size)  # used now: a lookup found it
         return True
 
     def touch(self, ns: str, keys: list[bytes]) -> None:
@@ -474,7 +477,7 @@ class StorageTier:
             self._dirs.discard(target.directory)
             return error
         self._dirs.add(target.directory)
-        self._remember(ns, key, size, recent=True)
+        self._remember(ns, key, size)
         with self._lock:
             self._unreadable.pop(self._ik(ns, key), None)
         return None
@@ -486,7 +489,9 @@ class StorageTier:
             st = self.io.stat_path(self.path_of(ns, key))
         except OSError:
             return False
-        self._remember(ns, key, st.st_size, recent=True, used_s=st.st_mtime)
+        if st.st_size > _SIZE_MASK:
+            return False
+        self._remember(ns, key, st.st_size)  # used now: just written
         return True
 
     def _learn_capacity(self, size: int) -> None:
@@ -566,24 +571,22 @@ class StorageTier:
 
     def _value(self, size: int, used_s: float) -> int:
         """An index value: `size` and the minute of `used_s` (the wall clock, as file mtimes are)
-        in one int, shared by every file of that size and minute."""
+        in one int, shared by every file of that size and minute. So files are given the minute
+        they are used, found or scanned in, never their own mtimes: millions of distinct ints."""
         value = (int(used_s // 60) << _SIZE_BITS) | size
         if len(self._values) >= MAX_VALUES:  # bounded: values already indexed stay, only less shared
             self._values.clear()
         return self._values.setdefault(value, value)
 
-    def _remember(self, ns: str, key: bytes, size: int, recent: bool, used_s: float | None = None) -> None:
-        """Index (ns, key), last used at `used_s` (now when None)."""
+    def _remember(self, ns: str, key: bytes, size: int) -> None:
+        """Index (ns, key) as the most recently used, now."""
         ik = self._ik(ns, key)
-        value = self._value(size, time.time() if used_s is None else used_s)
+        value = self._value(size, time.time())
         with self._lock:
             old = self._lru.get(ik)
             self._lru[ik] = value
             self.used_bytes += size - (old & _SIZE_MASK if old is not None else 0)
-            if recent:
-                self._lru.move_to_end(ik)
-            elif old is None:
-                self._lru.move_to_end(ik, last=False)
+            self._lru.move_to_end(ik)
 
     def _forget(self, ns: str, key: bytes) -> None:
         ik = self._ik(ns, key)
@@ -644,8 +647,8 @@ class StorageTier:
                 if ik not in checked and len(checked) < SPARE_CHECKS_PER_PASS:
                     checked.add(ik)
                     used_s = self._used_since(path, value)
-                    if used_s is not None:
-                        spared.append((ik, self._value(value & _SIZE_MASK, used_s)))
+                    if used_s is not None:  # known used now (later, where a clock is ahead: spared once)
+                        spared.append((ik, self._value(value & _SIZE_MASK, max(used_s, time.time()))))
                         continue
                 try:
                     self.io.unlink(path)
@@ -668,7 +671,7 @@ class StorageTier:
             mtime = self.io.stat_path(path).st_mtime
         except OSError:
             return None
-        return mtime if mtime >= ((value >> _SIZE_BITS) + 2) * 60 else None
+        return mtime if mtime >= ((value >> _SIZE_BITS) + _SLACK_MINUTES) * 60 else None
 
     def remove(self, ns: str | None = None) -> int:
         """Delete every entry file (of one namespace), including files other nodes wrote."""
@@ -733,6 +736,9 @@ class StorageTier:
     def _walk(self) -> "_Found":
         last_report = time.monotonic()
         found = _Found()
+        # What the index knows of a file scanned: it was there now. Known as used the slack
+        # before, so that a read elsewhere any time after the scan spares it from an eviction.
+        known_s = time.time() - _SLACK_MINUTES * 60
         for ns_dir in self._namespace_dirs():
             ns = os.path.basename(ns_dir)
             for path, entry in _entry_files(ns_dir, temps=True):
@@ -744,9 +750,11 @@ class StorageTier:
                     ik = self._ik(ns, bytes.fromhex(entry.name[:-3]))
                 except (OSError, ValueError, StorageError):  # StorageError: too many namespaces
                     continue
+                if st.st_size > _SIZE_MASK:
+                    continue
                 found.mtimes.append(st.st_mtime)
                 found.keys.append(ik)
-                found.values.append(self._value(st.st_size, st.st_mtime))
+                found.values.append(self._value(st.st_size, known_s))
                 self.counters.files_scanned += 1
                 if time.monotonic() - last_report > 2.0:
                     last_report = time.monotonic()
