@@ -90,6 +90,16 @@ def test_hicache_flags_the_user_gave_are_kept():
     assert extra_config(args) == {**HPKV_BACKEND, "prefetch_threshold": 128, "mine": "x"}
 
 
+def test_hicache_flags_the_user_abbreviated_are_kept():
+    """SGLang's parser takes any unique prefix of a flag: `--hicache-mem` is --hicache-mem-layout."""
+    argv = su.GPU_ARGV + ["--hicache-mem", "layer_first",
+                          '--hicache-storage-backend-extra={"prefetch_threshold": 128}']
+    args = parse(argv)
+    assert args.hicache_mem_layout == "layer_first"
+    assert extra_config(args) == {**HPKV_BACKEND, "prefetch_threshold": 128}
+    assert flag.rewrite_argv(flag.rewrite_argv(argv)) == flag.rewrite_argv(argv)
+
+
 def test_hicache_flags_from_sglangs_config_file_are_kept(tmp_path):
     config = tmp_path / "sglang.yaml"
     config.write_text("hicache-mem-layout: layer_first\nhicache-ratio: 3\n")

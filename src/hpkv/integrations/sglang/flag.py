@@ -20,9 +20,12 @@ Rules, each for a reason:
   is touched; nor is the layout when the user gives `--hicache-io-backend`.
 - The documented order `--model-path --enable-ct-hpkv /path/to/model` works: dropping the flag
   leaves `--model-path /path/to/model`.
+- SGLang's parser takes unique prefixes of its flags (`--hicache-mem page_first`), so those are
+  spelled out first, the way argparse resolves them; otherwise a flag the user gave that way
+  would not count as given, and the one added here would win.
 
 Primitives: `FLAG`, `wants_hpkv(argv)`, `rewrite_argv(argv, threshold)`, `token_threshold()`.
-Must not know: pools, servers; it imports SGLang only to expand `--config`.
+Must not know: pools, servers; it imports SGLang only for its parser (`--config`, flag names).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def rewrite_argv(argv: Sequence[str], threshold: int | None = None) -> list[str]
     argv = list(argv)
     if not wants_hpkv(argv):
         return argv
-    argv = [arg for arg in _expand_config(argv) if arg != FLAG]
+    argv = _spell_out(_expand_config([arg for arg in argv if arg != FLAG]))
     if threshold is None:
         threshold = token_threshold()
     if not any(flag in argv for flag in _HICACHE_ON):
@@ -114,19 +117,46 @@ def _on_npu(argv: list[str]) -> bool:
     return importlib.util.find_spec("torch_npu") is not None
 
 
+def _parser():
+    """SGLang's own argument parser, as prepare_server_args builds it."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
 def _expand_config(argv: list[str]) -> list[str]:
     """Inline SGLang's `--config FILE` the way prepare_server_args would, so the HiCache flags
     the file sets count as given (they would otherwise lose to the ones added here)."""
     if "--config" not in argv:
         return argv
-    import argparse
-
-    from sglang.srt.server_args import ServerArgs
     from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
 
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    return list(ConfigArgumentMerger(parser).merge_config_with_args(argv))
+    return list(ConfigArgumentMerger(_parser()).merge_config_with_args(argv))
+
+
+def _spell_out(argv: list[str]) -> list[str]:
+    """Every flag abbreviated to a unique prefix, as `--name` or `--name=V`, written in full, as
+    argparse (allow_abbrev) would read it. An ambiguous or unknown one stays: argparse refuses it."""
+    names = None
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--":  # the rest are values
+            return out + argv[i:]
+        flag, eq, value = arg.partition("=")
+        if flag.startswith("--") and len(flag) > 2:
+            if names is None:
+                parser = _parser()
+                names = [name for action in parser._actions for name in action.option_strings]
+            if flag not in names:
+                matches = [name for name in names if name.startswith(flag)]
+                if len(matches) == 1:
+                    arg = matches[0] + eq + value
+        out.append(arg)
+    return out
 
 
 def _value(argv: list[str], name: str) -> str | None:
