@@ -361,15 +361,25 @@ def age(tier: StorageTier, ages_s: dict[int, float]) -> None:
         os.utime(tier.path_of(NS, key(i)), (now - age_s, now - age_s))
 
 
+def see_sharing(tier: StorageTier, other: StorageTier) -> None:
+    """`tier` adopts a file `other` wrote (in OTHER_NS, removed after): it shares its directory."""
+    write(other, key("shared"), ns=OTHER_NS)
+    assert tier.contains(OTHER_NS, key("shared"))
+    tier.remove(OTHER_NS)
+    assert tier.shared
+
+
 def test_eviction_spares_a_file_another_node_read_since(open_tier):
-    """Reads refresh a file's mtime, on every node: the oldest file in this node's index that
-    another node has read since is not evicted, but goes to the recent end; the next one goes."""
+    """Reads refresh a file's mtime, on every node: where another node shares the directory,
+    the oldest file in this node's index that it has read since is not evicted, but goes to
+    the recent end; the next one goes."""
     first = open_tier()
     for i in range(3):
         write(first, key(i))
     age(first, {0: 3 * 3600, 1: 2 * 3600, 2: 3600})  # key 0 used longest ago, then key 1
     tier, other = open_tier(capacity=3 * file_bytes()), open_tier()
     assert tier.scan_done.wait(10) and other.scan_done.wait(10)
+    see_sharing(tier, other)
     assert read(other, key(0)) == payload(key(0))  # another node uses key 0 now
 
     assert write(tier, key(3))
@@ -381,6 +391,55 @@ def test_eviction_spares_a_file_another_node_read_since(open_tier):
     assert not os.path.exists(tier.path_of(NS, key(2))) and os.path.exists(tier.path_of(NS, key(0)))
 
 
+class CountedStats(FileIO):
+    """Real system calls; counts `stat`s of paths, and runs `on_stat(path)` before each, once."""
+
+    def __init__(self) -> None:
+        self.stats = 0
+        self.on_stat = None
+
+    def stat_path(self, path):
+        self.stats += 1
+        hook, self.on_stat = self.on_stat, None
+        if hook is not None:
+            hook(path)
+        return super().stat_path(path)
+
+
+def test_a_tier_alone_in_its_directory_evicts_without_looking_at_its_victims(open_tier):
+    """Looking at a victim is a `stat` on the write path (a round trip on Lustre): only worth it
+    once this tier has seen another write here."""
+    io = CountedStats()
+    tier = open_tier(capacity=4 * file_bytes(), io=io)
+    assert tier.scan_done.wait(10)
+
+    assert all(write(tier, key(i)) for i in range(8))
+    assert tier.stats()["evictions"] == 4 and io.stats == 0
+
+    see_sharing(tier, open_tier())
+    io.stats = 0
+    assert all(write(tier, key(i)) for i in range(8, 10))
+    assert tier.stats()["evictions"] == 6 and io.stats == 2
+
+
+def test_a_victim_a_lookup_finds_again_before_its_unlink_stays(open_tier):
+    """Between an eviction taking a victim out of the index and unlinking its file, a lookup's
+    `stat` may adopt the file again: unlinked then, the index would hold a hit with no file."""
+    io = CountedStats()
+    tier = open_tier(capacity=3 * file_bytes(), io=io)
+    assert tier.scan_done.wait(10)
+    see_sharing(tier, open_tier())
+    assert all(write(tier, key(i)) for i in range(3))
+    age(tier, {0: 3600})
+    io.on_stat = lambda path: tier.contains(NS, key(0))  # while the eviction looks at key 0
+
+    assert write(tier, key(3))
+
+    assert tier.indexed(NS, key(0)) and os.path.exists(tier.path_of(NS, key(0)))
+    assert not tier.indexed(NS, key(1)) and not os.path.exists(tier.path_of(NS, key(1)))
+    assert tier.stats()["used_bytes"] == 3 * file_bytes() and tier.stats()["evictions"] == 1
+
+
 def test_an_eviction_ends_when_every_file_was_read_elsewhere(open_tier):
     """Each victim is looked at once per eviction: when all were read by other nodes, the oldest
     goes after all."""
@@ -390,6 +449,7 @@ def test_an_eviction_ends_when_every_file_was_read_elsewhere(open_tier):
     age(first, {0: 3 * 3600, 1: 2 * 3600, 2: 3600})
     tier, other = open_tier(capacity=3 * file_bytes()), open_tier()
     assert tier.scan_done.wait(10) and other.scan_done.wait(10)
+    see_sharing(tier, other)
     assert [read(other, key(i)) for i in range(3)] == [payload(key(i)) for i in range(3)]
 
     assert write(tier, key(3))

@@ -15,8 +15,8 @@ Primitives: `start`, `add_namespace`, `indexed` (`index_probe`), `contains`, `to
 `write_from` (or `publish`, where another process writes the file), `submit`, `remove`, `stats`,
 `close`. Capacity is enforced on this tier's view; `ENOSPC`/`EDQUOT` lower the capacity to what
 fitted, evict once and retry once, and a write that still cannot happen is dropped (counted),
-never raised. Eviction spares a file another node read since this tier last used it (its
-mtime). A write budget (HPKV_KV_STORAGE_WRITE_BUDGET, bytes a day) is a token bucket holding
+never raised. Where another node writes to the directory too, eviction spares a file another
+node read since this tier last used it (its mtime). A write budget (HPKV_KV_STORAGE_WRITE_BUDGET, bytes a day) is a token bucket holding
 BUDGET_BURST_S worth: a write it cannot pay for is not made (counted).
 Must not know: the pool, engines, devices.
 """
@@ -102,6 +102,9 @@ class StorageTier:
         self._sized_bytes = self.capacity_bytes  # what the settings (or auto) gave: see `_learn_capacity`
         self.used_bytes = 0
         self.scan_done = threading.Event()
+        # Whether another tier writes here too (this one adopted a file it did not write): only
+        # then are eviction victims looked at first (`_evict`), a `stat` each (costly on Lustre).
+        self.shared = False
         self._node = socket.gethostname().replace(".", "_")
         self._lock = threading.Lock()
         # Index: by index key, least recently used first, the file's size and the minute this
@@ -254,7 +257,8 @@ class StorageTier:
         ik = self._ik(ns, key)
         if ik in self._lru:
             return True
-        if self._is_unreadable(ik):
+        marked = ik in self._unreadable
+        if marked and self._is_unreadable(ik):
             return False
         try:
             st = self.io.stat_path(self.path_of(ns, key))
@@ -263,6 +267,8 @@ class StorageTier:
         if st.st_size > _SIZE_MASK:
             return False
         self._remember(ns, key, st.st_size)  # used now: a lookup found it
+        if not marked and self.scan_done.is_set():
+            self.shared = True  # a file this tier did not write (not one of its own the scan has yet to find)
         return True
 
     def touch(self, ns: str, keys: list[bytes]) -> None:
@@ -626,9 +632,11 @@ class StorageTier:
 
     def _evict(self, excess: Callable[[int], int]) -> None:
         """Evict the least recently used files while `excess(bytes freed so far)`, called with the
-        lock held, is positive. A victim's file is looked at first: one another node read since
-        this index last knew it used (reads refresh the mtime) goes to the recent end instead.
-        At most SPARE_CHECKS_PER_PASS victims are looked at, each once, so a pass ends."""
+        lock held, is positive. Where the directory is `shared`, a victim's file is looked at
+        first: one another node read since this index last knew it used (reads refresh the
+        mtime) goes to the recent end instead. At most SPARE_CHECKS_PER_PASS victims are looked
+        at, each once, so a pass ends. A victim indexed again before its unlink (a lookup's
+        `contains` adopted it, or it was written again) is left in place."""
         freed = 0
         checked: set[bytes] = set()
         while True:
@@ -641,15 +649,18 @@ class StorageTier:
                     over -= value & _SIZE_MASK
                     victims.append((ik, value))
                 self._note_gone([ik for ik, _ in victims])
-            spared = []
+            spared, kept = [], False
             for ik, value in victims:
                 path = self.path_of(*self._split(ik))
-                if ik not in checked and len(checked) < SPARE_CHECKS_PER_PASS:
+                if self.shared and ik not in checked and len(checked) < SPARE_CHECKS_PER_PASS:
                     checked.add(ik)
                     used_s = self._used_since(path, value)
                     if used_s is not None:  # known used now (later, where a clock is ahead: spared once)
                         spared.append((ik, self._value(value & _SIZE_MASK, max(used_s, time.time()))))
                         continue
+                if ik in self._lru:  # indexed again since it was popped: unlinked, it would be a hit with no file
+                    kept = True
+                    continue
                 try:
                     self.io.unlink(path)
                 except OSError:
@@ -657,6 +668,8 @@ class StorageTier:
                 freed += value & _SIZE_MASK
                 self.counters.evictions += 1
             if not spared:
+                if kept:  # what it holds counts again: evict on
+                    continue
                 return
             with self._lock:
                 for ik, value in spared:
