@@ -1,17 +1,22 @@
 """SGLang calls its storage backend from three threads at once (prefetch, prefetch I/O, backup).
 Here three threads drive one HpkvStorage with exists/get/set on overlapping pages while the HPKV
 server is killed with -9 midway and a new one is auto-started: no exception ever reaches a
-caller, and every page reported loaded holds exactly the bytes written under its key."""
+caller, and every page reported loaded holds exactly the bytes written under its key. The
+threads' clients share one mapping of the pool, and a new server's pool gets a new one."""
 
 from __future__ import annotations
 
+import gc
 import random
+import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 import sglangutil as su
+from hpkv.keys import make_key
 from serverutil import Node, wait_for
 
 NUM_KEYS = 24
@@ -82,3 +87,62 @@ def test_three_threads_with_the_server_killed_midway(node):
     assert storage.stats.snapshot()["faults"] > 0  # the kill was seen, and turned into misses
     assert len(node.server_pids()) == 1  # the auto-started one, killed by node.close()
 
+
+
+def pool_mappings(pool_file: Path) -> int:
+    """This process's mappings of the pool file (of its inode: an unlinked one is still there)."""
+    inode = str(pool_file.stat().st_ino) if pool_file.exists() else None
+    return sum(1 for line in Path("/proc/self/maps").read_text().splitlines()
+               if line.split()[4:5] == [inode] and str(pool_file) in line)
+
+
+def test_the_threads_clients_share_one_mapping_of_the_pool(node):
+    """Each storage thread has a client (a connection of its own), but the process maps the pool
+    once: every mapping costs page tables for the whole pool. A lease taken before the server
+    restarts still reads the old pool; the new server's pool gets a mapping of its own, and the
+    old one goes with the last lease on it."""
+    pool = su.host_pool(seed=3)
+    storage = su.backend(pool)
+    keys = su.page_hashes("prompt", 4)
+    assert storage.batch_set_v1(keys, su.page_indices(pool, [0, 1, 2, 3])) == [True] * 4
+
+    def storage_threads() -> list:
+        threads = [threading.Thread(target=storage.batch_exists, args=(keys,), name=f"sglang-{n}") for n in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        return [storage._clients[thread] for thread in threads]
+
+    clients = storage_threads() + [storage._client()]  # and this thread's, which stored the pages
+    old_inode = node.pool_path.stat().st_ino
+    assert len({id(client.region) for client in clients}) == 1
+    assert pool_mappings(old_inode) == 1
+
+    lease = clients[-1].lease(storage.ns, [make_key(k) for k in keys])
+    assert clients[-1].wait(lease) == 4
+    before = bytes(lease.view(0))
+    server = node.servers[0]
+    server.send_signal(signal.SIGTERM)
+    assert server.wait(timeout=30) == 0
+    node.start_server()
+    new_inode = node.pool_path.stat().st_ino
+    assert new_inode != old_inode
+
+    wait_for(lambda: storage.batch_exists(keys) == 4, 10, what="this thread's client back")  # on storage
+    clients = storage_threads() + [storage._client()]  # new threads, new clients
+    assert {client.region.inode for client in clients} == {new_inode}
+    assert len({id(client.region) for client in clients}) == 1
+    assert pool_mappings(new_inode) == 1
+    assert bytes(lease.view(0)) == before  # the old pool file, unlinked, still mapped for the lease
+    assert pool_mappings(old_inode) == 1
+    del lease
+    gc.collect()
+    assert pool_mappings(old_inode) == 0
+    storage.close()
+
+
+def pool_mappings(inode: int) -> int:
+    """This process's mappings of the pool file with this inode (unlinked or not)."""
+    return sum(1 for line in Path("/proc/self/maps").read_text().splitlines()
+               if line.split()[4:5] == [str(inode)] and "hpkv.pool" in line)

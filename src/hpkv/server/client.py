@@ -22,6 +22,11 @@ reused. `holds(handle)` says whether the connection that made a handle is still 
 reader checks it after copying out of a lease and discards the bytes if not. Give each thread
 that copies its own Client, so one thread's timeout cannot close another's connection mid-copy.
 
+The clients of one process share their mapping of a server's pool file (`_shared_region`): each
+mapping costs page tables, 2 MiB per GiB of pool once prefaulted, and an engine process keeps a
+client per copying thread. A mapping lives while a client or a handle still refers to it, so a
+handle's bytes stay valid after a restart; a new server's pool file gets a mapping of its own.
+
 Thread-safe: one connection, calls serialised by a lock.
 """
 
@@ -31,6 +36,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +84,31 @@ class LeaseHandle:
 
 
 MAX_RETRY_S = 30.0
+
+# (pool path, inode, server pid, prefaulted) -> the mapping this process's clients share. Weak:
+# the last client or handle to let go of a mapping unmaps it. The inode cannot be reused while
+# the mapping lives (its file stays open), and a new server has a new pid, so a key never names
+# a mapping of another file. Prefaulted mappings are apart: a client that only looks up keys
+# (a scheduler) does not take on the page tables of a copying one.
+_regions: "weakref.WeakValueDictionary[tuple, PoolRegion]" = weakref.WeakValueDictionary()
+_regions_lock = threading.Lock()
+
+
+def _shared_region(welcome: p.Welcome, prefault: bool) -> PoolRegion:
+    """This process's mapping of the pool file `welcome` names, made on first use. PoolError:
+    the file cannot be mapped; ServerUnavailable: the path names another file by now."""
+    key = (welcome.pool_path, welcome.pool_inode, welcome.server_pid, prefault)
+    with _regions_lock:
+        region = _regions.get(key)
+        if region is None:
+            region = PoolRegion.attach(Path(welcome.pool_path))
+            if region.inode != welcome.pool_inode:  # the server went and another came meanwhile
+                region.close()
+                raise ServerUnavailable(f"the HPKV pool file {welcome.pool_path} changed while connecting")
+            if prefault:
+                region.prefault()
+            _regions[key] = region
+        return region
 
 
 class Client:
@@ -165,13 +196,13 @@ class Client:
         # inode number (not tmpfs): its pid tells them apart.
         if self.region is None or self.region.inode != welcome.pool_inode or self.server_pid != welcome.server_pid:
             try:
-                region = PoolRegion.attach(Path(welcome.pool_path))
+                self.region = _shared_region(welcome, self.prefault)  # the old map lives on in old handles
             except PoolError as exc:  # e.g. a uid the server admits but the pool file's mode does not
                 sock.close()
                 raise ServerUnavailable(str(exc)) from None
-            self.region = region  # the old map lives on in old handles
-            if self.prefault:
-                region.prefault()
+            except ServerUnavailable:
+                sock.close()
+                raise
         self._sock = sock
         self.epoch += 1
         self.client_id = welcome.client_id

@@ -253,7 +253,7 @@ class HpkvStorage(HiCacheStorage):
                         self.ns, CLEAR_WAIT_S)
 
     def _clear(self) -> None:
-        with Client(self.pool_dir, kind="sglang-clear") as client:
+        with Client(self.pool_dir, kind="sglang-clear", prefault=self.prefault) as client:  # the threads' mapping
             client.clear(memory=True, storage=True, ns=self.ns)
 
     def get_stats(self):
