@@ -392,7 +392,7 @@ def test_eviction_spares_a_file_another_node_read_since(open_tier):
 
 
 class CountedStats(FileIO):
-    """Real system calls; counts `stat`s of paths, and runs `on_stat(path)` before each, once."""
+    """Real system calls; counts `stat`s of paths, and runs `on_stat(path)` after the next one."""
 
     def __init__(self) -> None:
         self.stats = 0
@@ -400,10 +400,11 @@ class CountedStats(FileIO):
 
     def stat_path(self, path):
         self.stats += 1
+        result = super().stat_path(path)
         hook, self.on_stat = self.on_stat, None
         if hook is not None:
             hook(path)
-        return super().stat_path(path)
+        return result
 
 
 def test_a_tier_alone_in_its_directory_evicts_without_looking_at_its_victims(open_tier):
@@ -911,6 +912,72 @@ def test_a_file_this_tier_may_not_open_is_no_longer_a_hit(open_tier, caplog, ref
     io.errno = 0
     assert write(tier, key(1)) and tier.contains(NS, key(1))
     assert read(tier, key(1)) == payload(key(1))
+
+
+class RefusedAndCounted(RefusedOpens, CountedStats):
+    def __init__(self) -> None:
+        RefusedOpens.__init__(self)
+        CountedStats.__init__(self)
+
+
+def spare_key_0(open_tier, io: FileIO) -> StorageTier:
+    """A tier of three files (found at start), sharing its directory, whose key 0 another node
+    read since."""
+    first = open_tier()
+    assert all(write(first, key(i)) for i in range(3))
+    age(first, {0: 3 * 3600, 1: 2 * 3600, 2: 3600})
+    tier, other = open_tier(capacity=3 * file_bytes(), io=io), open_tier()
+    assert tier.scan_done.wait(10) and other.scan_done.wait(10)
+    see_sharing(tier, other)
+    assert read(other, key(0)) == payload(key(0))
+    return tier
+
+
+def test_a_victim_spared_while_a_remove_runs_does_not_come_back(open_tier):
+    """An eviction spares key 0 (read elsewhere) while a `clear` of storage removes every file:
+    put back in the index, it would be a hit with no file."""
+    io = CountedStats()
+    tier = spare_key_0(open_tier, io)
+    io.on_stat = lambda path: tier.remove()  # while the eviction looks at key 0
+
+    assert write(tier, key(3))
+
+    assert [tier.indexed(NS, key(i)) for i in range(4)] == [os.path.exists(tier.path_of(NS, key(i)))
+                                                            for i in range(4)]
+    assert not tier.indexed(NS, key(0)) and tier.stats()["used_bytes"] == file_bytes()
+
+
+def test_a_victim_spared_while_it_is_found_unreadable_does_not_come_back(open_tier):
+    io = RefusedAndCounted()
+    tier = spare_key_0(open_tier, io)
+
+    def refused_meanwhile(path: str) -> None:
+        io.errno = errno.EACCES
+        assert read(tier, key(0)) is None
+        io.errno = 0
+
+    io.on_stat = refused_meanwhile
+
+    assert write(tier, key(3))
+
+    assert not tier.indexed(NS, key(0)) and not tier.contains(NS, key(0))
+    assert tier.stats()["used_bytes"] == 3 * file_bytes()  # keys 1 (or 2), 3 and the one left
+
+
+def test_a_failed_rewrite_does_not_adopt_the_file_this_tier_could_not_read(open_tier):
+    """The file in place after a failed write is the one this tier was refused before: indexed,
+    every lookup would count it as a hit that every promotion misses."""
+    io = RefusedOpens()
+    tier = open_tier(io=io)
+    write(tier, key(1))
+    io.errno = errno.EACCES
+    assert read(tier, key(1)) is None
+    io.errno = 0
+
+    assert not tier.publish(NS, key(1), ENTRY, fmt.VERSION, lambda target: OSError(errno.EIO, "injected"))
+
+    assert not tier.indexed(NS, key(1)) and not tier.contains(NS, key(1))
+    assert tier.stats()["write_failures"] == 1
 
 
 def test_a_file_its_device_fails_to_read_is_forgotten_and_found_again_by_a_scan(open_tier, caplog):

@@ -116,6 +116,8 @@ class StorageTier:
         self._ns_names: list[str] = []
         self._values: dict[int, int] = {}  # one int object per (size, minute), not one per file
         self._inflight_bytes = 0
+        # `remove`s so far: a victim an eviction spared must not come back into the index past one.
+        self._removals = 0
         # Keys removed while the start-up scan runs, so the scan does not bring them back.
         self._gone: set[bytes] | None = set()
         self._cleared: set[str | None] = set()  # namespaces cleared meanwhile (None: all)
@@ -490,7 +492,10 @@ class StorageTier:
 
     def _adopt(self, ns: str, key: bytes) -> bool:
         """Index the file of (ns, key) if one is in place after a failed write (its writer
-        process was killed after its rename, or another node wrote it)."""
+        process was killed after its rename, or another node wrote it), unless that file is
+        one this tier cannot read (the one in place before, still)."""
+        if self._is_unreadable(self._ik(ns, key)):
+            return False
         try:
             st = self.io.stat_path(self.path_of(ns, key))
         except OSError:
@@ -642,6 +647,7 @@ class StorageTier:
         while True:
             victims = []
             with self._lock:
+                removals = self._removals
                 over = excess(freed)
                 while self._lru and over > 0:
                     ik, value = self._lru.popitem(last=False)
@@ -672,8 +678,11 @@ class StorageTier:
                     continue
                 return
             with self._lock:
+                if self._removals != removals:  # a remove while they were looked at: their files are going
+                    continue
                 for ik, value in spared:
-                    if ik not in self._lru:  # not written again meanwhile
+                    # Not written again, nor found unreadable, while it was looked at.
+                    if ik not in self._lru and not self._is_unreadable(ik):
                         self._lru[ik] = value
                         self.used_bytes += value & _SIZE_MASK
 
@@ -690,6 +699,7 @@ class StorageTier:
         """Delete every entry file (of one namespace), including files other nodes wrote."""
         prefix = None if ns is None else self._ik(ns, b"")
         with self._lock:
+            self._removals += 1
             for k in [k for k in self._lru if prefix is None or k[:2] == prefix]:
                 self.used_bytes -= self._lru.pop(k) & _SIZE_MASK
             if self._gone is not None:  # what a running start-up scan found here must not come back
