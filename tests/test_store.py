@@ -406,6 +406,31 @@ def test_storage_on_a_real_ramfs_beside_a_pool_on_it_leaves_the_pool_its_memory(
         subprocess.run(["umount", "-l", str(point)], check=True)
 
 
+def test_a_close_that_gives_up_its_writes_resolves_the_promotions_it_drops_as_misses(open_store, storage_dir):
+    """A close that gives up its writes (storage stopped answering) drops the storage reads
+    still queued too: their promotions resolve, as misses, so nothing waits on them for ever."""
+    store = open_store(storage=make_storage_config(storage_dir, None, io_threads=1))
+    ns = store.register(desc())
+    stored = keys(2, "stored")
+    save(store, ns, stored)
+    assert store.flush(timeout=10)
+    store.clear(memory=True)
+    gate = threading.Event()
+    store.storage.publish = lambda *args: gate.wait(30)  # the device hangs
+    store.storage.read_into = lambda *args: gate.wait(30) and False
+    save(store, ns, keys(1, "busy"))  # its write-through hangs
+    lease = store.lease(ns, stored)  # the last key's read hangs on the one I/O thread, the first's waits for it
+    give_up = threading.Event()
+    give_up.set()
+    try:
+        assert store.close(abandon=give_up)
+
+        assert lease.promotions[0].result(timeout=5) is False
+        assert lease.wait(timeout=1) == 0
+    finally:
+        gate.set()
+
+
 def test_a_promotion_does_not_queue_behind_write_throughs(open_store):
     store = open_store(pool_bytes=64 << 20)
     ns = store.register(desc())

@@ -26,6 +26,7 @@ mapped region.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import logging
 import os
@@ -194,9 +195,10 @@ class TieredStore:
         written: the pool goes), then remove the pool. The writes are given up (their entries are
         not on storage) once `abandon` is set, or when none has ended for STALLED_S: a storage
         device that does not answer must not keep the server, and with it the pool file the next
-        server needs, for ever. Returns whether they were given up: threads may then still be
-        stuck in a system call on that device, and the process should exit without joining them
-        (`os._exit`)."""
+        server needs, for ever; the storage reads still queued are dropped then too (their
+        promotions resolve as misses). Returns whether they were given up: threads may then
+        still be stuck in a system call on that device, and the process should exit without
+        joining them (`os._exit`)."""
         with self._lock:
             self._closing = True
         if self._writer is not None:
@@ -338,9 +340,17 @@ class TieredStore:
         reads, lease.reads = lease.reads, []
         for entry, promotion in reversed(reads):
             try:
-                self.storage.submit(self._promote, entry, promotion)
+                read = self.storage.submit(self._promote, entry, promotion)
             except RuntimeError:  # the executor is shut down: the store is closing
                 self._promote_done(entry, promotion, False)
+                continue
+            read.add_done_callback(functools.partial(self._read_dropped, entry, promotion))
+
+    def _read_dropped(self, entry: DramEntry, promotion: Future, read: Future) -> None:
+        """A read cancelled before it ran (a close that gave up the storage I/O drops what is
+        queued) never runs `_promote`: its promotion resolves here instead, as a miss."""
+        if read.cancelled():
+            self._promote_done(entry, promotion, False)
 
     def get_lease(self, lease_id: int) -> Lease | None:
         return self._leases.get(lease_id)
