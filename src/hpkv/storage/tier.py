@@ -14,9 +14,10 @@ system takes it (see `fileio`).
 Primitives: `start`, `add_namespace`, `indexed` (`index_probe`), `contains`, `touch`, `read_into`,
 `write_from` (or `publish`, where another process writes the file), `submit`, `remove`, `stats`,
 `close`. Capacity is enforced on this tier's view; `ENOSPC`/`EDQUOT` lower the capacity to what
-fitted, evict once and retry once, and a write that still cannot happen is dropped (counted),
-never raised. Where another node writes to the directory too, eviction spares a file another
-node read since this tier last used it (its mtime). A write budget (HPKV_KV_STORAGE_WRITE_BUDGET, bytes a day) is a token bucket holding
+fitted (for CAPACITY_RECOVERY_S after the last one), evict once and retry once, and a write that
+still cannot happen is dropped (counted), never raised. Where another node writes to the
+directory too, eviction spares a file another node read since this tier last used it (its
+mtime). A write budget (HPKV_KV_STORAGE_WRITE_BUDGET, bytes a day) is a token bucket holding
 BUDGET_BURST_S worth: a write it cannot pay for is not made (counted).
 Must not know: the pool, engines, devices.
 """
