@@ -107,12 +107,21 @@ def test_the_threads_clients_share_one_mapping_of_the_pool(node):
     assert storage.batch_set_v1(keys, su.page_indices(pool, [0, 1, 2, 3])) == [True] * 4
 
     def storage_threads() -> list:
-        threads = [threading.Thread(target=storage.batch_exists, args=(keys,), name=f"sglang-{n}") for n in range(3)]
+        """Three storage threads, alive together (a new client closes the clients of ended threads)."""
+        clients, together = [], threading.Barrier(3)
+
+        def call() -> None:
+            storage.batch_exists(keys)
+            clients.append(storage._client())  # this thread's own
+            together.wait(timeout=30)
+
+        threads = [threading.Thread(target=call, name=f"sglang-{n}") for n in range(3)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(timeout=30)
-        return [storage._clients[thread] for thread in threads]
+        assert len(clients) == 3
+        return clients
 
     clients = storage_threads() + [storage._client()]  # and this thread's, which stored the pages
     old_inode = node.pool_path.stat().st_ino
