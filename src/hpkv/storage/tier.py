@@ -13,9 +13,9 @@ system takes it (see `fileio`).
 
 Primitives: `start`, `add_namespace`, `indexed` (`index_probe`), `contains`, `touch`, `read_into`,
 `write_from` (or `publish`, where another process writes the file), `submit`, `remove`, `stats`,
-`close`. Capacity is enforced on this tier's view; `ENOSPC`/`EDQUOT` lower the capacity to what
-fitted (for CAPACITY_RECOVERY_S after the last one), evict once and retry once, and a write that
-still cannot happen is dropped (counted), never raised. Where another node writes to the
+`close`. Capacity is enforced on this tier's view; `ENOSPC`/`EDQUOT` evict a little and retry
+once; a write that still cannot happen is dropped (counted), never raised, and lowers the
+capacity to what fitted (for CAPACITY_RECOVERY_S after the last such error). Where another node writes to the
 directory too, eviction spares a file another node read since this tier last used it (its
 mtime). A write budget (HPKV_KV_STORAGE_WRITE_BUDGET, bytes a day) is a token bucket holding
 BUDGET_BURST_S worth: a write it cannot pay for is not made (counted).
@@ -461,10 +461,12 @@ class StorageTier:
     def _put(self, ns: str, key: bytes, size: int, write: Callable[[FileTarget], OSError | None]) -> OSError | None:
         """`write` the file and index it; the error where it could not. A directory removed under
         this tier (ENOENT where it was known to exist) is made again, once. A full disk or quota
-        teaches the tier what fits (`_learn_capacity`), evicts once and retries once: evicting
-        again and again emptied whole shared directories on one quota error. While the start-up
-        scan runs it teaches nothing: `used_bytes` holds only part of this tier's files then, and
-        what fits would be learned as one file."""
+        evicts a little and retries once: evicting again and again emptied whole shared
+        directories on one quota error. Only a retry that finds no room either teaches the tier
+        what fits (`_learn_capacity`): one "no room" alone is often a moment's (a Lustre OST full
+        for a while), and learning from each shrank the tier to one file under intermittent
+        ones. While the start-up scan runs nothing is learned: `used_bytes` holds only part of
+        this tier's files then, and what fits would be learned as one file."""
         target = self._target(ns, key)
         error = write(target)
         if error is not None and error.errno == errno.ENOENT and not target.mkdir:
@@ -472,16 +474,14 @@ class StorageTier:
             target = self._target(ns, key)
             error = write(target)
         if error is not None and error.errno in _SPACE_ERRNOS:
-            self.counters.space_errors += 1
-            self._space_error_at = time.monotonic()
-            if self.scan_done.is_set():
-                self._learn_capacity(size)
+            self._note_space_error()
             self._evict_bytes(max(4 * size, self.used_bytes // 100))
             target = self._target(ns, key)
             error = write(target)
-            if error is not None and error.errno in _SPACE_ERRNOS:
-                self.counters.space_errors += 1  # and given up: a miss later, never a lost entry
-                self._space_error_at = time.monotonic()
+            if error is not None and error.errno in _SPACE_ERRNOS:  # given up: a miss later, never a lost entry
+                self._note_space_error()
+                if self.scan_done.is_set():
+                    self._learn_capacity(size)
         if error is not None:
             self._dirs.discard(target.directory)
             return error
@@ -506,11 +506,16 @@ class StorageTier:
         self._remember(ns, key, st.st_size)  # used now: just written
         return True
 
+    def _note_space_error(self) -> None:
+        with self._lock:  # `_recover_capacity` reads it under the lock: it cannot undo what is learned now
+            self.counters.space_errors += 1
+            self._space_error_at = time.monotonic()
+
     def _learn_capacity(self, size: int) -> None:
         """The file system had no room (or the quota was spent) with `used_bytes` of this tier's
-        files on it: that is what fits, whatever HPKV_KV_STORAGE_SIZE said (auto on a shared file
-        system of petabytes, say, under a user quota). Only lowered, and to at least one file, so
-        the tier goes on writing what fits; back to what the tier was sized to once
+        files on it, even after an eviction: that is what fits, whatever HPKV_KV_STORAGE_SIZE said
+        (auto on a shared file system of petabytes, say, under a user quota). Only lowered, and
+        to at least one file, so the tier goes on writing what fits; back to what it was sized to once
         CAPACITY_RECOVERY_S pass without another such error (others' files, which took the room,
         may be gone by then)."""
         with self._lock:
