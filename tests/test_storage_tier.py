@@ -1098,6 +1098,21 @@ def test_a_learned_capacity_goes_back_to_the_size_after_a_while_without_no_room(
     assert tier.stats()["num_entries"] == 14 and tier.stats()["evictions"] == 4
 
 
+def test_a_recovery_decided_before_a_new_no_room_keeps_what_that_one_taught(open_tier):
+    """A write found the learned capacity old enough to recover; before it recovers, another
+    write meets "no room" twice and learns again: the recovery must not undo that."""
+    tier = open_tier(capacity=64 * file_bytes())
+    assert tier.scan_done.wait(10)
+    io = tier.io = FailingIO()
+    assert all(write(tier, key(i)) for i in range(8))
+    io.no_space_writes = 2
+    assert not write(tier, key("new"))
+
+    tier._recover_capacity()  # the first write, going on past its check
+
+    assert tier.stats()["capacity_bytes"] == 4 * file_bytes()
+
+
 def test_no_room_while_the_start_up_scan_runs_evicts_a_little_and_learns_nothing(open_tier):
     """Mid-scan, the index holds only the files written since the start: what fitted would be
     learned as one file, and the files the scan still finds would all be evicted after it."""

@@ -534,8 +534,8 @@ class StorageTier:
                         CAPACITY_RECOVERY_S / 60)
 
     def _recover_capacity(self) -> None:
-        with self._lock:
-            if not self._capacity_learned:
+        with self._lock:  # checked again here: a space error just before must keep what it learned
+            if not self._capacity_learned or time.monotonic() - self._space_error_at < CAPACITY_RECOVERY_S:
                 return
             learned, self.capacity_bytes, self._capacity_learned = self.capacity_bytes, self._sized_bytes, False
         log.info("no room errors under %s for %.0f minutes: the storage tier holds up to %d bytes again (it held "
