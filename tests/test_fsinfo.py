@@ -40,7 +40,7 @@ def pretend(monkeypatch, tmp_path: Path, mem_available: int, ramfs: tuple[Path, 
         d.mkdir(parents=True, exist_ok=True)
         (d / "memory.max").write_text(f"{limit}\n")
         (d / "memory.current").write_text(f"{current}\n")
-        (d / "memory.stat").write_text(f"anon 4096\nfile 8192\nactive_file 4096\ninactive_file {inactive_file}\n")
+        (d / "memory.stat").write_text(f"anon 4096\nfile 8192\nactive_file 0\ninactive_file {inactive_file}\n")
     monkeypatch.setattr(fsinfo, "_CGROUP_ROOT", str(root))
 
 
@@ -56,6 +56,17 @@ def test_in_a_container_the_memory_available_is_what_its_limit_leaves(monkeypatc
     """/proc/meminfo in a container is the host's: 64 GiB there, but the container may take 8 GiB
     and has 3 GiB of it (1 GiB of which inactive page cache, reclaimed before the limit bites)."""
     pretend(monkeypatch, tmp_path, 64 * GIB, cgroup="/", limits={"/": (str(8 * GIB), 3 * GIB, GIB)})
+
+    assert fsinfo.mem_available_bytes() == 6 * GIB
+
+
+def test_active_page_cache_and_reclaimable_slab_count_as_left_too(monkeypatch, tmp_path):
+    """A container that read its files twice has them in active page cache: the kernel drops that
+    too before the limit bites, and reclaimable slab (dentries, inodes) as well."""
+    pretend(monkeypatch, tmp_path, 64 * GIB, cgroup="/", limits={"/": (str(8 * GIB), 6 * GIB, 0)})
+    (tmp_path / "fake-proc" / "sys-fs-cgroup" / "memory.stat").write_text(
+        f"anon {GIB}\nfile {4 * GIB}\nactive_file {2 * GIB}\ninactive_file {GIB}\nslab_reclaimable {GIB}\n"
+        f"slab_unreclaimable {GIB}\n")
 
     assert fsinfo.mem_available_bytes() == 6 * GIB
 

@@ -106,7 +106,7 @@ def mem_available_bytes() -> int:
 def cgroup_memory_left() -> int | None:
     """What this process's cgroup v2 may still take before its memory.max, the least of it and
     of every cgroup above it (a pod's limit sits above its container's): memory.max less the
-    memory.current that is not inactive page cache (reclaimed before the limit bites). None
+    memory.current that is reclaimable (`_reclaimable_bytes`). None
     where no limit applies ("max") or none can be read (cgroup v1, no /sys/fs/cgroup)."""
     try:
         with open(_SELF_CGROUP, encoding="utf-8", errors="replace") as f:
@@ -137,20 +137,27 @@ def _cgroup_left(cgroup: str) -> int | None:
             return None
         with open(f"{cgroup}/memory.current", encoding="ascii") as f:
             current = int(f.read())
-        return max(0, int(limit) - current + _inactive_file_bytes(cgroup))
+        return max(0, int(limit) - current + _reclaimable_bytes(cgroup))
     except (OSError, ValueError):
         return None
 
 
-def _inactive_file_bytes(cgroup: str) -> int:
+_RECLAIMABLE = ("active_file", "inactive_file", "slab_reclaimable")
+
+
+def _reclaimable_bytes(cgroup: str) -> int:
+    """What the kernel reclaims before the cgroup's limit bites: its page cache (active too: a
+    file read twice is active, and still dropped under pressure) and reclaimable slab."""
+    num = 0
     try:
         with open(f"{cgroup}/memory.stat", encoding="ascii") as f:
             for line in f:
-                if line.startswith("inactive_file "):
-                    return int(line.split()[1])
+                name, _, value = line.partition(" ")
+                if name in _RECLAIMABLE:
+                    num += int(value)
     except (OSError, ValueError):
-        pass
-    return 0
+        return 0
+    return num
 
 
 def existing_ancestor(path: Path) -> Path:
