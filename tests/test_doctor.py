@@ -13,7 +13,7 @@ import pytest
 
 from hpkv.config import PoolConfig, StorageConfig
 from hpkv.doctor import (Check, ServerProbe, Verdict, check_hash_seed, check_memlock, check_pool_fs,
-                         check_pool_pages, check_pool_permissions, check_socket_path, check_storage,
+                         check_pool_pages, check_pool_permissions, check_pool_space, check_socket_path, check_storage,
                          check_storage_permissions, check_storage_space, check_write_backlog, run_checks)
 from hpkv.fsinfo import mount_of
 from test_cli_server import env, hpkv, hpkv_env, pool_dir, server  # noqa: F401
@@ -345,3 +345,16 @@ def test_namespaces_that_find_their_keys_are_fine():
     stage1 = dataclasses.replace(DESC, pp_size=2, rank=1, num_layers=15, entry_bytes=15 * 4096)
     cold = {"namespaces": {stage0.ns: ns_stats(stage0, 100, 0), stage1.ns: ns_stats(stage1, 100, 0)}}
     assert check_namespaces(cold).verdict is Verdict.INFO
+
+
+def test_a_pool_above_a_container_s_limit_is_a_warning_not_a_failure(tmp_path, monkeypatch):
+    """64 GiB available on the host, 2 GiB left under the container's memory.max: the server
+    creates an 8 GiB pool on ramfs (it warns), so doctor warns too, naming the limit."""
+    from test_fsinfo import GIB, pretend
+
+    point = tmp_path / "ram"
+    pretend(monkeypatch, tmp_path, 64 * GIB, ramfs=(point,), cgroup="/ctr", limits={"/ctr": (str(4 * GIB), 2 * GIB, 0)})
+
+    space = check_pool_space(PoolConfig(dir=point / "pool", size_bytes=8 * GIB))
+
+    assert space.verdict is Verdict.WARN and "container's memory limit" in space.detail, space.detail

@@ -365,3 +365,18 @@ def test_a_prefaulted_attachment_has_every_pool_page_mapped(shm_dir, regions):
     data = os.urandom(4096)
     attached.buf[7 * MiB : 7 * MiB + 4096] = data  # still the same shared file
     assert bytes(owner.buf[7 * MiB : 7 * MiB + 4096]) == data
+
+
+def test_a_pool_above_a_container_s_limit_is_created_with_a_warning(tmp_path, monkeypatch, regions, caplog):
+    """On ramfs the pool is checked against MemAvailable, as before; what the container's cgroup
+    has left (an estimate that moves with its page cache) only warns, naming the limit."""
+    from test_fsinfo import GIB, pretend
+
+    point = tmp_path / "ram"
+    pretend(monkeypatch, tmp_path, 64 * GIB, ramfs=(point,), cgroup="/ctr", limits={"/ctr": (str(GIB), GIB, 0)})
+
+    with caplog.at_level(logging.WARNING, logger="hpkv.pool.region"):
+        region = regions(PoolRegion.create(point / "pool", 2 * MiB))
+
+    assert region.size_bytes == 2 * MiB
+    assert any("container's memory limit" in r.getMessage() for r in caplog.records)

@@ -20,7 +20,8 @@ from typing import Mapping
 from . import __version__
 from .config import PoolConfig, Settings, StorageConfig, load_settings
 from .errors import ConfigError, HpkvError
-from .fsinfo import PSEUDO_FS, existing_ancestor, free_bytes, mem_available_bytes, mount_of, room_bytes
+from .fsinfo import (MEMORY_FS, PSEUDO_FS, cgroup_memory_left, existing_ancestor, free_bytes, meminfo_available_bytes,
+                     mount_of, room_bytes)
 from .pool.region import POOL_FILE_NAME
 from .server import protocol as p
 from .server.autostart import ServerUnavailable
@@ -214,7 +215,7 @@ def check_pool_space(pool: PoolConfig) -> Check:
     mount = mount_of(pool.dir)
     held = _pool_file_bytes(Path(pool.dir))
     # ramfs reports no size: what it can take is the machine's available memory (as the pool does).
-    available = (mem_available_bytes() if mount.fs_type == "ramfs" else free_bytes(pool.dir)) + held
+    available = (meminfo_available_bytes() if mount.fs_type == "ramfs" else free_bytes(pool.dir)) + held
     asked = f"HPKV_KV_MEM_POOL_SIZE={human_bytes(pool.size_bytes)}"
     if pool.size_bytes > available:
         return Check(name, Verdict.FAIL,
@@ -222,7 +223,14 @@ def check_pool_space(pool: PoolConfig) -> Check:
                      f"{mount.fs_type} at {mount.mount_point}",
                      f"lower HPKV_KV_MEM_POOL_SIZE to at most {human_bytes(available)}, or enlarge the mount "
                      f"(as root: mount -o remount,size=<size> {mount.mount_point})")
-    memory = mem_available_bytes() + held
+    memory = meminfo_available_bytes() + held
+    left = cgroup_memory_left() if mount.fs_type in MEMORY_FS else None
+    if left is not None and pool.size_bytes > left + held:  # a warning only, as the server's (`_check_space`)
+        return Check(name, Verdict.WARN,
+                     f"{asked} is more than this container's memory limit leaves ({human_bytes(left + held)} under "
+                     "the memory.max of its cgroup): the pool's pages count against it, and the kernel may kill "
+                     "the server as they fill",
+                     "lower HPKV_KV_MEM_POOL_SIZE or raise the container's memory limit")
     if mount.fs_type == "tmpfs" and pool.size_bytes > memory:
         return Check(name, Verdict.WARN,
                      f"{asked} fits the tmpfs ({human_bytes(available)} free) but exceeds the memory available "

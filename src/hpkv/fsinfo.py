@@ -92,15 +92,20 @@ def total_bytes(path: str | os.PathLike) -> int:
 
 def mem_available_bytes() -> int:
     """Memory this process may still take: MemAvailable, at most what its cgroup has left
-    (`cgroup_memory_left`). In a container /proc/meminfo is the host's."""
-    available = 0
+    (`cgroup_memory_left`). In a container /proc/meminfo is the host's. An estimate for sizing
+    (the storage tier's auto capacity), never for refusing: a cgroup's usage moves."""
+    available = meminfo_available_bytes()
+    left = cgroup_memory_left()
+    return available if left is None else min(available, left)
+
+
+def meminfo_available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (the host's, in a container)."""
     with open(_MEMINFO, encoding="ascii") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-                break
-    left = cgroup_memory_left()
-    return available if left is None else min(available, left)
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def cgroup_memory_left() -> int | None:

@@ -28,7 +28,8 @@ import threading
 from pathlib import Path
 
 from ..errors import PoolError
-from ..fsinfo import MEMORY_FS, PSEUDO_FS, existing_ancestor, free_bytes, mem_available_bytes, mount_of
+from ..fsinfo import (MEMORY_FS, PSEUDO_FS, cgroup_memory_left, existing_ancestor, free_bytes, meminfo_available_bytes,
+                      mount_of)
 
 log = logging.getLogger(__name__)
 
@@ -209,12 +210,20 @@ def _warn_if_not_in_memory(directory: Path) -> None:
 def _check_space(directory: Path, size_bytes: int) -> None:
     mount = mount_of(directory)
     # ramfs reports no size at all; the memory it can take is what the machine has free.
-    available = mem_available_bytes() if mount.fs_type == "ramfs" else free_bytes(directory)
+    available = meminfo_available_bytes() if mount.fs_type == "ramfs" else free_bytes(directory)
     if size_bytes > available:
         raise PoolError(
             f"the DRAM pool does not fit: HPKV_KV_MEM_POOL_SIZE asks for {_human(size_bytes)} in "
             f"{directory} ({mount.fs_type} at {mount.mount_point}) but only {_human(available)} is free; "
             "lower HPKV_KV_MEM_POOL_SIZE or enlarge the mount")
+    # A container's limit only warns: what its cgroup has left moves with its page cache and
+    # other processes, and refusing on an estimate stopped pools that fitted.
+    left = cgroup_memory_left() if mount.fs_type in MEMORY_FS else None
+    if left is not None and size_bytes > left:
+        log.warning("the DRAM pool (HPKV_KV_MEM_POOL_SIZE=%s) is more than this container's memory limit leaves "
+                    "(%s under the memory.max of its cgroup): the pool's pages count against that limit, and the "
+                    "kernel may kill the server as they fill. Lower HPKV_KV_MEM_POOL_SIZE or raise the container's "
+                    "memory limit", _human(size_bytes), _human(left))
 
 
 def _create_exclusive(path: Path) -> int:
