@@ -423,22 +423,52 @@ def test_a_tier_alone_in_its_directory_evicts_without_looking_at_its_victims(ope
     assert tier.stats()["evictions"] == 6 and io.stats == 2
 
 
-def test_a_victim_a_lookup_finds_again_before_its_unlink_stays(open_tier):
+def test_a_victim_a_lookup_asks_for_before_its_unlink_is_a_miss(open_tier):
     """Between an eviction taking a victim out of the index and unlinking its file, a lookup's
-    `stat` may adopt the file again: unlinked then, the index would hold a hit with no file."""
+    `stat` still finds the file: adopted, the index would hold a hit with no file."""
     io = CountedStats()
     tier = open_tier(capacity=3 * file_bytes(), io=io)
     assert tier.scan_done.wait(10)
     see_sharing(tier, open_tier())
     assert all(write(tier, key(i)) for i in range(3))
     age(tier, {0: 3600})
-    io.on_stat = lambda path: tier.contains(NS, key(0))  # while the eviction looks at key 0
+    found = []
+    io.on_stat = lambda path: found.append(tier.contains(NS, key(0)))  # while the eviction looks at key 0
 
     assert write(tier, key(3))
 
-    assert tier.indexed(NS, key(0)) and os.path.exists(tier.path_of(NS, key(0)))
-    assert not tier.indexed(NS, key(1)) and not os.path.exists(tier.path_of(NS, key(1)))
+    assert found == [False]
+    assert not tier.indexed(NS, key(0)) and not os.path.exists(tier.path_of(NS, key(0)))
     assert tier.stats()["used_bytes"] == 3 * file_bytes() and tier.stats()["evictions"] == 1
+
+
+class HookedUnlinks(FileIO):
+    """Real system calls; runs `on_unlink(path)` just before the next unlink."""
+
+    def __init__(self) -> None:
+        self.on_unlink = None
+
+    def unlink(self, path):
+        hook, self.on_unlink = self.on_unlink, None
+        if hook is not None:
+            hook(path)
+        super().unlink(path)
+
+
+def test_a_lookup_of_a_victim_on_a_tier_alone_neither_adopts_it_nor_thinks_it_shared(open_tier):
+    """A tier alone in its directory: its victim's file, still there for a moment, is its own,
+    not another node's (which would make every later eviction `stat` its victims)."""
+    io = HookedUnlinks()
+    tier = open_tier(capacity=3 * file_bytes(), io=io)
+    assert tier.scan_done.wait(10)
+    assert all(write(tier, key(i)) for i in range(3))
+    found = []
+    io.on_unlink = lambda path: found.append(tier.contains(NS, key(0)))
+
+    assert write(tier, key(3))
+
+    assert found == [False] and not tier.shared
+    assert not tier.indexed(NS, key(0)) and tier.stats()["used_bytes"] == 3 * file_bytes()
 
 
 def test_an_eviction_ends_when_every_file_was_read_elsewhere(open_tier):

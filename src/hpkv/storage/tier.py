@@ -117,6 +117,10 @@ class StorageTier:
         self._ns_names: list[str] = []
         self._values: dict[int, int] = {}  # one int object per (size, minute), not one per file
         self._inflight_bytes = 0
+        # Victims popped by an eviction and not yet unlinked: a lookup's `stat` still finds their
+        # files, and adopting one would index a key whose file is about to go (and take this
+        # tier's own file for another node's: `shared`). A miss instead.
+        self._evicting: set[bytes] = set()
         # `remove`s so far: a victim an eviction spared must not come back into the index past one.
         self._removals = 0
         # Keys removed while the start-up scan runs, so the scan does not bring them back.
@@ -260,6 +264,8 @@ class StorageTier:
         ik = self._ik(ns, key)
         if ik in self._lru:
             return True
+        if ik in self._evicting:
+            return False
         marked = ik in self._unreadable
         if marked and self._is_unreadable(ik):
             return False
@@ -495,7 +501,8 @@ class StorageTier:
         """Index the file of (ns, key) if one is in place after a failed write (its writer
         process was killed after its rename, or another node wrote it), unless that file is
         one this tier cannot read (the one in place before, still)."""
-        if self._is_unreadable(self._ik(ns, key)):
+        ik = self._ik(ns, key)
+        if ik in self._evicting or self._is_unreadable(ik):
             return False
         try:
             st = self.io.stat_path(self.path_of(ns, key))
@@ -646,8 +653,8 @@ class StorageTier:
         lock held, is positive. Where the directory is `shared`, a victim's file is looked at
         first: one another node read since this index last knew it used (reads refresh the
         mtime) goes to the recent end instead. At most SPARE_CHECKS_PER_PASS victims are looked
-        at, each once, so a pass ends. A victim indexed again before its unlink (a lookup's
-        `contains` adopted it, or it was written again) is left in place."""
+        at, each once, so a pass ends. Until its unlink a victim is a miss to lookups
+        (`_evicting`); one written again meanwhile is left in place."""
         freed = 0
         checked: set[bytes] = set()
         while True:
@@ -660,6 +667,7 @@ class StorageTier:
                     self.used_bytes -= value & _SIZE_MASK
                     over -= value & _SIZE_MASK
                     victims.append((ik, value))
+                    self._evicting.add(ik)
                 self._note_gone([ik for ik, _ in victims])
             spared, kept = [], False
             for ik, value in victims:
@@ -669,14 +677,20 @@ class StorageTier:
                     used_s = self._used_since(path, value)
                     if used_s is not None:  # known used now (later, where a clock is ahead: spared once)
                         spared.append((ik, self._value(value & _SIZE_MASK, max(used_s, time.time()))))
+                        with self._lock:
+                            self._evicting.discard(ik)
                         continue
-                if ik in self._lru:  # indexed again since it was popped: unlinked, it would be a hit with no file
+                if ik in self._lru:  # written again since it was popped: unlinked, it would be a hit with no file
                     kept = True
+                    with self._lock:
+                        self._evicting.discard(ik)
                     continue
                 try:
                     self.io.unlink(path)
                 except OSError:
                     pass  # another node evicted it first
+                with self._lock:
+                    self._evicting.discard(ik)
                 freed += value & _SIZE_MASK
                 self.counters.evictions += 1
             if not spared:
