@@ -977,6 +977,18 @@ def test_a_victim_spared_while_a_remove_runs_does_not_come_back(open_tier):
     assert not tier.indexed(NS, key(0)) and tier.stats()["used_bytes"] == file_bytes()
 
 
+def test_a_victim_spared_while_another_namespace_is_removed_comes_back(open_tier):
+    io = CountedStats()
+    tier = spare_key_0(open_tier, io)
+    io.on_stat = lambda path: tier.remove(OTHER_NS)  # while the eviction looks at key 0
+
+    assert write(tier, key(3))
+
+    assert tier.indexed(NS, key(0)) and os.path.exists(tier.path_of(NS, key(0)))
+    assert [os.path.exists(tier.path_of(NS, key(i))) for i in range(1, 4)] == [False, True, True]
+    assert tier.stats()["used_bytes"] == 3 * file_bytes() and tier.stats()["evictions"] == 1
+
+
 def test_a_victim_spared_while_it_is_found_unreadable_does_not_come_back(open_tier):
     io = RefusedAndCounted()
     tier = spare_key_0(open_tier, io)

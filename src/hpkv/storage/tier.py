@@ -34,7 +34,7 @@ import socket
 import threading
 import time
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,8 +121,10 @@ class StorageTier:
         # files, and adopting one would index a key whose file is about to go (and take this
         # tier's own file for another node's: `shared`). A miss instead.
         self._evicting: set[bytes] = set()
-        # `remove`s so far: a victim an eviction spared must not come back into the index past one.
+        # `remove`s so far, and the index key prefixes of the last ones (None: all): a victim an
+        # eviction spared must not come back into the index past a remove of its namespace.
         self._removals = 0
+        self._removed: deque[bytes | None] = deque(maxlen=_REMOVALS_KEPT)
         # Keys removed while the start-up scan runs, so the scan does not bring them back.
         self._gone: set[bytes] | None = set()
         self._cleared: set[str | None] = set()  # namespaces cleared meanwhile (None: all)
@@ -698,13 +700,23 @@ class StorageTier:
                     continue
                 return
             with self._lock:
-                if self._removals != removals:  # a remove while they were looked at: their files are going
-                    continue
+                removed = self._removed_since(removals)
                 for ik, value in spared:
+                    if removed is None or ik[:2] in removed:  # removed while it was looked at: its file is going
+                        freed += value & _SIZE_MASK
                     # Not written again, nor found unreadable, while it was looked at.
-                    if ik not in self._lru and not self._is_unreadable(ik):
+                    elif ik not in self._lru and not self._is_unreadable(ik):
                         self._lru[ik] = value
                         self.used_bytes += value & _SIZE_MASK
+
+    def _removed_since(self, removals: int) -> set[bytes] | None:
+        """The index key prefixes removed since `removals` (None: all namespaces). Caller holds
+        the lock."""
+        num = self._removals - removals
+        if num > len(self._removed):
+            return None
+        recent = list(self._removed)[len(self._removed) - num :] if num else []
+        return None if None in recent else set(recent)
 
     def _used_since(self, path: str, value: int) -> float | None:
         """The mtime of `path` where it is later than the minute `value` knows, with a minute to
@@ -720,6 +732,7 @@ class StorageTier:
         prefix = None if ns is None else self._ik(ns, b"")
         with self._lock:
             self._removals += 1
+            self._removed.append(prefix)
             for k in [k for k in self._lru if prefix is None or k[:2] == prefix]:
                 self.used_bytes -= self._lru.pop(k) & _SIZE_MASK
             if self._gone is not None:  # what a running start-up scan found here must not come back
@@ -853,6 +866,7 @@ class StorageTier:
 
 
 _MERGE_SLICE = 1 << 16  # files merged into the index per hold of the lock
+_REMOVALS_KEPT = 64  # removes an eviction tells apart by namespace; past that many, all count as removed
 
 
 @dataclass
