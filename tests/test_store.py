@@ -291,6 +291,30 @@ def test_of_a_prefix_leased_from_storage_the_last_key_is_evicted_first(open_stor
     store.release(lease.id)
 
 
+def test_a_lease_touches_its_storage_hits_before_looking_for_files_elsewhere(open_store):
+    """Looking for a key's file elsewhere is a stat (slow on Lustre): the hits found before it
+    are made the most recently used first, so that writes meanwhile do not evict them; at the
+    end, all of them last key first."""
+    ks = keys(4)
+    store = open_store()
+    ns = store.register(desc())
+    save(store, ns, ks)
+    assert store.flush(timeout=10)
+    store.clear(memory=True)
+    store.storage._forget(ns, ks[2])  # written by another node, say: found by a stat
+    events = []
+    touch, found_elsewhere = store.storage.touch, store._found_elsewhere
+    store.storage.touch = lambda ns_, touched: (events.append(("touch", list(touched))), touch(ns_, touched))
+    store._found_elsewhere = lambda *args: (events.append(("stat",)), found_elsewhere(*args))[1]
+
+    lease = store.lease(ns, ks)
+
+    assert lease.wait(timeout=10) == 4
+    store.release(lease.id)
+    assert events[:2] == [("touch", [ks[1], ks[0]]), ("stat",)]
+    assert events[-1] == ("touch", ks[::-1])
+
+
 def test_a_lease_waiting_for_the_storage_index_does_not_hold_up_lookups(open_store):
     """The storage tier's lock is held for long stretches (an eviction popping many files, a
     remove walking its index): a lease that waits for it must not hold the store's lock."""

@@ -309,7 +309,9 @@ class TieredStore:
         promotions: list[Future | None] = []
         reads: list[tuple[DramEntry, Future]] = []
         probe = self.storage.index_probe(ns) if self.storage is not None else (b"", _NOWHERE)
+        num_touches = 0
         while True:
+            num_read = len(reads)
             with self._lock:
                 for key in keys[len(entries):] if entries else keys:
                     entry, promotion, read = self._pin_for_read(ns, key, probe)
@@ -319,12 +321,16 @@ class TieredStore:
                     promotions.append(promotion)
                     if read:
                         reads.append((entry, promotion))
+            # Most recently used on storage now, so writes queued before their reads do not evict
+            # them, before `_found_elsewhere` (a stat, slow on Lustre); last first, so the first
+            # key is the last evicted (a lookup stops at the first miss). Outside the lock: the
+            # tier's lock may be held for long (an eviction).
+            if len(reads) > num_read:
+                self.storage.touch(ns, [entry.key for entry, _ in reversed(reads[num_read:])])
+                num_touches += 1
             if not self._found_elsewhere(ns, keys, len(entries)):
                 break
-        if reads:
-            # Most recently used on storage now, so writes queued before their reads do not evict
-            # them; last first, so the first key is the last evicted (a lookup stops at the first
-            # miss). Outside the lock: the tier's lock may be held for long (an eviction).
+        if num_touches > 1:  # the first key last evicted across rounds too (no I/O)
             self.storage.touch(ns, [entry.key for entry, _ in reversed(reads)])
         with self._lock:
             lease = Lease(next(self._lease_ids), ns, owner, entries, promotions, reads)
