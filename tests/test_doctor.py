@@ -358,3 +358,23 @@ def test_a_pool_above_a_container_s_limit_is_a_warning_not_a_failure(tmp_path, m
     space = check_pool_space(PoolConfig(dir=point / "pool", size_bytes=8 * GIB))
 
     assert space.verdict is Verdict.WARN and "container's memory limit" in space.detail, space.detail
+
+
+def test_storage_on_ramfs_leaves_out_a_pool_on_tmpfs_too_less_what_its_file_already_holds(tmp_path, monkeypatch,
+                                                                                          shm_dir):
+    """As the server: the pages a pool on any memory file system has yet to take are left out
+    of the room, and those a pool file already there holds are not left out twice."""
+    from hpkv.pool.region import POOL_FILE_NAME
+    from test_fsinfo import GIB, pretend
+
+    point = tmp_path / "ram"
+    pretend(monkeypatch, tmp_path, 8 * GIB, ramfs=(point,))
+    storage = StorageConfig(path=point / "storage", enabled=True, capacity_bytes=None, fsync="off", io_threads=1)
+    probe = ServerProbe(tmp_path / "no.sock")
+
+    on_tmpfs = check_storage_space(storage, probe, PoolConfig(dir=shm_dir, size_bytes=2 << 20))
+    assert mount_of(shm_dir).fs_type == "tmpfs" and "less the 2.0 MiB DRAM pool" in on_tmpfs.detail, on_tmpfs.detail
+
+    (shm_dir / POOL_FILE_NAME).write_bytes(b"\1" * (1 << 20))  # a stale pool file, its pages taken
+    stale = check_storage_space(storage, probe, PoolConfig(dir=shm_dir, size_bytes=2 << 20))
+    assert "less the 1.0 MiB DRAM pool" in stale.detail, stale.detail

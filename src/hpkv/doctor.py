@@ -398,10 +398,13 @@ def check_storage_fs(storage: StorageConfig) -> Check:
 def check_storage_space(storage: StorageConfig, server: ServerProbe, pool: PoolConfig | None = None) -> Check:
     name = "storage directory: free space"
     ramfs = mount_of(storage.path).fs_type == "ramfs"
-    # A server starting now puts its pool on ramfs without taking its pages (they come on first
-    # touch): the memory available still counts them, and the tier leaves them out (`room_bytes`).
-    promised = (pool.size_bytes if ramfs and pool is not None and server.stats is None
-                and mount_of(pool.dir).fs_type == "ramfs" else 0)
+    # A server starting now puts its pool on a memory file system without taking its pages (they
+    # come on first touch): the memory available still counts them, and the tier leaves them out
+    # (`room_bytes`), as the server does (`PoolRegion.unbacked_bytes`): all but those a pool file
+    # already there holds.
+    promised = 0
+    if ramfs and pool is not None and server.stats is None and mount_of(pool.dir).fs_type in MEMORY_FS:
+        promised = max(0, pool.size_bytes - _pool_file_bytes(Path(pool.dir)))
     free = room_bytes(storage.path, promised)
     # A ramfs has no size and says 0 free: the tier takes half the memory available as its room.
     less_pool = f", less the {human_bytes(promised)} DRAM pool" if promised else ""
