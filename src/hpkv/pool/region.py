@@ -54,6 +54,7 @@ class PoolRegion:
         self.size_bytes = size_bytes
         self.owner = owner
         self.locked_in_memory = False
+        self._closed = False
         self._fd = fd
         self._map = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         try:
@@ -101,10 +102,16 @@ class PoolRegion:
         except OSError as exc:
             raise PoolError(f"cannot open the HPKV pool file {path}: {exc.strerror}") from None
         try:
-            return cls(Path(path), fd, os.fstat(fd).st_size, owner=False)
+            region = cls(Path(path), fd, os.fstat(fd).st_size, owner=False)
         except (OSError, ValueError) as exc:  # ValueError: an empty file (its owner is still starting)
             os.close(fd)
             raise PoolError(f"cannot map the HPKV pool file {path}: {exc}; is its server running?") from None
+        # The map holds the file open by a descriptor of its own, closed with the map (also when
+        # the region is collected unclosed): once a restarted server's old pool file has no
+        # mapping left, nothing here keeps its memory.
+        os.close(fd)
+        region._fd = -1
+        return region
 
     def prefault(self) -> None:
         """Map every page of the pool into this process now, in a background thread, so copies
@@ -133,14 +140,17 @@ class PoolRegion:
 
     def close(self) -> None:
         """Unmap; the owner also removes the file (mappings held by others stay valid)."""
-        if self._fd < 0:
+        if self._closed:
             return
+        self._closed = True
         self.buf.release()
         try:
             self._map.close()
         except BufferError:
             # Someone still holds a view of the map: leave it to the garbage collector.
             log.debug("pool map still exported; leaving unmap to the collector")
+        if self._fd < 0:
+            return  # a client's: its descriptor was closed once mapped
         if self.owner and _names(self.path, self._fd):  # not another server's file of the same name
             try:
                 os.unlink(self.path)

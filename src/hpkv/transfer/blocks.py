@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 
 
 class PoolTensors:
-    """One int8 CPU tensor per pool file (by inode), pinned for the device when possible."""
+    """The pool as an int8 CPU tensor: on CUDA one per pool file (by inode), registered as pinned
+    memory once; elsewhere a view made per copy."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -54,6 +55,10 @@ class PoolTensors:
         self.pinned = False
 
     def get(self, region: PoolRegion) -> torch.Tensor:
+        if self.device.type != "cuda":
+            # Nothing to register: a view made per copy keeps no pool mapped after its server
+            # is gone (a restarted server's old pool keeps its memory while anything maps it).
+            return torch.frombuffer(region.buf, dtype=torch.int8)
         held = self._by_inode.get(region.inode)
         if held is None:
             tensor = torch.frombuffer(region.buf, dtype=torch.int8)
