@@ -100,10 +100,11 @@ def test_hicache_flags_the_user_abbreviated_are_kept():
     assert flag.rewrite_argv(flag.rewrite_argv(argv)) == flag.rewrite_argv(argv)
 
 
-def test_hicache_flags_from_sglangs_config_file_are_kept(tmp_path):
+@pytest.mark.parametrize("option", ["--config", "--conf"])  # argparse takes a unique prefix
+def test_hicache_flags_from_sglangs_config_file_are_kept(tmp_path, option):
     config = tmp_path / "sglang.yaml"
     config.write_text("hicache-mem-layout: layer_first\nhicache-ratio: 3\n")
-    args = parse(su.GPU_ARGV + ["--config", str(config)])
+    args = parse(su.GPU_ARGV + [option, str(config)])
     assert (args.hicache_mem_layout, args.hicache_ratio) == ("layer_first", 3.0)
     assert args.hicache_storage_backend == "dynamic" and extra_config(args)["class_name"] == "HpkvStorage"
 

@@ -52,6 +52,7 @@ class PoolTensors:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._by_inode: dict[int, tuple[PoolRegion, torch.Tensor]] = {}
+        self._lock = threading.Lock()  # the forward thread's loads and the saver thread's saves
         self.pinned = False
 
     def get(self, region: PoolRegion) -> torch.Tensor:
@@ -59,19 +60,22 @@ class PoolTensors:
             # Nothing to register: a view made per copy keeps no pool mapped after its server
             # is gone (a restarted server's old pool keeps its memory while anything maps it).
             return torch.frombuffer(region.buf, dtype=torch.int8)
-        held = self._by_inode.get(region.inode)
-        if held is None:
-            tensor = torch.frombuffer(region.buf, dtype=torch.int8)
-            self._pin(tensor)
-            held = self._by_inode[region.inode] = (region, tensor)
-        return held[1]
+        with self._lock:
+            held = self._by_inode.get(region.inode)
+            if held is None:
+                tensor = torch.frombuffer(region.buf, dtype=torch.int8)
+                self._pin(tensor)
+                held = self._by_inode[region.inode] = (region, tensor)
+            return held[1]
 
     def _pin(self, tensor: torch.Tensor) -> None:
         if self.device.type != "cuda":
             return  # CPU needs no pinning; other devices copy through pageable memory
         result = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
         code = result[0] if isinstance(result, tuple) else result
-        self.pinned = int(code) == 0
+        # 712, cudaErrorHostMemoryAlreadyRegistered: another copier in this process (the saver
+        # thread's, another engine's) registered this mapping first; it is pinned all the same.
+        self.pinned = int(code) in (0, 712)
         if not self.pinned:
             log.warning("could not register the HPKV pool as pinned memory (cuda error %s); copies to and "
                         "from the GPU will be slower", code)

@@ -253,7 +253,9 @@ class HpkvStorage(HiCacheStorage):
                         self.ns, CLEAR_WAIT_S)
 
     def _clear(self) -> None:
-        with Client(self.pool_dir, kind="sglang-clear", prefault=self.prefault) as client:  # the threads' mapping
+        # Not prefaulted: a clear that comes before any storage thread has mapped the pool must
+        # not populate all of it for one message.
+        with Client(self.pool_dir, kind="sglang-clear", prefault=False) as client:
             client.clear(memory=True, storage=True, ns=self.ns)
 
     def get_stats(self):

@@ -62,7 +62,8 @@ def rewrite_argv(argv: Sequence[str], threshold: int | None = None) -> list[str]
     argv = list(argv)
     if not wants_hpkv(argv):
         return argv
-    argv = _spell_out(_expand_config([arg for arg in argv if arg != FLAG]))
+    # Spelled out first: an abbreviated --conf must be expanded like --config.
+    argv = _expand_config(_spell_out([arg for arg in argv if arg != FLAG]))
     if threshold is None:
         threshold = token_threshold()
     if not any(flag in argv for flag in _HICACHE_ON):

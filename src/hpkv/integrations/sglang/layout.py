@@ -108,7 +108,15 @@ def model_id() -> ModelId | None:
         kv_cache_dtype = str(get_model().kv_cache_dtype)
     except Exception:  # the resolved view is not readable here: the raw flag
         kv_cache_dtype = str(getattr(args, "kv_cache_dtype", "auto"))
-    return ModelId(_model_text(args), kv_cache_dtype)
+    text = _model_text(args)
+    try:
+        # fp8 KV scales loaded from a file (load_model_utils): other scales, other bytes' meaning.
+        scales = get_model().quantization_param_path
+    except Exception:
+        scales = None
+    if scales:
+        text += f"+kv_scales={os.path.realpath(scales) if os.path.exists(scales) else scales}"
+    return ModelId(text, kv_cache_dtype)
 
 
 def _model_text(args) -> str:
