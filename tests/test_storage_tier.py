@@ -5,6 +5,7 @@ and injected I/O faults."""
 from __future__ import annotations
 
 import errno
+import math
 import hashlib
 import os
 import shutil
@@ -1563,3 +1564,39 @@ def test_entries_removed_while_the_start_up_scan_runs_do_not_come_back(open_tier
     assert [again.contains(NS, key(i)) for i in range(4)] == [True, True, False, True]
     assert not any(again.contains(OTHER_NS, key(i)) for i in range(4))
     assert again.stats()["used_bytes"] == 3 * file_bytes()
+
+
+def test_a_full_set_of_unreadable_marks_drops_those_past_their_time_first(open_tier, monkeypatch):
+    """Room for four marks: three past their time and one for good (a file this tier is refused).
+    A fifth mark drops the three, not the one for good (which would be a hit again)."""
+    import hpkv.storage.tier as tier_module
+
+    monkeypatch.setattr(tier_module, "MAX_UNREADABLE", 4)
+    tier = open_tier()
+    with tier._lock:
+        for i in range(3):
+            tier._mark_unreadable(b"past%d" % i, -1.0)
+        tier._mark_unreadable(b"refused", math.inf)
+        tier._mark_unreadable(b"new", 60.0)
+
+    assert sorted(tier._unreadable) == [b"new", b"refused"]
+
+
+def test_a_mark_past_its_time_is_not_dropped_once_marked_again(open_tier):
+    """A lookup finds a mark past its time while a failed read marks the file again: the new
+    mark stays."""
+    tier = open_tier()
+
+    class MarkedAgainMeanwhile(dict):
+        def get(self, k, default=None):
+            value = super().get(k, default)
+            if k == b"ik" and not hasattr(self, "done"):
+                self.done = True
+                self[k] = math.inf  # the failed read, between the lookup's get and its pop
+            return value
+
+    tier._unreadable = MarkedAgainMeanwhile({b"ik": time.monotonic() - 1})
+
+    assert not tier._is_unreadable(b"ik")
+
+    assert tier._is_unreadable(b"ik")

@@ -379,41 +379,53 @@ class StorageTier:
             self._forget(ns, key)
             return
         if exc.errno in _REFUSED_ERRNOS:
-            self._forget(ns, key)
-            self._mark_unreadable(self._ik(ns, key))
+            self._forget(ns, key, unreadable_s=math.inf)
             then = "the request recomputes, and such files are misses until written again or the server restarts"
         elif exc.errno == errno.EIO:
-            self._forget(ns, key)
-            self._mark_unreadable(self._ik(ns, key), UNREADABLE_EIO_S)
+            self._forget(ns, key, unreadable_s=UNREADABLE_EIO_S)
             then = (f"the request recomputes, and such a file is a miss for {UNREADABLE_EIO_S:.0f} s, then found "
                     "again by a lookup")
         else:
             then = "the request recomputes"
         self._warn(exc, f"cannot read KV files under {self.root}", then)
 
-    def _mark_unreadable(self, ik: bytes, for_s: float = math.inf) -> None:
-        with self._lock:
-            if len(self._unreadable) >= MAX_UNREADABLE:  # bounded: the rest are found again, one read each
+    def _mark_unreadable(self, ik: bytes, for_s: float) -> None:
+        """Caller holds the lock. Bounded: marks past their time go first, and only if that is
+        not enough all of them (those files are found again, one read each)."""
+        now = time.monotonic()
+        if len(self._unreadable) >= MAX_UNREADABLE:
+            for k in [k for k, until in self._unreadable.items() if until <= now]:
+                del self._unreadable[k]
+            if len(self._unreadable) >= MAX_UNREADABLE:
                 self._unreadable.clear()
-            self._unreadable[ik] = time.monotonic() + for_s
+        self._unreadable[ik] = now + for_s
 
-    def _is_unreadable(self, ik: bytes) -> bool:
-        """Whether `ik` is marked unreadable; a mark past its time is dropped. No lock needed."""
+    def _is_unreadable(self, ik: bytes, locked: bool = False) -> bool:
+        """Whether `ik` is marked unreadable; a mark past its time is dropped, unless marked again
+        meanwhile. `locked`: the caller holds the lock (else it is taken only to drop a mark)."""
         until = self._unreadable.get(ik)
         if until is None:
             return False
         if until > time.monotonic():
             return True
-        self._unreadable.pop(ik, None)
+        if locked:
+            self._drop_mark(ik, until)
+        else:
+            with self._lock:
+                self._drop_mark(ik, until)
         return False
+
+    def _drop_mark(self, ik: bytes, until: float) -> None:
+        """Caller holds the lock."""
+        if self._unreadable.get(ik) == until:
+            del self._unreadable[ik]
 
     def _newer_format(self, ns: str, key: bytes, path: str, version: int) -> None:
         """A file a newer HPKV wrote (a node sharing this directory, upgraded first): a miss here,
         left in place for the nodes that can read it, and no longer a hit for this tier's lookups
         (nor its bytes counted against this tier's capacity: the newer nodes manage it)."""
         self.counters.read_misses += 1
-        self._forget(ns, key)
-        self._mark_unreadable(self._ik(ns, key))
+        self._forget(ns, key, unreadable_s=math.inf)
         if not self._warned_newer:
             self._warned_newer = True
             log.warning("KV file %s is in file format %d, newer than this HPKV reads (%s): treated as a miss and "
@@ -614,13 +626,17 @@ class StorageTier:
             self.used_bytes += size - (old & _SIZE_MASK if old is not None else 0)
             self._lru.move_to_end(ik)
 
-    def _forget(self, ns: str, key: bytes) -> None:
+    def _forget(self, ns: str, key: bytes, unreadable_s: float | None = None) -> None:
+        """Out of the index; and marked unreadable for `unreadable_s` if given, in the same hold
+        of the lock, so that no lookup adopts the file in between."""
         ik = self._ik(ns, key)
         with self._lock:
             value = self._lru.pop(ik, None)
             if value is not None:
                 self.used_bytes -= value & _SIZE_MASK
             self._note_gone([ik])
+            if unreadable_s is not None:
+                self._mark_unreadable(ik, unreadable_s)
 
     def _note_gone(self, keys) -> None:
         """Caller holds the lock."""
@@ -705,7 +721,7 @@ class StorageTier:
                     if removed is None or ik[:2] in removed:  # removed while it was looked at: its file is going
                         freed += value & _SIZE_MASK
                     # Not written again, nor found unreadable, while it was looked at.
-                    elif ik not in self._lru and not self._is_unreadable(ik):
+                    elif ik not in self._lru and not self._is_unreadable(ik, locked=True):
                         self._lru[ik] = value
                         self.used_bytes += value & _SIZE_MASK
 
