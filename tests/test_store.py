@@ -4,6 +4,7 @@ owners that vanish, clearing, and the storage hit after a restart."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import os
 import threading
@@ -763,3 +764,20 @@ def test_a_slow_storage_stat_does_not_hold_up_other_clients(shm_dir, storage_dir
         slow.join(5)
     finally:
         store.close()
+
+
+def test_a_failure_sizing_the_pool_s_pages_closes_the_pool(shm_dir, storage_dir, monkeypatch):
+    """TieredStore.open looks at the pool's mount after creating it: a failure there (a mount
+    table that cannot be read) must not leave the pool file behind."""
+    import hpkv.store as store_module
+    from hpkv.pool.region import POOL_FILE_NAME
+
+    def unreadable(path):
+        raise OSError(errno.EIO, "cannot read the mount table")
+
+    monkeypatch.setattr(store_module, "mount_of", unreadable)
+
+    with pytest.raises(OSError):
+        TieredStore.open(make_pool_config(shm_dir), make_storage_config(storage_dir))
+
+    assert not (shm_dir / POOL_FILE_NAME).exists()

@@ -176,12 +176,12 @@ class TieredStore:
     def open(cls, pool: PoolConfig, storage: StorageConfig, slab_bytes: int | None = None) -> "TieredStore":
         """Create the pool file and start the storage tier (when enabled)."""
         region = PoolRegion.create(pool.dir, pool.size_bytes)
-        # A pool in memory whose pages are not there yet (on ramfs, where it may only be sized):
-        # they arrive on first touch, the memory available still counts them, and storage on
-        # ramfs must not take them too.
-        unbacked = region.unbacked_bytes() if mount_of(pool.dir).fs_type in MEMORY_FS else 0
         tier = None
         try:
+            # A pool in memory whose pages are not there yet (on ramfs, where it may only be
+            # sized): they arrive on first touch, the memory available still counts them, and
+            # storage on ramfs must not take them too.
+            unbacked = region.unbacked_bytes() if mount_of(pool.dir).fs_type in MEMORY_FS else 0
             if storage.enabled:
                 tier = StorageTier(storage)
                 tier.start(promised_ram_bytes=unbacked)
