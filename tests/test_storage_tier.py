@@ -1046,7 +1046,7 @@ def test_a_device_error_passes_and_the_file_is_found_again(open_tier, monkeypatc
     meanwhile ends the while at once."""
     import hpkv.storage.tier as tier_module
 
-    monkeypatch.setattr(tier_module, "UNREADABLE_EIO_S", 0.5)
+    monkeypatch.setattr(tier_module, "UNREADABLE_EIO_S", 3.0)  # long enough for the steps before its end
     io = FailingIO()
     tier = open_tier(io=io)
     write(tier, key(1))
@@ -1058,7 +1058,7 @@ def test_a_device_error_passes_and_the_file_is_found_again(open_tier, monkeypatc
 
     assert read(tier, key(2)) == payload(key(2))  # a promotion queued before the error, say
     assert tier.contains(NS, key(2)) and not tier.contains(NS, key(1))
-    time.sleep(0.6)
+    time.sleep(3.1)
     assert tier.contains(NS, key(1))
 
     assert tier.stats()["used_bytes"] == 2 * file_bytes() and tier.stats()["num_entries"] == 2

@@ -7,6 +7,7 @@ import dataclasses
 import errno
 import hashlib
 import os
+import platform
 import threading
 import time
 from pathlib import Path
@@ -423,7 +424,12 @@ def test_storage_on_a_real_ramfs_beside_a_pool_on_it_leaves_the_pool_its_memory(
         try:
             assert store.storage.scan_done.wait(10)
             to_come = store.region.unbacked_bytes()
-            assert to_come == pool_bytes if fallocate == "refused" else to_come in (0, pool_bytes)
+            if fallocate == "refused":
+                assert to_come == pool_bytes
+            elif platform.libc_ver()[0] == "glibc":  # its posix_fallocate emulated on ramfs touched every page
+                assert to_come == 0
+            else:  # another C library's refuses, or emulates it
+                assert to_come in (0, pool_bytes)
             assert store.storage.capacity_bytes == int((8 * GIB - to_come) // 2 * 0.8)
         finally:
             store.close()
