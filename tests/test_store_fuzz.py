@@ -3,7 +3,10 @@ returns bytes other than those committed under that key.
 
 Several threads (writers that sometimes scribble and abort, readers that lease and verify,
 a clearer) drive one store whose storage tier fails at random (EIO, ENOSPC, short writes, bits
-flipped on the way to disk and back). Other processes run the same mix on their own pools over
+flipped on the way to disk and back). A full disk (ENOSPC, a short write) is transient here: the
+write right after one, on the same thread, finds room. Two in a row would mean the disk really
+is full, which teaches the tier to hold only what fits (tests/test_storage_tier.py) and would
+shrink this test's tier to one file. Other processes run the same mix on their own pools over
 the same storage directory. The pool and the storage capacity are small, so eviction, promotion
 and slab moves happen all the time.
 """
@@ -38,6 +41,7 @@ class FaultyIO(FileIO):
         self.rate = rate
         self.faults = 0
         self._lock = threading.Lock()
+        self._full = threading.local()  # whether this thread's last write found the disk full
 
     def _roll(self) -> float:
         with self._lock:
@@ -60,12 +64,15 @@ class FaultyIO(FileIO):
 
     def pwritev(self, fd, buffers, offset):
         roll = self._roll()
-        if roll < self.rate:
-            self._fault()
-            raise OSError(errno.ENOSPC, "injected full disk")
+        was_full, self._full.value = getattr(self._full, "value", False), False
         if roll < 2 * self.rate:
+            if was_full:  # the retry after a full disk finds room
+                return super().pwritev(fd, buffers, offset)
             self._fault()
-            return super().pwritev(fd, [buffers[0]], offset)  # short write
+            self._full.value = True
+            if roll < self.rate:
+                raise OSError(errno.ENOSPC, "injected full disk")
+            return super().pwritev(fd, [buffers[0]], offset)  # short write: no room for the rest
         if roll < 3 * self.rate:
             self._fault()
             corrupted = bytearray(buffers[-1])
@@ -206,3 +213,5 @@ def test_loads_only_ever_return_committed_bytes(shm_dir, storage_dir, tmp_path):
     assert io.faults > 0 and all(r.get("faults", 1) > 0 for r in results)
     assert stats["storage"]["bad_files"] > 0  # flipped bits were caught, not served
     assert stats["dram"]["evictions"] > 0 and stats["storage"]["evictions"] > 0
+    # Transient full disks never taught the tier a smaller capacity.
+    assert stats["storage"]["capacity_bytes"] == 1200 << 10
