@@ -271,13 +271,8 @@ class StorageTier:
         marked = ik in self._unreadable
         if marked and self._is_unreadable(ik):
             return False
-        try:
-            st = self.io.stat_path(self.path_of(ns, key))
-        except OSError:
+        if not self._index_in_place(ns, key):  # used now: a lookup found it
             return False
-        if st.st_size > _SIZE_MASK:
-            return False
-        self._remember(ns, key, st.st_size)  # used now: a lookup found it
         if not marked and self.scan_done.is_set():
             self.shared = True  # a file this tier did not write (not one of its own the scan has yet to find)
         return True
@@ -518,13 +513,18 @@ class StorageTier:
         ik = self._ik(ns, key)
         if ik in self._evicting or self._is_unreadable(ik):
             return False
+        return self._index_in_place(ns, key)  # used now: just written
+
+    def _index_in_place(self, ns: str, key: bytes) -> bool:
+        """Index the file of (ns, key) as used now, if one is there, of a size an index value
+        holds (`_SIZE_MASK`: no KV file of ours is larger)."""
         try:
             st = self.io.stat_path(self.path_of(ns, key))
         except OSError:
             return False
         if st.st_size > _SIZE_MASK:
             return False
-        self._remember(ns, key, st.st_size)  # used now: just written
+        self._remember(ns, key, st.st_size)
         return True
 
     def _note_space_error(self) -> None:
