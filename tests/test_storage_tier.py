@@ -595,16 +595,20 @@ def test_a_one_byte_key_survives_a_restart_and_a_remove(open_tier):
     assert not os.path.exists(again.path_of(NS, short))
 
 
-def test_lookups_work_while_the_start_up_scan_is_still_running(open_tier):
-    class HeldScan(StorageTier):
-        """A real tier whose background scan waits at a gate the test opens."""
+def held_scan() -> type[StorageTier]:
+    """A real tier class whose background scan waits at a gate the test opens (`gate.set()`)."""
 
+    class HeldScan(StorageTier):
         gate = threading.Event()
 
         def _scan(self) -> None:
             self.gate.wait(10)
             super()._scan()
 
+    return HeldScan
+
+def test_lookups_work_while_the_start_up_scan_is_still_running(open_tier):
+    HeldScan = held_scan()
     first = open_tier()
     write(first, key(1))
     first.close()
@@ -1159,13 +1163,7 @@ def test_a_recovery_decided_before_a_new_no_room_keeps_what_that_one_taught(open
 def test_no_room_while_the_start_up_scan_runs_evicts_a_little_and_learns_nothing(open_tier):
     """Mid-scan, the index holds only the files written since the start: what fitted would be
     learned as one file, and the files the scan still finds would all be evicted after it."""
-    class HeldScan(StorageTier):
-        gate = threading.Event()
-
-        def _scan(self) -> None:
-            self.gate.wait(10)
-            super()._scan()
-
+    HeldScan = held_scan()
     first = open_tier()
     assert all(write(first, key(i)) for i in range(10))
     first.close()

@@ -44,6 +44,13 @@ def save(store: TieredStore, ns: str, ks: list[bytes]) -> int:
     return store.commit(ns, ks)
 
 
+def only_in_storage(store: TieredStore, ns: str, ks: list[bytes]) -> None:
+    """Save `ks`, wait for their files, and empty DRAM: they are storage hits now."""
+    save(store, ns, ks)
+    assert store.flush(timeout=10)
+    store.clear(memory=True)
+
+
 def load(store: TieredStore, ns: str, ks: list[bytes]) -> list[bytes]:
     lease = store.lease(ns, ks)
     try:
@@ -220,9 +227,7 @@ def test_commits_are_written_through_and_survive_a_dram_clear(open_store):
     store = open_store()
     ns = store.register(desc())
     ks = keys(5)
-    save(store, ns, ks)
-    assert store.flush(timeout=10)
-    store.clear(memory=True)
+    only_in_storage(store, ns, ks)
     hit = store.lookup(ns, ks)
     assert hit.tiers == (Tier.STORAGE,) * 5
     assert load(store, ns, ks) == [payload(k) for k in ks]
@@ -233,9 +238,7 @@ def test_a_lease_can_answer_before_its_storage_reads_are_queued(open_store):
     store = open_store()
     ns = store.register(desc())
     ks = keys(4)
-    save(store, ns, ks)
-    assert store.flush(timeout=10)
-    store.clear(memory=True)
+    only_in_storage(store, ns, ks)
     lease = store.lease(ns, ks, start_reads=False)
     assert len(lease.offsets) == 4 and not lease.done
     assert store.counters.promotions == 4 and store.storage.stats()["reads"] == 0
@@ -254,9 +257,7 @@ def test_a_storage_hit_leased_for_promotion_is_not_evicted_before_its_read(open_
     ks, more = keys(4), keys(1, "more")
     store = open_store(capacity=4 * (fmt.header_bytes(len(ks[0])) + ENTRY))  # four files
     ns = store.register(desc())
-    save(store, ns, ks)
-    assert store.flush(timeout=10)
-    store.clear(memory=True)
+    only_in_storage(store, ns, ks)
     for k in ks[1:]:  # ks[0] is now the least recently used on storage
         assert store.storage.read_into(ns, k, memoryview(bytearray(ENTRY)))
     lease = store.lease(ns, ks[:1], start_reads=False)
@@ -279,9 +280,7 @@ def test_of_a_prefix_leased_from_storage_the_last_key_is_evicted_first(open_stor
     ks, more = keys(4), keys(1, "more")
     store = open_store(capacity=4 * (fmt.header_bytes(len(ks[0])) + ENTRY))  # four files
     ns = store.register(desc())
-    save(store, ns, ks)
-    assert store.flush(timeout=10)
-    store.clear(memory=True)
+    only_in_storage(store, ns, ks)
     lease = store.lease(ns, ks, start_reads=False)
 
     save(store, ns, more)  # its write-through needs room on storage
@@ -300,9 +299,7 @@ def test_a_lease_touches_its_storage_hits_before_looking_for_files_elsewhere(ope
     ks = keys(4)
     store = open_store()
     ns = store.register(desc())
-    save(store, ns, ks)
-    assert store.flush(timeout=10)
-    store.clear(memory=True)
+    only_in_storage(store, ns, ks)
     store.storage._forget(ns, ks[2])  # written by another node, say: found by a stat
     events = []
     touch, found_elsewhere = store.storage.touch, store._found_elsewhere
@@ -323,9 +320,7 @@ def test_a_lease_waiting_for_the_storage_index_does_not_hold_up_lookups(open_sto
     stored, in_dram = keys(4), keys(2, "dram")
     store = open_store()
     ns = store.register(desc())
-    save(store, ns, stored)
-    assert store.flush(timeout=10)
-    store.clear(memory=True)
+    only_in_storage(store, ns, stored)
     save(store, ns, in_dram)
     assert store.flush(timeout=10)
     looked_up = threading.Event()
@@ -352,9 +347,7 @@ def test_a_promotion_whose_pool_is_gone_resolves_as_a_miss(open_store):
     store = open_store()
     ns = store.register(desc())
     ks = keys(2)
-    save(store, ns, ks)
-    assert store.flush(timeout=10)
-    store.clear(memory=True)
+    only_in_storage(store, ns, ks)
     lease = store.lease(ns, ks, start_reads=False)
     store.region.buf.release()  # what region.close() does first
 
@@ -443,9 +436,7 @@ def test_a_close_that_gives_up_its_writes_resolves_the_promotions_it_drops_as_mi
     store = open_store(storage=make_storage_config(storage_dir, None, io_threads=1))
     ns = store.register(desc())
     stored = keys(2, "stored")
-    save(store, ns, stored)
-    assert store.flush(timeout=10)
-    store.clear(memory=True)
+    only_in_storage(store, ns, stored)
     gate = threading.Event()
     store.storage.publish = lambda *args: gate.wait(30)  # the device hangs
     store.storage.read_into = lambda *args: gate.wait(30) and False
@@ -466,9 +457,7 @@ def test_a_promotion_does_not_queue_behind_write_throughs(open_store):
     store = open_store(pool_bytes=64 << 20)
     ns = store.register(desc())
     stored = keys(4, "stored")
-    save(store, ns, stored)
-    assert store.flush(timeout=10)
-    store.clear(memory=True)
+    only_in_storage(store, ns, stored)
     gate = threading.Event()
     original = store.storage.publish
 
