@@ -288,6 +288,25 @@ def test_capacity_for_four_write_five_the_first_is_gone_from_disk(open_tier):
     assert tier.stats()["used_bytes"] == 4 * file_bytes()
 
 
+def test_an_eviction_that_fails_midway_leaves_its_victims_indexed_and_counted(open_tier):
+    """Something other than an OSError out of an unlink (a bug, a MemoryError): the victims not
+    yet removed stay hits, counted in what the tier holds, and not misses for good."""
+    class BrokenUnlink(FileIO):
+        def unlink(self, path):
+            raise RuntimeError("unlink broke")
+
+    tier = open_tier(capacity=4 * file_bytes(), io=BrokenUnlink())
+    for i in range(4):
+        assert write(tier, key(i))
+    with pytest.raises(RuntimeError):
+        write(tier, key(4))
+
+    assert os.path.exists(tier.path_of(NS, key(0)))
+    assert tier.indexed(NS, key(0)) and tier.contains(NS, key(0))
+    assert read(tier, key(0)) == payload(key(0))
+    assert tier.stats()["used_bytes"] == 4 * file_bytes()
+
+
 def test_a_read_makes_an_entry_the_most_recently_used(open_tier):
     tier = open_tier(capacity=4 * file_bytes())
     for i in range(4):
@@ -1143,6 +1162,29 @@ def test_a_learned_capacity_goes_back_to_the_size_after_a_while_without_no_room(
 
     assert tier.stats()["capacity_bytes"] == 64 * file_bytes()
     assert tier.stats()["num_entries"] == 14 and tier.stats()["evictions"] == 4
+
+
+def test_a_no_room_that_an_eviction_cures_does_not_hold_off_the_recovery(open_tier, monkeypatch):
+    """Recovery counts from the last "no room" that taught something: a Lustre OST full for a
+    moment every few minutes, cured by the next eviction, must not keep the tier small."""
+    import hpkv.storage.tier as tier_module
+
+    monkeypatch.setattr(tier_module, "CAPACITY_RECOVERY_S", 2.0)
+    tier = open_tier(capacity=64 * file_bytes())
+    assert tier.scan_done.wait(10)
+    io = tier.io = FailingIO()
+    assert all(write(tier, key(i)) for i in range(8))
+    io.no_space_writes = 2
+    assert not write(tier, key("new"))
+    learned_at = time.monotonic()
+    assert tier.stats()["capacity_bytes"] < 64 * file_bytes()
+    time.sleep(1.0)
+    io.no_space_writes = 1
+    assert write(tier, key("cured"))  # one "no room", then room after a little eviction
+
+    time.sleep(max(0.0, learned_at + 2.3 - time.monotonic()))
+    assert write(tier, key("later"))
+    assert tier.stats()["capacity_bytes"] == 64 * file_bytes()
 
 
 def test_a_recovery_decided_before_a_new_no_room_keeps_what_that_one_taught(open_tier):

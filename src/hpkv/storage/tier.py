@@ -489,7 +489,7 @@ class StorageTier:
             target = self._target(ns, key)
             error = write(target)
         if error is not None and error.errno in _SPACE_ERRNOS:
-            self._note_space_error()
+            self.counters.space_errors += 1  # one an eviction cures does not hold off the recovery
             self._evict_bytes(max(4 * size, self.used_bytes // 100))
             target = self._target(ns, key)
             error = write(target)
@@ -666,6 +666,19 @@ class StorageTier:
     def _evict_bytes(self, num_bytes: int) -> None:
         self._evict(lambda freed: num_bytes - freed)
 
+    def _unpop(self, victims: list[tuple[bytes, int]]) -> None:
+        """Victims an eviction popped and did not get to (something raised): back at the old
+        end of the index, counted again, no longer misses to lookups."""
+        if not victims:
+            return
+        with self._lock:
+            for ik, value in reversed(victims):
+                self._evicting.discard(ik)
+                if ik not in self._lru:
+                    self._lru[ik] = value
+                    self._lru.move_to_end(ik, last=False)
+                    self.used_bytes += value & _SIZE_MASK
+
     def _evict(self, excess: Callable[[int], int]) -> None:
         """Evict the least recently used files while `excess(bytes freed so far)`, called with the
         lock held, is positive. Where the directory is `shared`, a victim's file is looked at
@@ -688,29 +701,36 @@ class StorageTier:
                     self._evicting.add(ik)
                 self._note_gone([ik for ik, _ in victims])
             spared, kept = [], False
-            for ik, value in victims:
-                path = self.path_of(*self._split(ik))
-                if self.shared and ik not in checked and len(checked) < SPARE_CHECKS_PER_PASS:
-                    checked.add(ik)
-                    used_s = self._used_since(path, value)
-                    if used_s is not None:  # known used now (later, where a clock is ahead: spared once)
-                        spared.append((ik, self._value(value & _SIZE_MASK, max(used_s, time.time()))))
+            handled: set[bytes] = set()
+            try:
+                for ik, value in victims:
+                    path = self.path_of(*self._split(ik))
+                    if self.shared and ik not in checked and len(checked) < SPARE_CHECKS_PER_PASS:
+                        checked.add(ik)
+                        used_s = self._used_since(path, value)
+                        if used_s is not None:  # known used now (later, where a clock is ahead: spared once)
+                            spared.append((ik, self._value(value & _SIZE_MASK, max(used_s, time.time()))))
+                            with self._lock:
+                                self._evicting.discard(ik)
+                            handled.add(ik)
+                            continue
+                    if ik in self._lru:  # written again since it was popped: unlinked, it would be a hit with no file
+                        kept = True
                         with self._lock:
                             self._evicting.discard(ik)
+                        handled.add(ik)
                         continue
-                if ik in self._lru:  # written again since it was popped: unlinked, it would be a hit with no file
-                    kept = True
+                    try:
+                        self.io.unlink(path)
+                    except OSError:
+                        pass  # another node evicted it first
                     with self._lock:
                         self._evicting.discard(ik)
-                    continue
-                try:
-                    self.io.unlink(path)
-                except OSError:
-                    pass  # another node evicted it first
-                with self._lock:
-                    self._evicting.discard(ik)
-                freed += value & _SIZE_MASK
-                self.counters.evictions += 1
+                    handled.add(ik)
+                    freed += value & _SIZE_MASK
+                    self.counters.evictions += 1
+            finally:
+                self._unpop([(ik, value) for ik, value in victims if ik not in handled])
             if not spared:
                 if kept:  # what it holds counts again: evict on
                     continue
