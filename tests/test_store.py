@@ -776,3 +776,13 @@ def test_a_failure_sizing_the_pool_s_pages_closes_the_pool(shm_dir, storage_dir,
         TieredStore.open(make_pool_config(shm_dir), make_storage_config(storage_dir))
 
     assert not (shm_dir / POOL_FILE_NAME).exists()
+
+
+def test_a_store_that_cannot_be_built_on_its_pool_leaves_no_pool_behind(shm_dir, storage_dir):
+    """A slab larger than the pool: the store is refused, and its pool file goes with it."""
+    from hpkv.pool.region import POOL_FILE_NAME
+
+    with pytest.raises(ValueError):
+        TieredStore.open(make_pool_config(shm_dir), make_storage_config(storage_dir), slab_bytes=1 << 40)
+
+    assert not (shm_dir / POOL_FILE_NAME).exists()

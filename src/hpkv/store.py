@@ -185,10 +185,12 @@ class TieredStore:
             if storage.enabled:
                 tier = StorageTier(storage)
                 tier.start(promised_ram_bytes=unbacked)
+            return cls(region, tier, slab_bytes, write_processes=True)
         except BaseException:
+            if tier is not None:
+                tier.close(wait=False)
             region.close()
             raise
-        return cls(region, tier, slab_bytes, write_processes=True)
 
     def close(self, abandon: threading.Event | None = None) -> bool:
         """Finish the write-throughs queued and deferred (entries committed from now on are not
