@@ -1046,14 +1046,18 @@ def test_a_failed_rewrite_does_not_adopt_the_file_this_tier_could_not_read(open_
     assert tier.stats()["write_failures"] == 1
 
 
-def test_a_file_its_device_fails_to_read_is_forgotten_and_found_again_by_a_scan(open_tier, caplog):
+def two_files_the_device_fails_to_read(open_tier) -> tuple[StorageTier, "FailingIO"]:
+    """Keys 1 and 2 written, then read while the device fails (EIO); the device still fails."""
     io = FailingIO()
     tier = open_tier(io=io)
     write(tier, key(1))
     write(tier, key(2))
     io.read_errno = errno.EIO
-
     assert read(tier, key(1)) is None and read(tier, key(2)) is None
+    return tier, io
+
+def test_a_file_its_device_fails_to_read_is_forgotten_and_found_again_by_a_scan(open_tier, caplog):
+    tier, io = two_files_the_device_fails_to_read(open_tier)
 
     assert not tier.contains(NS, key(1)) and not tier.contains(NS, key(2))
     assert caplog.text.count("cannot read KV files") == 1
@@ -1070,12 +1074,7 @@ def test_a_device_error_passes_and_the_file_is_found_again(open_tier, monkeypatc
     import hpkv.storage.tier as tier_module
 
     monkeypatch.setattr(tier_module, "UNREADABLE_EIO_S", 3.0)  # long enough for the steps before its end
-    io = FailingIO()
-    tier = open_tier(io=io)
-    write(tier, key(1))
-    write(tier, key(2))
-    io.read_errno = errno.EIO
-    assert read(tier, key(1)) is None and read(tier, key(2)) is None
+    tier, io = two_files_the_device_fails_to_read(open_tier)
     assert not tier.contains(NS, key(1)) and tier.stats()["used_bytes"] == 0
     io.read_errno = 0
 
