@@ -1139,6 +1139,17 @@ def test_a_quota_met_teaches_the_tier_its_capacity_and_evicts_little(open_tier, 
     assert tier.stats()["space_errors"] == 2 and tier.stats()["used_bytes"] <= 196 * file_bytes()
 
 
+def a_tier_that_learned_its_room(open_tier) -> tuple[StorageTier, "FailingIO"]:
+    """A tier sized for 64 files holding 8, whose next write met "no room" twice: it learned
+    that what it held (after a little eviction) is what fits."""
+    tier = open_tier(capacity=64 * file_bytes())
+    assert tier.scan_done.wait(10)
+    io = tier.io = FailingIO()
+    assert all(write(tier, key(i)) for i in range(8))
+    io.no_space_writes = 2
+    assert not write(tier, key("new"))
+    return tier, io
+
 def test_a_learned_capacity_goes_back_to_the_size_after_a_while_without_no_room(open_tier, caplog, monkeypatch):
     """A quota met once (others' files took the room, say) is not a capacity for good: after
     CAPACITY_RECOVERY_S without another "no room", the tier holds what it was sized to again,
@@ -1146,12 +1157,7 @@ def test_a_learned_capacity_goes_back_to_the_size_after_a_while_without_no_room(
     import hpkv.storage.tier as tier_module
 
     monkeypatch.setattr(tier_module, "CAPACITY_RECOVERY_S", 0.5)
-    tier = open_tier(capacity=64 * file_bytes())
-    assert tier.scan_done.wait(10)
-    io = tier.io = FailingIO()
-    assert all(write(tier, key(i)) for i in range(8))
-    io.no_space_writes = 2
-    assert not write(tier, key("new"))
+    tier, _ = a_tier_that_learned_its_room(open_tier)
     assert tier.stats()["capacity_bytes"] == 4 * file_bytes()  # what was left after a little eviction
     said = next(r.getMessage() for r in caplog.records if "has no room for more KV files" in r.getMessage())
     assert "minutes pass without such an error, when it tries that size again" in said
@@ -1169,12 +1175,7 @@ def test_a_no_room_that_an_eviction_cures_does_not_hold_off_the_recovery(open_ti
     import hpkv.storage.tier as tier_module
 
     monkeypatch.setattr(tier_module, "CAPACITY_RECOVERY_S", 2.0)
-    tier = open_tier(capacity=64 * file_bytes())
-    assert tier.scan_done.wait(10)
-    io = tier.io = FailingIO()
-    assert all(write(tier, key(i)) for i in range(8))
-    io.no_space_writes = 2
-    assert not write(tier, key("new"))
+    tier, io = a_tier_that_learned_its_room(open_tier)
     learned_at = time.monotonic()
     assert tier.stats()["capacity_bytes"] < 64 * file_bytes()
     time.sleep(1.0)
