@@ -1190,12 +1190,7 @@ def test_a_no_room_that_an_eviction_cures_does_not_hold_off_the_recovery(open_ti
 def test_a_recovery_decided_before_a_new_no_room_keeps_what_that_one_taught(open_tier):
     """A write found the learned capacity old enough to recover; before it recovers, another
     write meets "no room" twice and learns again: the recovery must not undo that."""
-    tier = open_tier(capacity=64 * file_bytes())
-    assert tier.scan_done.wait(10)
-    io = tier.io = FailingIO()
-    assert all(write(tier, key(i)) for i in range(8))
-    io.no_space_writes = 2
-    assert not write(tier, key("new"))
+    tier, io = a_tier_that_learned_its_room(open_tier)
 
     tier._recover_capacity()  # the first write, going on past its check
 

@@ -368,6 +368,14 @@ def no_fallocate(monkeypatch) -> None:
     monkeypatch.setattr(os, "posix_fallocate", refused)
 
 
+def store_with_auto_storage_on(point: Path, pool_bytes: int) -> TieredStore:
+    """A store whose pool and automatically sized storage are both under `point`, its
+    start-up scan done."""
+    store = TieredStore.open(make_pool_config(point / "pool", pool_bytes), make_storage_config(point / "storage", None))
+    assert store.storage.scan_done.wait(10)
+    return store
+
+
 @pytest.mark.parametrize("fallocate", ["emulated", "refused"])
 def test_storage_on_ramfs_beside_a_pool_on_ramfs_leaves_the_pool_its_memory(tmp_path, monkeypatch, fallocate):
     """The quick start puts pool and storage on one ramfs, which has no fallocate: where the C
@@ -382,10 +390,8 @@ def test_storage_on_ramfs_beside_a_pool_on_ramfs_leaves_the_pool_its_memory(tmp_
     if fallocate == "refused":
         no_fallocate(monkeypatch)
     pool_bytes = 64 << 20
-    store = TieredStore.open(make_pool_config(point / "pool", pool_bytes),
-                             make_storage_config(point / "storage", None))
+    store = store_with_auto_storage_on(point, pool_bytes)
     try:
-        assert store.storage.scan_done.wait(10)
         to_come = pool_bytes if fallocate == "refused" else 0
         assert store.storage.capacity_bytes == int((8 * GIB - to_come) // 2 * 0.8)
     finally:
@@ -412,10 +418,8 @@ def test_storage_on_a_real_ramfs_beside_a_pool_on_it_leaves_the_pool_its_memory(
         if fallocate == "refused":
             no_fallocate(monkeypatch)
         pool_bytes = 64 << 20
-        store = TieredStore.open(make_pool_config(point / "pool", pool_bytes),
-                                 make_storage_config(point / "storage", None))
+        store = store_with_auto_storage_on(point, pool_bytes)
         try:
-            assert store.storage.scan_done.wait(10)
             to_come = store.region.unbacked_bytes()
             if fallocate == "refused":
                 assert to_come == pool_bytes
