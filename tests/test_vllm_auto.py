@@ -10,6 +10,7 @@ those computed blocks; only then does HPKV serve it.
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -65,7 +66,11 @@ def test_auto_says_at_start_which_threshold_each_tier_uses_and_why(engine):
     (start, *_) = _auto_lines(engine)
 
     assert "(start, start-up estimates" in start
-    assert "DRAM hits load from" in start and "storage hits load from" in start
+    # The DRAM break-even is seeded from the documented default, so DRAM hits load from the
+    # start; storage's depends on how fast this machine's disk read the probe (CI's slow disks
+    # make it "recomputed"), so either verdict is right as long as the log gives one.
+    assert re.search(r"DRAM hits load from \d+ tokens", start), start
+    assert re.search(r"storage hits (load from \d+ tokens|are recomputed \(never faster to load\))", start), start
     assert "GB/s" in start and "tokens/s" in start
 
 
