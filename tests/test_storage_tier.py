@@ -22,7 +22,8 @@ from hpkv.errors import StorageError
 from hpkv.keys import make_key
 from hpkv.storage import format as fmt
 from hpkv.storage.fileio import FileIO, FileTarget, direct_supported, write_entry_file
-from hpkv.storage.tier import STALE_TEMP_S, StorageTier
+from hpkv.storage.scan import STALE_TEMP_S
+from hpkv.storage.tier import StorageTier
 
 NS = "0123456789abcdef" * 2
 OTHER_NS = "fedcba9876543210" * 2
@@ -125,7 +126,7 @@ def test_a_write_budget_refuses_writes_past_it_until_it_refills(storage_dir, cap
         assert stats["write_budget_bytes"] == per_day and stats["write_budget_available_bytes"] < file_bytes()
         assert not os.path.exists(tier.path_of(NS, key(3)))
         assert caplog.text.count("write budget (HPKV_KV_STORAGE_WRITE_BUDGET") == 1
-        tier._budget_at -= 20 * 60  # as if 20 minutes had passed: a file's worth more
+        tier.budget._at -= 20 * 60  # as if 20 minutes had passed: a file's worth more
         assert [write(tier, key(i)) for i in (3, 4)] == [True, False]
         assert read(tier, key(3)) == payload(key(3))  # reads are not counted
         assert tier.stats()["over_budget"] == 3

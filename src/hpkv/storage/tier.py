@@ -17,8 +17,8 @@ Primitives: `start`, `add_namespace`, `indexed` (`index_probe`), `contains`, `to
 once; a write that still cannot happen is dropped (counted), never raised, and lowers the
 capacity to what fitted (for CAPACITY_RECOVERY_S after the last such error). Where another node writes to the
 directory too, eviction spares a file another node read since this tier last used it (its
-mtime). A write budget (HPKV_KV_STORAGE_WRITE_BUDGET, bytes a day) is a token bucket holding
-BUDGET_BURST_S worth: a write it cannot pay for is not made (counted).
+mtime). A write the budget (HPKV_KV_STORAGE_WRITE_BUDGET, `budget`) cannot pay for is not made
+(counted).
 Must not know: the pool, engines, devices.
 """
 
@@ -33,10 +33,9 @@ import os
 import socket
 import threading
 import time
-from array import array
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -45,8 +44,9 @@ import numpy as np
 from ..config import StorageConfig
 from ..errors import StorageError
 from ..fsinfo import MEMORY_FS, PSEUDO_FS, existing_ancestor, mount_of, room_bytes
-from ..procs import pid_alive
 from . import format as fmt
+from . import scan
+from .budget import WriteBudget
 from .fileio import (ALIGN, O_DIRECT, FileIO, FileTarget, aligned, aligned_buffer, direct_supported, read_full,
                      write_entry_file)
 
@@ -54,8 +54,6 @@ log = logging.getLogger(__name__)
 
 AUTO_CAPACITY_FRACTION = 0.8
 SMALL_AUTO_CAPACITY = 1 << 30  # below this an automatic capacity is worth a warning
-BUDGET_BURST_S = 3600.0  # a write budget's bucket holds this long's worth (bursts), full at start
-STALE_TEMP_S = 3600.0  # a temporary this old is from a writer that died, on whatever node
 TOUCH_EVERY_S = 60.0  # refresh a file's mtime (its LRU age across restarts) at most this often
 MAX_UNREADABLE = 1 << 20  # files this tier cannot read, remembered so that no lookup counts them as hits
 UNREADABLE_EIO_S = 60.0  # a file its device failed to read is a miss this long, then found again
@@ -142,13 +140,7 @@ class StorageTier:
         # until CAPACITY_RECOVERY_S pass without another such error (`_recover_capacity`).
         self._capacity_learned = False
         self._space_error_at = -math.inf
-        # HPKV_KV_STORAGE_WRITE_BUDGET: a token bucket of bytes, filled at the budget's rate.
-        budget = config.write_budget_bytes
-        self._budget_rate = None if budget is None else budget / 86400.0
-        self._budget_cap = None if budget is None else budget * BUDGET_BURST_S / 86400.0
-        self._budget_tokens = self._budget_cap
-        self._budget_at = time.monotonic()
-        self._budget_warned_at = -math.inf
+        self.budget = WriteBudget(config.write_budget_bytes)
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -448,17 +440,18 @@ class StorageTier:
         not be written (counted, logged); a failed write whose file is in place all the same (a
         writer process killed after its rename) is indexed, and True."""
         size = fmt.header_bytes(len(key), version) + payload_bytes
-        if not self._spend_budget(size):
+        if not self.budget.spend(size):
+            self.counters.over_budget += 1
             return False
         if not self._make_room(size):
-            self._spend_budget(-size)
+            self.budget.refund(size)
             self.counters.write_failures += 1
             return False
         try:
             error = self._put(ns, key, size, write)
             published = error is None or self._adopt(ns, key)
         except BaseException:  # e.g. no writer process: the caller may write it another way
-            self._spend_budget(-size)
+            self.budget.refund(size)
             raise
         finally:
             with self._lock:
@@ -470,7 +463,7 @@ class StorageTier:
             return True
         self._warn(error, f"cannot write KV files under {self.root}")
         self.counters.write_failures += 1
-        self._spend_budget(-size)  # nothing was written
+        self.budget.refund(size)  # nothing was written
         return False
 
     def _put(self, ns: str, key: bytes, size: int, write: Callable[[FileTarget], OSError | None]) -> OSError | None:
@@ -561,43 +554,6 @@ class StorageTier:
             learned, self.capacity_bytes, self._capacity_learned = self.capacity_bytes, self._sized_bytes, False
         log.info("no room errors under %s for %.0f minutes: the storage tier holds up to %d bytes again (it held "
                  "at most %d since the last one)", self.root, CAPACITY_RECOVERY_S / 60, self._sized_bytes, learned)
-
-    def _spend_budget(self, size: int) -> bool:
-        """Take `size` bytes from the write budget (a negative size gives them back). False, and
-        counted, when the budget has not that much left."""
-        if self._budget_rate is None:
-            return True
-        with self._lock:
-            tokens = self._refill_budget()
-            if size <= tokens:
-                self._budget_tokens = min(self._budget_cap, tokens - size)
-                return True
-            self.counters.over_budget += 1
-            now = time.monotonic()
-            if now - self._budget_warned_at <= BUDGET_BURST_S:
-                return False
-            self._budget_warned_at = now
-        if size > self._budget_cap:
-            log.warning("the storage write budget (HPKV_KV_STORAGE_WRITE_BUDGET=%d bytes a day) allows %d bytes an "
-                        "hour, less than one KV file of %d bytes: nothing is written to storage; raise the budget "
-                        "to at least %d", self.config.write_budget_bytes, round(self._budget_cap), size,
-                        math.ceil(size * 86400 / BUDGET_BURST_S))
-            return False
-        log.warning("the storage write budget (HPKV_KV_STORAGE_WRITE_BUDGET=%d bytes a day) is spent: new KV stays "
-                    "in DRAM only until it refills (%d bytes a second); said at most once an hour, counted in "
-                    "over_budget", self.config.write_budget_bytes, round(self._budget_rate))
-        return False
-
-    def _budget_left(self) -> float:
-        with self._lock:
-            return self._refill_budget()
-
-    def _refill_budget(self) -> float:
-        """Caller holds the lock."""
-        now = time.monotonic()
-        self._budget_tokens = min(self._budget_cap, self._budget_tokens + (now - self._budget_at) * self._budget_rate)
-        self._budget_at = now
-        return self._budget_tokens
 
     def _target(self, ns: str, key: bytes) -> FileTarget:
         final = self.path_of(ns, key)
@@ -774,8 +730,8 @@ class StorageTier:
             if self._gone is not None:  # what a running start-up scan found here must not come back
                 self._cleared.add(ns)
         num = 0
-        for ns_dir in self._namespace_dirs(ns):
-            for path, _ in _entry_files(ns_dir):
+        for ns_dir in scan.namespace_dirs(self.root, ns):
+            for path, _ in scan.entry_files(ns_dir):
                 try:
                     os.unlink(path)
                     num += 1
@@ -791,24 +747,22 @@ class StorageTier:
             "index_ready": self.scan_done.is_set(),
             "direct_io": self.direct,
             "write_budget_bytes": self.config.write_budget_bytes,
-            "write_budget_available_bytes": None if self._budget_rate is None else int(self._budget_left()),
+            "write_budget_available_bytes": self.budget.available(),
             **vars(self.counters),
         }
 
     # -- start-up scan ------------------------------------------------------------------------
 
-    def _namespace_dirs(self, ns: str | None = None) -> list[str]:
-        if ns is not None:
-            return [str(self.root / ns)]
-        try:
-            return [e.path for e in os.scandir(self.root) if e.is_dir() and _is_ns(e.name)]
-        except OSError:
-            return []
-
     def _scan(self) -> None:
         """Index every entry file oldest-first (by mtime) and remove leftover temporaries."""
         started = time.monotonic()
-        found = self._walk()
+        # What the index knows of a file scanned: it was there now. Known as used the slack
+        # before, so that a read elsewhere any time after the scan spares it from an eviction.
+        known_s = time.time() - _SLACK_MINUTES * 60
+        found = scan.walk(self.root, self._node, self._ik,
+                          lambda size: self._value(size, known_s) if size <= _SIZE_MASK else None)
+        self.counters.files_scanned += len(found.keys)
+        self.counters.temps_removed += found.num_temps_removed
         self._merge(found)
         if self.config.capacity_bytes is None:
             self._sized_bytes += int(self.used_bytes * AUTO_CAPACITY_FRACTION)
@@ -825,35 +779,7 @@ class StorageTier:
             self._evict_bytes(self.used_bytes - self.capacity_bytes)
         self.scan_done.set()
 
-    def _walk(self) -> "_Found":
-        last_report = time.monotonic()
-        found = _Found()
-        # What the index knows of a file scanned: it was there now. Known as used the slack
-        # before, so that a read elsewhere any time after the scan spares it from an eviction.
-        known_s = time.time() - _SLACK_MINUTES * 60
-        for ns_dir in self._namespace_dirs():
-            ns = os.path.basename(ns_dir)
-            for path, entry in _entry_files(ns_dir, temps=True):
-                if path.endswith(".tmp"):
-                    self._remove_temp_if_dead(path, entry)
-                    continue
-                try:
-                    st = entry.stat()
-                    ik = self._ik(ns, bytes.fromhex(entry.name[:-3]))
-                except (OSError, ValueError, StorageError):  # StorageError: too many namespaces
-                    continue
-                if st.st_size > _SIZE_MASK:
-                    continue
-                found.mtimes.append(st.st_mtime)
-                found.keys.append(ik)
-                found.values.append(self._value(st.st_size, known_s))
-                self.counters.files_scanned += 1
-                if time.monotonic() - last_report > 2.0:
-                    last_report = time.monotonic()
-                    log.info("storage index: %d files scanned under %s", len(found.keys), self.root)
-        return found
-
-    def _merge(self, found: "_Found") -> None:
+    def _merge(self, found: scan.Found) -> None:
         """Add what the walk found, newest first, each to the old end, behind what is known,
         except what was removed meanwhile. In slices, so that lookups and writes are not held
         up for the whole merge of a large directory."""
@@ -875,20 +801,6 @@ class StorageTier:
         with self._lock:
             self._gone = None
 
-    def _remove_temp_if_dead(self, path: str, entry: os.DirEntry) -> None:
-        parts = entry.name.split(".")
-        try:
-            node, pid, mtime = parts[-4], int(parts[-3]), entry.stat().st_mtime
-        except (IndexError, ValueError, OSError):
-            return
-        mine_and_dead = node == self._node and not pid_alive(pid)
-        if mine_and_dead or time.time() - mtime > STALE_TEMP_S:
-            try:
-                os.unlink(path)
-                self.counters.temps_removed += 1
-            except OSError:
-                pass
-
     def _warn(self, exc: OSError | None, what: str, then: str = "the entry stays in DRAM only") -> None:
         """Say an I/O error, at most every WARN_EVERY_S per kind: once for the life of the process
         hid a device that failed again hours later; every time flooded the log."""
@@ -903,41 +815,3 @@ class StorageTier:
 
 _MERGE_SLICE = 1 << 16  # files merged into the index per hold of the lock
 _REMOVALS_KEPT = 64  # removes an eviction tells apart by namespace; past that many, all count as removed
-
-
-@dataclass
-class _Found:
-    """What the start-up walk found, in columns: a tuple per file cost 90 more bytes per file at
-    the peak of the scan."""
-
-    mtimes: array = field(default_factory=lambda: array("d"))
-    keys: list[bytes] = field(default_factory=list)  # index keys
-    values: list[int] = field(default_factory=list)  # index values (`StorageTier._value`)
-
-
-def _is_ns(name: str) -> bool:
-    return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
-
-
-def _entry_files(ns_dir: str, temps: bool = False):
-    """(path, DirEntry) of every entry file (and temporary) under a namespace directory."""
-    try:
-        level1 = [e.path for e in os.scandir(ns_dir) if e.is_dir() and len(e.name) == 2]
-    except OSError:
-        return
-    for d1 in level1:
-        for d2 in _subdirs(d1):
-            try:
-                entries = list(os.scandir(d2))
-            except OSError:
-                continue
-            for e in entries:
-                if e.name.endswith(".kv") or (temps and e.name.endswith(".tmp")):
-                    yield e.path, e
-
-
-def _subdirs(path: str) -> list[str]:
-    try:
-        return [e.path for e in os.scandir(path) if e.is_dir() and len(e.name) == 2]
-    except OSError:
-        return []
