@@ -246,3 +246,19 @@ def test_auto_does_not_log_a_break_even_that_moves_by_one_block(caplog):
             lines.append(caplog.text.count("VLLM_HPKV_TOKEN_THRESHOLD=auto (measured)") - before)
 
     assert lines == [1, 0, 0, 0, 0, 1]  # 1216 -> 32 and 32 -> 128 are news; 32 <-> 64 is not
+
+
+def test_storage_reads_that_grow_slow_make_storage_hits_recomputed_without_failing(caplog):
+    """Storage hits load from some length, until promotions from a disk gone slow push that
+    break-even past the longest prompt: from then on they are recomputed, and the log says so
+    (the engine's scheduler calls this: it must not raise)."""
+    with caplog.at_level(logging.INFO, logger="hpkv.vllm.costmodel"):
+        m, policy = seeded_policy(caplog, FakeClock())
+        assert m.break_even(S, 32768) is not None
+
+        for _ in range(20):  # 64 MiB a promotion, at 1 MB/s
+            policy.promoted(64 << 20, 64.0)
+
+    assert m.break_even(S, 32768) is None
+    assert "storage hits are recomputed" in caplog.text
+    assert policy.plan(0, [S] * 100) == 0

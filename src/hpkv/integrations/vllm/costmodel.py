@@ -277,10 +277,12 @@ class AutoThreshold:
         now = self._thresholds()
         for tier, tokens in now.items():
             old = self._logged.get(tier)
+            if (old is None) != (tokens is None):  # a tier starts or stops being worth loading
+                self._log("measured")
+                return
             # Break-evens are whole blocks: a move of one block near the bottom (32 <-> 64 tokens,
             # as the measured prefill rate wanders) is noise, not news.
-            moved = old and abs(tokens - old) > max(MATERIAL_CHANGE * old, self.model.block_size)
-            if (old is None) != (tokens is None) or moved:
+            if old is not None and abs(tokens - old) > max(MATERIAL_CHANGE * old, self.model.block_size):
                 self._log("measured")
                 return
 
