@@ -223,6 +223,23 @@ def test_a_key_cleared_while_reserved_keeps_its_slot_until_the_owner_lets_go(ope
     assert store.reserve(ns, [k], owner=1) == [first]
 
 
+def test_a_key_cleared_while_reserved_in_a_hold_is_not_reserved_twice_in_it(open_store):
+    """A worker reserves a key in a hold, a clear drops the entry while the worker may still be
+    copying, and the same worker reserves the key in that hold again: it gets no second slot
+    (which would orphan the first), and once the hold is settled every slot is free again."""
+    store = open_store(pool_bytes=1 << 20)
+    ns = store.register(desc())
+    k = keys(1)[0]
+    assert store.reserve(ns, [k], owner=1, hold="h") != [None]
+    store.clear(memory=True)
+
+    assert store.reserve(ns, [k], owner=1, hold="h") == [None]
+
+    assert store.settle("h", abort=[]) == (0, 0)  # dropped by the clear: not published, slot freed
+    store.drop_owner(1)
+    assert store.stats()["dram"]["used_bytes"] == 0
+
+
 def test_commits_are_written_through_and_survive_a_dram_clear(open_store):
     store = open_store()
     ns = store.register(desc())

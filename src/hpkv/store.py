@@ -434,8 +434,9 @@ class TieredStore:
         reservations are its own until it commits or aborts them by key. A key the owner has
         reserved already (listed twice, or reserved again before its commit) gets None: the owner
         may still be copying into the first slot, which must stay its own until it commits or
-        aborts, even if a clear dropped the entry meanwhile. With `hold`, the keys reserved join
-        that hold, and `settle` ends them, not the owner's commit or abort."""
+        aborts, even if a clear dropped the entry meanwhile (in the same hold, with one). With
+        `hold`, the keys reserved join that hold, and `settle` ends them, not the owner's commit
+        or abort."""
         offsets: list[int | None] = []
         with self._lock:
             if self._holds:
@@ -444,12 +445,15 @@ class TieredStore:
                 self._end_quarantine()
             held = self._reserved.setdefault(owner, {})
             for key in keys:
-                entry = None if (ns, key) in held else self.dram.reserve(ns, key)
+                # A held one is not the owner's to commit. Its own name: an entry the name holds
+                # already (a clear dropped it) would be lost for good if a second overwrote it.
+                name = (ns, key, hold) if hold else (ns, key)
+                entry = None if name in held else self.dram.reserve(ns, key)
                 if entry is None:
                     self.counters.skipped_present += 1
                     offsets.append(None)
                     continue
-                held[(ns, key, hold) if hold else (ns, key)] = entry  # a held one is not the owner's to commit
+                held[name] = entry
                 offsets.append(entry.offset)
             if hold:
                 reserved = [key for key, offset in zip(keys, offsets) if offset is not None]
