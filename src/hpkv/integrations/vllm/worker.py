@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ...config import Settings
-from ...errors import HpkvError
+from ...errors import ConfigError, HpkvError
 from ...server.client import Client, Reservation
 from ...transfer.blocks import BlockCopier
 from . import layout as lay
@@ -42,6 +42,34 @@ LOAD_WAIT_S = 10.0  # promotions the scheduler saw done; only a server restart m
 
 
 SAVER_JOIN_S = 30.0  # at shutdown, for the saves in flight
+
+
+def block_rows(name: str, cache: torch.Tensor, num_blocks: int, page_bytes: int, layout: str | None) -> torch.Tensor:
+    """One layer's cache as `(num_blocks, page_bytes)` bytes, one row per block, in the byte order
+    every HPKV engine stores (`lay.REQUIRED_LAYOUT`: each block's heads, tokens, content).
+
+    `cache` is vLLM's logical (B, H, N, C) view whose strides follow the layout vLLM chose. vLLM
+    takes the connector's layout only as a wish: an attention backend that does not support it
+    (or VLLM_KV_CACHE_LAYOUT) gets another, and a kernel block size below --block-size splits
+    each block in kernel blocks. A block whose bytes are not one run in that order would be
+    saved as garbage, or loaded over other blocks, or read by another engine in another order:
+    wrong tokens. Refused at start instead, with the fix."""
+    elem = cache.element_size()
+    block = cache[0]
+    if cache.dim() == 4 and block.is_contiguous() and block.numel() * elem == page_bytes \
+            and cache.stride(0) * elem >= page_bytes:
+        return torch.tensor([], dtype=torch.int8, device=cache.device).set_(
+            cache.untyped_storage(), cache.storage_offset() * elem, (num_blocks, page_bytes), (cache.stride(0) * elem, 1))
+    if cache.dim() != 4:
+        why = (f"its blocks are split in {cache.shape[1]} kernel blocks each (the attention backend's kernel block "
+               "size is below --block-size); set --block-size to the attention backend's kernel block size")
+    else:
+        why = (f"vLLM chose the KV cache layout {layout or 'unknown'} (strides {tuple(cache.stride())} for the "
+               f"(blocks, heads, tokens, content) shape {tuple(cache.shape)}), not {lay.REQUIRED_LAYOUT}, where "
+               f"a block's bytes are one run; unset VLLM_KV_CACHE_LAYOUT or set it to {lay.REQUIRED_LAYOUT}, or "
+               "pick an attention backend that supports that layout (--attention-backend)")
+    raise ConfigError(f"HpkvConnectorV1 cannot store layer {name}: {why}; or run this engine without the HPKV "
+                      "connector")
 
 
 @dataclass
@@ -87,12 +115,9 @@ class HpkvWorker:
         from vllm.v1.kv_cache_interface import group_kernel_blocks
 
         num_blocks = self.kv_cache_config.num_blocks
-        views = []
-        for name, page in zip(self.layout.layer_names, self.layout.page_bytes):
-            ref = group_kernel_blocks(kv_caches[name], num_blocks)
-            elem = ref.element_size()
-            views.append(torch.tensor([], dtype=torch.int8, device=ref.device).set_(
-                ref.untyped_storage(), ref.storage_offset() * elem, (num_blocks, page), (ref.stride(0) * elem, 1)))
+        views = [block_rows(name, group_kernel_blocks(kv_caches[name], num_blocks), num_blocks, page,
+                            getattr(self.vllm_config.cache_config, "kv_cache_layout", None))
+                 for name, page in zip(self.layout.layer_names, self.layout.page_bytes)]
         self.copier = BlockCopier(views, self.layout.layer_offsets)
         device = self.copier.device.type
         if self.async_saves is None:

@@ -1,0 +1,78 @@
+"""The byte rows HPKV reads a vLLM layer's blocks from, on the views vLLM's own allocator builds.
+
+vLLM takes the connector's KV cache layout (LBHNC) only as a wish: an attention backend that does
+not support it, or VLLM_KV_CACHE_LAYOUT, gets another, and a kernel block size below
+--block-size splits every block. Each story builds a layer's cache with vLLM's
+`create_kv_cache_views` for one layout and checks that HPKV either reads each block as the bytes
+of its heads, tokens and content in that order, or refuses at start with the fix.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+
+NUM_BLOCKS, NUM_LAYERS = 4, 2
+
+
+def _layer_cache(layout_name: str, kernel_block_size: int | None = None):
+    """Layer 0 of a two-layer cache in `layout_name`, as vLLM hands it to a connector, with every
+    element numbered in the logical (blocks, heads, tokens, content) order."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views, group_kernel_blocks
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    page = spec.page_size_bytes
+    layout = KVCacheLayout[layout_name]
+    if layout.is_layer_compact:  # each layer one region: its blocks side by side
+        placement = KVCacheTensor(size=page * NUM_BLOCKS * NUM_LAYERS, layers=["l0", "l1"],
+                                  layer_stride=page * NUM_BLOCKS, block_stride=page)
+    else:  # each block one region: its layers side by side
+        placement = KVCacheTensor(size=page * NUM_BLOCKS * NUM_LAYERS, layers=["l0", "l1"],
+                                  layer_stride=page, block_stride=page * NUM_LAYERS)
+    raw = torch.zeros(placement.size, dtype=torch.int8)
+    cache = group_kernel_blocks(create_kv_cache_views(raw, spec, NUM_BLOCKS, layout, placement,
+                                                      kernel_block_size=kernel_block_size)[0], NUM_BLOCKS)
+    cache.copy_(torch.arange(cache.numel(), dtype=torch.float32).reshape(cache.shape).to(cache.dtype))
+    return cache, page
+
+
+@pytest.mark.parametrize("layout_name", ["LBHNC", "BLHNC"])
+def test_a_block_whose_heads_tokens_and_content_are_one_run_is_one_row(layout_name):
+    import torch
+    from hpkv.integrations.vllm.worker import block_rows
+
+    cache, page = _layer_cache(layout_name)
+
+    rows = block_rows("l0", cache, NUM_BLOCKS, page, layout_name)
+
+    assert tuple(rows.shape) == (NUM_BLOCKS, page)
+    for b in (0, 3):  # a block's row is its elements in (heads, tokens, content) order
+        assert torch.equal(rows[b].view(cache.dtype), cache[b].reshape(-1))
+
+
+@pytest.mark.parametrize("layout_name", ["LBNHC", "BLNHC"])
+def test_tokens_before_heads_is_refused_with_the_fix(layout_name):
+    from hpkv.errors import ConfigError
+    from hpkv.integrations.vllm.worker import block_rows
+
+    cache, page = _layer_cache(layout_name)
+
+    with pytest.raises(ConfigError, match=f"KV cache layout {layout_name}.*VLLM_KV_CACHE_LAYOUT.*LBHNC"):
+        block_rows("l0", cache, NUM_BLOCKS, page, layout_name)
+
+
+def test_blocks_split_in_kernel_blocks_are_refused_with_the_fix():
+    """Each 32-token block as two 16-token kernel blocks: its bytes would be in (kernel block,
+    heads, tokens, content) order, which an engine with other kernel blocks reads differently."""
+    from hpkv.errors import ConfigError
+    from hpkv.integrations.vllm.worker import block_rows
+
+    cache, page = _layer_cache("LBHNC", kernel_block_size=16)
+
+    with pytest.raises(ConfigError, match="split in 2 kernel blocks.*--block-size"):
+        block_rows("l0", cache, NUM_BLOCKS, page, "LBHNC")
