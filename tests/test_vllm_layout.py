@@ -76,3 +76,45 @@ def test_blocks_split_in_kernel_blocks_are_refused_with_the_fix():
 
     with pytest.raises(ConfigError, match="split in 2 kernel blocks.*--block-size"):
         block_rows("l0", cache, NUM_BLOCKS, page, "LBHNC")
+
+
+def _config(num_layers: int, pp_size: int, tp_size: int = 1):
+    """What `namespaces` reads of a vLLM config: the model, its layers, the parallel sizes."""
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(model="/models/m", revision=None, quantization=None, hf_overrides=None,
+                            dtype="float16", get_total_num_hidden_layers=lambda: num_layers)
+    parallel = SimpleNamespace(tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size,
+                               prefill_context_parallel_size=1, decode_context_parallel_size=1)
+    return SimpleNamespace(model_config=model, parallel_config=parallel, cache_config=SimpleNamespace(cache_dtype="auto"))
+
+
+def _stage(num_layers: int, page: int = 4096):
+    from hpkv.integrations.vllm.layout import BlockLayout
+
+    return BlockLayout(tuple(f"model.layers.{i}.attn" for i in range(num_layers)), (page,) * num_layers, 32, 1,
+                       "FullAttentionSpec:kv_heads=2,head=16,dtype=torch.float16")
+
+
+def test_the_scheduler_looks_up_each_pipeline_stage_in_the_namespace_its_workers_write():
+    """28 layers over 3 stages are 9, 10 and 9 (vLLM's partition: the spare layer goes to a middle
+    stage); the scheduler has only the first stage's cache config, yet names each TP rank of each
+    stage as that rank's worker does."""
+    from hpkv.integrations.vllm.layout import namespace, namespaces
+
+    config = _config(28, pp_size=3, tp_size=2)
+
+    descs = namespaces(config, _stage(9))
+
+    workers = [namespace(config, _stage(layers), rank) for rank, layers in enumerate([9, 9, 10, 10, 9, 9])]
+    assert descs == workers
+    assert [d.num_layers for d in descs] == [9, 9, 10, 10, 9, 9]
+    assert descs[2].entry_bytes == 10 * 4096
+
+
+def test_one_stage_is_named_from_its_own_layers():
+    from hpkv.integrations.vllm.layout import namespace, namespaces
+
+    config = _config(28, pp_size=1, tp_size=2)
+
+    assert namespaces(config, _stage(28)) == [namespace(config, _stage(28), rank) for rank in (0, 1)]

@@ -8,11 +8,15 @@ look up the keys each worker rank writes without asking the workers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 from dataclasses import dataclass
 
 from ...errors import ConfigError
 from ...keys import NamespaceDesc
+
+log = logging.getLogger("hpkv.vllm.layout")
 
 ENGINE = "vllm"
 REQUIRED_LAYOUT = "LBHNC"  # blocks outermost in every layer: one byte row per block
@@ -78,6 +82,49 @@ def _refuse_context_parallel(parallel) -> None:
 def world_ranks(vllm_config) -> int:
     parallel = vllm_config.parallel_config
     return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+
+
+def namespaces(vllm_config, layout: BlockLayout) -> list[NamespaceDesc]:
+    """Every rank's namespace, as the scheduler half sees them. vLLM gives it the first pipeline
+    stage's `KVCacheConfig` only; a later stage with another number of layers (28 over 3 stages:
+    9, 10, 9) has other entries. Their layer counts follow vLLM's own partition (`get_pp_indices`)
+    where it gives the first stage's count and every layer's page is the same size; otherwise
+    every stage is taken to be the first (its lookups then miss: never a wrong load, since a
+    worker leases in the namespace of its own layers)."""
+    parallel = vllm_config.parallel_config
+    counts = _stage_layer_counts(vllm_config)
+    if counts is not None and (counts[0] != len(layout.layer_names) or len(set(layout.page_bytes)) != 1):
+        log.warning("HPKV cannot tell the KV layers of each pipeline stage (the first has %d, vLLM's partition "
+                    "says %d): hits are looked up as if every stage had the first one's; stages with other "
+                    "layers miss", len(layout.layer_names), counts[0])
+        counts = None
+    descs = []
+    for rank in range(world_ranks(vllm_config)):
+        stage_layout = layout
+        pp_rank = rank // parallel.tensor_parallel_size
+        if counts is not None and counts[pp_rank] != len(layout.layer_names):
+            num = counts[pp_rank]
+            stage_layout = dataclasses.replace(layout, layer_names=tuple(f"stage{pp_rank}.{i}" for i in range(num)),
+                                               page_bytes=layout.page_bytes[:1] * num)
+        descs.append(namespace(vllm_config, stage_layout, rank))
+    return descs
+
+
+def _stage_layer_counts(vllm_config) -> list[int] | None:
+    """Layers per pipeline stage by vLLM's partition; None for one stage."""
+    pp_size = vllm_config.parallel_config.pipeline_parallel_size
+    if pp_size <= 1:
+        return None
+    try:
+        from vllm.distributed.utils import get_pp_indices
+
+        total = vllm_config.model_config.get_total_num_hidden_layers()
+        counts = [end - start for start, end in (get_pp_indices(total, r, pp_size) for r in range(pp_size))]
+    except Exception as exc:  # noqa: BLE001 (a vLLM without it, or a bad VLLM_PP_LAYER_PARTITION)
+        log.warning("HPKV cannot tell the layers of each pipeline stage (%s): stages after the first are "
+                    "taken to have the first one's layers", exc)
+        return None
+    return counts if counts else None
 
 
 def namespace(vllm_config, layout: BlockLayout, rank: int) -> NamespaceDesc:
