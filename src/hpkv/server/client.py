@@ -127,7 +127,7 @@ class Client:
         self.region: PoolRegion | None = None
         self.client_id = 0
         self.server_pid = 0
-        self.epoch = 0  # bumps on every new connection: handles of older ones are void
+        self.epoch = 0  # bumps whenever a connection ends: handles made before are void
         self._sock: socket.socket | None = None
         self._lock = threading.RLock()
         self._retry_at = 0.0
@@ -204,7 +204,6 @@ class Client:
                 sock.close()
                 raise
         self._sock = sock
-        self.epoch += 1
         self.client_id = welcome.client_id
         self.server_pid = welcome.server_pid
         for desc_json, _ in list(self._namespaces.values()):
@@ -217,9 +216,13 @@ class Client:
         raise ServerUnavailable(message)
 
     def _drop(self, reason: str) -> None:
-        if self._sock is not None:
-            self._sock.close()
+        sock = self._sock
+        if sock is not None:
+            # The epoch first, the close after: `holds` reads both without the lock, and must
+            # say False before the server can see the connection end and reuse its slots.
+            self.epoch += 1
             self._sock = None
+            sock.close()
         self._last_error = reason
         wait = self.retry_interval_s * 2 ** min(max(self._failures - 1, 0), 16)
         self._retry_at = time.monotonic() + min(wait, max(self.retry_interval_s, MAX_RETRY_S))
@@ -299,8 +302,9 @@ class Client:
 
     def holds(self, handle: LeaseHandle | Reservation) -> bool:
         """Whether the connection that made `handle` is still the live one (so the server still
-        holds its slots for us)."""
-        return self._sock is not None and handle.epoch == self.epoch
+        holds its slots for us). Lock-free: the epoch is read first, and it bumps before the
+        connection closes (`_drop`)."""
+        return handle.epoch == self.epoch and self._sock is not None
 
     def clear(self, memory: bool = True, storage: bool = False, ns: str | None = None) -> p.Cleared:
         return self._call(p.Clear(memory, storage, ns), max(self.timeout_s, 300.0))
