@@ -31,6 +31,46 @@ def node(shm_dir, tmp_path, monkeypatch):
     thread.join(timeout=30)
 
 
+def test_a_reservation_of_a_closed_connection_neither_commits_nor_aborts_what_a_newer_one_reserved(node):
+    """A copying thread holds a reservation; another thread's call times out and the connection
+    closes; the client reconnects and, once the server's quarantine is over, the same key is
+    reserved again in a new slot. The first thread's commit and abort must not touch that slot."""
+    writer = node.client("writer", retry_interval_s=0.0)
+    ns = writer.register(desc(0, ENTRY))
+    key = entry_key("prompt", 0)
+    old = writer.reserve(ns, [key])
+    assert old.offsets != [None]
+    writer._drop("a call timed out")  # what the client does after another thread's timeout
+
+    new = wait_for(lambda: (lambda r: r if r.offsets != [None] else None)(writer.reserve(ns, [key])),
+                   what="the key reserved again after the quarantine")
+    assert not writer.holds(old) and writer.holds(new)
+    assert writer.commit(ns, [key], reservation=old) == 0
+    writer.abort(ns, [key], reservation=old)
+    assert writer.lookup(ns, [key]).num_hit == 0  # nothing published before its copy
+    assert writer.stats()["reservations"] == 1  # and the new slot is still the copier's
+
+    new.view(0)[:] = payload(key, 0, ENTRY)
+    assert writer.commit(ns, [key], reservation=new) == 1
+    lease = writer.lease(ns, [key])
+    assert writer.wait(lease) == 1 and bytes(lease.view(0)) == payload(key, 0, ENTRY)
+    writer.release(lease)
+
+
+def test_commit_and_abort_never_connect(node):
+    """With no connection there is no reservation to end: the calls send nothing and the
+    client stays disconnected (a new connection would own nothing of the old one's)."""
+    writer = node.client("writer", retry_interval_s=0.0)
+    ns = writer.register(desc(0, ENTRY))
+    key = entry_key("prompt", 0)
+    res = writer.reserve(ns, [key])
+    writer._drop("a call timed out")
+
+    assert writer.commit(ns, [key]) == 0 and writer.commit(ns, [key], reservation=res) == 0
+    writer.abort(ns, [key], reservation=res)
+    assert not writer.connected
+
+
 def test_a_lease_is_void_as_soon_as_its_connection_goes(node):
     """A reader waits for a lease whose entry is being promoted from storage; the connection
     drops meanwhile. The lease is void at once, before any reconnect, and waiting on it asks no
@@ -40,7 +80,7 @@ def test_a_lease_is_void_as_soon_as_its_connection_goes(node):
     key = entry_key("prompt", 0)
     res = client.reserve(ns, [key])
     res.view(0)[:] = payload(key, 0, ENTRY)
-    assert client.commit(ns, [key]) == 1
+    assert client.commit(ns, [key], reservation=res) == 1
     wait_for(lambda: client.stats()["storage"]["num_entries"] == 1, what="the write-through")
     client.clear(memory=True)
     assert client.lookup(ns, [key]).tiers == (Tier.STORAGE,)

@@ -4,7 +4,7 @@
     ns = client.register(desc)
     hit = client.lookup(ns, keys)                # leading hits and their tiers
     res = client.reserve(ns, keys)               # copy into res.view(i), then:
-    client.commit(ns, keys)                      # or client.abort(ns, keys)
+    client.commit(ns, keys, reservation=res)     # or client.abort(ns, keys, reservation=res)
     lease = client.lease(ns, keys)               # lease.wait() -> entries ready; copy from lease.view(i)
     client.release(lease)
 
@@ -19,8 +19,11 @@ never go to or come from the pool of another server generation.
 A handle is only as good as the connection that made it: when that connection closes (a timeout,
 a server restart), the server reclaims its reservations and leases, and their slots may be
 reused. `holds(handle)` says whether the connection that made a handle is still the live one; a
-reader checks it after copying out of a lease and discards the bytes if not. Give each thread
-that copies its own Client, so one thread's timeout cannot close another's connection mid-copy.
+reader checks it after copying out of a lease and discards the bytes if not. `commit` and `abort`
+given the reservation do nothing unless its connection is the live one: on a newer connection
+the same key may be reserved again, in a slot another copy is still filling. Neither ever
+connects: a new connection holds no reservation to end. Give each thread that copies its own
+Client, so one thread's timeout cannot close another's connection mid-copy.
 
 The clients of one process share their mapping of a server's pool file (`_shared_region`): each
 mapping costs page tables, 2 MiB per GiB of pool once prefaulted, and an engine process keeps a
@@ -266,13 +269,28 @@ class Client:
             offsets = self._call(p.Reserve(ns, keys, hold)).offsets
             return Reservation(self.region, self._namespaces[ns][1], offsets, self.epoch)
 
-    def commit(self, ns: str, keys: list[bytes]) -> int:
-        return self._call(p.Commit(ns, keys)).num
+    def commit(self, ns: str, keys: list[bytes], *, reservation: Reservation | None = None) -> int:
+        """Publish reserved keys; returns how many were. With `reservation` (the handle that
+        reserved them), 0 and nothing sent unless the connection that made it is the live one
+        (else a reservation of the same keys made since would be published before it is copied
+        into). Without it, any reservation of the keys the live connection holds is published."""
+        with self._lock:
+            if not self._live(reservation):
+                return 0
+            return self._roundtrip(p.Commit(ns, keys), self.timeout_s).num
 
-    def abort(self, ns: str, keys: list[bytes], hold: str = "") -> None:
+    def abort(self, ns: str, keys: list[bytes], hold: str = "", *, reservation: Reservation | None = None) -> None:
         """Give back reserved slots (those reserved in `hold`, with one: its owner may always
-        give them back, never commit them)."""
-        self._call(p.Abort(ns, keys, hold))
+        give them back, never commit them). With `reservation`, only if the connection that made
+        it is the live one: slots a newer one reserved may be being copied into."""
+        with self._lock:
+            if self._live(reservation):
+                self._roundtrip(p.Abort(ns, keys, hold), self.timeout_s)
+
+    def _live(self, reservation: Reservation | None) -> bool:
+        """Connected, and (given a reservation) on the connection that made it. Caller holds the
+        lock. Never connects: a new connection holds no reservation to commit or abort."""
+        return self._sock is not None and (reservation is None or reservation.epoch == self.epoch)
 
     def settle(self, hold: str, abort: list[bytes]) -> p.Settled:
         """Commit every client's reservations made with `hold`, except the keys in `abort`."""
