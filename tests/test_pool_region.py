@@ -69,6 +69,34 @@ class OwnerProcess:
         self.proc.join(30)
 
 
+NOBODY = 65534
+
+
+def _raised_as(uid: int, fn) -> tuple[str, str]:
+    """Run `fn` in a forked child that has become `uid`: the type and message of what it raised
+    (empty if nothing)."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        result = ("", "")
+        try:
+            os.close(read_fd)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            fn()
+        except BaseException as exc:
+            result = (type(exc).__name__, str(exc))
+        finally:
+            os.write(write_fd, "\0".join(result).encode())
+            os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as pipe:
+        kind, message = pipe.read().decode().split("\0", 1)
+    os.waitpid(pid, 0)
+    return kind, message
+
+
 @pytest.fixture
 def owner_process():
     owners = []
@@ -139,6 +167,29 @@ def test_a_second_create_while_the_owner_process_lives_is_refused(shm_dir, owner
     assert "owned by a running HPKV process" in message
     assert "stop it" in message and "HPKV_SHARE_MEM_FILE_PATH" in message
     assert os.stat(owner.path).st_ino == inode  # the live owner's file is untouched
+
+
+def test_a_pool_file_another_user_left_is_refused_with_its_owner_named(shm_dir):
+    """A shared pool directory (a world-writable ramfs with the sticky bit) holds a pool file
+    that this uid may not open: a PoolError naming the file, its owner and the fix, not a
+    traceback, and the file is left alone."""
+    left = shm_dir / POOL_FILE_NAME
+    left.write_bytes(b"")
+    if os.geteuid() == 0:  # root opens anything: the server that finds the file runs as nobody
+        shm_dir.chmod(0o1777)
+        left.chmod(0o600)
+        raised = _raised_as(NOBODY, lambda: PoolRegion.create(shm_dir, 2 * MiB))
+    else:
+        left.chmod(0)  # as good as another user's, to this uid
+        with pytest.raises(Exception) as caught:
+            PoolRegion.create(shm_dir, 2 * MiB)
+        raised = (type(caught.value).__name__, str(caught.value))
+
+    kind, message = raised
+    assert kind == "PoolError"
+    assert str(left) in message and f"uid {left.stat().st_uid}" in message
+    assert "HPKV_SHARE_MEM_FILE_PATH" in message
+    assert left.exists()
 
 
 def test_a_second_create_in_the_same_process_is_refused_too(shm_dir, regions):

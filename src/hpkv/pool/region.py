@@ -260,6 +260,8 @@ def _remove_if_stale(path: Path) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError:
         return
+    except PermissionError as exc:
+        raise PoolError(_not_ours(path, exc)) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -273,8 +275,20 @@ def _remove_if_stale(path: Path) -> None:
         if _names(path, fd):  # still the file we locked, not one created since by a server starting
             log.warning("removing stale pool file %s left by a process that is gone", path)
             os.unlink(path)
+    except PermissionError as exc:  # a sticky directory (a shared ramfs): only its owner may remove it
+        raise PoolError(_not_ours(path, exc)) from None
     finally:
         os.close(fd)
+
+
+def _not_ours(path: Path, exc: OSError) -> str:
+    try:
+        owner = f"uid {os.stat(path).st_uid}"
+    except OSError:
+        owner = "another user"
+    return (f"the pool file {path} belongs to {owner} and uid {os.geteuid()} cannot check or replace it "
+            f"({exc.strerror}); if no HPKV server of that user runs, remove it as that user or root "
+            f"(rm {path}), or give each user a pool directory of its own in HPKV_SHARE_MEM_FILE_PATH")
 
 
 def _names(path: Path, fd: int) -> bool:
