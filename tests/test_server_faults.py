@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,9 @@ import psutil
 import pytest
 
 from serverutil import Node, desc, entry_key, kill, payload, stop, wait_for, wait_gone
+from hpkv.config import load_settings
+from hpkv.errors import PoolError
+from hpkv.server import daemon
 from hpkv.server import protocol as p
 from hpkv.store import Tier
 
@@ -172,6 +176,31 @@ def test_an_auto_started_server_resolves_relative_paths_where_its_starter_runs(n
     assert not Path("/pool").exists() and not Path("/stored-kv").exists()
     kill(server["server_pid"])
     wait_gone(server["server_pid"])
+
+
+def test_a_server_too_busy_to_accept_counts_as_running_and_keeps_its_socket(node):
+    """A live server whose queue of connections to accept is full refuses a probe at once
+    (EAGAIN): a second server must take it for running, not crash or remove its socket."""
+    busy = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    busy.bind(str(node.socket_path))
+    busy.listen(0)
+    queued = []
+    try:
+        while len(queued) < 64:
+            waiting = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            waiting.setblocking(False)
+            queued.append(waiting)
+            try:
+                waiting.connect(str(node.socket_path))
+            except BlockingIOError:
+                break
+        with pytest.raises(PoolError, match="already running.*queue of connections to accept is full"):
+            daemon.Server(load_settings(node.env)).run()
+        assert node.socket_path.exists()
+    finally:
+        for sock in queued:
+            sock.close()
+        busy.close()
 
 
 def test_lock_held_by_a_live_starter_is_waited_for_not_broken(node):

@@ -411,15 +411,21 @@ def _claim_socket_path(path: Path) -> None:
         return
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(2.0)
+    busy = ""
     try:
         probe.connect(str(path))
     except (ConnectionRefusedError, FileNotFoundError, socket.timeout):
         log.warning("removing stale socket %s left by a server that is gone", path)
         path.unlink(missing_ok=True)
         return
+    except BlockingIOError:  # EAGAIN: the server's queue of connections to accept is full
+        busy = " (so busy that its queue of connections to accept is full)"
+    except PermissionError as exc:
+        raise PoolError(f"cannot check whether a server answers on {path}: {exc.strerror}; it belongs to "
+                        "another user: use a pool directory of this user's own (HPKV_SHARE_MEM_FILE_PATH)") from None
     finally:
         probe.close()
-    raise PoolError(f"an HPKV server is already running on {path}; use it (hpkv status), or stop it "
+    raise PoolError(f"an HPKV server is already running on {path}{busy}; use it (hpkv status), or stop it "
                     "first, or give this one another HPKV_SHARE_MEM_FILE_PATH")
 
 
