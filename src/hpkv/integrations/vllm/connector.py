@@ -16,6 +16,7 @@ kv_connector_extra_config.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -31,6 +32,8 @@ from .metadata import HpkvConnectorMetadata, HpkvConnectorStats
 
 log = logging.getLogger("hpkv.vllm")
 
+_BUG_LOG_INTERVAL_S = 60.0
+
 
 class HpkvConnectorV1(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
@@ -45,6 +48,7 @@ class HpkvConnectorV1(KVConnectorBase_V1):
                 "VLLM_ENABLE_HPKV=1 (environment or HPKV config file), or remove the connector")
         self._scheduler = None
         self._worker = None
+        self._bugs: dict[str, tuple[float, int]] = {}  # entry point -> (last logged, not logged since)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         if role == KVConnectorRole.SCHEDULER:
             if not extra.get("hpkv.fail_on_load_error", False):
@@ -117,31 +121,76 @@ class HpkvConnectorV1(KVConnectorBase_V1):
                     pass
 
     # -- scheduler side -----------------------------------------------------------------------
+    # vLLM's scheduler calls these from its engine core's loop: an exception escaping one of them
+    # (a bug here, a vLLM that changed under us) would stop the engine. Each degrades instead,
+    # as on a miss: vLLM recomputes what HPKV would have supplied.
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        try:
+            return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception:
+            self._bug("a lookup", lambda: self._scheduler.forget_lookup(request))
+            return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        try:
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        except Exception:  # vLLM counts those tokens as loaded: the workers must report them failed
+            self._bug("a load", lambda: self._scheduler.fail_load(request, blocks, num_external_tokens))
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int):
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-        sources = self._scheduler.hit_sources(request, num_external_tokens)
-        return {CacheHitSource(name): count for name, count in sources.items() if count}
+        try:
+            sources = self._scheduler.hit_sources(request, num_external_tokens)
+            return {CacheHitSource(name): count for name, count in sources.items() if count}
+        except Exception:
+            self._bug("the hit sources")
+            return {}
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return self._scheduler.build_connector_meta(scheduler_output)
+        try:
+            return self._scheduler.build_connector_meta(scheduler_output)
+        except Exception:
+            self._bug("a step's metadata")
+            return self._scheduler.bare_meta(scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:
-        self._scheduler.update_connector_output(connector_output)
+        try:
+            self._scheduler.update_connector_output(connector_output)
+        except Exception:
+            self._bug("a step's output")
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler.request_finished(request)
+        try:
+            self._scheduler.request_finished(request)
+        except Exception:  # its leases end with the connection, at the latest
+            self._bug("a finished request")
         return False, None
 
     def reset_cache(self) -> bool | None:
-        return self._scheduler.reset_cache()
+        try:
+            return self._scheduler.reset_cache()
+        except Exception:
+            self._bug("a cache reset")
+            return False
+
+    def _bug(self, what: str, *recover) -> None:
+        """Called inside an `except`: log the exception with its traceback (the first of each
+        kind, then at most one a minute: a bug on every step would flood the log), then run the
+        `recover` steps, each as best it can."""
+        now = time.monotonic()
+        last, missed = self._bugs.get(what, (float("-inf"), 0))
+        if now - last >= _BUG_LOG_INTERVAL_S:
+            log.exception("HPKV bug in %s (%d more since the last report); vLLM recomputes instead", what, missed)
+            self._bugs[what] = (now, 0)
+        else:
+            self._bugs[what] = (last, missed + 1)
+        for step in recover:
+            try:
+                step()
+            except Exception:  # already degrading: the traceback above is the one to read
+                log.debug("HPKV could not recover from the bug in %s", what, exc_info=True)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HpkvConnectorStats | None:

@@ -70,6 +70,7 @@ class HpkvScheduler:
         self._seq = 0  # steps built
         # step -> (request, its leases, the blocks loaded) it loads for, until its output is back
         self._loading: dict[int, list[tuple[str, dict, list[int]]]] = {}
+        self._step_loads: list[LoadJob] = []  # the loads of the step being built
         self.holds = SaveHolds()
         _warn_if_hashes_unstable(vllm_config)
 
@@ -159,22 +160,26 @@ class HpkvScheduler:
                       self.policy.describe())
 
     def _ready(self, state: _Req) -> int | None:
-        """Leading entries ready on every rank, or None while promotions run."""
-        pending = False
+        """Leading entries ready on every rank, or None while promotions run. A lease whose
+        connection has been dropped (and maybe opened again) pins nothing any more: a miss,
+        and the rest of the request's leases go with it."""
+        counts = []
         for lease in state.leases.values():
-            if lease.num_ready is None and self.client.wait(lease, timeout_s=_POLL_S) is None:
-                pending = True
-        if pending:
-            if time.monotonic() - state.leased_at > PROMOTION_DEADLINE_S:
-                log.warning("HPKV promotions for request %s took over %.0f s; recomputing",
-                            state.request.request_id, PROMOTION_DEADLINE_S)
+            if not self.client.holds(lease):
                 self._release(state)
                 return 0
+            counts.append(self.client.wait(lease, timeout_s=_POLL_S))
+        if time.monotonic() - state.leased_at > PROMOTION_DEADLINE_S and None in counts:
+            log.warning("HPKV promotions for request %s took over %.0f s; recomputing",
+                        state.request.request_id, PROMOTION_DEADLINE_S)
+            self._release(state)
+            return 0
+        if None in counts:
             state.polled_at = time.perf_counter()
             return None
         if state.num_promoting:
             self._time_promotions(state)
-        return min(lease.num_ready for lease in state.leases.values())
+        return min(counts)
 
     def _time_promotions(self, state: _Req) -> None:
         """The promotions took from the lease until now, give or take the time since the last
@@ -204,6 +209,23 @@ class HpkvScheduler:
                   num_external_tokens, tiers.count(Tier.DRAM) * self.block_size,
                   tiers.count(Tier.STORAGE) * self.block_size)
 
+    def forget_lookup(self, request) -> None:
+        """vLLM got no answer for `request` (a bug): what it leased is not needed."""
+        state = self._reqs.get(request.request_id)
+        if state is not None:
+            self._release(state)
+
+    def fail_load(self, request, blocks, num_external_tokens: int) -> None:
+        """vLLM counts `num_external_tokens` as loaded, but no load was planned for them (a bug):
+        a load of no entries into their blocks, which the workers report failed and vLLM
+        recomputes."""
+        if num_external_tokens <= 0:
+            return
+        state = self._reqs.get(request.request_id)
+        start = state.lease_start if state is not None and state.lease_start >= 0 else 0
+        stop = start + -(-num_external_tokens // self.block_size)
+        self._pending_loads.append(LoadJob(request.request_id, [], list(blocks.get_block_ids()[0][start:stop])))
+
     def hit_sources(self, request, num_external_tokens: int) -> dict[str, int]:
         state = self._reqs.get(request.request_id)
         if state is None or num_external_tokens <= 0:
@@ -216,12 +238,12 @@ class HpkvScheduler:
 
     def build_connector_meta(self, scheduler_output) -> HpkvConnectorMetadata:
         self._seq += 1
-        meta = HpkvConnectorMetadata(loads=self._pending_loads, allocated=_allocated_blocks(scheduler_output),
-                                     seq=self._seq, hold=self.holds.begin_step(self._seq, bool(self._pending_loads)))
+        self._step_loads, self._pending_loads = self._pending_loads, []
+        meta = HpkvConnectorMetadata(loads=self._step_loads, allocated=_allocated_blocks(scheduler_output),
+                                     seq=self._seq, hold=self.holds.begin_step(self._seq, bool(self._step_loads)))
         if meta.loads:
             self._loading[self._seq] = [(job.req_id, self._reqs[job.req_id].leases, job.block_ids)
                                         for job in meta.loads if job.req_id in self._reqs]
-        self._pending_loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
@@ -244,6 +266,14 @@ class HpkvScheduler:
         if self.policy.learns:
             self.policy.step_built(_chunks(scheduler_output), len(meta.loads))
         return meta
+
+    def bare_meta(self, scheduler_output) -> HpkvConnectorMetadata:
+        """The step's metadata when build_connector_meta failed (a bug): the loads vLLM counts
+        on still run, nothing is saved. What the step allocated is still needed: without it the
+        workers cannot fence an earlier step's save, which could publish a block being
+        overwritten; a vLLM whose step this cannot read is better stopped."""
+        return HpkvConnectorMetadata(loads=self._step_loads, allocated=_allocated_blocks(scheduler_output),
+                                     seq=self._seq)
 
     def update_connector_output(self, connector_output) -> None:
         """A step's output is back, with the workers' stats of that step (summed over ranks):

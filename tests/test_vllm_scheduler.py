@@ -1,0 +1,143 @@
+"""The vLLM scheduler half (`HpkvScheduler`) against a real server, as vLLM's engine core calls
+it: what it answers for a request when its connection to the server drops, and how it keeps
+vLLM's scheduler running whatever goes wrong inside it."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+
+BS = 32
+
+
+@pytest.fixture
+def node(shm_dir, tmp_path):
+    from serverutil import Node
+
+    node = Node(shm_dir, tmp_path)
+    node.start_server()
+    yield node
+    node.close()
+
+
+def scheduler_half(node, num_ranks: int):
+    """The half as vLLM's engine core holds it, loading every hit (threshold 0)."""
+    from hpkv.integrations.vllm.costmodel import FixedThreshold
+    from hpkv.integrations.vllm.holds import SaveHolds
+    from hpkv.integrations.vllm.metadata import HpkvConnectorStats
+    from hpkv.integrations.vllm.scheduler import HpkvScheduler
+    from serverutil import desc
+
+    scheduler = HpkvScheduler.__new__(HpkvScheduler)
+    scheduler.client = node.client("vllm-scheduler", retry_interval_s=0.0)
+    scheduler._ns = [scheduler.client.register(desc(r)) for r in range(num_ranks)]
+    scheduler.descs = [desc(r) for r in range(num_ranks)]
+    scheduler.stats, scheduler.holds, scheduler.policy = HpkvConnectorStats(), SaveHolds(), FixedThreshold(0, BS)
+    scheduler._seq, scheduler._loading, scheduler._reqs, scheduler._pending_loads = 0, {}, {}, []
+    scheduler.block_size, scheduler.layout = BS, SimpleNamespace(hashes_per_block=1)
+    return scheduler
+
+
+def saved(node, scheduler, keys: list[bytes]) -> None:
+    """Every rank's worker has saved `keys`."""
+    for rank, ns in enumerate(scheduler._ns):
+        from serverutil import desc
+
+        worker = node.client(f"vllm-worker-{rank}")
+        worker.register(desc(rank))
+        worker.reserve(ns, keys)
+        worker.commit(ns, keys)
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2])
+def test_a_lease_whose_connection_was_dropped_while_it_promoted_is_a_miss(node, num_ranks):
+    """A request's lease was answered while promotions from storage ran; before they finished,
+    the scheduler's connection dropped (a timeout) and a later call opened a new one. The lease
+    pinned nothing once its connection was gone: the next ask is a miss, neither "ask again"
+    (the request would never run) nor an exception (vLLM's engine core would die)."""
+    from hpkv.integrations.vllm.scheduler import _Req
+    from serverutil import entry_key
+
+    scheduler = scheduler_half(node, num_ranks)
+    keys = [entry_key("prompt", i) for i in range(4)]
+    saved(node, scheduler, keys)
+    request = SimpleNamespace(request_id="r", num_tokens=5 * BS + 1, block_hashes=[])
+    state = scheduler._reqs["r"] = _Req(request, lease_start=0)
+    state.leases = {rank: scheduler.client.lease(ns, keys) for rank, ns in enumerate(scheduler._ns)}
+    for lease in state.leases.values():
+        lease.num_ready = None  # as answered while a promotion ran
+    state.leased_at = time.monotonic()
+
+    scheduler.client._drop("a call timed out")
+    scheduler.client.stats()  # the next call connects again
+
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert state.leases == {}
+    assert scheduler.client.stats()["leases"] == 0
+
+
+def prompt(node, scheduler, num_blocks: int, **request_kw):
+    """A request whose first `num_blocks` blocks every rank has saved (and one token more)."""
+    from serverutil import entry_key
+
+    keys = [entry_key("prompt", i) for i in range(num_blocks)]
+    saved(node, scheduler, keys)
+    return SimpleNamespace(request_id="r", num_tokens=num_blocks * BS + 1, block_hashes=keys, **request_kw)
+
+
+def blocks(*block_ids: int):
+    return SimpleNamespace(get_block_ids=lambda: (list(block_ids),))
+
+
+def connector_over(scheduler):
+    from hpkv.integrations.vllm.connector import HpkvConnectorV1
+
+    connector = HpkvConnectorV1.__new__(HpkvConnectorV1)
+    connector._scheduler, connector._worker, connector._bugs = scheduler, None, {}
+    return connector
+
+
+def test_a_bug_in_a_lookup_is_a_miss_logged_once_a_minute(node, monkeypatch, caplog):
+    """vLLM's block hashes stop making keys (a bug, or a vLLM changed under us): every lookup
+    is a miss, the first logged with its traceback, the next ones counted, not logged; the
+    engine's scheduler keeps running."""
+    from hpkv.integrations.vllm import scheduler as sched
+
+    scheduler = scheduler_half(node, 2)
+    connector = connector_over(scheduler)
+    request = prompt(node, scheduler, 4)
+    monkeypatch.setattr(sched.lay, "block_keys", lambda *args: 1 / 0)
+
+    with caplog.at_level(logging.ERROR, logger="hpkv.vllm"):
+        answers = [connector.get_num_new_matched_tokens(request, 0) for _ in range(3)]
+
+    assert answers == [(0, False)] * 3
+    assert caplog.text.count("HPKV bug in a lookup") == 1 and "ZeroDivisionError" in caplog.text
+    assert connector._bugs["a lookup"][1] == 2
+    assert scheduler.client.stats()["leases"] == 0
+
+
+def test_a_bug_after_vllm_allocated_a_load_makes_the_workers_fail_it(node, monkeypatch, caplog):
+    """HPKV answered a hit of 2 blocks after vLLM's own 2, vLLM allocated for it, and planning
+    the load fails: the workers get a load of no entries into those 2 blocks, which they report
+    failed, and vLLM recomputes them rather than read whatever the blocks held."""
+    from hpkv.integrations.vllm import scheduler as sched
+    from hpkv.integrations.vllm.scheduler import _Req
+
+    scheduler = scheduler_half(node, 2)
+    connector = connector_over(scheduler)
+    request = prompt(node, scheduler, 4)
+    scheduler._reqs["r"] = _Req(request, lease_start=2)
+    monkeypatch.setattr(sched.lay, "block_keys", lambda *args: 1 / 0)
+
+    with caplog.at_level(logging.ERROR, logger="hpkv.vllm"):
+        connector.update_state_after_alloc(request, blocks(5, 6, 7, 8, 9), 2 * BS)
+
+    assert [(job.keys, job.block_ids) for job in scheduler._pending_loads] == [([], [7, 8])]
+    assert "HPKV bug in a load" in caplog.text
