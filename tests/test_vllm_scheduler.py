@@ -95,6 +95,28 @@ def blocks(*block_ids: int):
     return SimpleNamespace(get_block_ids=lambda: (list(block_ids),))
 
 
+def test_a_request_that_skips_the_prefix_cache_leases_nothing(node):
+    """vLLM drops any hit for a request with prompt logprobs: HPKV answers none and pins none."""
+    scheduler = scheduler_half(node, 2)
+    request = prompt(node, scheduler, 4, skip_reading_prefix_cache=True)
+
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert scheduler.client.stats()["leases"] == 0
+
+
+def test_a_hit_vllm_trims_to_nothing_is_unpinned(node):
+    """HPKV answers a hit of 4 blocks and leases them; vLLM then loads none of it (it keeps a
+    local hit instead): the leases go at once, not when the request ends."""
+    scheduler = scheduler_half(node, 2)
+    request = prompt(node, scheduler, 4)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (4 * BS, False)
+    assert scheduler.client.stats()["leases"] == 2
+
+    scheduler.update_state_after_alloc(request, blocks(7, 8, 9, 10, 11), 0)
+
+    assert scheduler.client.stats()["leases"] == 0 and scheduler._pending_loads == []
+
+
 def connector_over(scheduler):
     from hpkv.integrations.vllm.connector import HpkvConnectorV1
 

@@ -104,6 +104,9 @@ class HpkvScheduler:
         state = self._reqs.get(request.request_id)
         if state is None:
             state = self._reqs[request.request_id] = _Req(request)
+        if getattr(request, "skip_reading_prefix_cache", False):  # e.g. prompt logprobs: vLLM drops any hit
+            self._release(state)
+            return 0, False
         start = num_computed_tokens // self.block_size
         stop = (request.num_tokens - 1) // self.block_size  # vLLM computes at least the last token
         if stop - start <= 0 or not self.policy.may_pay(start * self.block_size, stop - start):
@@ -195,7 +198,8 @@ class HpkvScheduler:
         state = self._reqs.get(request.request_id)
         if state is None:
             state = self._reqs[request.request_id] = _Req(request)
-        if num_external_tokens <= 0:
+        if num_external_tokens <= 0:  # vLLM loads nothing after all (it may trim a hit): unpin it
+            self._release(state)
             return
         num_blocks = num_external_tokens // self.block_size
         block_ids = blocks.get_block_ids()[0][state.lease_start : state.lease_start + num_blocks]
