@@ -114,6 +114,7 @@ def test_the_scheduler_settles_a_step_on_every_rank_and_rewinds_the_requests_tha
         scheduler.stats, scheduler.holds = HpkvConnectorStats(), SaveHolds()
         scheduler._seq, scheduler._loading, scheduler._reqs, scheduler.block_size = 1, {}, {}, 32
         scheduler.policy = FixedThreshold(1204, 32)
+        scheduler.kv_cache_manager = None  # un-hashing failed blocks: tests/test_vllm_scheduler.py
         # vLLM's requests as update_from_output leaves them: "bad" rolled back to its failed block
         # 11, "shares" (block 11 through vLLM's prefix cache) left relying on bad's recompute.
         scheduler._reqs["bad"] = _Req(SimpleNamespace(num_computed_tokens=32), block_ids=[10, 11, 12, 13],

@@ -41,6 +41,7 @@ def scheduler_half(node, num_ranks: int):
     scheduler.stats, scheduler.holds, scheduler.policy = HpkvConnectorStats(), SaveHolds(), FixedThreshold(0, BS)
     scheduler._seq, scheduler._loading, scheduler._reqs, scheduler._pending_loads = 0, {}, {}, []
     scheduler.block_size, scheduler.layout = BS, SimpleNamespace(hashes_per_block=1)
+    scheduler.kv_cache_manager = None
     return scheduler
 
 
@@ -163,3 +164,52 @@ def test_a_bug_after_vllm_allocated_a_load_makes_the_workers_fail_it(node, monke
 
     assert [(job.keys, job.block_ids) for job in scheduler._pending_loads] == [([], [7, 8])]
     assert "HPKV bug in a load" in caplog.text
+
+
+def vllm_cache(num_blocks: int = 32):
+    """vLLM's own KV cache manager, prefix caching on, one group of full attention."""
+    import torch
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    init_none_hash(sha256)
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+    return (KVCacheManager(config, max_model_len=1024, scheduler_block_size=BS, hash_block_size=BS),
+            get_request_block_hasher(BS, sha256))
+
+
+def test_a_block_that_failed_to_load_is_no_prefix_hit_for_later_prompts(node):
+    """Request a: vLLM's prefix cache has nothing, HPKV supplies blocks 0-2 of its 4, vLLM
+    allocates (and hashes) all 4, and the step's output reports block 1 failed. vLLM rolls a
+    back to recompute from block 1 but keeps it in its prefix cache; a could be preempted
+    before it recomputes. Request b, the same prompt, must not find blocks 1 and after in
+    vLLM's cache: it hits block 0 only."""
+    from vllm import SamplingParams
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from hpkv.integrations.vllm.scheduler import _Req
+
+    cache, hasher = vllm_cache()
+    scheduler = scheduler_half(node, 1)
+    connector = connector_over(scheduler)
+    connector.bind_kv_cache_manager(cache)
+
+    def request(req_id: str):
+        return Request(req_id, list(range(4 * BS + 1)), SamplingParams(max_tokens=1), None, block_hasher=hasher)
+
+    a = request("a")
+    local, _, _ = cache.get_computed_blocks(a)
+    cache.allocate_slots(a, BS + 1, num_new_computed_tokens=0, new_computed_blocks=local,
+                         num_external_computed_tokens=3 * BS)
+    (block_ids,) = cache.get_block_ids("a")
+    scheduler._reqs["a"] = _Req(a, block_ids=block_ids[:4])
+    assert cache.get_computed_blocks(request("b"))[1] == 4 * BS  # every block hashed at allocation
+
+    connector.update_connector_output(KVConnectorOutput(invalid_block_ids={block_ids[1]}))
+
+    assert cache.get_computed_blocks(request("b"))[1] == BS

@@ -125,6 +125,11 @@ class HpkvConnectorV1(KVConnectorBase_V1):
     # (a bug here, a vLLM that changed under us) would stop the engine. Each degrades instead,
     # as on a miss: vLLM recomputes what HPKV would have supplied.
 
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._scheduler is not None:
+            self._scheduler.kv_cache_manager = kv_cache_manager
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         try:
             return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

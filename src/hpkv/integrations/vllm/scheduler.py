@@ -71,6 +71,7 @@ class HpkvScheduler:
         # step -> (request, its leases, the blocks loaded) it loads for, until its output is back
         self._loading: dict[int, list[tuple[str, dict, list[int]]]] = {}
         self._step_loads: list[LoadJob] = []  # the loads of the step being built
+        self.kv_cache_manager = None  # vLLM's, once bound: to un-hash blocks that failed to load
         self.holds = SaveHolds()
         _warn_if_hashes_unstable(vllm_config)
 
@@ -314,6 +315,7 @@ class HpkvScheduler:
         if invalid:
             failed = self.holds.affected(invalid)
             failed.update(req_id for req_id, state in self._reqs.items() if not invalid.isdisjoint(state.block_ids))
+            self._unhash(invalid, failed)
             self.holds.poison(failed, self._seq)
             for req_id in failed:
                 state = self._reqs.get(req_id)
@@ -343,6 +345,23 @@ class HpkvScheduler:
                 self.stats.add("held_saves_aborted", len(settle.abort))
                 log.warning("HPKV: %d saved blocks were not published: computed on KV that failed to load, or not "
                             "copied in full", len(settle.abort))
+
+    def _unhash(self, invalid: set[int], req_ids: set[str]) -> None:
+        """Under kv_load_failure_policy=recompute vLLM leaves a block that failed to load in its
+        prefix cache (hashed when it was allocated) for the request that recomputes it; were that
+        request preempted or aborted first, a later prompt would hit the garbage in it, and HPKV
+        would save KV computed on it. So the failed blocks leave the prefix cache, with every
+        block after them (computed on them: a lookup stops at the failed block's hash, unless
+        another block holds that hash too). The requests holding them keep them; vLLM does not
+        hash them again once recomputed, HPKV saves them again instead."""
+        if self.kv_cache_manager is None:
+            return
+        blocks = set(invalid)
+        for req_id in req_ids:
+            block_ids = self._reqs[req_id].block_ids if req_id in self._reqs else []
+            first = next((i for i, block in enumerate(block_ids) if block in invalid), len(block_ids))
+            blocks.update(block_ids[first:])
+        self.kv_cache_manager.evict_blocks(blocks)
 
     def _after_failed_load(self, state: _Req, invalid: set[int]) -> None:
         """vLLM has just rolled back the requests reading a failed block (update_from_output runs
