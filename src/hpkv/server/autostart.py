@@ -13,6 +13,7 @@ client leaves.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
@@ -80,13 +81,26 @@ def _lock(fd: int, deadline: float, directory: Path) -> None:
 
 # A launcher starts the server in a new session and exits at once, so the server is adopted by
 # init rather than staying a child (and later a zombie) of the engine process that started it.
+# The log is opened by the starter, which can say what is wrong with it, and handed down.
 _LAUNCHER = (
     "import subprocess, sys\n"
-    "log = open(sys.argv[1], 'ab')\n"
+    "log = int(sys.argv[1])\n"
     "proc = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, stdout=log, stderr=log,\n"
     "                        start_new_session=True, close_fds=True, cwd='/')\n"
     "print(proc.pid, flush=True)\n"
 )
+
+
+def _open_log(log_path: Path) -> int:
+    """The server log, for appending. O_NOFOLLOW: in a pool directory others may write to, a
+    symbolic link planted there would have the server's output appended to a file of its
+    choosing (any file this user may write)."""
+    try:
+        return os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
+        raise ServerUnavailable(f"cannot open the HPKV server log {log_path}: {why}; remove it, or point "
+                                "HPKV_SHARE_MEM_FILE_PATH at a directory only this user can write to") from None
 
 
 def _start_and_wait(directory: Path, socket_path: Path, deadline: float) -> None:
@@ -100,15 +114,18 @@ def _start_and_wait(directory: Path, socket_path: Path, deadline: float) -> None
         command += ["--settings-cwd", os.getcwd()]
     except OSError:
         pass  # the starter's directory is gone: relative paths then resolve from /
+    log_fd = _open_log(log_path)
     try:
         launched = subprocess.run(
-            [sys.executable, "-c", _LAUNCHER, str(log_path), *command],
+            [sys.executable, "-c", _LAUNCHER, str(log_fd), *command], pass_fds=(log_fd,),
             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise ServerUnavailable(f"starting the HPKV server took over {timeout_s:.0f} s (is the machine "
                                 f"overloaded?); see {log_path}") from None
     except OSError as exc:
         raise ServerUnavailable(f"could not start the HPKV server: {exc}") from None
+    finally:
+        os.close(log_fd)
     try:
         pid = int(launched.stdout.strip())
     except ValueError:

@@ -25,6 +25,10 @@ the same key may be reserved again, in a slot another copy is still filling. Nei
 connects: a new connection holds no reservation to end. Give each thread that copies its own
 Client, so one thread's timeout cannot close another's connection mid-copy.
 
+A client trusts only a server that runs as its own uid or root (SO_PEERCRED) and names the pool
+file of the client's own directory, which is the path it maps: a pool directory others may write
+to must not let them serve, or read, this user's KV cache.
+
 The clients of one process share their mapping of a server's pool file (`_shared_region`): each
 mapping costs page tables, 2 MiB per GiB of pool once prefaulted, and an engine process keeps a
 client per copying thread. A mapping lives while a client or a handle still refers to it, so a
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -45,7 +50,7 @@ from pathlib import Path
 
 from ..errors import HpkvError, PoolError
 from ..keys import NamespaceDesc
-from ..pool.region import PoolRegion
+from ..pool.region import POOL_FILE_NAME, PoolRegion
 from ..store import Lookup, Tier
 from . import protocol as p
 from .autostart import ServerUnavailable, ensure_server
@@ -87,6 +92,7 @@ class LeaseHandle:
 
 
 MAX_RETRY_S = 30.0
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 # (pool path, inode, server pid, prefaulted) -> the mapping this process's clients share. Weak:
 # the last client or handle to let go of a mapping unmaps it. The inode cannot be reused while
@@ -97,17 +103,18 @@ _regions: "weakref.WeakValueDictionary[tuple, PoolRegion]" = weakref.WeakValueDi
 _regions_lock = threading.Lock()
 
 
-def _shared_region(welcome: p.Welcome, prefault: bool) -> PoolRegion:
-    """This process's mapping of the pool file `welcome` names, made on first use. PoolError:
-    the file cannot be mapped; ServerUnavailable: the path names another file by now."""
-    key = (welcome.pool_path, welcome.pool_inode, welcome.server_pid, prefault)
+def _shared_region(path: Path, welcome: p.Welcome, prefault: bool) -> PoolRegion:
+    """This process's mapping of the pool file at `path`, the one `welcome` names, made on first
+    use. PoolError: the file cannot be mapped; ServerUnavailable: the path names another file by
+    now."""
+    key = (str(path), welcome.pool_inode, welcome.server_pid, prefault)
     with _regions_lock:
         region = _regions.get(key)
         if region is None:
-            region = PoolRegion.attach(Path(welcome.pool_path))
+            region = PoolRegion.attach(path)
             if region.inode != welcome.pool_inode:  # the server went and another came meanwhile
                 region.close()
-                raise ServerUnavailable(f"the HPKV pool file {welcome.pool_path} changed while connecting")
+                raise ServerUnavailable(f"the HPKV pool file {path} changed while connecting")
             if prefault:
                 region.prefault()
             _regions[key] = region
@@ -187,19 +194,30 @@ class Client:
         sock.settimeout(self.timeout_s)
         try:
             sock.connect(str(socket_path))
+            self._check_peer(sock, socket_path)
             sock.sendall(p.encode(p.Hello(p.PROTOCOL_VERSION, self.kind, os.getpid())))
             welcome = p.decode_reply(p.recv_frame(sock))
         except (OSError, EOFError, p.FrameError) as exc:
             sock.close()
             raise ServerUnavailable(f"cannot reach the HPKV server at {socket_path}: {exc}") from None
+        except ServerUnavailable:
+            sock.close()
+            raise
         if isinstance(welcome, p.Error):
             sock.close()
             raise ServerError(welcome.code, welcome.message)
+        pool_path = self._own_pool_path(welcome)
+        if pool_path is None:
+            sock.close()
+            raise ServerUnavailable(
+                f"refusing the HPKV server on {socket_path}: its pool file {welcome.pool_path} is not "
+                f"{self.directory / POOL_FILE_NAME}; is another node's server listening here? Point "
+                "HPKV_SHARE_MEM_FILE_PATH at the same directory for the engines and the server")
         # A new server maps a new pool file, even where the file system gave it the old one's
         # inode number (not tmpfs): its pid tells them apart.
         if self.region is None or self.region.inode != welcome.pool_inode or self.server_pid != welcome.server_pid:
             try:
-                self.region = _shared_region(welcome, self.prefault)  # the old map lives on in old handles
+                self.region = _shared_region(pool_path, welcome, self.prefault)  # the old map lives on in old handles
             except PoolError as exc:  # e.g. a uid the server admits but the pool file's mode does not
                 sock.close()
                 raise ServerUnavailable(str(exc)) from None
@@ -212,6 +230,26 @@ class Client:
         for desc_json, _ in list(self._namespaces.values()):
             self._roundtrip(p.Register(desc_json), self.timeout_s)
         self._failures = 0
+
+    def _check_peer(self, sock: socket.socket, socket_path: Path) -> None:
+        """Refuse a server that runs as neither this uid nor root: in a pool directory others may
+        write to (a shared ramfs), anyone could listen on the socket and be handed the KV
+        cache, or hand out bytes of their own."""
+        _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        if uid not in (os.geteuid(), 0):
+            raise ServerUnavailable(
+                f"refusing the HPKV server on {socket_path}: it runs as uid {uid}, not as this user (uid "
+                f"{os.geteuid()}) or root; give this user a pool directory only it can write to "
+                f"(HPKV_SHARE_MEM_FILE_PATH, mode 0700), or run the server as uid {os.geteuid()}")
+
+    def _own_pool_path(self, welcome: p.Welcome) -> Path | None:
+        """The pool file in this client's directory, if that is the one the server names. The
+        client maps its own path, never the server's word for it: a path under the directory
+        is all the client trusts."""
+        own = Path(os.path.abspath(self.directory / POOL_FILE_NAME))
+        if os.path.realpath(welcome.pool_path) != os.path.realpath(own):
+            return None
+        return own
 
     def _fail(self, message: str) -> None:
         self._failures += 1

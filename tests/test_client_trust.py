@@ -1,0 +1,122 @@
+"""Stories of whom a client trusts: the server that listens on the socket of its pool directory
+must run as this user or root, and must name the pool file in that directory; a server log
+planted as a symbolic link is not followed."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import pytest
+
+from serverutil import Node
+from hpkv.pool.region import POOL_FILE_NAME, PoolRegion
+from hpkv.server import protocol as p
+from hpkv.server.autostart import LOG_NAME, ServerUnavailable, ensure_server
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def node(shm_dir, tmp_path):
+    node = Node(shm_dir, tmp_path)
+    yield node
+    node.close()
+
+
+def impostor(directory, welcome: p.Welcome) -> threading.Thread:
+    """A server of sorts on `directory`'s socket: it answers one Hello with `welcome`."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(directory / p.SOCKET_NAME))
+    listener.listen(1)
+
+    def answer_one() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                p.recv_frame(conn)
+                conn.sendall(p.encode(welcome))
+                conn.recv(1)  # until the client hangs up
+
+    thread = threading.Thread(target=answer_one, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_server_of_this_user_is_trusted(node):
+    node.start_server()
+    client = node.client()
+    client.connect()
+
+    assert client.connected and client.region.path == node.pool_path
+
+
+def test_a_server_that_names_a_pool_file_elsewhere_is_refused(node, tmp_path):
+    """Whatever answers on the socket, the client maps only the pool file of its own directory:
+    a server pointing it at another file (another user's, to read the KV cache out of, or to
+    feed it bytes) is refused."""
+    elsewhere = tmp_path / "elsewhere"
+    with PoolRegion.create(elsewhere, 1 << 20) as foreign:
+        impostor(node.shm_dir, p.Welcome(p.PROTOCOL_VERSION, os.getpid(), str(foreign.path),
+                                         foreign.size_bytes, foreign.inode, 1))
+        client = node.client()
+        with pytest.raises(ServerUnavailable) as refused:
+            client.connect()
+
+    message = str(refused.value)
+    assert str(foreign.path) in message and str(node.shm_dir / POOL_FILE_NAME) in message
+    assert "HPKV_SHARE_MEM_FILE_PATH" in message
+    assert not client.connected and client.region is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="listening as another uid needs root")
+def test_a_server_of_another_user_is_refused(node):
+    """A pool directory anyone may write to (a shared ramfs at /mnt/hpkv, say): another user got
+    there first and listens on the socket. The client hangs up before it says a word."""
+    node.shm_dir.chmod(0o1777)
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(str(node.socket_path))
+            listener.listen(1)
+            os.write(ready_w, b"1")
+            listener.settimeout(10)
+            conn, _ = listener.accept()
+            conn.settimeout(10)
+            conn.recv(1)  # nothing comes: the client hangs up
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    try:
+        assert os.read(ready_r, 1) == b"1"
+        client = node.client()
+        with pytest.raises(ServerUnavailable) as refused:
+            client.connect()
+    finally:
+        os.close(ready_r)
+        os.waitpid(pid, 0)
+
+    message = str(refused.value)
+    assert f"uid {NOBODY}" in message and "HPKV_SHARE_MEM_FILE_PATH" in message
+    assert not client.connected
+
+
+def test_a_server_log_planted_as_a_symbolic_link_is_not_followed(node, tmp_path, monkeypatch):
+    for key, value in node.env.items():  # a server started anyway would be the node's, and stopped
+        if key.startswith("HPKV_"):
+            monkeypatch.setenv(key, value)
+    target = tmp_path / "precious"
+    target.write_text("mine\n")
+    (node.shm_dir / LOG_NAME).symlink_to(target)
+
+    with pytest.raises(ServerUnavailable, match="symbolic link"):
+        ensure_server(node.shm_dir, timeout_s=10)
+
+    assert target.read_text() == "mine\n"
+    assert node.server_pids() == []  # none was started
