@@ -60,7 +60,7 @@ class HpkvScheduler:
     def __init__(self, vllm_config, kv_cache_config, settings: Settings) -> None:
         self.layout = lay.block_layout(vllm_config, kv_cache_config)
         self.block_size = self.layout.block_size
-        self.descs = [lay.namespace(vllm_config, self.layout, rank) for rank in range(lay.world_ranks(vllm_config))]
+        self.descs = lay.namespaces(vllm_config, self.layout)
         self.client = Client(settings.pool.dir, kind="vllm-scheduler")
         self.stats = HpkvConnectorStats()
         self._ns: list[str] | None = None
