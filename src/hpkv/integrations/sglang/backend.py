@@ -173,9 +173,9 @@ class HpkvStorage(HiCacheStorage):
             num_ready = client.wait(lease, timeout_s=max(0.0, deadline - time.monotonic()))
         return num_ready or 0
 
-    def _abort(self, client: Client, keys) -> None:
-        try:
-            client.abort(self.ns, keys)
+    def _abort(self, client: Client, keys, reservation) -> None:
+        try:  # the reservation's own connection, or nothing: never what a newer one reserved
+            client.abort(self.ns, keys, reservation=reservation)
         except HpkvError:
             pass  # a vanished server's reservations vanish with it
 
@@ -199,9 +199,9 @@ class HpkvStorage(HiCacheStorage):
                 pg.save(reservation.region, [reservation.offsets[i] for i in held], host_pages, held)
                 if not client.holds(reservation):  # reclaimed with the connection: nothing was stored
                     return [False] * len(keys)
-                client.commit(self.ns, held_keys)
+                client.commit(self.ns, held_keys, reservation=reservation)
             except BaseException:
-                self._abort(client, held_keys)
+                self._abort(client, held_keys, reservation)
                 raise
         self.stats.saved(len(held), len(keys) - len(held), len(held) * self.layout.entry_bytes,
                          time.perf_counter() - started)

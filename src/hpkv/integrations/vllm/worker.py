@@ -282,7 +282,7 @@ class HpkvWorker:
                     self._side_stream.wait_event(save.event)
                     self.copier.save(save.reservation.region, save.block_ids, save.offsets)
             if not save.hold:
-                self.client.commit(self.ns, save.keys)
+                self.client.commit(self.ns, save.keys, reservation=save.reservation)
         except HpkvError as exc:
             self._add("server_errors", 1)
             log.debug("HPKV save skipped: %s", exc)
@@ -299,9 +299,8 @@ class HpkvWorker:
         return True
 
     def _give_back(self, save: _Save) -> None:
-        try:
-            if self.client.holds(save.reservation):
-                self.client.abort(self.ns, save.keys, hold=save.hold)
+        try:  # the reservation's own connection, or nothing: never what a newer one reserved
+            self.client.abort(self.ns, save.keys, hold=save.hold, reservation=save.reservation)
         except HpkvError:
             pass  # the connection is gone, and the reservation with it
 
