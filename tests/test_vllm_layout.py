@@ -118,3 +118,27 @@ def test_one_stage_is_named_from_its_own_layers():
     config = _config(28, pp_size=1, tp_size=2)
 
     assert namespaces(config, _stage(28)) == [namespace(config, _stage(28), rank) for rank in (0, 1)]
+
+
+def test_a_padded_page_is_one_row_with_its_padding_after_the_block():
+    """vLLM pads the pages of layers with fewer KV heads to one size (`page_size_padded`): the
+    row is the whole padded page, the block's own bytes first."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from hpkv.integrations.vllm.worker import block_rows
+
+    plain = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.float16,
+                             page_size_padded=plain.page_size_bytes + 512)
+    page = spec.page_size_bytes
+    placement = KVCacheTensor(size=page * NUM_BLOCKS, layers=["l0"], layer_stride=page * NUM_BLOCKS, block_stride=page)
+    raw = torch.zeros(placement.size, dtype=torch.int8)
+    cache = create_kv_cache_views(raw, spec, NUM_BLOCKS, KVCacheLayout.LBHNC, placement)[0]
+    cache.copy_(torch.arange(cache.numel(), dtype=torch.float32).reshape(cache.shape).to(cache.dtype))
+
+    rows = block_rows("l0", cache, NUM_BLOCKS, page, "LBHNC")
+
+    assert tuple(rows.shape) == (NUM_BLOCKS, page)
+    own = plain.page_size_bytes
+    assert torch.equal(rows[2][:own].view(cache.dtype), cache[2].reshape(-1))

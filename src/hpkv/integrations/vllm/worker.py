@@ -56,8 +56,9 @@ def block_rows(name: str, cache: torch.Tensor, num_blocks: int, page_bytes: int,
     wrong tokens. Refused at start instead, with the fix."""
     elem = cache.element_size()
     block = cache[0]
-    if cache.dim() == 4 and block.is_contiguous() and block.numel() * elem == page_bytes \
-            and cache.stride(0) * elem >= page_bytes:
+    # A padded page (vLLM pads pages to one size across layers) has its padding after the block:
+    # the row takes it along, as vLLM's own page does.
+    if cache.dim() == 4 and block.is_contiguous() and block.numel() * elem <= page_bytes <= cache.stride(0) * elem:
         return torch.tensor([], dtype=torch.int8, device=cache.device).set_(
             cache.untyped_storage(), cache.storage_offset() * elem, (num_blocks, page_bytes), (cache.stride(0) * elem, 1))
     if cache.dim() != 4:
