@@ -315,12 +315,12 @@ class HpkvScheduler:
         if invalid:
             failed = self.holds.affected(invalid)
             failed.update(req_id for req_id, state in self._reqs.items() if not invalid.isdisjoint(state.block_ids))
-            self._unhash(invalid, failed)
             self.holds.poison(failed, self._seq)
             for req_id in failed:
                 state = self._reqs.get(req_id)
                 if state is not None:
                     self._after_failed_load(state, invalid)
+            self._unhash(invalid, failed)  # last: a vLLM that raises in it must not keep the poison from its saves
         meta = connector_output.kv_connector_worker_meta
         seqs, failed = (meta.seqs, meta.failed) if isinstance(meta, HpkvWorkerMeta) else (set(), set())
         if seqs:
