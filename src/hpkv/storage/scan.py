@@ -32,21 +32,22 @@ class Found:
     mtimes: array = field(default_factory=lambda: array("d"))
     keys: list[bytes] = field(default_factory=list)  # index keys
     values: list[int] = field(default_factory=list)  # index values
-    num_temps_removed: int = 0
 
 
-def walk(root: Path, node: str, index_key: Callable[[str, bytes], bytes], value_of: Callable[[int], int | None]) -> Found:
+def walk(root: Path, node: str, index_key: Callable[[str, bytes], bytes], value_of: Callable[[int], int | None],
+         counters) -> Found:
     """Every entry file under `root`: its mtime, `index_key(ns, key)` and `value_of(size)` (None:
     not a file to index). Temporaries of this node's dead writers, and any older than
     STALE_TEMP_S (a writer that died on whatever node), are removed. Unreadable entries are
-    skipped: a walk never raises for a file."""
+    skipped: a walk never raises for a file. `counters.files_scanned` and `temps_removed` count
+    as it goes (`hpkv status` shows how far a long scan got)."""
     last_report = time.monotonic()
     found = Found()
     for ns_dir in namespace_dirs(root):
         ns = os.path.basename(ns_dir)
         for path, entry in entry_files(ns_dir, temps=True):
             if path.endswith(".tmp"):
-                found.num_temps_removed += _remove_temp_if_dead(path, entry, node)
+                counters.temps_removed += _remove_temp_if_dead(path, entry, node)
                 continue
             try:
                 st = entry.stat()
@@ -59,6 +60,7 @@ def walk(root: Path, node: str, index_key: Callable[[str, bytes], bytes], value_
             found.mtimes.append(st.st_mtime)
             found.keys.append(ik)
             found.values.append(value)
+            counters.files_scanned += 1
             if time.monotonic() - last_report > REPORT_EVERY_S:
                 last_report = time.monotonic()
                 log.info("storage index: %d files scanned under %s", len(found.keys), root)

@@ -760,9 +760,7 @@ class StorageTier:
         # before, so that a read elsewhere any time after the scan spares it from an eviction.
         known_s = time.time() - _SLACK_MINUTES * 60
         found = scan.walk(self.root, self._node, self._ik,
-                          lambda size: self._value(size, known_s) if size <= _SIZE_MASK else None)
-        self.counters.files_scanned += len(found.keys)
-        self.counters.temps_removed += found.num_temps_removed
+                          lambda size: self._value(size, known_s) if size <= _SIZE_MASK else None, self.counters)
         self._merge(found)
         if self.config.capacity_bytes is None:
             self._sized_bytes += int(self.used_bytes * AUTO_CAPACITY_FRACTION)
