@@ -70,10 +70,9 @@ def test_a_server_that_names_a_pool_file_elsewhere_is_refused(node, tmp_path):
     assert not client.connected and client.region is None
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="listening as another uid needs root")
-def test_a_server_of_another_user_is_refused(node):
-    """A pool directory anyone may write to (a shared ramfs at /mnt/hpkv, say): another user got
-    there first and listens on the socket. The client hangs up before it says a word."""
+def listen_as_nobody(node) -> tuple[int, int]:
+    """(pid, read end): a child that becomes uid NOBODY, listens on the node's socket, accepts one
+    connection and writes to the pipe whether the client said anything before hanging up."""
     node.shm_dir.chmod(0o1777)
     ready_r, ready_w = os.pipe()
     pid = os.fork()
@@ -89,22 +88,50 @@ def test_a_server_of_another_user_is_refused(node):
             listener.settimeout(10)
             conn, _ = listener.accept()
             conn.settimeout(10)
-            conn.recv(1)  # nothing comes: the client hangs up
+            os.write(ready_w, b"y" if conn.recv(1) else b"n")
         finally:
             os._exit(0)
     os.close(ready_w)
+    assert os.read(ready_r, 1) == b"1"
+    return pid, ready_r
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="listening as another uid needs root")
+def test_a_server_of_another_user_is_refused(node):
+    """A pool directory anyone may write to (a shared ramfs at /mnt/hpkv, say): another user got
+    there first and listens on the socket. The client hangs up before it says a word."""
+    pid, heard = listen_as_nobody(node)
     try:
-        assert os.read(ready_r, 1) == b"1"
         client = node.client()
         with pytest.raises(ServerUnavailable) as refused:
             client.connect()
+        assert os.read(heard, 1) == b"n"
     finally:
-        os.close(ready_r)
+        os.close(heard)
         os.waitpid(pid, 0)
 
     message = str(refused.value)
     assert f"uid {NOBODY}" in message and "HPKV_SHARE_MEM_FILE_PATH" in message
+    assert "HPKV_SERVER_ALLOW_UIDS" in message
     assert not client.connected
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="listening as another uid needs root")
+def test_a_server_uid_listed_in_allow_uids_is_spoken_to(node):
+    """HPKV_SERVER_ALLOW_UIDS names the uids sharing the pool: an engine (root in its container)
+    speaks to a server run by one of them. This one never answers the Hello, so the connection
+    still fails, but not at the peer check."""
+    pid, heard = listen_as_nobody(node)
+    try:
+        client = node.client(timeout_s=1.0, trusted_uids=(NOBODY,))
+        with pytest.raises(ServerUnavailable) as failed:
+            client.connect()
+        assert os.read(heard, 1) == b"y"
+    finally:
+        os.close(heard)
+        os.waitpid(pid, 0)
+
+    assert "refusing" not in str(failed.value)
 
 
 def test_a_server_log_planted_as_a_symbolic_link_is_not_followed(node, tmp_path, monkeypatch):

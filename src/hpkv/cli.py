@@ -182,7 +182,7 @@ def _connect(settings: Settings):
     from hpkv.server.autostart import ServerUnavailable
     from hpkv.server.client import Client
 
-    client = Client(settings.pool.dir, kind="cli", autostart=False)
+    client = Client(settings.pool.dir, kind="cli", autostart=False, trusted_uids=settings.server_allow_uids)
     try:
         client.connect()
     except ServerUnavailable:

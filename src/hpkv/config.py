@@ -265,7 +265,8 @@ KEYS: tuple[KeySpec, ...] = (
             "server closes its connection and releases what it held.",
             "a number of seconds > 0 (e.g. 30, 2.5)"),
     KeySpec("HPKV_SERVER_ALLOW_UIDS", "word", _parse_uids, "",
-            "Other user ids the server accepts as clients (its own uid always).",
+            "Other user ids that share this node's pool: the server accepts them as clients (its own uid "
+            "always), and engines trust a server run by one of them (their own uid and root always).",
             "a comma-separated list of user ids, or empty"),
 )
 _BY_NAME = {spec.name: spec for spec in KEYS}

@@ -124,11 +124,13 @@ def _shared_region(path: Path, welcome: p.Welcome, prefault: bool) -> PoolRegion
 class Client:
     def __init__(self, directory: str | os.PathLike, kind: str, timeout_s: float = 5.0,
                  autostart: bool = True, retry_interval_s: float = 1.0, start_timeout_s: float = 60.0,
-                 prefault: bool = False) -> None:
+                 prefault: bool = False, trusted_uids: tuple[int, ...] = ()) -> None:
         """`prefault`: map every pool page as soon as the pool is attached (for clients that copy
-        through the pool: a first touch per 4 KiB page costs as much as the copy)."""
+        through the pool: a first touch per 4 KiB page costs as much as the copy).
+        `trusted_uids`: server uids accepted besides this one's and root (HPKV_SERVER_ALLOW_UIDS)."""
         self.directory = Path(directory)
         self.prefault = prefault
+        self.trusted_uids = trusted_uids
         self.kind = kind
         self.timeout_s = timeout_s
         self.autostart = autostart
@@ -236,11 +238,12 @@ class Client:
         write to (a shared ramfs), anyone could listen on the socket and be handed the KV
         cache, or hand out bytes of their own."""
         _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-        if uid not in (os.geteuid(), 0):
+        if uid not in (os.geteuid(), 0, *self.trusted_uids):
             raise ServerUnavailable(
                 f"refusing the HPKV server on {socket_path}: it runs as uid {uid}, not as this user (uid "
-                f"{os.geteuid()}) or root; give this user a pool directory only it can write to "
-                f"(HPKV_SHARE_MEM_FILE_PATH, mode 0700), or run the server as uid {os.geteuid()}")
+                f"{os.geteuid()}), root or a uid in HPKV_SERVER_ALLOW_UIDS; give this user a pool directory only "
+                f"it can write to (HPKV_SHARE_MEM_FILE_PATH, mode 0700), run the server as uid {os.geteuid()}, "
+                f"or, if uid {uid} is meant to share this pool, add it to HPKV_SERVER_ALLOW_UIDS")
 
     def _own_pool_path(self, welcome: p.Welcome) -> Path | None:
         """The pool file in this client's directory, if that is the one the server names. The

@@ -63,6 +63,7 @@ class HpkvStorage(HiCacheStorage):
                 log.warning("%s", warning)
         pool = settings.pool
         self.pool_dir, self.prefault = pool.dir, pool.prefault
+        self.trusted_uids = settings.server_allow_uids
         self.layout: lay.PageLayout | None = None
         self.desc = None
         self.ns: str | None = None
@@ -255,7 +256,7 @@ class HpkvStorage(HiCacheStorage):
     def _clear(self) -> None:
         # Not prefaulted: a clear that comes before any storage thread has mapped the pool must
         # not populate all of it for one message.
-        with Client(self.pool_dir, kind="sglang-clear", prefault=False) as client:
+        with Client(self.pool_dir, kind="sglang-clear", prefault=False, trusted_uids=self.trusted_uids) as client:
             client.clear(memory=True, storage=True, ns=self.ns)
 
     def get_stats(self):
@@ -287,7 +288,8 @@ class HpkvStorage(HiCacheStorage):
         """A client for this thread. SGLang restarts its storage threads (on /flush_cache, for
         one), so the clients of threads that ended are closed here."""
         this = threading.current_thread()
-        client = Client(self.pool_dir, kind=f"sglang-{this.name}", prefault=self.prefault)
+        client = Client(self.pool_dir, kind=f"sglang-{this.name}", prefault=self.prefault,
+                        trusted_uids=self.trusted_uids)
         with self._lock:
             if self._closed:
                 raise ServerUnavailable("the HPKV storage backend is closed")

@@ -61,7 +61,7 @@ class HpkvScheduler:
         self.layout = lay.block_layout(vllm_config, kv_cache_config)
         self.block_size = self.layout.block_size
         self.descs = lay.namespaces(vllm_config, self.layout)
-        self.client = Client(settings.pool.dir, kind="vllm-scheduler")
+        self.client = Client(settings.pool.dir, kind="vllm-scheduler", trusted_uids=settings.server_allow_uids)
         self.stats = HpkvConnectorStats()
         self._ns: list[str] | None = None
         self.policy = self._load_policy(settings, vllm_config)

@@ -93,7 +93,8 @@ class HpkvWorker:
         self.rank = rank
         self.layout = lay.block_layout(vllm_config, kv_cache_config)
         self.desc = lay.namespace(vllm_config, self.layout, rank)
-        self.client = Client(settings.pool.dir, kind=f"vllm-worker-{rank}", prefault=settings.pool.prefault)
+        self.client = Client(settings.pool.dir, kind=f"vllm-worker-{rank}", prefault=settings.pool.prefault,
+                             trusted_uids=settings.server_allow_uids)
         self.ns: str | None = None
         self.copier: BlockCopier | None = None
         self.stats = HpkvConnectorStats()
