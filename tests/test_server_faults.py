@@ -203,6 +203,42 @@ def test_a_server_too_busy_to_accept_counts_as_running_and_keeps_its_socket(node
         busy.close()
 
 
+def test_a_server_too_busy_to_accept_still_answers_for_the_autostart(node):
+    """The engines' probe sees the same EAGAIN: a busy server, so no second one is started."""
+    from hpkv.server.autostart import answers
+
+    busy = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    busy.bind(str(node.socket_path))
+    busy.listen(0)
+    queued = []
+    try:
+        while len(queued) < 64:
+            waiting = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            waiting.setblocking(False)
+            queued.append(waiting)
+            try:
+                waiting.connect(str(node.socket_path))
+            except BlockingIOError:
+                break
+        assert answers(node.socket_path)
+    finally:
+        for sock in queued:
+            sock.close()
+        busy.close()
+    assert not answers(node.socket_path)  # closed: nobody answers
+
+
+def test_a_lock_file_planted_as_a_symbolic_link_is_not_followed(node, tmp_path):
+    from hpkv.server.autostart import ServerUnavailable, ensure_server
+
+    target = tmp_path / "not-a-lock"
+    (node.shm_dir / p.LOCK_NAME).symlink_to(target)
+
+    with pytest.raises(ServerUnavailable, match=str(node.shm_dir)):
+        ensure_server(node.shm_dir, timeout_s=5)
+    assert not target.exists()
+
+
 def test_lock_held_by_a_live_starter_is_waited_for_not_broken(node):
     lock_fd = os.open(node.shm_dir / p.LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(lock_fd, fcntl.LOCK_EX)

@@ -38,6 +38,8 @@ def answers(socket_path: Path, timeout_s: float = 1.0) -> bool:
     try:
         probe.connect(str(socket_path))
         return True
+    except BlockingIOError:  # EAGAIN: a live server whose accept queue is full (busy, not gone)
+        return True
     except OSError:
         return False
     finally:
@@ -51,7 +53,9 @@ def ensure_server(directory: Path, timeout_s: float = 60.0) -> None:
         return
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        lock_fd = os.open(directory / p.LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # O_NOFOLLOW: in a directory others may write to, a link planted as the lock would have
+        # this user create or lock a file of the planter's choosing.
+        lock_fd = os.open(directory / p.LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     except OSError as exc:
         raise ServerUnavailable(
             f"cannot use {directory} (HPKV_SHARE_MEM_FILE_PATH): {exc.strerror}; give uid {os.geteuid()} read, "
