@@ -142,3 +142,25 @@ def test_a_padded_page_is_one_row_with_its_padding_after_the_block():
     assert tuple(rows.shape) == (NUM_BLOCKS, page)
     own = plain.page_size_bytes
     assert torch.equal(rows[2][:own].view(cache.dtype), cache[2].reshape(-1))
+
+
+def test_saves_are_synchronous_where_vllm_writes_reused_blocks_before_the_fence():
+    """Mixed KV precisions make vLLM zero reused blocks; hash blocks smaller than a block make it
+    copy into them; either happens before HPKV's fence in vLLM's V2 model runner."""
+    import dataclasses
+
+    import torch
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                            UniformTypeKVCacheSpecs)
+    from hpkv.integrations.vllm.worker import writes_reused_blocks_early
+
+    def config(*dtypes):
+        specs = {f"l{i}": FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=dtype)
+                 for i, dtype in enumerate(dtypes)}
+        group = KVCacheGroupSpec(list(specs), UniformTypeKVCacheSpecs(block_size=32, kv_cache_specs=specs))
+        return KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[group])
+
+    plain = _stage(2)
+    assert not writes_reused_blocks_early(plain, config(torch.float16, torch.float16))
+    assert writes_reused_blocks_early(plain, config(torch.float16, torch.float8_e4m3fn))
+    assert writes_reused_blocks_early(dataclasses.replace(plain, hashes_per_block=2), config(torch.float16))

@@ -44,6 +44,14 @@ LOAD_WAIT_S = 10.0  # promotions the scheduler saw done; only a server restart m
 SAVER_JOIN_S = 30.0  # at shutdown, for the saves in flight
 
 
+def writes_reused_blocks_early(layout: lay.BlockLayout, kv_cache_config) -> bool:
+    """Whether vLLM zeroes reused blocks (mixed KV precisions) or copies into them (hash blocks
+    smaller than a block: copy-on-write) as it updates the step's requests. Its V2 model runner
+    does that before `handle_preemptions`, where the saves' fence runs, so an asynchronous save
+    still copying such a block would publish zeros or another request's bytes."""
+    return layout.hashes_per_block > 1 or bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
+
+
 def block_rows(name: str, cache: torch.Tensor, num_blocks: int, page_bytes: int, layout: str | None) -> torch.Tensor:
     """One layer's cache as `(num_blocks, page_bytes)` bytes, one row per block, in the byte order
     every HPKV engine stores (`lay.REQUIRED_LAYOUT`: each block's heads, tokens, content).
@@ -125,6 +133,10 @@ class HpkvWorker:
         if self.async_saves is None:
             # On the CPU a saver thread would take cores from the forward pass it overlaps.
             self.async_saves = device != "cpu"
+        if self.async_saves and writes_reused_blocks_early(self.layout, self.kv_cache_config):
+            log.warning("HPKV: saves are synchronous: this engine zeroes or copies into reused KV blocks before "
+                        "HPKV can fence them")
+            self.async_saves = False
         device_mod = getattr(torch, device, None)
         if self.async_saves and device != "cpu" and not all(
                 hasattr(device_mod, name) for name in ("Event", "Stream", "stream", "current_stream")):
