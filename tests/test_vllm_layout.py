@@ -146,7 +146,9 @@ def test_a_padded_page_is_one_row_with_its_padding_after_the_block():
 
 def test_saves_are_synchronous_where_vllm_writes_reused_blocks_before_the_fence():
     """Mixed KV precisions make vLLM zero reused blocks; hash blocks smaller than a block make it
-    copy into them; either happens before HPKV's fence in vLLM's V2 model runner."""
+    copy into them; either happens before HPKV's fence in vLLM's V2 model runner, after it in V1."""
+    from types import SimpleNamespace
+
     import dataclasses
 
     import torch
@@ -160,7 +162,9 @@ def test_saves_are_synchronous_where_vllm_writes_reused_blocks_before_the_fence(
         group = KVCacheGroupSpec(list(specs), UniformTypeKVCacheSpecs(block_size=32, kv_cache_specs=specs))
         return KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[group])
 
+    v1, v2 = SimpleNamespace(use_v2_model_runner=False), SimpleNamespace(use_v2_model_runner=True)
     plain = _stage(2)
-    assert not writes_reused_blocks_early(plain, config(torch.float16, torch.float16))
-    assert writes_reused_blocks_early(plain, config(torch.float16, torch.float8_e4m3fn))
-    assert writes_reused_blocks_early(dataclasses.replace(plain, hashes_per_block=2), config(torch.float16))
+    assert not writes_reused_blocks_early(v2, plain, config(torch.float16, torch.float16))
+    assert writes_reused_blocks_early(v2, plain, config(torch.float16, torch.float8_e4m3fn))
+    assert writes_reused_blocks_early(v2, dataclasses.replace(plain, hashes_per_block=2), config(torch.float16))
+    assert not writes_reused_blocks_early(v1, plain, config(torch.float16, torch.float8_e4m3fn))

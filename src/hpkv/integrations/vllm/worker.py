@@ -44,12 +44,14 @@ LOAD_WAIT_S = 10.0  # promotions the scheduler saw done; only a server restart m
 SAVER_JOIN_S = 30.0  # at shutdown, for the saves in flight
 
 
-def writes_reused_blocks_early(layout: lay.BlockLayout, kv_cache_config) -> bool:
+def writes_reused_blocks_early(vllm_config, layout: lay.BlockLayout, kv_cache_config) -> bool:
     """Whether vLLM zeroes reused blocks (mixed KV precisions) or copies into them (hash blocks
-    smaller than a block: copy-on-write) as it updates the step's requests. Its V2 model runner
-    does that before `handle_preemptions`, where the saves' fence runs, so an asynchronous save
-    still copying such a block would publish zeros or another request's bytes."""
-    return layout.hashes_per_block > 1 or bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
+    smaller than a block: copy-on-write) before the saves' fence. Its V2 model runner does that
+    as it updates the step's requests, before `handle_preemptions` (the V1 runner after it), so
+    an asynchronous save still copying such a block would publish zeros or another request's
+    bytes."""
+    writes = layout.hashes_per_block > 1 or bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
+    return writes and bool(getattr(vllm_config, "use_v2_model_runner", True))
 
 
 def block_rows(name: str, cache: torch.Tensor, num_blocks: int, page_bytes: int, layout: str | None) -> torch.Tensor:
@@ -133,9 +135,9 @@ class HpkvWorker:
         if self.async_saves is None:
             # On the CPU a saver thread would take cores from the forward pass it overlaps.
             self.async_saves = device != "cpu"
-        if self.async_saves and writes_reused_blocks_early(self.layout, self.kv_cache_config):
-            log.warning("HPKV: saves are synchronous: this engine zeroes or copies into reused KV blocks before "
-                        "HPKV can fence them")
+        if self.async_saves and writes_reused_blocks_early(self.vllm_config, self.layout, self.kv_cache_config):
+            log.warning("HPKV: saves are synchronous: vLLM's V2 model runner zeroes or copies into reused KV "
+                        "blocks before HPKV can fence them")
             self.async_saves = False
         device_mod = getattr(torch, device, None)
         if self.async_saves and device != "cpu" and not all(
