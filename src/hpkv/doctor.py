@@ -70,7 +70,7 @@ def run_checks(env: Mapping[str, str] | None = None) -> list[Check]:
     except ConfigError as exc:
         return [Check("config", Verdict.FAIL, str(exc), "correct that key (see `hpkv config` and "
                       "docs/configuration.md), then run hpkv doctor again")]
-    server = probe_server(settings.pool.dir)
+    server = probe_server(settings.pool.dir, settings.server_allow_uids)
     checks = check_config(settings)
     checks += [check_pool_fs(settings.pool), check_pool_pages(settings.pool),
                check_pool_permissions(settings.pool), check_socket_path(settings.pool),
@@ -82,12 +82,12 @@ def run_checks(env: Mapping[str, str] | None = None) -> list[Check]:
     return checks
 
 
-def probe_server(directory: Path) -> ServerProbe:
+def probe_server(directory: Path, trusted_uids: tuple[int, ...] = ()) -> ServerProbe:
     socket_path = Path(directory) / p.SOCKET_NAME
     if not socket_path.exists():
         return ServerProbe(socket_path)
     try:
-        with Client(directory, kind="doctor", autostart=False) as client:
+        with Client(directory, kind="doctor", autostart=False, trusted_uids=trusted_uids) as client:
             return ServerProbe(socket_path, stats=client.stats())
     except HpkvError as exc:
         return ServerProbe(socket_path, error=exc)

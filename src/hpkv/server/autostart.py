@@ -57,6 +57,10 @@ def ensure_server(directory: Path, timeout_s: float = 60.0) -> None:
         # this user create or lock a file of the planter's choosing.
         lock_fd = os.open(directory / p.LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ServerUnavailable(
+                f"cannot use {directory} (HPKV_SHARE_MEM_FILE_PATH): its {p.LOCK_NAME} is a symbolic link; remove "
+                "it, or point HPKV_SHARE_MEM_FILE_PATH at a directory only this user can write to") from None
         raise ServerUnavailable(
             f"cannot use {directory} (HPKV_SHARE_MEM_FILE_PATH): {exc.strerror}; give uid {os.geteuid()} read, "
             f"write and search permission on it (as root: chown {os.geteuid()} {directory} && chmod 700 "
