@@ -70,9 +70,9 @@ def test_a_server_that_names_a_pool_file_elsewhere_is_refused(node, tmp_path):
     assert not client.connected and client.region is None
 
 
-def listen_as_nobody(node) -> tuple[int, int]:
-    """(pid, read end): a child that becomes uid NOBODY, listens on the node's socket, accepts one
-    connection and writes to the pipe whether the client said anything before hanging up."""
+def connect_to_nobody(node, **client_kw) -> tuple[ServerUnavailable, bool]:
+    """Connect a client to a child that became uid NOBODY and listens on the node's socket (it
+    never answers): the error the connection ended in, and whether the client said anything."""
     node.shm_dir.chmod(0o1777)
     ready_r, ready_w = os.pipe()
     pid = os.fork()
@@ -92,28 +92,28 @@ def listen_as_nobody(node) -> tuple[int, int]:
         finally:
             os._exit(0)
     os.close(ready_w)
-    assert os.read(ready_r, 1) == b"1"
-    return pid, ready_r
+    try:
+        assert os.read(ready_r, 1) == b"1"
+        client = node.client(**client_kw)
+        with pytest.raises(ServerUnavailable) as failed:
+            client.connect()
+        assert not client.connected
+        return failed.value, os.read(ready_r, 1) == b"y"
+    finally:
+        os.close(ready_r)
+        os.waitpid(pid, 0)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="listening as another uid needs root")
 def test_a_server_of_another_user_is_refused(node):
     """A pool directory anyone may write to (a shared ramfs at /mnt/hpkv, say): another user got
     there first and listens on the socket. The client hangs up before it says a word."""
-    pid, heard = listen_as_nobody(node)
-    try:
-        client = node.client()
-        with pytest.raises(ServerUnavailable) as refused:
-            client.connect()
-        assert os.read(heard, 1) == b"n"
-    finally:
-        os.close(heard)
-        os.waitpid(pid, 0)
+    refused, said = connect_to_nobody(node)
 
-    message = str(refused.value)
+    assert not said
+    message = str(refused)
     assert f"uid {NOBODY}" in message and "HPKV_SHARE_MEM_FILE_PATH" in message
     assert "HPKV_SERVER_ALLOW_UIDS" in message
-    assert not client.connected
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="listening as another uid needs root")
@@ -121,17 +121,10 @@ def test_a_server_uid_listed_in_allow_uids_is_spoken_to(node):
     """HPKV_SERVER_ALLOW_UIDS names the uids sharing the pool: an engine (root in its container)
     speaks to a server run by one of them. This one never answers the Hello, so the connection
     still fails, but not at the peer check."""
-    pid, heard = listen_as_nobody(node)
-    try:
-        client = node.client(timeout_s=1.0, trusted_uids=(NOBODY,))
-        with pytest.raises(ServerUnavailable) as failed:
-            client.connect()
-        assert os.read(heard, 1) == b"y"
-    finally:
-        os.close(heard)
-        os.waitpid(pid, 0)
+    failed, said = connect_to_nobody(node, timeout_s=1.0, trusted_uids=(NOBODY,))
 
-    assert "refusing" not in str(failed.value)
+    assert said
+    assert "refusing" not in str(failed)
 
 
 def test_a_server_log_planted_as_a_symbolic_link_is_not_followed(node, tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ server by itself, and a server stopped with SIGTERM while storage writes are in 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import signal
@@ -178,11 +179,12 @@ def test_an_auto_started_server_resolves_relative_paths_where_its_starter_runs(n
     wait_gone(server["server_pid"])
 
 
-def test_a_server_too_busy_to_accept_counts_as_running_and_keeps_its_socket(node):
-    """A live server whose queue of connections to accept is full refuses a probe at once
-    (EAGAIN): a second server must take it for running, not crash or remove its socket."""
+@contextlib.contextmanager
+def busy_server(socket_path: Path):
+    """A live listener on `socket_path` whose queue of connections to accept is full: a connect
+    to it fails at once with EAGAIN, as one to a server too busy to accept does."""
     busy = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    busy.bind(str(node.socket_path))
+    busy.bind(str(socket_path))
     busy.listen(0)
     queued = []
     try:
@@ -191,42 +193,33 @@ def test_a_server_too_busy_to_accept_counts_as_running_and_keeps_its_socket(node
             waiting.setblocking(False)
             queued.append(waiting)
             try:
-                waiting.connect(str(node.socket_path))
+                waiting.connect(str(socket_path))
             except BlockingIOError:
                 break
-        with pytest.raises(PoolError, match="already running.*queue of connections to accept is full"):
-            daemon.Server(load_settings(node.env)).run()
-        assert node.socket_path.exists()
+        else:
+            pytest.fail("the queue of connections to accept never filled")
+        yield
     finally:
         for sock in queued:
             sock.close()
         busy.close()
+
+
+def test_a_server_too_busy_to_accept_counts_as_running_and_keeps_its_socket(node):
+    """A live server whose queue of connections to accept is full refuses a probe at once
+    (EAGAIN): a second server must take it for running, not crash or remove its socket."""
+    with busy_server(node.socket_path):
+        with pytest.raises(PoolError, match="already running.*queue of connections to accept is full"):
+            daemon.Server(load_settings(node.env)).run()
+        assert node.socket_path.exists()
 
 
 def test_a_server_too_busy_to_accept_still_answers_for_the_autostart(node):
     """The engines' probe sees the same EAGAIN: a busy server, so no second one is started."""
     from hpkv.server.autostart import answers
 
-    busy = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    busy.bind(str(node.socket_path))
-    busy.listen(0)
-    queued = []
-    try:
-        while len(queued) < 64:
-            waiting = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            waiting.setblocking(False)
-            queued.append(waiting)
-            try:
-                waiting.connect(str(node.socket_path))
-            except BlockingIOError:
-                break
-        else:
-            pytest.fail("the queue of connections to accept never filled")
+    with busy_server(node.socket_path):
         assert answers(node.socket_path)
-    finally:
-        for sock in queued:
-            sock.close()
-        busy.close()
     assert not answers(node.socket_path)  # closed: nobody answers
 
 
