@@ -25,7 +25,8 @@ the same key may be reserved again, in a slot another copy is still filling. Nei
 connects: a new connection holds no reservation to end. Give each thread that copies its own
 Client, so one thread's timeout cannot close another's connection mid-copy.
 
-A client trusts only a server that runs as its own uid or root (SO_PEERCRED) and names the pool
+A client trusts only a server that runs as its own uid, root or a uid it is given (SO_PEERCRED;
+HPKV_SERVER_ALLOW_UIDS, the uids sharing the pool) and names the pool
 file of the client's own directory, which is the path it maps: a pool directory others may write
 to must not let them serve, or read, this user's KV cache.
 
