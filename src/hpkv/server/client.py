@@ -26,9 +26,9 @@ connects: a new connection holds no reservation to end. Give each thread that co
 Client, so one thread's timeout cannot close another's connection mid-copy.
 
 A client trusts only a server that runs as its own uid, root or a uid it is given (SO_PEERCRED;
-HPKV_SERVER_ALLOW_UIDS, the uids sharing the pool) and names the pool
-file of the client's own directory, which is the path it maps: a pool directory others may write
-to must not let them serve, or read, this user's KV cache.
+HPKV_SERVER_ALLOW_UIDS, the uids sharing the pool) and names the pool file of the client's own
+directory, which is the path it maps: a pool directory others may write to must not let them
+serve, or read, this user's KV cache.
 
 The clients of one process share their mapping of a server's pool file (`_shared_region`): each
 mapping costs page tables, 2 MiB per GiB of pool once prefaulted, and an engine process keeps a
