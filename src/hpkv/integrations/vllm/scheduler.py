@@ -359,8 +359,8 @@ class HpkvScheduler:
         blocks = set(invalid)
         for req_id in req_ids:
             block_ids = self._reqs[req_id].block_ids if req_id in self._reqs else []
-            first = next((i for i, block in enumerate(block_ids) if block in invalid), len(block_ids))
-            blocks.update(block_ids[first:])
+            first = _first_failed(block_ids, invalid)
+            blocks.update(block_ids[first:] if first is not None else ())
         self.kv_cache_manager.evict_blocks(blocks)
 
     def _after_failed_load(self, state: _Req, invalid: set[int]) -> None:
@@ -369,7 +369,7 @@ class HpkvScheduler:
         again as it does; the others (sharing the block through vLLM's prefix cache) keep
         theirs as computed and rely on that recompute, which need not have happened when they
         next compute: nothing more of theirs is saved."""
-        first = next((i for i, block in enumerate(state.block_ids) if block in invalid), None)
+        first = _first_failed(state.block_ids, invalid)
         recomputes_from = getattr(state.request, "num_computed_tokens", None)
         if first is not None and recomputes_from is not None and recomputes_from <= first * self.block_size:
             state.saved_blocks = min(state.saved_blocks, recomputes_from // self.block_size)
@@ -453,3 +453,8 @@ def _warn_if_hashes_unstable(vllm_config) -> None:
         log.warning("--prefix-caching-hash-algo %s without PYTHONHASHSEED makes vLLM's block hashes random per "
                     "process: KV saved by HPKV will never hit after a restart or from another engine. Fix: "
                     "export PYTHONHASHSEED=<one value for every engine> or use sha256", algo)
+
+
+def _first_failed(block_ids: list[int], invalid: set[int]) -> int | None:
+    """The index of a request's first block that failed to load, or None."""
+    return next((i for i, block in enumerate(block_ids) if block in invalid), None)
