@@ -4,7 +4,7 @@ The pool is cut into slabs of `slab_bytes`. A slab belongs to one size class at 
 into slots of that class's size; an empty slab goes back to the free list at once, so pools shared
 by namespaces with different entry sizes do not fragment (the memcached scheme).
 
-Primitives: `slot_bytes_for`, `alloc`, `free`, `slab_of`, `used_in_slab`.
+Primitives: `slot_bytes_for`, `alloc`, `free`, `slab_of`, `num_used_in_slab`, `used_in_slab`.
 Mechanism only: which entry to evict when `alloc` fails is the caller's decision.
 Not thread-safe: the owner serialises calls.
 """
@@ -89,6 +89,10 @@ class SlotAllocator:
     def slab_slot_bytes(self, slab_index: int) -> int | None:
         slab = self._slabs.get(slab_index)
         return slab.slot_bytes if slab else None
+
+    def num_used_in_slab(self, slab_index: int) -> int:
+        slab = self._slabs.get(slab_index)
+        return slab.num_used if slab else 0
 
     def used_in_slab(self, slab_index: int) -> list[int]:
         """Offsets of the used slots of a slab (for draining it)."""
