@@ -79,6 +79,9 @@ class DramTier:
     def entry_bytes(self, ns: str) -> int:
         return self._entry_bytes[ns]
 
+    def slot_bytes(self, ns: str) -> int:
+        return self.alloc.slot_bytes_for(self._entry_bytes[ns])
+
     def index_of(self, ns: str) -> dict[bytes, DramEntry]:
         """The live key -> entry map of a namespace (read-only for callers; fast lookups)."""
         return self._index[ns]
