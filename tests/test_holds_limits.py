@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import threading
+import time
 
 import pytest
 
@@ -26,7 +28,9 @@ class Clock:
     """Time that moves only when the test says so."""
 
     def __init__(self) -> None:
-        self.now = 1000.0
+        # Where the store's own clock is (what was held before keeps its age), in whole seconds:
+        # steps that add up to the time limit then reach it exactly.
+        self.now = float(math.ceil(time.monotonic()))
 
     def __call__(self) -> float:
         return self.now
@@ -159,8 +163,6 @@ def test_a_client_that_keeps_what_it_reserved_and_leased_leaves_the_other_engine
     hog, engine = node.client("hog"), node.client("engine")
     ns = hog.register(desc(0))
     engine.register(desc(0))
-    clock = Clock()
-    node.server.store.held.clock = clock
 
     saved = [entry_key("saved", i) for i in range(64)]
     res = engine.reserve(ns, saved)
@@ -177,6 +179,7 @@ def test_a_client_that_keeps_what_it_reserved_and_leased_leaves_the_other_engine
     assert None not in res.offsets  # room left for the other engine
     engine.abort(ns, mine, reservation=res)
 
+    clock = node.server.store.held.clock = Clock()
     clock.now += 300
     more = [entry_key("more", i) for i in range(128)]
     res = engine.reserve(ns, more)  # takes the hog's holds back; their slots wait out the quarantine
