@@ -80,6 +80,8 @@ class HeldSlots:
 
     def refused(self, owner: int, num_keys: int, what: str) -> None:
         """Count keys asked for past the cap (`what`: "reserved" or "leased" they were not)."""
+        if not num_keys:
+            return
         self.counters.capped_keys += num_keys
         now = self.clock()
         if now - self._cap_logged_at >= CAP_LOG_INTERVAL_S:
@@ -124,7 +126,7 @@ class HeldSlots:
     def expired_reservations(self) -> list[tuple[int, Hashable, Slot]]:
         """Take back the reservations past the time limit: (owner, name, entry) of each, which
         their owners hold no more. Costs one look per owner when none is due."""
-        if self.timeout_s is None:
+        if self.timeout_s is None or not self._reserved:
             return []
         cutoff = self.clock() - self.timeout_s
         due = []
@@ -135,8 +137,9 @@ class HeldSlots:
                 due.append((owner, name, entry))
         for owner, name, _ in due:
             self.pop(owner, name)
-        self.counters.expired_reservations += len(due)
-        self._log_expired(len(due), "reservation", {owner for owner, _, _ in due})
+        if due:
+            self.counters.expired_reservations += len(due)
+            self._log_expired(len(due), "reservation", {owner for owner, _, _ in due})
         return due
 
     # -- holds --------------------------------------------------------------------------------
@@ -157,6 +160,8 @@ class HeldSlots:
         """End the holds nobody settled within `timeout_s`, but `joining` (a late owner joining
         it now gets slots it will copy into): the entries their owners still had reserved, which
         they hold no more."""
+        if not self._holds:
+            return []
         cutoff, entries = self.clock() - timeout_s, []
         for name in list(itertools.takewhile(lambda n: self._holds[n][0] <= cutoff, self._holds)):
             if name == joining:
@@ -177,7 +182,7 @@ class HeldSlots:
 
     def expired_leases(self, leases: dict[int, Held]) -> list[Held]:
         """Take out of `leases` (id -> lease, oldest first) those past the time limit."""
-        if self.timeout_s is None:
+        if self.timeout_s is None or not leases:
             return []
         cutoff = self.clock() - self.timeout_s
         due = []
@@ -188,13 +193,13 @@ class HeldSlots:
         for lease in due:
             del leases[lease.id]
             self.released(lease.owner, sum(e.slot_bytes for e in lease.entries), expired=True)
-        self._log_expired(len(due), "lease", {lease.owner for lease in due})
+        if due:
+            self._log_expired(len(due), "lease", {lease.owner for lease in due})
         return due
 
     def _log_expired(self, num: int, what: str, owners: set[int]) -> None:
-        if num:
-            log.warning("%d %s(s) of client(s) %s held past %.0f s (HPKV_SERVER_SLOT_TIMEOUT_S): taken back; "
-                        "their slots are quarantined before reuse", num, what, sorted(owners), self.timeout_s)
+        log.warning("%d %s(s) of client(s) %s held past %.0f s (HPKV_SERVER_SLOT_TIMEOUT_S): taken back; "
+                    "their slots are quarantined before reuse", num, what, sorted(owners), self.timeout_s)
 
     # -- quarantine ---------------------------------------------------------------------------
 
@@ -205,6 +210,8 @@ class HeldSlots:
     def quarantine_over(self) -> list[tuple[Slot, bool]]:
         """(entry, leased) of the quarantines over, oldest first: the store aborts a reserved
         entry, unpins a leased one."""
+        if not self._quarantine:
+            return []
         now, over = self.clock(), []
         while self._quarantine and self._quarantine[0][0] <= now:
             over.append(self._quarantine.popleft()[1:])

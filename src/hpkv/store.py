@@ -347,8 +347,7 @@ class TieredStore:
             self._leases[lease.id] = lease
             self.held.leased(owner, len(entries) * slot_bytes)
             self.counters.leases += 1
-            if num_capped:
-                self.held.refused(owner, num_capped, "leased")
+            self.held.refused(owner, num_capped, "leased")
         if start_reads:
             self.start_reads(lease)
         return lease
@@ -386,7 +385,8 @@ class TieredStore:
                 return False
             for entry in reversed(lease.entries):
                 self.dram.unpin(entry)
-            self.held.released(lease.owner, sum(e.slot_bytes for e in lease.entries))
+            if lease.entries:  # all of one namespace
+                self.held.released(lease.owner, len(lease.entries) * lease.entries[0].slot_bytes)
         return True
 
     def _pin_for_read(self, ns: str, key: bytes, probe: tuple[bytes, Callable[[bytes], bool]]
@@ -474,8 +474,7 @@ class TieredStore:
                 reserved = [key for key, offset in zip(keys, offsets) if offset is not None]
                 if reserved:
                     self.held.join(hold, owner, ns, reserved)
-            if num_capped:
-                self.held.refused(owner, num_capped, "reserved")
+            self.held.refused(owner, num_capped, "reserved")
         return offsets
 
     def settle(self, hold: str, abort: set[bytes] | list[bytes] | None) -> tuple[int, int]:
@@ -504,15 +503,14 @@ class TieredStore:
         return num_published, num_aborted
 
     def _reclaim(self, joining: str = "") -> None:
-        """Take back what is past its time: holds nobody settled within HOLD_TIMEOUT_S (but
-        `joining`), reservations and leases past the clients' limit. Their holder may still be
-        copying (a stalled process), so their slots are quarantined first, like those of a
-        client whose connection dropped; and end the quarantines that are over. Caller holds
-        the lock."""
+        """Take back holds nobody settled within HOLD_TIMEOUT_S (but `joining`), reservations and
+        leases past the clients' limit: quarantined first, as their holder may still be copying
+        (a stalled process); and end the quarantines that are over. Caller holds the lock."""
         held = self.held
         expired = held.expired_holds(HOLD_TIMEOUT_S, joining) + [e for _, _, e in held.expired_reservations()]
-        held.quarantine(expired, False, HOLD_QUARANTINE_S)
-        self.counters.aborts += len(expired)
+        if expired:
+            held.quarantine(expired, False, HOLD_QUARANTINE_S)
+            self.counters.aborts += len(expired)
         for lease in held.expired_leases(self._leases):
             held.quarantine(reversed(lease.entries), True, HOLD_QUARANTINE_S)  # unpinned last first: see `release`
         for entry, leased in held.quarantine_over():

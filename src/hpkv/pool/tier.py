@@ -8,7 +8,8 @@ entries, by draining that class's slab and giving the slab over (memcached-style
 The slab that moves is, of the other classes' slabs whose entries are all evictable, the one
 holding the oldest entry, if older than the class's own oldest. Finding it costs O(log slabs),
 whatever the pool holds: each slab keeps its evictable entries in LRU order, and each class a
-heap of its slabs that could move, keyed by their oldest entry (stale items are skipped when met).
+heap of its slabs that could move, keyed by their oldest entry (stale items are skipped when met);
+kept from the time a second size class appears (a pool of one size class never moves a slab).
 
 Primitives: `add_namespace`, `get`, `reserve`, `commit`, `abort`, `pin`, `unpin`, `touch`, `drop`.
 Owns no memory: offsets refer to a `PoolRegion` someone else maps. Not thread-safe: the store
@@ -66,6 +67,7 @@ class DramTier:
         # evictable when pushed; an item is stale once its slab's oldest entry has another stamp
         self._movable: dict[int, list[tuple[int, int]]] = {}
         self._offered: dict[int, int] = {}  # slab -> the stamp of its item in the heap
+        self._by_slab = False  # whether the three above are kept: from the second size class on
         self._clock = itertools.count(1)
 
     def add_namespace(self, ns: str, entry_bytes: int) -> None:
@@ -75,6 +77,8 @@ class DramTier:
                 f"bytes (1/32 of the pool); raise HPKV_KV_MEM_POOL_SIZE to at least {entry_bytes * 32} bytes")
         self._entry_bytes[ns] = entry_bytes
         self._index.setdefault(ns, {})
+        if not self._by_slab and len({self.alloc.slot_bytes_for(b) for b in self._entry_bytes.values()}) > 1:
+            self._start_by_slab()
 
     def entry_bytes(self, ns: str) -> int:
         return self._entry_bytes[ns]
@@ -129,7 +133,8 @@ class DramTier:
     def pin(self, entry: DramEntry) -> None:
         if entry.evictable:
             self._lru[entry.slot_bytes].pop(entry, None)
-            self._slab_lru[self.alloc.slab_of(entry.offset)].pop(entry, None)
+            if self._by_slab:
+                self._slab_lru[self.alloc.slab_of(entry.offset)].pop(entry, None)
         entry.refs += 1
 
     def unpin(self, entry: DramEntry) -> None:
@@ -145,6 +150,8 @@ class DramTier:
         if entry.evictable:
             self._lru[entry.slot_bytes].move_to_end(entry)
             entry.stamp = next(self._clock)
+            if not self._by_slab:
+                return
             slab = self.alloc.slab_of(entry.offset)
             slab_lru = self._slab_lru[slab]
             was_oldest = next(iter(slab_lru)) is entry
@@ -180,11 +187,12 @@ class DramTier:
         lru = self._lru.setdefault(entry.slot_bytes, OrderedDict())
         lru[entry] = None
         lru.move_to_end(entry)
-        slab = self.alloc.slab_of(entry.offset)
-        slab_lru = self._slab_lru.setdefault(slab, OrderedDict())
-        slab_lru[entry] = None
-        slab_lru.move_to_end(entry)
-        self._offer(slab)
+        if self._by_slab:
+            slab = self.alloc.slab_of(entry.offset)
+            slab_lru = self._slab_lru.setdefault(slab, OrderedDict())
+            slab_lru[entry] = None
+            slab_lru.move_to_end(entry)
+            self._offer(slab)
 
     def _remove(self, entry: DramEntry) -> None:
         del self._index[entry.ns][entry.key]
@@ -200,11 +208,13 @@ class DramTier:
     def _free(self, entry: DramEntry, offer: bool = True) -> None:
         entry.dead = True
         self._lru.get(entry.slot_bytes, {}).pop(entry, None)
-        slab = self.alloc.slab_of(entry.offset)
-        self._slab_lru.get(slab, {}).pop(entry, None)
         del self._by_offset[entry.offset]
         self._used_bytes -= entry.slot_bytes
         self.alloc.free(entry.offset)
+        if not self._by_slab:
+            return
+        slab = self.alloc.slab_of(entry.offset)
+        self._slab_lru.get(slab, {}).pop(entry, None)
         if not self.alloc.num_used_in_slab(slab):
             self._slab_lru.pop(slab, None)
             self._offered.pop(slab, None)
@@ -228,6 +238,16 @@ class DramTier:
             return None
         self._evict(own_oldest)
         return self.alloc.alloc(slot_bytes)
+
+    def _start_by_slab(self) -> None:
+        """Sort the evictable entries by slab (each class's LRU is in stamp order: so is each
+        slab's, a slab serving one class) and offer every slab."""
+        for lru in self._lru.values():
+            for entry in lru:
+                self._slab_lru.setdefault(self.alloc.slab_of(entry.offset), OrderedDict())[entry] = None
+        self._by_slab = True
+        for slab in list(self._slab_lru):
+            self._offer(slab)
 
     def _movable_now(self, slab: int) -> DramEntry | None:
         """The oldest entry of a slab whose entries are all evictable (None if one is not)."""
