@@ -204,6 +204,8 @@ class HeldSlots:
     # -- quarantine ---------------------------------------------------------------------------
 
     def quarantine(self, entries: Iterable[Slot], leased: bool, seconds: float) -> None:
+        if not entries:
+            return
         until = self.clock() + seconds
         self._quarantine.extend((until, entry, leased) for entry in entries)
 

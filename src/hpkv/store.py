@@ -385,8 +385,7 @@ class TieredStore:
                 return False
             for entry in reversed(lease.entries):
                 self.dram.unpin(entry)
-            if lease.entries:  # all of one namespace
-                self.held.released(lease.owner, len(lease.entries) * lease.entries[0].slot_bytes)
+            self.held.released(lease.owner, sum(e.slot_bytes for e in lease.entries[:1]) * len(lease.entries))
         return True
 
     def _pin_for_read(self, ns: str, key: bytes, probe: tuple[bytes, Callable[[bytes], bool]]
@@ -508,9 +507,8 @@ class TieredStore:
         (a stalled process); and end the quarantines that are over. Caller holds the lock."""
         held = self.held
         expired = held.expired_holds(HOLD_TIMEOUT_S, joining) + [e for _, _, e in held.expired_reservations()]
-        if expired:
-            held.quarantine(expired, False, HOLD_QUARANTINE_S)
-            self.counters.aborts += len(expired)
+        held.quarantine(expired, False, HOLD_QUARANTINE_S)
+        self.counters.aborts += len(expired)
         for lease in held.expired_leases(self._leases):
             held.quarantine(reversed(lease.entries), True, HOLD_QUARANTINE_S)  # unpinned last first: see `release`
         for entry, leased in held.quarantine_over():
