@@ -378,7 +378,8 @@ class Server:
         out = self.store.stats()
         with self._clients_lock:
             clients = [{"id": c.id, "pid": c.pid, "uid": c.uid, "kind": c.kind,
-                        "connected_s": round(time.time() - c.connected_at, 1), "leases": len(c.leases)}
+                        "connected_s": round(time.time() - c.connected_at, 1),
+                        "leases": sum(self.store.get_lease(i) is not None for i in list(c.leases))}  # not taken back
                        for c in self._clients.values()]
         out["server"] = {"pid": os.getpid(), "version": __version__, "protocol": p.PROTOCOL_VERSION,
                          "auto": self.auto, "uptime_s": round(time.time() - self.started_at, 1),
