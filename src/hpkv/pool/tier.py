@@ -205,7 +205,7 @@ class DramTier:
         if entry.refs == 0 and not entry.reserved and self._by_offset.get(entry.offset) is entry:
             self._free(entry)
 
-    def _free(self, entry: DramEntry, offer: bool = True) -> None:
+    def _free(self, entry: DramEntry) -> None:
         entry.dead = True
         self._lru.get(entry.slot_bytes, {}).pop(entry, None)
         del self._by_offset[entry.offset]
@@ -218,7 +218,7 @@ class DramTier:
         if not self.alloc.num_used_in_slab(slab):
             self._slab_lru.pop(slab, None)
             self._offered.pop(slab, None)
-        elif offer:
+        else:
             self._offer(slab)
 
     def _make_room(self, slot_bytes: int) -> int | None:
@@ -293,11 +293,19 @@ class DramTier:
         self._movable[slot_bytes] = heap
 
     def _drain_slab(self, slab: int) -> None:
-        """Evict every entry of a slab whose entries are all evictable: the slab goes free."""
-        for entry in list(self._slab_lru[slab]):
-            del self._index[entry.ns][entry.key]
-            self._free(entry, offer=False)
-            self.counters.evictions += 1
+        """Evict every entry of a slab whose entries are all evictable: the slab goes free (in
+        bulk: a slab of small entries holds thousands, and this runs under the store's lock)."""
+        entries = self._slab_lru.pop(slab)
+        self._offered.pop(slab, None)
+        lru, by_offset, index = self._lru[self.alloc.slab_slot_bytes(slab)], self._by_offset, self._index
+        for entry in entries:
+            entry.dead = True
+            del index[entry.ns][entry.key]
+            del lru[entry]
+            del by_offset[entry.offset]
+        self._used_bytes -= len(entries) * self.alloc.slab_slot_bytes(slab)
+        self.counters.evictions += len(entries)
+        self.alloc.release_slab(slab)
 
     def _evict(self, entry: DramEntry) -> None:
         del self._index[entry.ns][entry.key]
