@@ -42,7 +42,7 @@ class Slot(Protocol):
     slot_bytes: int
 
 
-class Held(Protocol):  # a lease
+class Leased(Protocol):  # a `store.Lease`
     id: int
     owner: int
     made_at: float  # on this module's clock
@@ -180,7 +180,7 @@ class HeldSlots:
         self._give(owner, num_bytes)
         self.counters.expired_leases += expired
 
-    def expired_leases(self, leases: dict[int, Held]) -> list[Held]:
+    def expired_leases(self, leases: dict[int, Leased]) -> list[Leased]:
         """Take out of `leases` (id -> lease, oldest first) those past the time limit."""
         if self.timeout_s is None or not leases:
             return []
