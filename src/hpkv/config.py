@@ -79,6 +79,8 @@ class Settings:
     metrics_host: str
     server_idle_exit_s: float
     server_frame_timeout_s: float
+    server_slot_timeout_s: float
+    server_max_slot_share: float
     server_allow_uids: tuple[int, ...]
     config_file: Path
     settings: tuple[Setting, ...]
@@ -162,6 +164,16 @@ def _parse_positive_seconds(text: str) -> float:
     if seconds == 0:
         raise ValueError("out of range")
     return seconds
+
+
+def _parse_share(text: str) -> float:
+    try:
+        share = float(text.strip())
+    except ValueError:
+        raise ValueError("not a number") from None
+    if not 0 < share <= 1:  # NaN too
+        raise ValueError("out of range")
+    return share
 
 
 def _one_of(*choices: str) -> Callable[[str], str]:
@@ -264,6 +276,14 @@ KEYS: tuple[KeySpec, ...] = (
             "Seconds a client may take to finish a message it started, or to read a reply, before the "
             "server closes its connection and releases what it held.",
             "a number of seconds > 0 (e.g. 30, 2.5)"),
+    KeySpec("HPKV_SERVER_SLOT_TIMEOUT_S", "float", _parse_positive_seconds, "300",
+            "Seconds a client may keep a pool slot reserved or leased; then the server takes it back (reused "
+            "after a 30 s quarantine) and that save or load is a miss.",
+            "a number of seconds > 0 (e.g. 300, 60)"),
+    KeySpec("HPKV_SERVER_MAX_SLOT_SHARE", "float", _parse_share, "0.75",
+            "Share of the pool one client may hold reserved or leased at once; keys past it are not saved or "
+            "loaded (a miss), so one client cannot take every slot.",
+            "a number > 0 and <= 1 (e.g. 0.75; 1: no cap)"),
     KeySpec("HPKV_SERVER_ALLOW_UIDS", "word", _parse_uids, "",
             "Other user ids that share this node's pool: the server accepts them as clients (its own uid "
             "always), and engines trust a server run by one of them (their own uid and root always).",
@@ -430,6 +450,8 @@ def _build(resolved: list[Setting], warnings: tuple[str, ...]) -> Settings:
         metrics_host=v["HPKV_METRICS_HOST"],
         server_idle_exit_s=v["HPKV_SERVER_IDLE_EXIT_S"],
         server_frame_timeout_s=v["HPKV_SERVER_FRAME_TIMEOUT_S"],
+        server_slot_timeout_s=v["HPKV_SERVER_SLOT_TIMEOUT_S"],
+        server_max_slot_share=v["HPKV_SERVER_MAX_SLOT_SHARE"],
         server_allow_uids=v["HPKV_SERVER_ALLOW_UIDS"],
         config_file=v[CONFIG_FILE_KEY],
         settings=tuple(resolved),

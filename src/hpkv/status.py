@@ -155,10 +155,24 @@ def _server_table(stats: dict) -> Table:
     table.add_column("value")
     rows = (("pid", str(server["pid"])), ("version", f"{server['version']} (protocol {server['protocol']})"),
             ("uptime", human_duration(server["uptime_s"])), ("mode", mode), ("socket", server["socket"]),
-            ("held now", f"{stats['leases']} leases, {stats['reservations']} reservations" + _holds(stats)))
+            ("held now", f"{stats['leases']} leases, {stats['reservations']} reservations" + _holds(stats)),
+            *_limits(stats))
     for what, value in rows:
         table.add_row(what, Text(value))
     return table
+
+
+def _limits(stats: dict) -> tuple[tuple[str, str], ...]:
+    """A row once a client has met the limits on what it may hold (HPKV_SERVER_SLOT_TIMEOUT_S,
+    HPKV_SERVER_MAX_SLOT_SHARE)."""
+    limits = stats.get("limits") or {}
+    expired = limits.get("expired_reservations", 0) + limits.get("expired_leases", 0)
+    capped = limits.get("capped_keys", 0)
+    if not expired and not capped:
+        return ()
+    return (("held too long or too much", f"{limits['expired_reservations']} reservations and "
+             f"{limits['expired_leases']} leases taken back at the time limit, {capped} keys asked for past "
+             "a client's share of the pool (misses)"),)
 
 
 def _holds(stats: dict) -> str:

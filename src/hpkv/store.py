@@ -12,6 +12,8 @@ Primitives (all keyed by namespace id `ns` and engine keys, in prefix order):
   commits every owner's part of it but the keys named, which are aborted (a hold not settled
   within HOLD_TIMEOUT_S is aborted whole).
 - `drop_owner(owner)`: everything a vanished client held is aborted or released.
+- Limits (`held`, `limits.HeldSlots`): a key past an owner's cap is not reserved or leased (a
+  miss); a reservation or lease past its time limit is taken back, its slots quarantined first.
 - `flush()` waits for queued write-throughs; `clear(memory, storage, ns)`, `stats()`, `close()`.
   An entry waiting for its write-through is pinned, up to BACKLOG_LIMIT_SHARE of the pool; past
   that it waits unpinned (deferred), and is written if the pool still holds it when its turn comes.
@@ -41,6 +43,7 @@ from typing import Callable
 from .config import PoolConfig, StorageConfig
 from .fsinfo import MEMORY_FS, mount_of
 from .keys import NamespaceDesc
+from .limits import HeldSlots
 from .pool.region import PoolRegion
 from .pool.tier import DramEntry, DramTier
 from .storage.tier import StorageTier
@@ -56,7 +59,7 @@ BACKLOG_LIMIT_SHARE = 0.5
 # A hold (`reserve(..., hold=)`) nobody settles within this long is aborted: its slots are not
 # pinned for ever by a settler that died or forgot it.
 HOLD_TIMEOUT_S = 60.0
-HOLD_QUARANTINE_S = 30.0  # then its slots stay unusable this long (its owner may still be copying)
+HOLD_QUARANTINE_S = 30.0  # then its slots (and all `held` takes back) stay unusable this long: a copy may go on
 
 
 _NOWHERE = frozenset().__contains__  # the storage index of a store without a storage tier
@@ -94,6 +97,7 @@ class Lease:
     entries: list[DramEntry]
     promotions: list[Future | None]
     reads: list[tuple[DramEntry, Future]] = field(default_factory=list)  # not yet queued
+    made_at: float = 0.0  # on the store's clock (`held.clock`)
     offsets: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -145,7 +149,7 @@ class TieredStore:
         self._lock = threading.Lock()
         self._namespaces: dict[str, NamespaceDesc] = {}
         self._ns_hits: dict[str, list[int]] = {}  # ns -> [lookups, lookup keys, DRAM hits, storage hits]
-        self._reserved: dict[int, dict[tuple[str, bytes], DramEntry]] = {}
+        self.held = HeldSlots()  # reservations by owner, and the limits the server sets
         self._leases: dict[int, Lease] = {}
         self._promoting: dict[DramEntry, Future] = {}
         self._writes: set[Future] = set()
@@ -157,9 +161,6 @@ class TieredStore:
         self._backlog_limit = int(self.dram.alloc.num_slabs * self.dram.alloc.slab_bytes * BACKLOG_LIMIT_SHARE)
         # Committed entries past the limit, oldest first: written once the backlog drains, if still in DRAM.
         self._deferred: OrderedDict[tuple[str, bytes], None] = OrderedDict()
-        self._quarantine: deque[tuple[float, DramEntry]] = deque()  # (until, reserved entry of a dropped owner)
-        # hold name -> (when it began, [(owner, ns, keys reserved)]), oldest first
-        self._holds: OrderedDict[str, tuple[float, list[tuple[int, str, list[bytes]]]]] = OrderedDict()
         self._lease_ids = itertools.count(1)
         # Write-throughs run on threads of their own, so a promotion that a request waits for
         # never queues behind them; and on few of them: each waits for one writer process
@@ -311,11 +312,18 @@ class TieredStore:
         promotions: list[Future | None] = []
         reads: list[tuple[DramEntry, Future]] = []
         probe = self.storage.index_probe(ns) if self.storage is not None else (b"", _NOWHERE)
-        num_touches = 0
+        num_touches = num_capped = 0
+        slot_bytes = self.dram.slot_bytes(ns)
         while True:
             num_read = len(reads)
             with self._lock:
+                self._reclaim()
+                room = self.held.room(owner) - len(entries) * slot_bytes
                 for key in keys[len(entries):] if entries else keys:
+                    if room < slot_bytes:  # the rest is a miss: the caller recomputes it
+                        num_capped = len(keys) - len(entries)
+                        break
+                    room -= slot_bytes
                     entry, promotion, read = self._pin_for_read(ns, key, probe)
                     if entry is None:
                         break
@@ -330,14 +338,16 @@ class TieredStore:
             if len(reads) > num_read:
                 self.storage.touch(ns, [entry.key for entry, _ in reversed(reads[num_read:])])
                 num_touches += 1
-            if not self._found_elsewhere(ns, keys, len(entries)):
+            if num_capped or not self._found_elsewhere(ns, keys, len(entries)):
                 break
         if num_touches > 1:  # the first key last evicted across rounds too (no I/O)
             self.storage.touch(ns, [entry.key for entry, _ in reversed(reads)])
         with self._lock:
-            lease = Lease(next(self._lease_ids), ns, owner, entries, promotions, reads)
+            lease = Lease(next(self._lease_ids), ns, owner, entries, promotions, reads, self.held.clock())
             self._leases[lease.id] = lease
+            self.held.leased(owner, len(entries) * slot_bytes)
             self.counters.leases += 1
+            self.held.refused(owner, num_capped, "leased")
         if start_reads:
             self.start_reads(lease)
         return lease
@@ -371,10 +381,11 @@ class TieredStore:
         and promotions (whose reads refresh the storage tier's LRU) go last first too."""
         with self._lock:
             lease = self._leases.pop(lease_id, None)
-            if lease is None:
+            if lease is None:  # released already, or taken back at the time limit
                 return False
             for entry in reversed(lease.entries):
                 self.dram.unpin(entry)
+            self.held.released(lease.owner, sum(e.slot_bytes for e in lease.entries[:1]) * len(lease.entries))
         return True
 
     def _pin_for_read(self, ns: str, key: bytes, probe: tuple[bytes, Callable[[bytes], bool]]
@@ -439,26 +450,30 @@ class TieredStore:
         or abort."""
         offsets: list[int | None] = []
         with self._lock:
-            if self._holds:
-                self._expire_holds(hold)
-            if self._quarantine and self._quarantine[0][0] <= time.monotonic():
-                self._end_quarantine()
-            held = self._reserved.setdefault(owner, {})
+            self._reclaim(hold)
+            room, slot_bytes, num_capped = self.held.room(owner), self.dram.slot_bytes(ns), 0
             for key in keys:
                 # A held one is not the owner's to commit. Its own name: an entry the name holds
                 # already (a clear dropped it) would be lost for good if a second overwrote it.
                 name = (ns, key, hold) if hold else (ns, key)
-                entry = None if name in held else self.dram.reserve(ns, key)
+                if self.held.has(owner, name):
+                    entry = None
+                elif room < slot_bytes:
+                    entry, num_capped = None, num_capped + 1
+                else:
+                    entry = self.dram.reserve(ns, key)
                 if entry is None:
                     self.counters.skipped_present += 1
                     offsets.append(None)
                     continue
-                held[name] = entry
+                self.held.add(owner, name, entry)
+                room -= slot_bytes
                 offsets.append(entry.offset)
             if hold:
                 reserved = [key for key, offset in zip(keys, offsets) if offset is not None]
                 if reserved:
-                    self._holds.setdefault(hold, (time.monotonic(), []))[1].append((owner, ns, reserved))
+                    self.held.join(hold, owner, ns, reserved)
+            self.held.refused(owner, num_capped, "reserved")
         return offsets
 
     def settle(self, hold: str, abort: set[bytes] | list[bytes] | None) -> tuple[int, int]:
@@ -470,12 +485,10 @@ class TieredStore:
         num_published = num_aborted = 0
         writes: list[DramEntry] = []
         with self._lock:
-            _, parts = self._holds.pop(hold, (0.0, []))
-            for owner, ns, keys in parts:
-                held = self._reserved.get(owner, {})
+            for owner, ns, keys in self.held.end_hold(hold):
                 good = []
                 for key in keys:
-                    entry = held.pop((ns, key, hold), None)
+                    entry = self.held.pop(owner, (ns, key, hold))
                     if entry is not None and (bad is None or key in bad):
                         self.dram.abort(entry)
                         num_aborted += 1
@@ -488,32 +501,25 @@ class TieredStore:
         self._submit_writes(writes)
         return num_published, num_aborted
 
-    def _expire_holds(self, joining: str) -> None:
-        """Abort the holds nobody settled within HOLD_TIMEOUT_S, but `joining` (a late owner
-        joining it now gets slots it will copy into). An owner may still be copying into the
-        slots of one (a stalled process), so they are quarantined first, like those of a client
-        whose connection dropped. Caller holds the lock."""
-        now = time.monotonic()
-        for name in list(itertools.takewhile(lambda n: self._holds[n][0] <= now - HOLD_TIMEOUT_S, self._holds)):
-            if name == joining:
-                continue
-            _, parts = self._holds.pop(name)
-            log.warning("hold %s was not settled within %.0f s: its entries are not saved", name, HOLD_TIMEOUT_S)
-            for owner, ns, keys in parts:
-                held = self._reserved.get(owner, {})
-                for key in keys:
-                    entry = held.pop((ns, key, name), None)
-                    if entry is not None:
-                        self._quarantine.append((now + HOLD_QUARANTINE_S, entry))
-                        self.counters.aborts += 1
+    def _reclaim(self, joining: str = "") -> None:
+        """Take back holds nobody settled within HOLD_TIMEOUT_S (but `joining`), reservations and
+        leases past the clients' limit: quarantined first, as their holder may still be copying
+        (a stalled process); and end the quarantines that are over. Caller holds the lock."""
+        held = self.held
+        expired = held.expired_holds(HOLD_TIMEOUT_S, joining) + [e for _, _, e in held.expired_reservations()]
+        held.quarantine(expired, False, HOLD_QUARANTINE_S)
+        self.counters.aborts += len(expired)
+        for lease in held.expired_leases(self._leases):
+            held.quarantine(reversed(lease.entries), True, HOLD_QUARANTINE_S)  # unpinned last first: see `release`
+        for entry, leased in held.quarantine_over():
+            self.dram.unpin(entry) if leased else self.dram.abort(entry)
 
     def commit(self, ns: str, keys: list[bytes], owner: int = 0) -> int:
         """Publish reserved keys and queue their write-through. Keys not reserved by `owner` are
         ignored. Returns the number published. Keys come in prefix order, and are published (and
         written through) last first: see `release`."""
         with self._lock:
-            held = self._reserved.get(owner, {})
-            num, writes = self._publish([held.pop((ns, key), None) for key in keys])
+            num, writes = self._publish([self.held.pop(owner, (ns, key)) for key in keys])
         self._submit_writes(writes)
         return num
 
@@ -613,9 +619,8 @@ class TieredStore:
         back what it reserved in a hold, never commit it); returns how many it held."""
         num = 0
         with self._lock:
-            held = self._reserved.get(owner, {})
             for key in keys:
-                entry = held.pop((ns, key, hold) if hold else (ns, key), None)
+                entry = self.held.pop(owner, (ns, key, hold) if hold else (ns, key))
                 if entry is not None:
                     self.dram.abort(entry)
                     num += 1
@@ -666,7 +671,7 @@ class TieredStore:
 
     def holds_reservations(self, owner: int) -> bool:
         with self._lock:
-            return bool(self._reserved.get(owner))
+            return self.held.holds_reservations(owner)
 
     def drop_owner(self, owner: int, quarantine_s: float = 0.0) -> None:
         """Abort the reservations and release the leases of a client that is gone. With
@@ -674,10 +679,9 @@ class TieredStore:
         connection dropped (a timeout) while its process lives may still be copying into them,
         and those bytes must not land in an entry somebody else has reserved since."""
         with self._lock:
-            reserved = self._reserved.pop(owner, {}).values()
+            reserved = self.held.pop_owner(owner)
             if quarantine_s > 0:
-                until = time.monotonic() + quarantine_s
-                self._quarantine.extend((until, entry) for entry in reserved)
+                self.held.quarantine(reserved, False, quarantine_s)
             else:
                 for entry in reserved:
                     self.dram.abort(entry)
@@ -685,11 +689,6 @@ class TieredStore:
             lease_ids = [i for i, lease in self._leases.items() if lease.owner == owner]
         for lease_id in lease_ids:
             self.release(lease_id)
-
-    def _end_quarantine(self) -> None:
-        now = time.monotonic()
-        while self._quarantine and self._quarantine[0][0] <= now:
-            self.dram.abort(self._quarantine.popleft()[1])
 
     def clear(self, memory: bool = True, storage: bool = False, ns: str | None = None) -> dict[str, int]:
         removed = {"memory": 0, "storage": 0}
@@ -709,9 +708,10 @@ class TieredStore:
                      "hit_keys_storage": h[3]}
                 for ns, desc in self._namespaces.items() for h in [self._ns_hits[ns]]}
             out["leases"] = len(self._leases)
-            out["reservations"] = sum(len(h) for h in self._reserved.values())
-            out["quarantined"] = len(self._quarantine)
-            out["holds"] = len(self._holds)
+            out["reservations"] = self.held.num_reservations
+            out["limits"] = self.held.stats()
+            out["quarantined"] = self.held.num_quarantined
+            out["holds"] = self.held.num_holds
             out["write_backlog"] = None if self.storage is None else {
                 "entries": self._backlog_entries, "bytes": self._backlog_bytes, "limit_bytes": self._backlog_limit,
                 "deferred": len(self._deferred)}

@@ -4,7 +4,8 @@ The pool is cut into slabs of `slab_bytes`. A slab belongs to one size class at 
 into slots of that class's size; an empty slab goes back to the free list at once, so pools shared
 by namespaces with different entry sizes do not fragment (the memcached scheme).
 
-Primitives: `slot_bytes_for`, `alloc`, `free`, `slab_of`, `used_in_slab`.
+Primitives: `slot_bytes_for`, `alloc`, `free`, `release_slab`, `slab_of`, `num_used_in_slab`,
+`used_in_slab`.
 Mechanism only: which entry to evict when `alloc` fails is the caller's decision.
 Not thread-safe: the owner serialises calls.
 """
@@ -83,12 +84,23 @@ class SlotAllocator:
         else:
             partial[slab.index] = slab
 
+    def release_slab(self, slab_index: int) -> None:
+        """Give a slab back whole: the caller's entries in every used slot of it are gone (what
+        freeing each slot would do, at once)."""
+        slab = self._slabs.pop(slab_index)
+        self._partial[slab.slot_bytes].pop(slab_index, None)
+        self._free_slabs.append(slab_index)
+
     def slab_of(self, offset: int) -> int:
         return offset // self.slab_bytes
 
     def slab_slot_bytes(self, slab_index: int) -> int | None:
         slab = self._slabs.get(slab_index)
         return slab.slot_bytes if slab else None
+
+    def num_used_in_slab(self, slab_index: int) -> int:
+        slab = self._slabs.get(slab_index)
+        return slab.num_used if slab else 0
 
     def used_in_slab(self, slab_index: int) -> list[int]:
         """Offsets of the used slots of a slab (for draining it)."""

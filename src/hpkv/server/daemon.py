@@ -11,7 +11,9 @@ another uid are refused (SO_PEERCRED) unless HPKV_SERVER_ALLOW_UIDS lists them. 
 an `Error` and closes only that connection. A client may stay quiet between messages as long as
 it likes, but one that stops within a message, or stops reading replies, for
 HPKV_SERVER_FRAME_TIMEOUT_S loses its connection (and what it held) instead of keeping a server
-thread and its leases for good.
+thread and its leases for good. A reservation or lease is taken back after HPKV_SERVER_SLOT_TIMEOUT_S
+(its slots quarantined first), and one client holds at most HPKV_SERVER_MAX_SLOT_SHARE of the
+pool: keys past it are not reserved or leased (`limits.py`).
 
 Stop: SIGTERM/SIGINT, or (auto-started servers only) no client for HPKV_SERVER_IDLE_EXIT_S. The
 server stops accepting, writes the entries still waiting for storage (and stops its write-through
@@ -117,6 +119,7 @@ class Server:
         prepare_directory(self.directory)  # the socket goes there before the pool does
         _claim_socket_path(self.socket_path)
         self.store = TieredStore.open(self.settings.pool, self.settings.storage)
+        self.store.held.configure(self.settings.server_slot_timeout_s, max_slot_bytes(self.store, self.settings))
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where others may connect
         try:
@@ -341,7 +344,8 @@ class Server:
     def _on_LeaseWait(self, r: p.LeaseWait, client: ClientInfo) -> p.Reply:
         lease = self.store.get_lease(r.lease_id) if r.lease_id in client.leases else None
         if lease is None:
-            return p.Error("bad_request", f"lease {r.lease_id} is not held by this client")
+            return p.Error("bad_request", f"lease {r.lease_id} is not held by this client (released, or held "
+                           f"past HPKV_SERVER_SLOT_TIMEOUT_S={self.settings.server_slot_timeout_s:g} s)")
         try:
             num_ready = lease.wait(timeout=max(0.0, min(r.timeout_s, 60.0)))
         except FutureTimeout:
@@ -374,7 +378,8 @@ class Server:
         out = self.store.stats()
         with self._clients_lock:
             clients = [{"id": c.id, "pid": c.pid, "uid": c.uid, "kind": c.kind,
-                        "connected_s": round(time.time() - c.connected_at, 1), "leases": len(c.leases)}
+                        "connected_s": round(time.time() - c.connected_at, 1),
+                        "leases": sum(self.store.get_lease(i) is not None for i in list(c.leases))}  # not taken back
                        for c in self._clients.values()]
         out["server"] = {"pid": os.getpid(), "version": __version__, "protocol": p.PROTOCOL_VERSION,
                          "auto": self.auto, "uptime_s": round(time.time() - self.started_at, 1),
@@ -382,6 +387,14 @@ class Server:
                          "storage_path": str(self.settings.storage.path)}
         out["clients"] = clients
         return out
+
+
+def max_slot_bytes(store: TieredStore, settings: Settings) -> int | None:
+    """The bytes one client may hold reserved or leased (None: no cap); at least a slab's."""
+    if settings.server_max_slot_share >= 1:
+        return None
+    alloc = store.dram.alloc
+    return max(alloc.slab_bytes, int(alloc.num_slabs * alloc.slab_bytes * settings.server_max_slot_share))
 
 
 def _is_ns_id(text: str) -> bool:

@@ -1,0 +1,171 @@
+"""Benchmark: how long a lookup waits behind another engine's reserve, in a pool shared by two
+entry sizes with one pinned entry in every slab (row 8 of issue 18), with the store's way of
+finding room against the walk over every older entry that it replaced, in the same run.
+
+The pool is filled with small entries (namespace A, older) in half its slabs and large ones
+(namespace B) in the other half; one entry of every slab is leased and kept. Then, over and over,
+one thread reserves 128 new keys of B (each must find room: no slab of A may move, so each
+evicts B's own oldest entry) and commits them, while this thread times a 16-key lookup in A
+started just after. The baseline is the same lookup with no reserve running, in the same store.
+The figures are ratios to that baseline (a lookup waits for the store's lock: how long the
+reserve holds it is what this measures).
+
+    .venv/bin/python bench/reserve_contention.py [--pool-bytes 64m] [--rounds 10] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import heapq
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from hpkv.config import PoolConfig, StorageConfig, parse_size
+from hpkv.keys import NamespaceDesc, make_key
+from hpkv.pool.tier import DramTier
+from hpkv.store import TieredStore
+
+SMALL, LARGE = 4 << 10, 64 << 10
+NUM_RESERVE = 128
+
+
+class WalkTier(DramTier):
+    """The way room was found before: walk the other classes' evictable entries oldest first,
+    up to the class's own oldest, for the first slab whose entries are all evictable."""
+
+    def _make_room(self, slot_bytes: int) -> int | None:
+        own = self._lru.get(slot_bytes)
+        own_oldest = next(iter(own)) if own else None
+        lrus = [lru for size, lru in self._lru.items() if size != slot_bytes and lru]
+        tried: set[int] = set()
+        for other in heapq.merge(*lrus, key=lambda e: e.stamp):
+            if own_oldest is not None and own_oldest.stamp < other.stamp:
+                break
+            slab = self.alloc.slab_of(other.offset)
+            if slab in tried:
+                continue
+            tried.add(slab)
+            entries = [self._by_offset[o] for o in self.alloc.used_in_slab(slab)]
+            if all(e.evictable for e in entries):
+                for entry in entries:
+                    self._evict(entry)
+                self.counters.slab_moves += 1
+                return self.alloc.alloc(slot_bytes)
+        if own_oldest is None:
+            return None
+        self._evict(own_oldest)
+        return self.alloc.alloc(slot_bytes)
+
+
+class WalkStore(TieredStore):
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.dram = WalkTier(self.region.size_bytes)
+
+
+def _keys(n: int, tag: str) -> list[bytes]:
+    return [make_key(hashlib.sha256(f"{tag}{i}".encode()).digest()) for i in range(n)]
+
+
+def _desc(entry_bytes: int) -> NamespaceDesc:
+    return NamespaceDesc(engine="bench", model=f"contention-{entry_bytes}", dtype="float16", layout="blocks",
+                         block_size=16, num_layers=2, entry_bytes=entry_bytes)
+
+
+def _fill(store: TieredStore) -> tuple[str, str, list[bytes]]:
+    """Half the slabs of A, half of B, one entry of each slab leased (and kept)."""
+    ns_a, ns_b = store.register(_desc(SMALL)), store.register(_desc(LARGE))
+    alloc = store.dram.alloc
+    half = alloc.num_slabs // 2
+    a = _keys(half * (alloc.slab_bytes // SMALL), "a")
+    b = _keys((alloc.num_slabs - half) * (alloc.slab_bytes // LARGE), "b")
+    for ns, ks in ((ns_a, a), (ns_b, b)):
+        for i in range(0, len(ks), 4096):
+            assert None not in store.reserve(ns, ks[i:i + 4096])
+            store.commit(ns, ks[i:i + 4096])
+    assert alloc.num_free_slabs == 0
+    first_of_slab: dict[int, tuple[str, bytes]] = {}
+    for ns, ks in ((ns_a, a), (ns_b, b)):
+        for key in ks:
+            first_of_slab.setdefault(alloc.slab_of(store.dram.get(ns, key).offset), (ns, key))
+    for ns, key in first_of_slab.values():
+        assert len(store.lease(ns, [key], owner=99).entries) == 1
+    return ns_a, ns_b, a
+
+
+def _lookup_ms(store: TieredStore, ns: str, keys: list[bytes]) -> float:
+    started = time.perf_counter()
+    store.lookup(ns, keys)
+    return (time.perf_counter() - started) * 1e3
+
+
+def measure(cls: type[TieredStore], pool_bytes: int, rounds: int, pool_dir: str) -> dict:
+    storage_off = StorageConfig(path=Path(tempfile.gettempdir()) / "unused", enabled=False, capacity_bytes=None,
+                                fsync="off", io_threads=1)
+    with tempfile.TemporaryDirectory(dir=pool_dir, prefix="hpkv-bench-") as directory:
+        store = cls.open(PoolConfig(dir=Path(directory), size_bytes=pool_bytes), storage_off)
+        try:
+            ns_a, ns_b, a = _fill(store)
+            probe = a[:16]
+            baseline = [_lookup_ms(store, ns_a, probe) for _ in range(200)]
+            waits, reserves = [], []
+            for r in range(rounds):
+                keys = _keys(NUM_RESERVE, f"new{r}-")
+                started = threading.Event()
+
+                def reserve() -> None:
+                    started.set()
+                    t0 = time.perf_counter()
+                    store.reserve(ns_b, keys, owner=1)
+                    reserves.append((time.perf_counter() - t0) * 1e3)
+
+                thread = threading.Thread(target=reserve)
+                thread.start()
+                started.wait()
+                time.sleep(0.0005)  # the reserve has the lock by now
+                waits.append(_lookup_ms(store, ns_a, probe))
+                thread.join()
+                store.commit(ns_b, keys, owner=1)  # the pool stays full: the next round must find room too
+            entries = store.stats()["dram"]["num_entries"]
+        finally:
+            store.close()
+    base = statistics.median(baseline)
+    return {"entries": entries, "baseline_lookup_ms": round(base, 4),
+            "reserve_128_ms": round(statistics.median(reserves), 3),
+            "lookup_wait_ms": {"median": round(statistics.median(waits), 3), "max": round(max(waits), 3)},
+            "lookup_wait_ratio": {"median": round(statistics.median(waits) / base, 1),
+                                  "max": round(max(waits) / base, 1)}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pool-bytes", type=parse_size, default=parse_size("64m"))
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--pool-dir", default="/dev/shm", help="parent of the pool temporaries (tmpfs)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    out = {"pool_bytes": args.pool_bytes, "reserve_keys": NUM_RESERVE,
+           "walk (before)": measure(WalkStore, args.pool_bytes, args.rounds, args.pool_dir),
+           "store (now)": measure(TieredStore, args.pool_bytes, args.rounds, args.pool_dir)}
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"pool {args.pool_bytes >> 20} MiB, two entry sizes, one pinned entry in every slab; "
+          f"a {NUM_RESERVE}-key reserve of the large size, a 16-key lookup of the small one behind it")
+    for name in ("walk (before)", "store (now)"):
+        m = out[name]
+        print(f"  {name:14s} {m['entries']:7d} entries  reserve {m['reserve_128_ms']:9.3f} ms  lookup waits "
+              f"{m['lookup_wait_ms']['median']:9.3f} ms median, {m['lookup_wait_ms']['max']:9.3f} ms max  "
+              f"({m['lookup_wait_ratio']['median']:.1f}x / {m['lookup_wait_ratio']['max']:.1f}x its baseline of "
+              f"{m['baseline_lookup_ms']:.4f} ms)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

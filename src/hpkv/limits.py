@@ -1,0 +1,240 @@
+"""What each client holds in the pool, and the limits on it: a time limit on every reservation
+and lease, and a cap on the pool bytes one client holds reserved or leased at once.
+
+Without them a client that reserves or leases and never lets go (a wedged copier, a bug, another
+local process) keeps those slots from every other engine for as long as its connection lives,
+and one that takes the whole pool leaves the others none.
+
+Owns, per owner (a client connection; 0 in process): its reservations (name -> entry, oldest
+first, with when each was made), the slot bytes its reservations and leases hold, and the
+counters of keys refused at the cap and of reservations and leases taken back at the limit; the
+holds (`reserve(..., hold=)`: reservations named (ns, key, hold), settled together by whoever
+settles the hold); and the quarantine: entries whose holder may still be copying, kept from
+reuse until a given time.
+Primitives: `room(owner)`, `refused`; reservations `has`, `add`, `pop`, `pop_owner`; leases
+`leased`, `released`; holds `join`, `end_hold`; `expired_holds`, `expired_reservations`,
+`expired_leases`; `quarantine`, `quarantine_over`; `stats`.
+
+The store decides what an entry becomes (aborted or unpinned) once its quarantine is over: this
+module does not know the DRAM index, the leases' contents beyond their entries, or the protocol.
+`clock` is injectable, so that tests move time instead of sleeping. Not thread-safe: the store
+calls it under its lock. A store built without limits (in process) has none: the server sets
+them from HPKV_SERVER_SLOT_TIMEOUT_S and HPKV_SERVER_MAX_SLOT_SHARE.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Callable, Hashable, Protocol
+
+log = logging.getLogger(__name__)
+
+CAP_LOG_INTERVAL_S = 60.0  # a client at its cap is named in the log at most this often
+
+
+class Slot(Protocol):
+    slot_bytes: int
+
+
+class Leased(Protocol):  # a `store.Lease`
+    id: int
+    owner: int
+    made_at: float  # on this module's clock
+    entries: list
+
+
+@dataclass
+class LimitCounters:
+    capped_keys: int = 0  # keys not reserved or leased: their client held its cap already
+    expired_reservations: int = 0
+    expired_leases: int = 0
+
+
+class HeldSlots:
+    def __init__(self, timeout_s: float | None = None, max_bytes: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.timeout_s = timeout_s  # None: no time limit
+        self.max_bytes = max_bytes  # None: no cap
+        self.clock = clock
+        self.counters = LimitCounters()
+        self._reserved: dict[int, dict[Hashable, tuple[Slot, float]]] = {}
+        self._bytes: dict[int, int] = {}  # owner -> slot bytes reserved or leased
+        self._quarantine: deque[tuple[float, Slot, bool]] = deque()  # (until, entry, leased)
+        # hold name -> (when it began, [(owner, ns, keys reserved)]), oldest first
+        self._holds: OrderedDict[str, tuple[float, list[tuple[int, str, list[bytes]]]]] = OrderedDict()
+        self._cap_logged_at = -math.inf
+
+    def configure(self, timeout_s: float | None, max_bytes: int | None) -> None:
+        self.timeout_s = timeout_s
+        self.max_bytes = max_bytes
+
+    def room(self, owner: int) -> float:
+        """Slot bytes `owner` may still reserve or lease."""
+        return math.inf if self.max_bytes is None else self.max_bytes - self._bytes.get(owner, 0)
+
+    def refused(self, owner: int, num_keys: int, what: str) -> None:
+        """Count keys asked for past the cap (`what`: "reserved" or "leased" they were not)."""
+        if not num_keys:
+            return
+        self.counters.capped_keys += num_keys
+        now = self.clock()
+        if now - self._cap_logged_at >= CAP_LOG_INTERVAL_S:
+            self._cap_logged_at = now
+            log.warning("client %d holds its share of the pool (%d bytes, HPKV_SERVER_MAX_SLOT_SHARE) in "
+                        "reservations and leases: %d key(s) not %s, a miss (counted in the stats' limits, "
+                        "logged once a minute)", owner, self.max_bytes, num_keys, what)
+
+    # -- reservations -------------------------------------------------------------------------
+
+    def has(self, owner: int, name: Hashable) -> bool:
+        return name in self._reserved.get(owner, ())
+
+    def add(self, owner: int, name: Hashable, entry: Slot) -> None:
+        self._reserved.setdefault(owner, {})[name] = (entry, self.clock())
+        self._take(owner, entry.slot_bytes)
+
+    def pop(self, owner: int, name: Hashable) -> Slot | None:
+        """The entry `owner` reserved as `name`, which it holds no more; None if it did not."""
+        held = self._reserved.get(owner)
+        item = held.pop(name, None) if held else None
+        if item is None:
+            return None
+        if not held:
+            del self._reserved[owner]
+        self._give(owner, item[0].slot_bytes)
+        return item[0]
+
+    def pop_owner(self, owner: int) -> list[Slot]:
+        held = self._reserved.pop(owner, {})
+        for entry, _ in held.values():
+            self._give(owner, entry.slot_bytes)
+        return [entry for entry, _ in held.values()]
+
+    def holds_reservations(self, owner: int) -> bool:
+        return owner in self._reserved
+
+    @property
+    def num_reservations(self) -> int:
+        return sum(len(held) for held in self._reserved.values())
+
+    def expired_reservations(self) -> list[tuple[int, Hashable, Slot]]:
+        """Take back the reservations past the time limit: (owner, name, entry) of each, which
+        their owners hold no more. Costs one look per owner when none is due."""
+        if self.timeout_s is None or not self._reserved:
+            return []
+        cutoff = self.clock() - self.timeout_s
+        due = []
+        for owner, held in self._reserved.items():
+            for name, (entry, made_at) in held.items():  # oldest first
+                if made_at > cutoff:
+                    break
+                due.append((owner, name, entry))
+        for owner, name, _ in due:
+            self.pop(owner, name)
+        if due:
+            self.counters.expired_reservations += len(due)
+            self._log_expired(len(due), "reservation", {owner for owner, _, _ in due})
+        return due
+
+    # -- holds --------------------------------------------------------------------------------
+
+    def join(self, hold: str, owner: int, ns: str, keys: list[bytes]) -> None:
+        """`owner` has reserved `keys` (named (ns, key, hold)) in `hold`."""
+        self._holds.setdefault(hold, (self.clock(), []))[1].append((owner, ns, keys))
+
+    def end_hold(self, hold: str) -> list[tuple[int, str, list[bytes]]]:
+        """The parts of a hold being settled (none if it is unknown or settled already)."""
+        return self._holds.pop(hold, (0.0, []))[1]
+
+    @property
+    def num_holds(self) -> int:
+        return len(self._holds)
+
+    def expired_holds(self, timeout_s: float, joining: str) -> list[Slot]:
+        """End the holds nobody settled within `timeout_s`, but `joining` (a late owner joining
+        it now gets slots it will copy into): the entries their owners still had reserved, which
+        they hold no more."""
+        if not self._holds:
+            return []
+        cutoff, entries = self.clock() - timeout_s, []
+        for name in list(itertools.takewhile(lambda n: self._holds[n][0] <= cutoff, self._holds)):
+            if name == joining:
+                continue
+            log.warning("hold %s was not settled within %.0f s: its entries are not saved", name, timeout_s)
+            for owner, ns, keys in self._holds.pop(name)[1]:
+                entries += filter(None, (self.pop(owner, (ns, key, name)) for key in keys))
+        return entries
+
+    # -- leases -------------------------------------------------------------------------------
+
+    def leased(self, owner: int, num_bytes: int) -> None:
+        self._take(owner, num_bytes)
+
+    def released(self, owner: int, num_bytes: int, expired: bool = False) -> None:
+        self._give(owner, num_bytes)
+        self.counters.expired_leases += expired
+
+    def expired_leases(self, leases: dict[int, Leased]) -> list[Leased]:
+        """Take out of `leases` (id -> lease, oldest first) those past the time limit."""
+        if self.timeout_s is None or not leases:
+            return []
+        cutoff = self.clock() - self.timeout_s
+        due = []
+        for lease in leases.values():
+            if lease.made_at > cutoff:
+                break
+            due.append(lease)
+        for lease in due:
+            del leases[lease.id]
+            self.released(lease.owner, sum(e.slot_bytes for e in lease.entries), expired=True)
+        if due:
+            self._log_expired(len(due), "lease", {lease.owner for lease in due})
+        return due
+
+    def _log_expired(self, num: int, what: str, owners: set[int]) -> None:
+        log.warning("%d %s(s) of client(s) %s held past %.0f s (HPKV_SERVER_SLOT_TIMEOUT_S): taken back; "
+                    "their slots are quarantined before reuse", num, what, sorted(owners), self.timeout_s)
+
+    # -- quarantine ---------------------------------------------------------------------------
+
+    def quarantine(self, entries: Iterable[Slot], leased: bool, seconds: float) -> None:
+        if not entries:
+            return
+        until = self.clock() + seconds
+        self._quarantine.extend((until, entry, leased) for entry in entries)
+
+    def quarantine_over(self) -> list[tuple[Slot, bool]]:
+        """(entry, leased) of the quarantines over, oldest first: the store aborts a reserved
+        entry, unpins a leased one."""
+        if not self._quarantine:
+            return []
+        now, over = self.clock(), []
+        while self._quarantine and self._quarantine[0][0] <= now:
+            over.append(self._quarantine.popleft()[1:])
+        return over
+
+    @property
+    def num_quarantined(self) -> int:
+        return len(self._quarantine)
+
+    # -- the books ----------------------------------------------------------------------------
+
+    def _take(self, owner: int, num_bytes: int) -> None:
+        self._bytes[owner] = self._bytes.get(owner, 0) + num_bytes
+
+    def _give(self, owner: int, num_bytes: int) -> None:
+        left = self._bytes.get(owner, 0) - num_bytes
+        if left > 0:
+            self._bytes[owner] = left
+        else:
+            self._bytes.pop(owner, None)
+
+    def stats(self) -> dict[str, object]:
+        return {"slot_timeout_s": self.timeout_s, "max_slot_bytes": self.max_bytes,
+                "max_held_bytes": max(self._bytes.values(), default=0), **vars(self.counters)}
