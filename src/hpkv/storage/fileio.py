@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 from .format import ALIGN
+from .tree import CREATE_FLAGS, FILE_FLAGS, check_regular, open_dir, opened_dir, parts_below
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +38,10 @@ _dir_sync_warned_at = -math.inf
 
 
 class FileIO:
-    # Files are 0600 and directories 0700: KV is computed from users' prompts.
-    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
-        return os.open(path, flags | os.O_CLOEXEC, mode)
+    # Files are 0600 and directories 0700: KV is computed from users' prompts. Names may be
+    # relative to `dir_fd`, a directory opened without following links (`tree`).
+    def open(self, path: str, flags: int, mode: int = 0o600, dir_fd: int | None = None) -> int:
+        return os.open(path, flags | os.O_CLOEXEC, mode, dir_fd=dir_fd)
 
     def close(self, fd: int) -> None:
         os.close(fd)
@@ -48,7 +50,8 @@ class FileIO:
         return os.fstat(fd)
 
     def stat_path(self, path: str) -> os.stat_result:
-        return os.stat(path)
+        """The file at `path` itself: a link there is not followed."""
+        return os.stat(path, follow_symlinks=False)
 
     def preadv(self, fd: int, buffers: list, offset: int) -> int:
         return os.preadv(fd, buffers, offset)
@@ -59,22 +62,32 @@ class FileIO:
     def fdatasync(self, fd: int) -> None:
         os.fdatasync(fd)
 
-    def fsync_dir(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    def fsync_dir(self, dir_fd: int) -> None:
+        os.fsync(dir_fd)
 
-    def rename(self, src: str, dst: str) -> None:
-        os.rename(src, dst)
+    def rename(self, src: str, dst: str, dir_fd: int | None = None) -> None:
+        """Both names in one directory: `dir_fd`'s, where given."""
+        os.rename(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
-    def unlink(self, path: str) -> None:
-        os.unlink(path)
+    def unlink(self, path: str, dir_fd: int | None = None) -> None:
+        os.unlink(path, dir_fd=dir_fd)
 
     def set_direct(self, fd: int, on: bool) -> None:
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)
         fcntl.fcntl(fd, fcntl.F_SETFL, (flags | O_DIRECT) if on else (flags & ~O_DIRECT))
+
+
+def open_in_tree(io: FileIO, root: str, parts, name: str, flags: int) -> int:
+    """Open the file `name` in `root/parts...` for reading, following no link below `root` and
+    never blocking (a FIFO): `tree.Untrusted` unless it is a regular file. The caller closes it."""
+    with opened_dir(root, parts) as dir_fd:
+        fd = io.open(name, flags | FILE_FLAGS, dir_fd=dir_fd)
+    try:
+        check_regular(io.stat(fd), f"{root}/{'/'.join(parts)}/{name}")
+    except BaseException:
+        io.close(fd)
+        raise
+    return fd
 
 
 def aligned(buf) -> bool:
@@ -142,22 +155,22 @@ def _after(buffers: list, skip: int) -> list[memoryview]:
     return views
 
 
-def open_direct(io: FileIO, path: str, flags: int) -> tuple[int, bool]:
+def open_direct(io: FileIO, path: str, flags: int, dir_fd: int | None = None) -> tuple[int, bool]:
     """Open with O_DIRECT, or without it where the file system refuses it; (fd, direct). With
     O_CREAT, the refused open may have created the file already (Linux checks O_DIRECT after
     creating it): it is removed first, so the caller's O_EXCL still means "ours"."""
     if O_DIRECT:
         try:
-            return io.open(path, flags | O_DIRECT), True
+            return io.open(path, flags | O_DIRECT, dir_fd=dir_fd), True
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
             if flags & os.O_CREAT:
                 try:
-                    os.unlink(path)
+                    os.unlink(path, dir_fd=dir_fd)
                 except OSError:
                     pass
-    return io.open(path, flags), False
+    return io.open(path, flags, dir_fd=dir_fd), False
 
 
 def direct_supported(directory: str) -> bool:
@@ -171,7 +184,7 @@ def direct_supported(directory: str) -> bool:
     buf = aligned_buffer(ALIGN)
     try:
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT | os.O_CLOEXEC, 0o600)
+            fd = os.open(path, CREATE_FLAGS | O_DIRECT, 0o600)
         except OSError as exc:
             if exc.errno == errno.EINVAL:  # Linux refuses O_DIRECT after creating the file: ours to remove
                 _unlink_quietly(path)
@@ -197,17 +210,30 @@ def _unlink_quietly(path: str) -> None:
 @dataclass(frozen=True)
 class FileTarget:
     """Where one entry file goes: written as `tmp` in `directory` (created first when `mkdir`),
-    then renamed to `final`."""
+    then renamed to `final`; both are names in `directory`. With `root`, `directory` is below it
+    in the storage tree, and every directory between them is opened (and made) without
+    following a link (`tree.open_dir`); without, `directory` is trusted as given."""
 
     final: str
     tmp: str
     directory: str
     mkdir: bool
+    root: str | None = None
+
+    def open_directory(self) -> int:
+        """A descriptor of `directory` (made first when `mkdir`); `tree.Untrusted` where a
+        link or a non-directory stands in the way below `root`."""
+        if self.root is not None:
+            return open_dir(self.root, parts_below(self.root, self.directory), create=self.mkdir)
+        if self.mkdir:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        return os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
 def write_entry_file(io: FileIO, target: FileTarget, buffers: list, fsync: str,
                      direct: bool = False) -> OSError | None:
-    """Create `target.tmp` exclusively, write `buffers`, rename it into place. Atomic on failure:
+    """Create `target.tmp` exclusively (never through a link), write `buffers`, rename it into
+    place, all by name in the directory `target.open_directory()` gives. Atomic on failure:
     returns the error after removing the temporary it created (never one of the same name that
     someone else created), and nothing appears under `target.final`. With `direct`, every buffer
     after the first (the header, copied to aligned memory here) must be aligned already; the
@@ -217,11 +243,12 @@ def write_entry_file(io: FileIO, target: FileTarget, buffers: list, fsync: str,
     size = sum(len(b) for b in buffers)
     created = False
     header = None
+    dir_fd = None
+    tmp, final = os.path.basename(target.tmp), os.path.basename(target.final)
     try:
-        if target.mkdir:
-            os.makedirs(target.directory, mode=0o700, exist_ok=True)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        fd, direct = open_direct(io, target.tmp, flags) if direct else (io.open(target.tmp, flags), False)
+        dir_fd = target.open_directory()
+        fd, direct = (open_direct(io, tmp, CREATE_FLAGS, dir_fd) if direct
+                      else (io.open(tmp, CREATE_FLAGS, dir_fd=dir_fd), False))
         created = True
         try:
             if direct and len(buffers[0]) % ALIGN == 0:
@@ -236,30 +263,47 @@ def write_entry_file(io: FileIO, target: FileTarget, buffers: list, fsync: str,
                 io.fdatasync(fd)
         finally:
             io.close(fd)
-        io.rename(target.tmp, target.final)
+        io.rename(tmp, final, dir_fd=dir_fd)
         if fsync == "full":
-            _sync_dir(io, target.directory)
+            _sync_dir(io, dir_fd, target.directory)
         return None
     except OSError as exc:
         if created:
             try:
-                os.unlink(target.tmp)
+                os.unlink(tmp, dir_fd=dir_fd)
             except OSError:
                 pass
         return exc
     finally:
         if header is not None:
             header.close()
+        if dir_fd is not None:
+            os.close(dir_fd)
 
 
-def _sync_dir(io: FileIO, directory: str) -> None:
+def remove_temp(target: FileTarget) -> None:
+    """Remove `target.tmp` (a writer that died with it) by name in its directory, following no
+    link to get there; quietly where it is gone or cannot be."""
+    try:
+        dir_fd = FileTarget(target.final, target.tmp, target.directory, False, target.root).open_directory()
+    except OSError:
+        return
+    try:
+        os.unlink(os.path.basename(target.tmp), dir_fd=dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+def _sync_dir(io: FileIO, dir_fd: int, directory: str) -> None:
     """fsync a directory after a rename into it. A failure does not unpublish the file (it is
     whole and in place: a reader finds it, and the index must count it); it may lose only the
     file's name in a crash, which the checksums make a miss. So a warning, at most every
     DIR_SYNC_WARN_EVERY_S, and not a failed write."""
     global _dir_sync_warned_at
     try:
-        io.fsync_dir(directory)
+        io.fsync_dir(dir_fd)
     except OSError as exc:
         now = time.monotonic()
         if now - _dir_sync_warned_at >= DIR_SYNC_WARN_EVERY_S:

@@ -1,0 +1,152 @@
+"""The storage tree, trusted by nothing but its root: opened, walked and changed without
+following a link below the root.
+
+The tree (`<root>/<ns>/<ab>/<cd>/<hex>.kv`, `<root>/<ns>/namespace.json`) may be shared by nodes
+and writable by others, so a name in it proves nothing. The root is the operator's
+HPKV_KV_STORAGE_PATH and is opened as configured (a link there is the operator's). Below it every
+directory is opened from its parent's descriptor with O_DIRECTORY|O_NOFOLLOW (`open_dir`), every
+file to read with O_NOFOLLOW|O_NONBLOCK and then fstat-checked to be a regular file
+(`check_regular`), every file to write created O_CREAT|O_EXCL|O_NOFOLLOW in a directory opened
+so, and every removal is `unlink(name, dir_fd=)` in such a directory. So a symbolic link, a FIFO
+or a directory planted anywhere in the tree is never followed, never blocks a thread, and nothing
+outside the tree is read, written or removed with the server's rights. What is found in place of
+a directory or a file is `Untrusted` (an OSError naming it): callers skip it and count it.
+
+Primitives: `Untrusted`, `open_dir`, `opened_dir` (the same as a context manager), `check_regular`,
+`is_regular`, `parts_below`, `write_description`.
+Must not know: the entry format, the index, the pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK  # added to every open of a file in the tree
+CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class Untrusted(OSError):
+    """A name in the storage tree that is not what HPKV puts there (a link, a FIFO, a device, a
+    directory where a file belongs): not followed, not read, not adopted."""
+
+    def __init__(self, path: str, what: str) -> None:
+        super().__init__(errno.ELOOP if what == "a symbolic link" else errno.EINVAL,
+                         f"{path} is {what}, not followed: HPKV follows no link and reads only regular files "
+                         "inside the storage tree", path)
+        self.what = what
+
+
+def kind_of(mode: int) -> str:
+    """What a file of st_mode `mode` is, in words."""
+    for test, words in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
+                        (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                        (stat.S_ISBLK, "a block device"), (stat.S_ISREG, "a regular file")):
+        if test(mode):
+            return words
+    return "not a regular file"
+
+
+def is_regular(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode)
+
+
+def check_regular(st: os.stat_result, path: str) -> None:
+    """Raise Untrusted unless `st` (an fstat or lstat) is of a regular file."""
+    if not stat.S_ISREG(st.st_mode):
+        raise Untrusted(path, kind_of(st.st_mode))
+
+
+def parts_below(root: str, directory: str) -> list[str]:
+    """The names leading from `root` down to `directory` (a path HPKV built by joining names to
+    the root); ValueError where `directory` is not below `root`."""
+    root = root.rstrip("/") or "/"
+    if directory == root:
+        return []
+    prefix = root if root.endswith("/") else root + "/"
+    if not directory.startswith(prefix):
+        raise ValueError(f"{directory} is not below {root}")
+    parts = directory[len(prefix):].split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        raise ValueError(f"{directory} is not a plain path below {root}")
+    return parts
+
+
+def open_dir(root: str, parts: list[str] | tuple[str, ...], create: bool = False) -> int:
+    """A descriptor of `root/parts...`, each part opened from its parent's descriptor without
+    following a link (`Untrusted` where one is a link or not a directory). With `create`, the
+    root (as configured: its links followed) and every missing part are made, mode 0700. The
+    caller closes it."""
+    if create:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    path = root
+    try:
+        for part in parts:
+            path = f"{path}/{part}"
+            if create:
+                try:
+                    os.mkdir(part, 0o700, dir_fd=fd)
+                except FileExistsError:
+                    pass
+            try:
+                child = os.open(part, DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ENOTDIR, errno.ELOOP):  # Linux says ENOTDIR for a link with O_DIRECTORY
+                    _raise_untrusted(fd, part, path, exc)
+                raise
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _raise_untrusted(dir_fd: int, name: str, path: str, exc: OSError) -> None:
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        raise exc from None
+    raise Untrusted(path, kind_of(st.st_mode)) from None
+
+
+@contextlib.contextmanager
+def opened_dir(root: str, parts, create: bool = False):
+    """`open_dir` for a `with` block: the descriptor is closed after it."""
+    fd = open_dir(root, parts, create)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def write_description(root: str, ns: str, name: str, tmp_name: str, text: str) -> bool:
+    """Put `text` at `<root>/<ns>/<name>` unless a regular file is there already (the namespace
+    directory made where missing); False where one was. Written to `tmp_name`, created
+    exclusively without following a link, then renamed over whatever else held the name (a
+    planted link is replaced, its target untouched). OSError (Untrusted among them) where it
+    cannot; the temporary is then removed."""
+    with opened_dir(root, [ns], create=True) as dir_fd:
+        try:
+            if is_regular(os.stat(name, dir_fd=dir_fd, follow_symlinks=False)):
+                return False
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp_name, CREATE_FLAGS, 0o600, dir_fd=dir_fd)
+        try:
+            try:
+                data = text.encode()
+                while data:
+                    data = data[os.write(fd, data):]
+            finally:
+                os.close(fd)
+            os.rename(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_name, dir_fd=dir_fd)
+            raise
+    return True
