@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 
 from .format import ALIGN
-from .tree import CREATE_FLAGS, FILE_FLAGS, check_regular, open_dir, opened_dir, parts_below
+from .tree import CREATE_FLAGS, FILE_FLAGS, check_regular, open_dir, opened_dir, parts_below, raise_untrusted
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +80,16 @@ class FileIO:
 def open_in_tree(io: FileIO, root: str, parts, name: str, flags: int) -> int:
     """Open the file `name` in `root/parts...` for reading, following no link below `root` and
     never blocking (a FIFO): `tree.Untrusted` unless it is a regular file. The caller closes it."""
+    path = f"{root}/{'/'.join(parts)}/{name}"
     with opened_dir(root, parts) as dir_fd:
-        fd = io.open(name, flags | FILE_FLAGS, dir_fd=dir_fd)
+        try:
+            fd = io.open(name, flags | FILE_FLAGS, dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+                raise_untrusted(dir_fd, name, path, exc)
+            raise
     try:
-        check_regular(io.stat(fd), f"{root}/{'/'.join(parts)}/{name}")
+        check_regular(io.stat(fd), path)
     except BaseException:
         io.close(fd)
         raise

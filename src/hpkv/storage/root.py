@@ -8,7 +8,7 @@ with its DRAM tier and says why (`TieredStore.open`), since losing the DRAM tier
 no one. The same words serve `hpkv doctor` (`problem`), which changes nothing.
 
 Primitives: `StorageUnusable`, `prepare(root) -> fs_type`, `problem(root)`, `read_only(path)`,
-`foreign_writers(root, uid)`.
+`foreign_writers(root, uid)`, `say_memory_fs` (the warning for a root on ramfs or tmpfs).
 Must not know: the index, the files inside the tree.
 """
 
@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import errno
 import grp
+import logging
 import os
 import stat
 from pathlib import Path
 
 from ..errors import StorageError
 from ..fsinfo import PSEUDO_FS, existing_ancestor, mount_of
+
+log = logging.getLogger("hpkv.storage.tier")
 
 SETTING = "HPKV_KV_STORAGE_PATH"
 
@@ -49,6 +52,24 @@ def prepare(root: Path) -> str:
     if why is not None:
         raise StorageUnusable(why)
     return fs_type
+
+
+def say_memory_fs(root: Path, fs_type: str, auto: bool, capacity_bytes: int, promised_ram_bytes: int,
+                  fraction: float) -> None:
+    """Warn that the root is on a memory file system, and how the tier was sized there."""
+    share = round(fraction * 100)
+    if not auto:
+        size = f"HPKV_KV_STORAGE_SIZE bounds it to {capacity_bytes} bytes"
+    elif fs_type == "ramfs":
+        pool = f", less the DRAM pool's {promised_ram_bytes} bytes still to come" if promised_ram_bytes else ""
+        size = (f"HPKV_KV_STORAGE_SIZE=auto gave {capacity_bytes} bytes ({share}% of half the memory "
+                f"available{pool}: a ramfs has no size of its own), plus {share}% of its KV files already there")
+    else:
+        size = (f"HPKV_KV_STORAGE_SIZE=auto gave {capacity_bytes} bytes ({share}% of the {fs_type}'s free "
+                f"space), plus {share}% of its KV files already there")
+    log.warning("the storage directory %s is on %s, a memory file system: its KV files take RAM beside the "
+                "DRAM pool and are lost at reboot; %s. Set HPKV_KV_STORAGE_SIZE to bound it, or point "
+                "HPKV_KV_STORAGE_PATH at an SSD or a parallel file system", root, fs_type, size)
 
 
 def problem(root: Path) -> str | None:

@@ -156,27 +156,13 @@ class StorageTier:
             self.capacity_bytes = int(room_bytes(self.root, promised_ram_bytes) * AUTO_CAPACITY_FRACTION)
             self._sized_bytes = self.capacity_bytes
         if fs_type in MEMORY_FS:
-            self._say_memory_fs(fs_type, promised_ram_bytes)
+            storage_root.say_memory_fs(self.root, fs_type, self.config.capacity_bytes is None, self.capacity_bytes,
+                                       promised_ram_bytes, AUTO_CAPACITY_FRACTION)
         if self.direct and not direct_supported(str(self.root)):
             self.direct = False
             log.warning("the file system of %s does not take O_DIRECT (HPKV_KV_STORAGE_DIRECT_IO=on); KV files "
                         "go through the page cache instead", self.root)
         threading.Thread(target=self._scan, name="hpkv-storage-scan", daemon=True).start()
-
-    def _say_memory_fs(self, fs_type: str, promised_ram_bytes: int) -> None:
-        share = round(AUTO_CAPACITY_FRACTION * 100)
-        if self.config.capacity_bytes is not None:
-            size = f"HPKV_KV_STORAGE_SIZE bounds it to {self.capacity_bytes} bytes"
-        elif fs_type == "ramfs":
-            pool = f", less the DRAM pool's {promised_ram_bytes} bytes still to come" if promised_ram_bytes else ""
-            size = (f"HPKV_KV_STORAGE_SIZE=auto gave {self.capacity_bytes} bytes ({share}% of half the memory "
-                    f"available{pool}: a ramfs has no size of its own), plus {share}% of its KV files already there")
-        else:
-            size = (f"HPKV_KV_STORAGE_SIZE=auto gave {self.capacity_bytes} bytes ({share}% of the {fs_type}'s free "
-                    f"space), plus {share}% of its KV files already there")
-        log.warning("the storage directory %s is on %s, a memory file system: its KV files take RAM beside the "
-                    "DRAM pool and are lost at reboot; %s. Set HPKV_KV_STORAGE_SIZE to bound it, or point "
-                    "HPKV_KV_STORAGE_PATH at an SSD or a parallel file system", self.root, fs_type, size)
 
     def close(self, wait: bool = True) -> None:
         """Finish queued writes, then stop the I/O threads; without `wait`, drop what is queued

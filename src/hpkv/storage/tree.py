@@ -13,7 +13,7 @@ outside the tree is read, written or removed with the server's rights. What is f
 a directory or a file is `Untrusted` (an OSError naming it): callers skip it and count it.
 
 Primitives: `Untrusted`, `open_dir`, `opened_dir` (the same as a context manager), `check_regular`,
-`is_regular`, `parts_below`, `write_description`.
+`is_regular`, `kind_of`, `raise_untrusted`, `parts_below`, `write_description`.
 Must not know: the entry format, the index, the pool.
 """
 
@@ -62,16 +62,11 @@ def check_regular(st: os.stat_result, path: str) -> None:
 
 def parts_below(root: str, directory: str) -> list[str]:
     """The names leading from `root` down to `directory` (a path HPKV built by joining names to
-    the root); ValueError where `directory` is not below `root`."""
-    root = root.rstrip("/") or "/"
-    if directory == root:
-        return []
-    prefix = root if root.endswith("/") else root + "/"
-    if not directory.startswith(prefix):
-        raise ValueError(f"{directory} is not below {root}")
-    parts = directory[len(prefix):].split("/")
+    the root); OSError (EINVAL) where `directory` is not a plain path below `root`."""
+    root = root.rstrip("/")
+    parts = directory[len(root) + 1:].split("/") if directory.startswith(root + "/") else [""]
     if any(part in ("", ".", "..") for part in parts):
-        raise ValueError(f"{directory} is not a plain path below {root}")
+        raise OSError(errno.EINVAL, f"{directory} is not a plain path below {root or '/'}")
     return parts
 
 
@@ -96,7 +91,7 @@ def open_dir(root: str, parts: list[str] | tuple[str, ...], create: bool = False
                 child = os.open(part, DIR_FLAGS, dir_fd=fd)
             except OSError as exc:
                 if exc.errno in (errno.ENOTDIR, errno.ELOOP):  # Linux says ENOTDIR for a link with O_DIRECTORY
-                    _raise_untrusted(fd, part, path, exc)
+                    raise_untrusted(fd, part, path, exc)
                 raise
             os.close(fd)
             fd = child
@@ -106,7 +101,9 @@ def open_dir(root: str, parts: list[str] | tuple[str, ...], create: bool = False
     return fd
 
 
-def _raise_untrusted(dir_fd: int, name: str, path: str, exc: OSError) -> None:
+def raise_untrusted(dir_fd: int, name: str, path: str, exc: OSError) -> None:
+    """Raise Untrusted for what stands at `name` in `dir_fd` (an open of it without following a
+    link failed with `exc`: ELOOP or ENOTDIR); `exc` itself where nothing is there."""
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
