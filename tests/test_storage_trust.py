@@ -25,6 +25,7 @@ from hpkv.doctor import Verdict, run_checks
 from hpkv.errors import PoolError
 from hpkv.keys import make_key
 from hpkv.storage import tier as tier_module
+from hpkv.storage import tree
 from hpkv.storage.tier import StorageTier
 from hpkv.store import TieredStore
 from serverutil import ENTRY_BYTES, Node, desc, entry_key, payload as server_payload, wait_for
@@ -88,8 +89,14 @@ def read_bounded(tier: StorageTier, k: bytes, fifo: Path | None = None, timeout_
     return result[0]
 
 
-@pytest.fixture
-def open_tier(storage_dir):
+@pytest.fixture(params=["openat2", "walk"])
+def open_tier(request, storage_dir, monkeypatch):
+    """Tiers on `storage_dir`; each story runs twice: with the kernel's openat2 resolving paths
+    without links, and with the directory-by-directory walk used where it has none."""
+    if request.param == "walk":
+        monkeypatch.setattr(tree, "_openat2_works", False)
+    elif not tree._openat2_works:
+        pytest.skip("this kernel has no openat2")
     tiers = []
 
     def _open(root: Path = storage_dir, capacity: int | None = 64 * (ENTRY + 4096)) -> StorageTier:

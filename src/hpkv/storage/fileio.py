@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 
 from .format import ALIGN
-from .tree import CREATE_FLAGS, FILE_FLAGS, check_regular, open_dir, opened_dir, parts_below, raise_untrusted
+from .tree import CREATE_FLAGS, FILE_FLAGS, Untrusted, check_regular, open_beneath, open_dir, parts_below
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,11 @@ class FileIO:
     # Files are 0600 and directories 0700: KV is computed from users' prompts. Names may be
     # relative to `dir_fd`, a directory opened without following links (`tree`).
     def open(self, path: str, flags: int, mode: int = 0o600, dir_fd: int | None = None) -> int:
-        return os.open(path, flags | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+        """With `dir_fd`, `path` is relative to it and no link is followed in the directories on
+        the way (`tree.open_beneath`)."""
+        if dir_fd is None:
+            return os.open(path, flags | os.O_CLOEXEC, mode)
+        return open_beneath(dir_fd, path, flags, mode)
 
     def close(self, fd: int) -> None:
         os.close(fd)
@@ -80,16 +84,16 @@ class FileIO:
 def open_in_tree(io: FileIO, root: str, parts, name: str, flags: int) -> int:
     """Open the file `name` in `root/parts...` for reading, following no link below `root` and
     never blocking (a FIFO): `tree.Untrusted` unless it is a regular file. The caller closes it."""
-    path = f"{root}/{'/'.join(parts)}/{name}"
-    with opened_dir(root, parts) as dir_fd:
-        try:
-            fd = io.open(name, flags | FILE_FLAGS, dir_fd=dir_fd)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link
-                raise_untrusted(dir_fd, name, path, exc)
-            raise
+    relpath = "/".join((*parts, name))
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        check_regular(io.stat(fd), path)
+        fd = io.open(relpath, flags | FILE_FLAGS, dir_fd=root_fd)
+    except Untrusted as exc:
+        raise Untrusted(f"{root}/{exc.filename}", exc.what) from None
+    finally:
+        os.close(root_fd)
+    try:
+        check_regular(io.stat(fd), f"{root}/{relpath}")
     except BaseException:
         io.close(fd)
         raise

@@ -12,14 +12,16 @@ or a directory planted anywhere in the tree is never followed, never blocks a th
 outside the tree is read, written or removed with the server's rights. What is found in place of
 a directory or a file is `Untrusted` (an OSError naming it): callers skip it and count it.
 
-Primitives: `Untrusted`, `open_dir`, `opened_dir` (the same as a context manager), `check_regular`,
-`is_regular`, `kind_of`, `raise_untrusted`, `parts_below`, `write_description`.
+Primitives: `Untrusted`, `open_dir`, `opened_dir` (the same as a context manager), `open_beneath`
+(one `openat2` where the kernel has it), `check_regular`, `is_regular`, `kind_of`, `raise_untrusted`,
+`parts_below`, `write_description`.
 Must not know: the entry format, the index, the pool.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import stat
@@ -27,6 +29,20 @@ import stat
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK  # added to every open of a file in the tree
 CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_SYS_OPENAT2 = 437  # one number on every Linux architecture (5.6 and later)
+_RESOLVE = 0x04 | 0x08  # RESOLVE_NO_SYMLINKS | RESOLVE_BENEATH
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+try:
+    _syscall = ctypes.CDLL(None, use_errno=True).syscall
+    _syscall.restype = ctypes.c_long
+    _openat2_works = os.uname().sysname == "Linux"
+except (OSError, AttributeError):
+    _openat2_works = False
 
 
 class Untrusted(OSError):
@@ -71,14 +87,60 @@ def parts_below(root: str, directory: str) -> list[str]:
 
 
 def open_dir(root: str, parts: list[str] | tuple[str, ...], create: bool = False) -> int:
-    """A descriptor of `root/parts...`, each part opened from its parent's descriptor without
-    following a link (`Untrusted` where one is a link or not a directory). With `create`, the
-    root (as configured: its links followed) and every missing part are made, mode 0700. The
-    caller closes it."""
+    """A descriptor of `root/parts...`, reached without following a link below the root
+    (`Untrusted` where one is a link or not a directory). With `create`, the root (as configured:
+    its links followed) and every missing part are made, mode 0700. The caller closes it."""
     if create:
         os.makedirs(root, mode=0o700, exist_ok=True)
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    path = root
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    if not parts:
+        return root_fd
+    try:
+        if create:
+            return _descend(root_fd, root, parts, create=True)
+        return open_beneath(root_fd, "/".join(parts), DIR_FLAGS, base=root)
+    finally:
+        os.close(root_fd)
+
+
+def open_beneath(dir_fd: int, relpath: str, flags: int, mode: int = 0o600, base: str = "") -> int:
+    """`openat(dir_fd, relpath, flags)` that follows no link in the directories on the way (its
+    last name is opened as `flags` say: callers add O_NOFOLLOW) and does not leave `dir_fd`'s
+    tree. One `openat2` (RESOLVE_NO_SYMLINKS|RESOLVE_BENEATH) where the kernel has it; else, or
+    to name what stood in the way, a walk from directory to directory (`Untrusted` for a link or
+    a non-directory there). `base`: `dir_fd`'s path, for messages (none: paths relative to it)."""
+    global _openat2_works
+    path = f"{base}/{relpath}" if base else relpath
+    if "/" in relpath and _openat2_works:
+        how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, _RESOLVE)
+        fd = _syscall(_SYS_OPENAT2, dir_fd, os.fsencode(relpath), ctypes.byref(how), ctypes.sizeof(how))
+        if fd >= 0:
+            return fd
+        err = ctypes.get_errno()
+        if err == errno.ENOSYS:  # an older kernel, or a sandbox that hides it: walk from now on
+            _openat2_works = False
+        elif err not in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV, errno.EPERM):
+            raise OSError(err, os.strerror(err), path)
+    *dirs, name = relpath.split("/")
+    if any(part in ("", ".", "..") for part in relpath.split("/")):
+        raise OSError(errno.EINVAL, f"{path} is not a plain path", path)
+    parent = _descend(dir_fd, base, dirs, create=False) if dirs else dir_fd
+    try:
+        try:
+            return os.open(name, flags | os.O_CLOEXEC, mode, dir_fd=parent)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR) and flags & os.O_NOFOLLOW:
+                raise_untrusted(parent, name, path, exc)
+            raise
+    finally:
+        if parent != dir_fd:
+            os.close(parent)
+
+
+def _descend(dir_fd: int, base: str, parts, create: bool) -> int:
+    """A new descriptor of `dir_fd/parts...` (parts not empty), each opened from its parent's
+    without following a link, made first where missing with `create`; `dir_fd` stays open."""
+    fd, path = dir_fd, base or "."
     try:
         for part in parts:
             path = f"{path}/{part}"
@@ -93,10 +155,12 @@ def open_dir(root: str, parts: list[str] | tuple[str, ...], create: bool = False
                 if exc.errno in (errno.ENOTDIR, errno.ELOOP):  # Linux says ENOTDIR for a link with O_DIRECTORY
                     raise_untrusted(fd, part, path, exc)
                 raise
-            os.close(fd)
+            if fd != dir_fd:
+                os.close(fd)
             fd = child
     except BaseException:
-        os.close(fd)
+        if fd != dir_fd:
+            os.close(fd)
         raise
     return fd
 
@@ -108,7 +172,8 @@ def raise_untrusted(dir_fd: int, name: str, path: str, exc: OSError) -> None:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
         raise exc from None
-    raise Untrusted(path, kind_of(st.st_mode)) from None
+    what = kind_of(st.st_mode)
+    raise Untrusted(path, "a file where a directory belongs" if what == "a regular file" else what) from None
 
 
 @contextlib.contextmanager
