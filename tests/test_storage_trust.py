@@ -7,7 +7,9 @@ Every story uses real files, FIFOs, links and mounts; those about a server run a
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import mmap
 import os
 import signal
 import socket
@@ -28,7 +30,7 @@ from hpkv.storage import tier as tier_module
 from hpkv.storage import tree
 from hpkv.storage.tier import StorageTier
 from hpkv.store import TieredStore
-from serverutil import ENTRY_BYTES, Node, desc, entry_key, payload as server_payload, wait_for
+from serverutil import Node, desc, entry_key, payload as server_payload, wait_for
 
 NS = "0123456789abcdef" * 2
 OTHER_NS = "fedcba9876543210" * 2
@@ -116,6 +118,37 @@ def elsewhere(tmp_path):
     path = tmp_path / "elsewhere"
     path.mkdir()
     return path
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_fifo_read_with_direct_io_is_a_miss_and_leaves_direct_io_on(storage_dir, elsewhere, kind):
+    """O_DIRECT is refused (EINVAL) for a FIFO or a directory as by a file system without it: a
+    planted one must not turn direct I/O off for the whole tier."""
+    tier = StorageTier(dataclasses.replace(make_storage_config(storage_dir, 64 * (ENTRY + 4096)), direct_io=True))
+    tier.start()
+    try:
+        if not tier.direct:
+            pytest.skip(f"{storage_dir} does not take O_DIRECT")
+        k = key("direct")
+        slot = mmap.mmap(-1, ENTRY)  # page-aligned, as a pool slot is
+        slot[:] = payload(k)
+        assert tier.write_from(NS, k, memoryview(slot))
+        path = fan(storage_dir, NS, k) / f"{k.hex()}.kv"
+        path.unlink()
+        plant(kind, path, elsewhere, k)
+
+        done = []
+        reader = threading.Thread(target=lambda: done.append(tier.read_into(NS, k, memoryview(slot))), daemon=True)
+        reader.start()
+        reader.join(5)
+        if reader.is_alive():
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            reader.join(5)
+        assert done == [False]
+        assert tier.direct and tier.stats()["direct_io"]
+        assert tier.stats()["untrusted_files"] == 1
+    finally:
+        tier.close()
 
 
 @pytest.fixture

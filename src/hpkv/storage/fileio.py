@@ -85,15 +85,28 @@ def open_in_tree(io: FileIO, root: str, parts, name: str, flags: int) -> int:
     """Open the file `name` in `root/parts...` for reading, following no link below `root` and
     never blocking (a FIFO): `tree.Untrusted` unless it is a regular file. The caller closes it."""
     relpath = "/".join((*parts, name))
-    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fd = io.open(relpath, flags | FILE_FLAGS, dir_fd=root_fd)
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fd = _open_regular(io, root_fd, relpath, flags)
+        finally:
+            os.close(root_fd)
     except Untrusted as exc:
         raise Untrusted(f"{root}/{exc.filename}", exc.what) from None
-    finally:
-        os.close(root_fd)
+    return fd
+
+
+def _open_regular(io: FileIO, dir_fd: int, relpath: str, flags: int) -> int:
     try:
-        check_regular(io.stat(fd), f"{root}/{relpath}")
+        fd = io.open(relpath, flags | FILE_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        # O_DIRECT is refused (EINVAL) by a file system, and for a FIFO or a directory too: that
+        # one must not be taken for the file system's refusal (direct I/O off for good).
+        if exc.errno == errno.EINVAL and flags & O_DIRECT:
+            io.close(_open_regular(io, dir_fd, relpath, flags & ~O_DIRECT))
+        raise
+    try:
+        check_regular(io.stat(fd), relpath)
     except BaseException:
         io.close(fd)
         raise

@@ -9,7 +9,8 @@ wrote it); a read that fails or stops short is a miss that leaves the file. Seve
 may share one root: the index learns files it did not write when a lookup finds them, and a
 reader that loses a race with an evictor just misses. With direct I/O (HPKV_KV_STORAGE_DIRECT_IO),
 files in the aligned format go between the device and pool slots with O_DIRECT where the file
-system takes it (see `fileio`).
+system takes it (see `fileio`). Below the root no link is followed, only regular files are read,
+and nothing else in the tree is ever a hit (`tree`: skipped, counted in `untrusted_files`).
 
 Primitives: `start`, `add_namespace`, `indexed` (`index_probe`), `contains`, `touch`, `read_into`,
 `write_from` (or `publish`, where another process writes the file), `submit`, `remove`, `stats`,
@@ -228,8 +229,9 @@ class StorageTier:
         return self._ik(ns, b""), self._lru.__contains__
 
     def contains(self, ns: str, key: bytes) -> bool:
-        """Whether a file for (ns, key) exists, adopting files other tiers wrote (one `stat` of
-        the file when the index does not hold it: ask without holding a lock)."""
+        """Whether a file for (ns, key) exists, adopting files other tiers wrote (one `lstat` of
+        the file when the index does not hold it: ask without holding a lock); what stands
+        there and is not a regular file is skipped and counted."""
         ik = self._ik(ns, key)
         if ik in self._lru:
             return True

@@ -3,11 +3,13 @@ following a link below the root.
 
 The tree (`<root>/<ns>/<ab>/<cd>/<hex>.kv`, `<root>/<ns>/namespace.json`) may be shared by nodes
 and writable by others, so a name in it proves nothing. The root is the operator's
-HPKV_KV_STORAGE_PATH and is opened as configured (a link there is the operator's). Below it every
-directory is opened from its parent's descriptor with O_DIRECTORY|O_NOFOLLOW (`open_dir`), every
-file to read with O_NOFOLLOW|O_NONBLOCK and then fstat-checked to be a regular file
-(`check_regular`), every file to write created O_CREAT|O_EXCL|O_NOFOLLOW in a directory opened
-so, and every removal is `unlink(name, dir_fd=)` in such a directory. So a symbolic link, a FIFO
+HPKV_KV_STORAGE_PATH and is opened as configured (a link there is the operator's). Below it no
+link is followed on the way to a name: one `openat2` with RESOLVE_NO_SYMLINKS|RESOLVE_BENEATH
+from the root's descriptor where the kernel has it (Linux 5.6), else each directory opened from
+its parent's with O_DIRECTORY|O_NOFOLLOW (`open_beneath`, `open_dir`). Every file to read is
+opened O_NOFOLLOW|O_NONBLOCK and fstat-checked to be a regular file (`check_regular`), every file
+to write created O_CREAT|O_EXCL|O_NOFOLLOW in a directory reached so, and every removal is
+`unlink(name, dir_fd=)` in such a directory. So a symbolic link, a FIFO
 or a directory planted anywhere in the tree is never followed, never blocks a thread, and nothing
 outside the tree is read, written or removed with the server's rights. What is found in place of
 a directory or a file is `Untrusted` (an OSError naming it): callers skip it and count it.
@@ -113,13 +115,14 @@ def open_beneath(dir_fd: int, relpath: str, flags: int, mode: int = 0o600, base:
     path = f"{base}/{relpath}" if base else relpath
     if "/" in relpath and _openat2_works:
         how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, _RESOLVE)
-        fd = _syscall(_SYS_OPENAT2, dir_fd, os.fsencode(relpath), ctypes.byref(how), ctypes.sizeof(how))
+        fd = _syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_long(dir_fd), ctypes.c_char_p(os.fsencode(relpath)),
+                      ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
         if fd >= 0:
             return fd
         err = ctypes.get_errno()
-        if err == errno.ENOSYS:  # an older kernel, or a sandbox that hides it: walk from now on
+        if err in (errno.ENOSYS, errno.EPERM):  # an older kernel, or a sandbox that forbids it: walk from now on
             _openat2_works = False
-        elif err not in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV, errno.EPERM):
+        elif err not in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
             raise OSError(err, os.strerror(err), path)
     *dirs, name = relpath.split("/")
     if any(part in ("", ".", "..") for part in relpath.split("/")):

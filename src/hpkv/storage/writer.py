@@ -11,8 +11,8 @@ the server's handlers never wait for it.
 
 Protocol: one JSON object per line. The writer first says `{"hello": "hpkv-writer", "version":
 N}`; a job is `{"ns", "key" (hex), "offset", "length", "final", "tmp", "directory", "mkdir",
-"root", "fsync", "format"}` (see `FileTarget`) ("format": the file format version, 2 to write it with O_DIRECT), answered
-by `{"ok": true}` or `{"errno": E, "error": "..."}`.
+"root", "fsync", "format"}` (a `FileTarget`; "format": the file format version, 2 to write it
+with O_DIRECT), answered by `{"ok": true}` or `{"errno": E, "error": "..."}`.
 
 Primitives: `WriterPool(pool_path, num_processes, nice)`: `write(ns, key, offset, length, target,
 fsync, version) -> OSError | None` (one job; the caller holds the slot for its duration),
