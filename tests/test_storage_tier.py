@@ -1247,6 +1247,19 @@ def test_a_namespace_directory_removed_under_the_tier_is_made_again(tier, storag
     assert tier.stats()["write_failures"] == 0
 
 
+def test_a_root_removed_and_made_again_under_the_tier_is_read_again(tier, storage_dir):
+    """The tier holds its root open: after `rm -rf` of the root and a write that makes it again,
+    reads and evictions go to the new root, not to the removed one it held."""
+    assert write(tier, key(1))
+    shutil.rmtree(storage_dir)
+
+    assert write(tier, key(2))
+
+    assert read(tier, key(2)) == payload(key(2))
+    assert read(tier, key(1)) is None
+    assert tier.remove(NS) == 1 and not list(storage_dir.rglob("*.kv"))
+
+
 def test_a_write_reported_failed_after_its_rename_is_indexed(open_tier):
     """A writer process killed after its rename reports a failure: the file is in place, whole,
     and counted, not left out of the index."""

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 
 from .format import ALIGN
-from .tree import CREATE_FLAGS, FILE_FLAGS, Untrusted, check_regular, open_beneath, open_dir, parts_below
+from .tree import CREATE_FLAGS, FILE_FLAGS, Root, Untrusted, check_regular, open_beneath, open_dir, parts_below
 
 log = logging.getLogger(__name__)
 
@@ -81,19 +81,14 @@ class FileIO:
         fcntl.fcntl(fd, fcntl.F_SETFL, (flags | O_DIRECT) if on else (flags & ~O_DIRECT))
 
 
-def open_in_tree(io: FileIO, root: str, parts, name: str, flags: int) -> int:
-    """Open the file `name` in `root/parts...` for reading, following no link below `root` and
+def open_in_tree(io: FileIO, root: Root, parts, name: str, flags: int) -> int:
+    """Open the file `name` in `root/parts...` for reading, following no link below the root and
     never blocking (a FIFO): `tree.Untrusted` unless it is a regular file. The caller closes it."""
     relpath = "/".join((*parts, name))
     try:
-        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            fd = _open_regular(io, root_fd, relpath, flags)
-        finally:
-            os.close(root_fd)
+        return root.open(relpath, flags, lambda path, flags_, dir_fd: _open_regular(io, dir_fd, path, flags_))
     except Untrusted as exc:
-        raise Untrusted(f"{root}/{exc.filename}", exc.what) from None
-    return fd
+        raise Untrusted(f"{root.path}/{exc.filename}", exc.what) from None
 
 
 def _open_regular(io: FileIO, dir_fd: int, relpath: str, flags: int) -> int:
@@ -107,6 +102,7 @@ def _open_regular(io: FileIO, dir_fd: int, relpath: str, flags: int) -> int:
         raise
     try:
         check_regular(io.stat(fd), relpath)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)  # a file system may heed it
     except BaseException:
         io.close(fd)
         raise

@@ -97,6 +97,7 @@ class StorageCounters:
 class StorageTier:
     def __init__(self, config: StorageConfig, io: FileIO | None = None) -> None:
         self.root = Path(config.path)
+        self._root = tree.Root(str(self.root))  # held open for reads and removals
         self.config = config
         self.io = io or FileIO()
         self.counters = StorageCounters()
@@ -169,6 +170,8 @@ class StorageTier:
         """Finish queued writes, then stop the I/O threads; without `wait`, drop what is queued
         and do not wait for what runs (a device that does not answer)."""
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
+        if wait:  # else a thread may still be in a system call on it: the process is about to exit
+            self._root.close()
 
     def submit(self, fn, *args) -> Future:
         return self._executor.submit(fn, *args)
@@ -199,8 +202,11 @@ class StorageTier:
     def _unlink(self, ns: str, key: bytes) -> None:
         """Remove (ns, key)'s file by name in its directory, reached without following a link."""
         parts, name = self._where(ns, key)
-        with tree.opened_dir(str(self.root), parts) as dir_fd:
+        dir_fd = self._root.open("/".join(parts), tree.DIR_FLAGS)
+        try:
             self.io.unlink(name, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
 
     def _ik(self, ns: str, key: bytes) -> bytes:
         """The index key of (ns, key)."""
@@ -266,7 +272,7 @@ class StorageTier:
         path = self.path_of(ns, key)
         direct = self.direct and aligned(dest)
         try:
-            fd = open_in_tree(self.io, str(self.root), *self._where(ns, key), os.O_RDONLY | (O_DIRECT if direct else 0))
+            fd = open_in_tree(self.io, self._root, *self._where(ns, key), os.O_RDONLY | (O_DIRECT if direct else 0))
         except tree.Untrusted as exc:
             self._skip_untrusted(ns, key, exc)
             return False

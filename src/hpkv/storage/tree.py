@@ -14,7 +14,7 @@ or a directory planted anywhere in the tree is never followed, never blocks a th
 outside the tree is read, written or removed with the server's rights. What is found in place of
 a directory or a file is `Untrusted` (an OSError naming it): callers skip it and count it.
 
-Primitives: `Untrusted`, `open_dir`, `opened_dir` (the same as a context manager), `open_beneath`
+Primitives: `Untrusted`, `Root` (the root held open), `open_dir`, `opened_dir` (the same as a context manager), `open_beneath`
 (one `openat2` where the kernel has it), `check_regular`, `is_regular`, `kind_of`, `raise_untrusted`,
 `parts_below`, `write_description`.
 Must not know: the entry format, the index, the pool.
@@ -27,6 +27,7 @@ import ctypes
 import errno
 import os
 import stat
+import threading
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK  # added to every open of a file in the tree
@@ -177,6 +178,61 @@ def raise_untrusted(dir_fd: int, name: str, path: str, exc: OSError) -> None:
         raise exc from None
     what = kind_of(st.st_mode)
     raise Untrusted(path, "a file where a directory belongs" if what == "a regular file" else what) from None
+
+
+class Root:
+    """The storage root, held open: looking its path up for every open cost as much as the rest
+    of the open. `open` opens a path below it (`open_beneath`); where that finds nothing, the
+    root may have been removed and made again (`rm -rf` while a server runs): then the path's
+    directory is taken instead, and the open tried once more. A descriptor replaced so is
+    closed only by `close` (another thread may still be using it)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._old: list[int] = []
+        self._lock = threading.Lock()
+
+    def fd(self) -> int:
+        fd = self._fd
+        if fd is None:
+            with self._lock:
+                if self._fd is None:
+                    self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                fd = self._fd
+        return fd
+
+    def open(self, relpath: str, flags: int, opener=None) -> int:
+        """`opener(relpath, flags, dir_fd=)` (`open_beneath` by default) from the root's descriptor."""
+        opener = opener or (lambda path, flags_, dir_fd: open_beneath(dir_fd, path, flags_, base=self.path))
+        try:
+            return opener(relpath, flags, dir_fd=self.fd())
+        except FileNotFoundError:
+            if not self._renew():
+                raise
+            return opener(relpath, flags, dir_fd=self.fd())
+
+    def _renew(self) -> bool:
+        """Whether the root's path names another directory than the one held (now held)."""
+        with self._lock:
+            try:
+                now = os.stat(self.path)
+                held = os.fstat(self._fd) if self._fd is not None else None
+                if held is not None and (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+                    return False
+                fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError:
+                return False
+            if self._fd is not None:
+                self._old.append(self._fd)
+            self._fd = fd
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in [*self._old, *([self._fd] if self._fd is not None else [])]:
+                os.close(fd)
+            self._fd, self._old = None, []
 
 
 @contextlib.contextmanager
