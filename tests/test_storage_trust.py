@@ -27,7 +27,6 @@ from hpkv.doctor import Verdict, run_checks
 from hpkv.errors import PoolError
 from hpkv.keys import make_key
 from hpkv.storage import tier as tier_module
-from hpkv.storage import tree
 from hpkv.storage.tier import StorageTier
 from hpkv.store import TieredStore
 from serverutil import Node, desc, entry_key, payload as server_payload, wait_for
@@ -95,6 +94,8 @@ def read_bounded(tier: StorageTier, k: bytes, fifo: Path | None = None, timeout_
 def open_tier(request, storage_dir, monkeypatch):
     """Tiers on `storage_dir`; each story runs twice: with the kernel's openat2 resolving paths
     without links, and with the directory-by-directory walk used where it has none."""
+    from hpkv.storage import tree
+
     if request.param == "walk":
         monkeypatch.setattr(tree, "_openat2_works", False)
     elif not tree._openat2_works:
