@@ -52,21 +52,21 @@ class RecordingIO(FileIO):
     def __init__(self) -> None:
         self.opens: list[tuple[str, bool]] = []
 
-    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
+    def open(self, path: str, flags: int, mode: int = 0o600, dir_fd: int | None = None) -> int:
         self.opens.append((os.path.basename(path), bool(flags & O_DIRECT)))
-        return super().open(path, flags, mode)
+        return super().open(path, flags, mode, dir_fd)
 
 
 class RefusingIO(FileIO):
     """A file system without O_DIRECT: the open fails with EINVAL, after creating the file, as
     Linux does for such file systems."""
 
-    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
+    def open(self, path: str, flags: int, mode: int = 0o600, dir_fd: int | None = None) -> int:
         if flags & O_DIRECT:
             if flags & os.O_CREAT:
-                os.close(os.open(path, os.O_WRONLY | os.O_CREAT, mode))
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT, mode, dir_fd=dir_fd))
             raise OSError(errno.EINVAL, "Invalid argument")
-        return super().open(path, flags, mode)
+        return super().open(path, flags, mode, dir_fd)
 
 
 class UnalignedWritesIO(FileIO):

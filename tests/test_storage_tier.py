@@ -22,6 +22,7 @@ from hpkv.errors import StorageError
 from hpkv.keys import make_key
 from hpkv.storage import format as fmt
 from hpkv.storage.fileio import FileIO, FileTarget, direct_supported, write_entry_file
+from hpkv.storage.root import StorageUnusable
 from hpkv.storage.scan import STALE_TEMP_S
 from hpkv.storage.tier import StorageTier
 
@@ -293,7 +294,7 @@ def test_an_eviction_that_fails_midway_leaves_its_victims_indexed_and_counted(op
     """Something other than an OSError out of an unlink (a bug, a MemoryError): the victims not
     yet removed stay hits, counted in what the tier holds, and not misses for good."""
     class BrokenUnlink(FileIO):
-        def unlink(self, path):
+        def unlink(self, path, dir_fd=None):
             raise RuntimeError("unlink broke")
 
     tier = open_tier(capacity=4 * file_bytes(), io=BrokenUnlink())
@@ -469,11 +470,11 @@ class HookedUnlinks(FileIO):
     def __init__(self) -> None:
         self.on_unlink = None
 
-    def unlink(self, path):
+    def unlink(self, path, dir_fd=None):
         hook, self.on_unlink = self.on_unlink, None
         if hook is not None:
             hook(path)
-        super().unlink(path)
+        super().unlink(path, dir_fd)
 
 
 def test_a_lookup_of_a_victim_on_a_tier_alone_neither_adopts_it_nor_thinks_it_shared(open_tier):
@@ -941,10 +942,10 @@ class RefusedOpens(FileIO):
     def __init__(self) -> None:
         self.errno = 0
 
-    def open(self, path, flags, mode=0o600):
+    def open(self, path, flags, mode=0o600, dir_fd=None):
         if self.errno and path.endswith(".kv") and not flags & os.O_WRONLY:
             raise OSError(self.errno, os.strerror(self.errno), path)
-        return super().open(path, flags, mode)
+        return super().open(path, flags, mode, dir_fd)
 
 
 @pytest.mark.parametrize("refusal", [errno.EACCES, errno.EPERM, errno.ENAMETOOLONG])
@@ -1246,6 +1247,19 @@ def test_a_namespace_directory_removed_under_the_tier_is_made_again(tier, storag
     assert tier.stats()["write_failures"] == 0
 
 
+def test_a_root_removed_and_made_again_under_the_tier_is_read_again(tier, storage_dir):
+    """The tier holds its root open: after `rm -rf` of the root and a write that makes it again,
+    reads and evictions go to the new root, not to the removed one it held."""
+    assert write(tier, key(1))
+    shutil.rmtree(storage_dir)
+
+    assert write(tier, key(2))
+
+    assert read(tier, key(2)) == payload(key(2))
+    assert read(tier, key(1)) is None
+    assert tier.remove(NS) == 1 and not list(storage_dir.rglob("*.kv"))
+
+
 def test_a_write_reported_failed_after_its_rename_is_indexed(open_tier):
     """A writer process killed after its rename reports a failure: the file is in place, whole,
     and counted, not left out of the index."""
@@ -1296,9 +1310,9 @@ class CountingIO(FileIO):
         self.num_datasyncs += 1
         super().fdatasync(fd)
 
-    def fsync_dir(self, path):
+    def fsync_dir(self, dir_fd):
         self.num_dir_syncs += 1
-        super().fsync_dir(path)
+        super().fsync_dir(dir_fd)
 
 
 @pytest.mark.parametrize("fsync, datasyncs, dir_syncs", [("off", 0, 0), ("data", 2, 0), ("full", 2, 2)])
@@ -1313,7 +1327,7 @@ def test_fsync_modes_sync_what_they_promise(open_tier, fsync, datasyncs, dir_syn
 
 
 class FailingDirSync(FileIO):
-    def fsync_dir(self, path):
+    def fsync_dir(self, dir_fd):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
 
@@ -1378,7 +1392,8 @@ def test_a_storage_root_that_is_a_file_is_refused_naming_path_and_setting(tmp_pa
         tier.close()
 
     assert str(root) in str(caught.value)
-    assert "is not a writable directory" in str(caught.value)
+    assert "is not a directory" in str(caught.value)
+    assert isinstance(caught.value, StorageUnusable)  # the server goes on with DRAM alone
     assert "HPKV_KV_STORAGE_PATH" in str(caught.value)
 
 
@@ -1405,7 +1420,8 @@ def test_a_read_only_storage_root_is_refused_naming_path_and_setting(tmp_path):
         subprocess.run(["umount", "-l", str(root)], check=True)
 
     assert str(root) in str(caught.value)
-    assert "not a writable directory" in str(caught.value)
+    assert "read-only mount" in str(caught.value) and "mount -o remount,rw" in str(caught.value)
+    assert isinstance(caught.value, StorageUnusable)
     assert "HPKV_KV_STORAGE_PATH" in str(caught.value)
 
 

@@ -80,11 +80,11 @@ class FaultyIO(FileIO):
             return super().pwritev(fd, [*buffers[:-1], corrupted], offset)
         return super().pwritev(fd, buffers, offset)
 
-    def rename(self, src, dst):
+    def rename(self, src, dst, dir_fd=None):
         if self._roll() < self.rate:
             self._fault()
             raise OSError(errno.EIO, "injected rename error")
-        super().rename(src, dst)
+        super().rename(src, dst, dir_fd)
 
 
 def payload(ns: str, key: bytes, size: int) -> bytes:

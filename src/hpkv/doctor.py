@@ -26,6 +26,7 @@ from .pool.region import POOL_FILE_NAME
 from .server import protocol as p
 from .server.autostart import ServerUnavailable
 from .server.client import Client
+from .storage import root as storage_root
 from .storage.fileio import direct_supported
 from .storage.tier import AUTO_CAPACITY_FRACTION, SMALL_AUTO_CAPACITY
 from .status import human_bytes, human_duration
@@ -284,7 +285,10 @@ def check_storage(storage: StorageConfig, server: ServerProbe, pool: PoolConfig 
         return [Check("storage directory", Verdict.INFO,
                       "the storage tier is off (HPKV_KV_STORAGE_ENABLE=false): KV lives in DRAM only")]
     checks = [check_storage_permissions(storage)]
+    if server.stats is not None and server.stats.get("storage_unusable"):
+        checks.append(check_storage_in_use(server.stats))
     if checks[0].verdict is not Verdict.FAIL:
+        checks.append(check_storage_writers(storage))
         checks.append(check_storage_fs(storage))
         if checks[-1].verdict is not Verdict.FAIL:
             checks.append(check_storage_space(storage, server, pool))
@@ -345,8 +349,15 @@ def check_storage_permissions(storage: StorageConfig) -> Check:
     if not path.is_dir():
         return Check(name, Verdict.FAIL, f"{path} exists and is not a directory",
                      "point HPKV_KV_STORAGE_PATH at a directory")
+    if storage_root.read_only(path):
+        mount = mount_of(path).mount_point
+        return Check(name, Verdict.FAIL, f"{path} is on a read-only mount ({mount}): no KV file can be written "
+                     "there, so a server runs with its DRAM tier only",
+                     f"remount it read-write (mount -o remount,rw {mount}) or point HPKV_KV_STORAGE_PATH at a "
+                     "writable directory")
     if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
-        return Check(name, Verdict.FAIL, f"{path} is not readable and writable by uid {uid}",
+        return Check(name, Verdict.FAIL, f"{path} is not readable and writable by uid {uid}, so a server runs with "
+                     "its DRAM tier only",
                      f"as root: chown -R {uid} {path}, or point HPKV_KV_STORAGE_PATH elsewhere")
     mode = path.stat().st_mode & 0o777
     if mode & 0o007:
@@ -355,6 +366,35 @@ def check_storage_permissions(storage: StorageConfig) -> Check:
                      "files, which hold what the model computed from users' prompts",
                      f"chmod 700 {path} (or 750 with a group, for nodes sharing it)")
     return Check(name, Verdict.OK, f"{path} has mode {mode:04o} and is writable by uid {uid}")
+
+
+def check_storage_in_use(stats: dict) -> Check:
+    """The running server could not use its storage directory and runs on DRAM alone."""
+    return Check("storage: running server", Verdict.WARN,
+                 f"the running server (pid {stats['server']['pid']}) runs with the DRAM tier only: "
+                 f"{stats['storage_unusable']}",
+                 "fix the storage directory as that says, then restart the server (`hpkv server`; an "
+                 "auto-started one restarts once its last engine has exited)")
+
+
+def check_storage_writers(storage: StorageConfig) -> Check:
+    """Whoever can write the storage tree can plant KV files that engines load as their own: its
+    root and namespace directories should be writable by this uid alone (root aside)."""
+    name = "storage directory: who can write it"
+    uid = os.geteuid()
+    found = storage_root.foreign_writers(Path(storage.path), uid)
+    if found is None:
+        return Check(name, Verdict.OK, f"{storage.path} does not exist yet; the server creates it with mode 0700")
+    if not found:
+        return Check(name, Verdict.OK, f"{storage.path} and its namespace directories are writable by uid {uid} "
+                     "alone (and root)")
+    shown = "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
+    return Check(name, Verdict.WARN,
+                 f"{shown}: whoever can write the storage tree can plant KV files that engines here load as "
+                 "their own (the files are checksummed, but a writer can compute a checksum too)",
+                 f"chmod -R go-w {storage.path} and chown -R {uid} {storage.path} (mode 700; nodes sharing it run "
+                 f"HPKV as one uid, or 750 with a group whose members only read); anyone left able to write "
+                 f"it is trusted like uid {uid}")
 
 
 def _rotational(source: str) -> bool | None:

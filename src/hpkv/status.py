@@ -75,7 +75,11 @@ def _tiers_table(stats: dict) -> Table:
                   str(dram["num_entries"]), str(dram["evictions"]), _pool_state(stats))
     storage = stats.get("storage")
     path = Text(stats["server"]["storage_path"])
-    if storage is None:
+    if storage is None and stats.get("storage_unusable"):
+        table.add_row("storage", path, "-", "-", "-", "-",
+                      Text(f"UNUSABLE, the server runs with the DRAM tier only: {stats['storage_unusable']}; "
+                           "then restart the server", style="bold red"))
+    elif storage is None:
         table.add_row("storage", path, "-", "-", "-", "-", "disabled (HPKV_KV_STORAGE_ENABLE)")
     else:
         index = "index ready" if storage["index_ready"] else f"index building ({storage['files_scanned']} files)"
@@ -89,6 +93,9 @@ def _tiers_table(stats: dict) -> Table:
             state += f"{writers['processes']} write-through processes (nice {writers['nice']})"
         if storage.get("direct_io"):
             state += ", direct I/O"
+        if storage.get("untrusted_files"):
+            state += (f", {storage['untrusted_files']} names skipped that are not regular files (links, FIFOs...: "
+                      "never hits; see hpkv doctor)")
         if storage.get("write_budget_bytes") is not None:
             state += (f", write budget {human_bytes(storage['write_budget_bytes'])} a day "
                       f"({human_bytes(storage['write_budget_available_bytes'])} left now, "

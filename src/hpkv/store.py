@@ -46,6 +46,7 @@ from .keys import NamespaceDesc
 from .limits import HeldSlots
 from .pool.region import PoolRegion
 from .pool.tier import DramEntry, DramTier
+from .storage.root import StorageUnusable
 from .storage.tier import StorageTier
 from .storage.writer import WriterPool, WriterUnavailable
 
@@ -139,6 +140,7 @@ class StoreCounters:
 
 class TieredStore:
     STALLED_S = 30.0  # at close, give up the storage writes when none has ended for this long
+    storage_unusable: str | None = None  # why the storage tier is off though enabled (`open`)
 
     def __init__(self, region: PoolRegion, storage: StorageTier | None, slab_bytes: int | None = None,
                  write_processes: bool = False) -> None:
@@ -175,7 +177,10 @@ class TieredStore:
 
     @classmethod
     def open(cls, pool: PoolConfig, storage: StorageConfig, slab_bytes: int | None = None) -> "TieredStore":
-        """Create the pool file and start the storage tier (when enabled)."""
+        """Create the pool file and start the storage tier (when enabled). A storage directory
+        that cannot be used as it stands (`StorageUnusable`: read-only, not writable) leaves the
+        store with its DRAM tier alone and `storage_unusable` saying why; a storage path that can
+        never work (a pseudo file system) raises."""
         region = PoolRegion.create(pool.dir, pool.size_bytes)
         tier = None
         try:
@@ -183,10 +188,19 @@ class TieredStore:
             # sized): they arrive on first touch, the memory available still counts them, and
             # storage on ramfs must not take them too.
             unbacked = region.unbacked_bytes() if mount_of(pool.dir).fs_type in MEMORY_FS else 0
+            unusable = None
             if storage.enabled:
                 tier = StorageTier(storage)
-                tier.start(promised_ram_bytes=unbacked)
-            return cls(region, tier, slab_bytes, write_processes=True)
+                try:
+                    tier.start(promised_ram_bytes=unbacked)
+                except StorageUnusable as exc:  # DRAM alone beats no server: said in the log, status, doctor
+                    tier.close(wait=False)
+                    tier, unusable = None, str(exc)
+                    log.warning("%s. Until then the server runs with the DRAM tier only: no KV is read from or "
+                                "written to storage (fix it, then restart the server)", exc)
+            store = cls(region, tier, slab_bytes, write_processes=True)
+            store.storage_unusable = unusable
+            return store
         except BaseException:
             if tier is not None:
                 tier.close(wait=False)
@@ -241,14 +255,19 @@ class TieredStore:
         self.close()
 
     def register(self, desc: NamespaceDesc) -> str:
+        """The namespace of `desc`, known from now on; PoolError where the DRAM tier refuses it
+        (an entry larger than a slab), and then nothing is written anywhere."""
         ns = desc.ns
-        if ns not in self._namespaces and self.storage is not None:
+        with self._lock:
+            known = ns in self._namespaces
+            if not known:
+                self.dram.add_namespace(ns, desc.entry_bytes)  # refuses first: a refused ns leaves no file
+        if not known and self.storage is not None:
             # File I/O (a hung network file system) outside the lock, which every client needs;
             # idempotent, so two engines registering at once both may.
             self.storage.add_namespace(ns, desc.to_json())
         with self._lock:
             if ns not in self._namespaces:
-                self.dram.add_namespace(ns, desc.entry_bytes)
                 self._namespaces[ns] = desc
                 self._ns_hits[ns] = [0, 0, 0, 0]
         return ns
@@ -716,6 +735,7 @@ class TieredStore:
                 "entries": self._backlog_entries, "bytes": self._backlog_bytes, "limit_bytes": self._backlog_limit,
                 "deferred": len(self._deferred)}
         out["storage"] = self.storage.stats() if self.storage is not None else None
+        out["storage_unusable"] = self.storage_unusable
         writers = self.writers
         out["writers"] = writers.stats() if writers is not None else None
         return out

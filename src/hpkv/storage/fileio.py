@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 from .format import ALIGN
+from .tree import CREATE_FLAGS, FILE_FLAGS, Root, Untrusted, check_regular, open_beneath, open_dir, parts_below
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +38,14 @@ _dir_sync_warned_at = -math.inf
 
 
 class FileIO:
-    # Files are 0600 and directories 0700: KV is computed from users' prompts.
-    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
-        return os.open(path, flags | os.O_CLOEXEC, mode)
+    # Files are 0600 and directories 0700: KV is computed from users' prompts. Names may be
+    # relative to `dir_fd`, a directory opened without following links (`tree`).
+    def open(self, path: str, flags: int, mode: int = 0o600, dir_fd: int | None = None) -> int:
+        """With `dir_fd`, `path` is relative to it and no link is followed in the directories on
+        the way (`tree.open_beneath`)."""
+        if dir_fd is None:
+            return os.open(path, flags | os.O_CLOEXEC, mode)
+        return open_beneath(dir_fd, path, flags, mode)
 
     def close(self, fd: int) -> None:
         os.close(fd)
@@ -48,7 +54,8 @@ class FileIO:
         return os.fstat(fd)
 
     def stat_path(self, path: str) -> os.stat_result:
-        return os.stat(path)
+        """The file at `path` itself: a link there is not followed."""
+        return os.stat(path, follow_symlinks=False)
 
     def preadv(self, fd: int, buffers: list, offset: int) -> int:
         return os.preadv(fd, buffers, offset)
@@ -59,22 +66,47 @@ class FileIO:
     def fdatasync(self, fd: int) -> None:
         os.fdatasync(fd)
 
-    def fsync_dir(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    def fsync_dir(self, dir_fd: int) -> None:
+        os.fsync(dir_fd)
 
-    def rename(self, src: str, dst: str) -> None:
-        os.rename(src, dst)
+    def rename(self, src: str, dst: str, dir_fd: int | None = None) -> None:
+        """Both names in one directory: `dir_fd`'s, where given."""
+        os.rename(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
-    def unlink(self, path: str) -> None:
-        os.unlink(path)
+    def unlink(self, path: str, dir_fd: int | None = None) -> None:
+        os.unlink(path, dir_fd=dir_fd)
 
     def set_direct(self, fd: int, on: bool) -> None:
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)
         fcntl.fcntl(fd, fcntl.F_SETFL, (flags | O_DIRECT) if on else (flags & ~O_DIRECT))
+
+
+def open_in_tree(io: FileIO, root: Root, parts, name: str, flags: int) -> int:
+    """Open the file `name` in `root/parts...` for reading, following no link below the root and
+    never blocking (a FIFO): `tree.Untrusted` unless it is a regular file. The caller closes it."""
+    relpath = "/".join((*parts, name))
+    try:
+        return root.open(relpath, flags, lambda path, flags_, dir_fd: _open_regular(io, dir_fd, path, flags_))
+    except Untrusted as exc:
+        raise Untrusted(f"{root.path}/{exc.filename}", exc.what) from None
+
+
+def _open_regular(io: FileIO, dir_fd: int, relpath: str, flags: int) -> int:
+    try:
+        fd = io.open(relpath, flags | FILE_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        # O_DIRECT is refused (EINVAL) by a file system, and for a FIFO or a directory too: that
+        # one must not be taken for the file system's refusal (direct I/O off for good).
+        if exc.errno == errno.EINVAL and flags & O_DIRECT:
+            io.close(_open_regular(io, dir_fd, relpath, flags & ~O_DIRECT))
+        raise
+    try:
+        check_regular(io.stat(fd), relpath)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)  # a file system may heed it
+    except BaseException:
+        io.close(fd)
+        raise
+    return fd
 
 
 def aligned(buf) -> bool:
@@ -142,22 +174,22 @@ def _after(buffers: list, skip: int) -> list[memoryview]:
     return views
 
 
-def open_direct(io: FileIO, path: str, flags: int) -> tuple[int, bool]:
+def open_direct(io: FileIO, path: str, flags: int, dir_fd: int | None = None) -> tuple[int, bool]:
     """Open with O_DIRECT, or without it where the file system refuses it; (fd, direct). With
     O_CREAT, the refused open may have created the file already (Linux checks O_DIRECT after
     creating it): it is removed first, so the caller's O_EXCL still means "ours"."""
     if O_DIRECT:
         try:
-            return io.open(path, flags | O_DIRECT), True
+            return io.open(path, flags | O_DIRECT, dir_fd=dir_fd), True
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
             if flags & os.O_CREAT:
                 try:
-                    os.unlink(path)
+                    os.unlink(path, dir_fd=dir_fd)
                 except OSError:
                     pass
-    return io.open(path, flags), False
+    return io.open(path, flags, dir_fd=dir_fd), False
 
 
 def direct_supported(directory: str) -> bool:
@@ -171,7 +203,7 @@ def direct_supported(directory: str) -> bool:
     buf = aligned_buffer(ALIGN)
     try:
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT | os.O_CLOEXEC, 0o600)
+            fd = os.open(path, CREATE_FLAGS | O_DIRECT, 0o600)
         except OSError as exc:
             if exc.errno == errno.EINVAL:  # Linux refuses O_DIRECT after creating the file: ours to remove
                 _unlink_quietly(path)
@@ -197,17 +229,30 @@ def _unlink_quietly(path: str) -> None:
 @dataclass(frozen=True)
 class FileTarget:
     """Where one entry file goes: written as `tmp` in `directory` (created first when `mkdir`),
-    then renamed to `final`."""
+    then renamed to `final`; both are names in `directory`. With `root`, `directory` is below it
+    in the storage tree, and every directory between them is opened (and made) without
+    following a link (`tree.open_dir`); without, `directory` is trusted as given."""
 
     final: str
     tmp: str
     directory: str
     mkdir: bool
+    root: str | None = None
+
+    def open_directory(self) -> int:
+        """A descriptor of `directory` (made first when `mkdir`); `tree.Untrusted` where a
+        link or a non-directory stands in the way below `root`."""
+        if self.root is not None:
+            return open_dir(self.root, parts_below(self.root, self.directory), create=self.mkdir)
+        if self.mkdir:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        return os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
 def write_entry_file(io: FileIO, target: FileTarget, buffers: list, fsync: str,
                      direct: bool = False) -> OSError | None:
-    """Create `target.tmp` exclusively, write `buffers`, rename it into place. Atomic on failure:
+    """Create `target.tmp` exclusively (never through a link), write `buffers`, rename it into
+    place, all by name in the directory `target.open_directory()` gives. Atomic on failure:
     returns the error after removing the temporary it created (never one of the same name that
     someone else created), and nothing appears under `target.final`. With `direct`, every buffer
     after the first (the header, copied to aligned memory here) must be aligned already; the
@@ -217,11 +262,12 @@ def write_entry_file(io: FileIO, target: FileTarget, buffers: list, fsync: str,
     size = sum(len(b) for b in buffers)
     created = False
     header = None
+    dir_fd = None
+    tmp, final = os.path.basename(target.tmp), os.path.basename(target.final)
     try:
-        if target.mkdir:
-            os.makedirs(target.directory, mode=0o700, exist_ok=True)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        fd, direct = open_direct(io, target.tmp, flags) if direct else (io.open(target.tmp, flags), False)
+        dir_fd = target.open_directory()
+        fd, direct = (open_direct(io, tmp, CREATE_FLAGS, dir_fd) if direct
+                      else (io.open(tmp, CREATE_FLAGS, dir_fd=dir_fd), False))
         created = True
         try:
             if direct and len(buffers[0]) % ALIGN == 0:
@@ -236,30 +282,47 @@ def write_entry_file(io: FileIO, target: FileTarget, buffers: list, fsync: str,
                 io.fdatasync(fd)
         finally:
             io.close(fd)
-        io.rename(target.tmp, target.final)
+        io.rename(tmp, final, dir_fd=dir_fd)
         if fsync == "full":
-            _sync_dir(io, target.directory)
+            _sync_dir(io, dir_fd, target.directory)
         return None
     except OSError as exc:
         if created:
             try:
-                os.unlink(target.tmp)
+                os.unlink(tmp, dir_fd=dir_fd)
             except OSError:
                 pass
         return exc
     finally:
         if header is not None:
             header.close()
+        if dir_fd is not None:
+            os.close(dir_fd)
 
 
-def _sync_dir(io: FileIO, directory: str) -> None:
+def remove_temp(target: FileTarget) -> None:
+    """Remove `target.tmp` (a writer that died with it) by name in its directory, following no
+    link to get there; quietly where it is gone or cannot be."""
+    try:
+        dir_fd = FileTarget(target.final, target.tmp, target.directory, False, target.root).open_directory()
+    except OSError:
+        return
+    try:
+        os.unlink(os.path.basename(target.tmp), dir_fd=dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+def _sync_dir(io: FileIO, dir_fd: int, directory: str) -> None:
     """fsync a directory after a rename into it. A failure does not unpublish the file (it is
     whole and in place: a reader finds it, and the index must count it); it may lose only the
     file's name in a crash, which the checksums make a miss. So a warning, at most every
     DIR_SYNC_WARN_EVERY_S, and not a failed write."""
     global _dir_sync_warned_at
     try:
-        io.fsync_dir(directory)
+        io.fsync_dir(dir_fd)
     except OSError as exc:
         now = time.monotonic()
         if now - _dir_sync_warned_at >= DIR_SYNC_WARN_EVERY_S:

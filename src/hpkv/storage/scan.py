@@ -1,7 +1,14 @@
 """Walking a storage root: its namespace directories, their entry files, and what a start-up scan
-finds there (`walk`), with the temporaries of dead writers removed on the way.
+finds there (`walk`), with the temporaries of dead writers removed on the way; `remove_entries`
+for a clear.
 
-Primitives: `namespace_dirs`, `entry_files`, `walk` -> `Found`.
+The walk goes by directory descriptors (`tree`): each directory below the root is opened from its
+parent's without following a link, listed with `scandir(fd)`, and files are looked at with
+`lstat` and removed with `unlink(name, dir_fd=)`. A link, or anything but a directory where a
+directory belongs and a regular file where an entry file belongs, is skipped and counted
+(`untrusted_files`), never indexed, and nothing outside the tree is removed.
+
+Primitives: `leaf_dirs`, `walk` -> `Found`, `remove_entries`.
 Must not know: the index (its lock, its order), the pool, engines.
 """
 
@@ -9,14 +16,16 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..errors import StorageError
 from ..procs import pid_alive
+from .tree import DIR_FLAGS, kind_of
 
 log = logging.getLogger("hpkv.storage.tier")
 
@@ -32,6 +41,50 @@ class Found:
     mtimes: array = field(default_factory=lambda: array("d"))
     keys: list[bytes] = field(default_factory=list)  # index keys
     values: list[int] = field(default_factory=list)  # index values
+    untrusted: str | None = None  # the first thing skipped as untrusted, in words (for the log)
+
+
+Skipped = Callable[[str, str], None]  # (path, what it is): something untrusted was skipped
+
+
+@dataclass(frozen=True)
+class LeafDir:
+    """One `<root>/<ns>/<ab>/<cd>` directory, open while the walk is at it."""
+
+    ns: str
+    path: str
+    fd: int
+    entries: list[os.DirEntry]
+
+
+def leaf_dirs(root: Path | str, ns: str | None = None, skipped: Skipped | None = None) -> Iterator[LeafDir]:
+    """Every fan-out directory under `root` (of namespace `ns`, or of all), each with what it
+    holds; its descriptor is valid until the next one is yielded. Unreadable directories are
+    passed over; links and non-directories where directories belong are `skipped`."""
+    root = str(root)
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        for ns_name, ns_fd in _subdirs(root_fd, root, lambda n: n == ns if ns is not None else _is_ns(n), skipped):
+            ns_path = f"{root}/{ns_name}"
+            try:
+                for d1, fd1 in _subdirs(ns_fd, ns_path, _is_fan, skipped):
+                    try:
+                        for d2, fd2 in _subdirs(fd1, f"{ns_path}/{d1}", _is_fan, skipped):
+                            try:
+                                entries = _list(fd2)
+                                if entries is not None:
+                                    yield LeafDir(ns_name, f"{ns_path}/{d1}/{d2}", fd2, entries)
+                            finally:
+                                os.close(fd2)
+                    finally:
+                        os.close(fd1)
+            finally:
+                os.close(ns_fd)
+    finally:
+        os.close(root_fd)
 
 
 def walk(root: Path, node: str, index_key: Callable[[str, bytes], bytes], value_of: Callable[[int], int | None],
@@ -39,19 +92,31 @@ def walk(root: Path, node: str, index_key: Callable[[str, bytes], bytes], value_
     """Every entry file under `root`: its mtime, `index_key(ns, key)` and `value_of(size)` (None:
     not a file to index). Temporaries of this node's dead writers, and any older than
     STALE_TEMP_S (a writer that died on whatever node), are removed. Unreadable entries are
-    skipped: a walk never raises for a file. `counters.files_scanned` and `temps_removed` count
-    as it goes (`hpkv status` shows how far a long scan got)."""
+    skipped, and so are (counted in `counters.untrusted_files`) links and whatever else is not a
+    regular file: a walk never raises for a file. `counters.files_scanned` and `temps_removed`
+    count as it goes (`hpkv status` shows how far a long scan got)."""
     last_report = time.monotonic()
     found = Found()
-    for ns_dir in namespace_dirs(root):
-        ns = os.path.basename(ns_dir)
-        for path, entry in entry_files(ns_dir, temps=True):
-            if path.endswith(".tmp"):
-                counters.temps_removed += _remove_temp_if_dead(path, entry, node)
+
+    def skipped(path: str, what: str) -> None:
+        counters.untrusted_files += 1
+        if found.untrusted is None:
+            found.untrusted = f"{path} ({what})"
+
+    for leaf in leaf_dirs(root, skipped=skipped):
+        for entry in leaf.entries:
+            name = entry.name
+            if name.endswith(".tmp"):
+                counters.temps_removed += _remove_temp_if_dead(leaf.fd, entry, node)
+                continue
+            if not name.endswith(".kv"):
                 continue
             try:
-                st = entry.stat()
-                ik = index_key(ns, bytes.fromhex(entry.name[:-3]))
+                st = entry.stat(follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
+                    skipped(f"{leaf.path}/{name}", kind_of(st.st_mode))
+                    continue
+                ik = index_key(leaf.ns, bytes.fromhex(name[:-3]))
             except (OSError, ValueError, StorageError):  # StorageError: too many namespaces
                 continue
             value = value_of(st.st_size)
@@ -67,44 +132,62 @@ def walk(root: Path, node: str, index_key: Callable[[str, bytes], bytes], value_
     return found
 
 
-def namespace_dirs(root: Path, ns: str | None = None) -> list[str]:
-    """The directory of namespace `ns`, or of every namespace under `root` (none if unreadable)."""
-    if ns is not None:
-        return [str(root / ns)]
-    try:
-        return [e.path for e in os.scandir(root) if e.is_dir() and _is_ns(e.name)]
-    except OSError:
-        return []
+def remove_entries(root: Path, ns: str | None = None) -> int:
+    """Unlink every entry file (`*.kv`) under `root` (of namespace `ns`), each by name in its
+    own directory: whatever stands there, a link included, goes, and nothing it points at. The
+    number removed."""
+    num = 0
+    for leaf in leaf_dirs(root, ns):
+        for entry in leaf.entries:
+            if entry.name.endswith(".kv"):
+                try:
+                    os.unlink(entry.name, dir_fd=leaf.fd)
+                    num += 1
+                except OSError:
+                    pass
+    return num
 
 
-def entry_files(ns_dir: str, temps: bool = False):
-    """(path, DirEntry) of every entry file (and temporary) under a namespace directory."""
-    try:
-        level1 = [e.path for e in os.scandir(ns_dir) if e.is_dir() and len(e.name) == 2]
-    except OSError:
-        return
-    for d1 in level1:
-        for d2 in _subdirs(d1):
-            try:
-                entries = list(os.scandir(d2))
-            except OSError:
+def _subdirs(dir_fd: int, path: str, wanted: Callable[[str], bool],
+             skipped: Skipped | None) -> Iterator[tuple[str, int]]:
+    """(name, descriptor) of the directories in `dir_fd` whose names are `wanted`, each opened
+    without following a link; the caller closes each descriptor."""
+    entries = _list(dir_fd)
+    for entry in entries or ():
+        if not wanted(entry.name):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False):
+                if skipped is not None:
+                    skipped(f"{path}/{entry.name}", kind_of(entry.stat(follow_symlinks=False).st_mode))
                 continue
-            for e in entries:
-                if e.name.endswith(".kv") or (temps and e.name.endswith(".tmp")):
-                    yield e.path, e
+            fd = os.open(entry.name, DIR_FLAGS, dir_fd=dir_fd)
+        except OSError:  # gone, or swapped for a link since it was listed (ENOTDIR, ELOOP)
+            continue
+        yield entry.name, fd
 
 
-def _remove_temp_if_dead(path: str, entry: os.DirEntry, node: str) -> int:
-    """1 if the temporary at `path` was removed. Its name says its writer (`.<key>.<node>.<pid>.<seq>.tmp`)."""
+def _list(dir_fd: int) -> list[os.DirEntry] | None:
+    """What a directory holds; None where it cannot be read (`scandir` lists a duplicate of the
+    descriptor, which stays open)."""
+    try:
+        with os.scandir(dir_fd) as it:
+            return list(it)
+    except OSError:
+        return None
+
+
+def _remove_temp_if_dead(dir_fd: int, entry: os.DirEntry, node: str) -> int:
+    """1 if the temporary `entry` was removed. Its name says its writer (`.<key>.<node>.<pid>.<seq>.tmp`)."""
     parts = entry.name.split(".")
     try:
-        writer_node, pid, mtime = parts[-4], int(parts[-3]), entry.stat().st_mtime
+        writer_node, pid, mtime = parts[-4], int(parts[-3]), entry.stat(follow_symlinks=False).st_mtime
     except (IndexError, ValueError, OSError):
         return 0
     mine_and_dead = writer_node == node and not pid_alive(pid)
     if mine_and_dead or time.time() - mtime > STALE_TEMP_S:
         try:
-            os.unlink(path)
+            os.unlink(entry.name, dir_fd=dir_fd)
             return 1
         except OSError:
             pass
@@ -115,8 +198,5 @@ def _is_ns(name: str) -> bool:
     return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
 
 
-def _subdirs(path: str) -> list[str]:
-    try:
-        return [e.path for e in os.scandir(path) if e.is_dir() and len(e.name) == 2]
-    except OSError:
-        return []
+def _is_fan(name: str) -> bool:
+    return len(name) == 2

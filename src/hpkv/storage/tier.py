@@ -9,7 +9,8 @@ wrote it); a read that fails or stops short is a miss that leaves the file. Seve
 may share one root: the index learns files it did not write when a lookup finds them, and a
 reader that loses a race with an evictor just misses. With direct I/O (HPKV_KV_STORAGE_DIRECT_IO),
 files in the aligned format go between the device and pool slots with O_DIRECT where the file
-system takes it (see `fileio`).
+system takes it (see `fileio`). Below the root no link is followed, only regular files are read,
+and nothing else in the tree is ever a hit (`tree`: skipped, counted in `untrusted_files`).
 
 Primitives: `start`, `add_namespace`, `indexed` (`index_probe`), `contains`, `touch`, `read_into`,
 `write_from` (or `publish`, where another process writes the file), `submit`, `remove`, `stats`,
@@ -43,12 +44,13 @@ import numpy as np
 
 from ..config import StorageConfig
 from ..errors import StorageError
-from ..fsinfo import MEMORY_FS, PSEUDO_FS, existing_ancestor, mount_of, room_bytes
+from ..fsinfo import MEMORY_FS, room_bytes
 from . import format as fmt
-from . import scan
+from . import root as storage_root
+from . import scan, tree
 from .budget import WriteBudget
-from .fileio import (ALIGN, O_DIRECT, FileIO, FileTarget, aligned, aligned_buffer, direct_supported, read_full,
-                     write_entry_file)
+from .fileio import (ALIGN, O_DIRECT, FileIO, FileTarget, aligned, aligned_buffer, direct_supported, open_in_tree,
+                     read_full, write_entry_file)
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +91,13 @@ class StorageCounters:
     files_scanned: int = 0
     temps_removed: int = 0
     over_budget: int = 0
+    untrusted_files: int = 0  # links, FIFOs... in the tree: skipped, never hits (`tree`)
 
 
 class StorageTier:
     def __init__(self, config: StorageConfig, io: FileIO | None = None) -> None:
         self.root = Path(config.path)
+        self._root = tree.Root(str(self.root))  # held open for reads and removals
         self.config = config
         self.io = io or FileIO()
         self.counters = StorageCounters()
@@ -145,61 +149,29 @@ class StorageTier:
     # -- life ---------------------------------------------------------------------------------
 
     def start(self, promised_ram_bytes: int = 0) -> None:
-        """Make the root usable, size the tier, and rebuild the index in the background.
+        """Make the root usable (`root.prepare`: StorageError, StorageUnusable where it is not),
+        size the tier, and rebuild the index in the background.
         `promised_ram_bytes`: memory promised elsewhere and not taken yet (a DRAM pool on ramfs,
         whose pages arrive on first touch), which an automatic capacity on ramfs leaves out."""
-        fs_type = mount_of(self.root).fs_type
-        if fs_type in PSEUDO_FS:
-            raise StorageError(
-                f"the storage directory {self.root} (HPKV_KV_STORAGE_PATH) is on {fs_type}, a kernel pseudo file "
-                "system that cannot hold KV files; point HPKV_KV_STORAGE_PATH at an SSD or a parallel file system")
-        try:
-            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except FileExistsError:
-            pass  # a file in the way: reported just below as not a directory
-        except NotADirectoryError:
-            raise StorageError(
-                f"cannot create the storage directory {self.root} (HPKV_KV_STORAGE_PATH): "
-                f"{existing_ancestor(self.root)} is a file, not a directory; point HPKV_KV_STORAGE_PATH "
-                "elsewhere") from None
-        except OSError as exc:
-            raise StorageError(
-                f"cannot create the storage directory {self.root} (HPKV_KV_STORAGE_PATH): {exc.strerror}; "
-                "create it with write permission for this user or point HPKV_KV_STORAGE_PATH elsewhere") from None
-        if not self.root.is_dir() or not os.access(self.root, os.W_OK | os.X_OK):
-            raise StorageError(
-                f"the storage directory {self.root} (HPKV_KV_STORAGE_PATH) is not a writable directory for "
-                f"uid {os.geteuid()}; fix its permissions or point HPKV_KV_STORAGE_PATH elsewhere")
+        fs_type = storage_root.prepare(self.root)  # StorageUnusable: the server goes on with DRAM alone
         if self.config.capacity_bytes is None:
             self.capacity_bytes = int(room_bytes(self.root, promised_ram_bytes) * AUTO_CAPACITY_FRACTION)
             self._sized_bytes = self.capacity_bytes
         if fs_type in MEMORY_FS:
-            self._say_memory_fs(fs_type, promised_ram_bytes)
+            storage_root.say_memory_fs(self.root, fs_type, self.config.capacity_bytes is None, self.capacity_bytes,
+                                       promised_ram_bytes, AUTO_CAPACITY_FRACTION)
         if self.direct and not direct_supported(str(self.root)):
             self.direct = False
             log.warning("the file system of %s does not take O_DIRECT (HPKV_KV_STORAGE_DIRECT_IO=on); KV files "
                         "go through the page cache instead", self.root)
         threading.Thread(target=self._scan, name="hpkv-storage-scan", daemon=True).start()
 
-    def _say_memory_fs(self, fs_type: str, promised_ram_bytes: int) -> None:
-        share = round(AUTO_CAPACITY_FRACTION * 100)
-        if self.config.capacity_bytes is not None:
-            size = f"HPKV_KV_STORAGE_SIZE bounds it to {self.capacity_bytes} bytes"
-        elif fs_type == "ramfs":
-            pool = f", less the DRAM pool's {promised_ram_bytes} bytes still to come" if promised_ram_bytes else ""
-            size = (f"HPKV_KV_STORAGE_SIZE=auto gave {self.capacity_bytes} bytes ({share}% of half the memory "
-                    f"available{pool}: a ramfs has no size of its own), plus {share}% of its KV files already there")
-        else:
-            size = (f"HPKV_KV_STORAGE_SIZE=auto gave {self.capacity_bytes} bytes ({share}% of the {fs_type}'s free "
-                    f"space), plus {share}% of its KV files already there")
-        log.warning("the storage directory %s is on %s, a memory file system: its KV files take RAM beside the "
-                    "DRAM pool and are lost at reboot; %s. Set HPKV_KV_STORAGE_SIZE to bound it, or point "
-                    "HPKV_KV_STORAGE_PATH at an SSD or a parallel file system", self.root, fs_type, size)
-
     def close(self, wait: bool = True) -> None:
         """Finish queued writes, then stop the I/O threads; without `wait`, drop what is queued
         and do not wait for what runs (a device that does not answer)."""
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
+        if wait:  # else a thread may still be in a system call on it: the process is about to exit
+            self._root.close()
 
     def submit(self, fn, *args) -> Future:
         return self._executor.submit(fn, *args)
@@ -207,24 +179,34 @@ class StorageTier:
     def add_namespace(self, ns: str, description_json: str) -> None:
         """Keep the readable description beside the data. Best effort: a full disk must not stop
         the store from starting (the entries themselves do not need the description)."""
-        ns_dir = self.root / ns
-        desc = ns_dir / "namespace.json"
-        tmp = ns_dir / f".namespace.{self._node}.{os.getpid()}.{next(_TEMP_SEQ)}.tmp"
+        tmp = f".namespace.{self._node}.{os.getpid()}.{next(_TEMP_SEQ)}.tmp"
         try:
-            ns_dir.mkdir(mode=0o700, exist_ok=True)
-            if not desc.exists():
-                tmp.write_text(description_json + "\n")
-                os.replace(tmp, desc)
+            tree.write_description(str(self.root), ns, "namespace.json", tmp, description_json + "\n")
         except OSError as exc:
-            log.warning("cannot write %s: %s; going on without it", desc, exc.strerror)
-            tmp.unlink(missing_ok=True)
+            log.warning("cannot write %s: %s; going on without it", self.root / ns / "namespace.json",
+                        exc.strerror)
 
     # -- lookups and I/O ----------------------------------------------------------------------
 
     def path_of(self, ns: str, key: bytes) -> str:
+        parts, name = self._where(ns, key)
+        return f"{self.root}/{'/'.join(parts)}/{name}"
+
+    @staticmethod
+    def _where(ns: str, key: bytes) -> tuple[tuple[str, str, str], str]:
+        """The directories below the root holding (ns, key)'s file, and its name."""
         name = key.hex()
         fan = name.ljust(4, "0")  # keys under 2 bytes still get both levels, where the scan looks
-        return f"{self.root}/{ns}/{fan[0:2]}/{fan[2:4]}/{name}.kv"
+        return (ns, fan[0:2], fan[2:4]), f"{name}.kv"
+
+    def _unlink(self, ns: str, key: bytes) -> None:
+        """Remove (ns, key)'s file by name in its directory, reached without following a link."""
+        parts, name = self._where(ns, key)
+        dir_fd = self._root.open("/".join(parts), tree.DIR_FLAGS)
+        try:
+            self.io.unlink(name, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
 
     def _ik(self, ns: str, key: bytes) -> bytes:
         """The index key of (ns, key)."""
@@ -253,8 +235,9 @@ class StorageTier:
         return self._ik(ns, b""), self._lru.__contains__
 
     def contains(self, ns: str, key: bytes) -> bool:
-        """Whether a file for (ns, key) exists, adopting files other tiers wrote (one `stat` of
-        the file when the index does not hold it: ask without holding a lock)."""
+        """Whether a file for (ns, key) exists, adopting files other tiers wrote (one `lstat` of
+        the file when the index does not hold it: ask without holding a lock); what stands
+        there and is not a regular file is skipped and counted."""
         ik = self._ik(ns, key)
         if ik in self._lru:
             return True
@@ -289,7 +272,10 @@ class StorageTier:
         path = self.path_of(ns, key)
         direct = self.direct and aligned(dest)
         try:
-            fd = self.io.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+            fd = open_in_tree(self.io, self._root, *self._where(ns, key), os.O_RDONLY | (O_DIRECT if direct else 0))
+        except tree.Untrusted as exc:
+            self._skip_untrusted(ns, key, exc)
+            return False
         except OSError as exc:
             if direct and exc.errno == errno.EINVAL:
                 if self.direct:  # the file system changed under us: no more O_DIRECT
@@ -461,6 +447,8 @@ class StorageTier:
             self.counters.write_bytes += payload_bytes
         if published:
             return True
+        if isinstance(error, tree.Untrusted):  # a link planted on the way: not followed
+            self.counters.untrusted_files += 1
         self._warn(error, f"cannot write KV files under {self.root}")
         self.counters.write_failures += 1
         self.budget.refund(size)  # nothing was written
@@ -515,10 +503,21 @@ class StorageTier:
             st = self.io.stat_path(self.path_of(ns, key))
         except OSError:
             return False
+        if not tree.is_regular(st):  # a link, a FIFO...: never a hit
+            self._skip_untrusted(ns, key, tree.Untrusted(self.path_of(ns, key), tree.kind_of(st.st_mode)))
+            return False
         if st.st_size > _SIZE_MASK:
             return False
         self._remember(ns, key, st.st_size)
         return True
+
+    def _skip_untrusted(self, ns: str, key: bytes, exc: tree.Untrusted) -> None:
+        """Something not an entry file stands at (ns, key)'s name, or on the way to it: a miss,
+        out of the index and not adopted again (until written, or a restart), counted, said."""
+        self.counters.untrusted_files += 1
+        self._forget(ns, key, unreadable_s=math.inf)
+        self._warn(exc, f"skipped a name under {self.root}",
+                   "it is never a hit; someone who can write the storage directory put it there (see hpkv doctor)")
 
     def _note_space_error(self) -> None:
         with self._lock:  # `_recover_capacity` reads it under the lock: it cannot undo what is learned now
@@ -559,7 +558,7 @@ class StorageTier:
         final = self.path_of(ns, key)
         directory = final[: final.rfind("/")]
         tmp = f"{directory}/.{key.hex()}.{self._node}.{os.getpid()}.{next(_TEMP_SEQ)}.tmp"
-        return FileTarget(final, tmp, directory, mkdir=directory not in self._dirs)
+        return FileTarget(final, tmp, directory, mkdir=directory not in self._dirs, root=str(self.root))
 
     # -- index, capacity, eviction ------------------------------------------------------------
 
@@ -604,7 +603,7 @@ class StorageTier:
         self.counters.bad_files += 1
         self._forget(ns, key)
         try:
-            self.io.unlink(path)
+            self._unlink(ns, key)
         except OSError:
             pass
 
@@ -677,9 +676,9 @@ class StorageTier:
                         handled.add(ik)
                         continue
                     try:
-                        self.io.unlink(path)
+                        self._unlink(*self._split(ik))
                     except OSError:
-                        pass  # another node evicted it first
+                        pass  # another node evicted it first (or a link stands there: not followed)
                     with self._lock:
                         self._evicting.discard(ik)
                     handled.add(ik)
@@ -720,7 +719,8 @@ class StorageTier:
         return mtime if mtime >= ((value >> _SIZE_BITS) + _SLACK_MINUTES) * 60 else None
 
     def remove(self, ns: str | None = None) -> int:
-        """Delete every entry file (of one namespace), including files other nodes wrote."""
+        """Delete every entry file (of one namespace), including files other nodes wrote; only
+        inside the tree (`scan.remove_entries`)."""
         prefix = None if ns is None else self._ik(ns, b"")
         with self._lock:
             self._removals += 1
@@ -729,15 +729,7 @@ class StorageTier:
                 self.used_bytes -= self._lru.pop(k) & _SIZE_MASK
             if self._gone is not None:  # what a running start-up scan found here must not come back
                 self._cleared.add(ns)
-        num = 0
-        for ns_dir in scan.namespace_dirs(self.root, ns):
-            for path, _ in scan.entry_files(ns_dir):
-                try:
-                    os.unlink(path)
-                    num += 1
-                except OSError:
-                    pass
-        return num
+        return scan.remove_entries(self.root, ns)
 
     def stats(self) -> dict[str, int | bool]:
         return {
@@ -762,6 +754,11 @@ class StorageTier:
         found = scan.walk(self.root, self._node, self._ik,
                           lambda size: self._value(size, known_s) if size <= _SIZE_MASK else None, self.counters)
         self._merge(found)
+        if found.untrusted is not None:
+            log.warning("the storage scan skipped %d names under %s that are not what HPKV puts there, e.g. %s: "
+                        "HPKV follows no link and reads only regular files in the storage tree, so none is a hit; "
+                        "someone who can write the storage directory put them there (see hpkv doctor)",
+                        self.counters.untrusted_files, self.root, found.untrusted)
         if self.config.capacity_bytes is None:
             self._sized_bytes += int(self.used_bytes * AUTO_CAPACITY_FRACTION)
             self.capacity_bytes = self._sized_bytes  # none learned yet: not while the scan runs

@@ -11,8 +11,8 @@ the server's handlers never wait for it.
 
 Protocol: one JSON object per line. The writer first says `{"hello": "hpkv-writer", "version":
 N}`; a job is `{"ns", "key" (hex), "offset", "length", "final", "tmp", "directory", "mkdir",
-"fsync", "format"}` ("format": the file format version, 2 to write it with O_DIRECT), answered
-by `{"ok": true}` or `{"errno": E, "error": "..."}`.
+"root", "fsync", "format"}` (a `FileTarget`; "format": the file format version, 2 to write it
+with O_DIRECT), answered by `{"ok": true}` or `{"errno": E, "error": "..."}`.
 
 Primitives: `WriterPool(pool_path, num_processes, nice)`: `write(ns, key, offset, length, target,
 fsync, version) -> OSError | None` (one job; the caller holds the slot for its duration),
@@ -38,7 +38,7 @@ from pathlib import Path
 
 from ..errors import HpkvError
 from . import format as fmt
-from .fileio import FileIO, FileTarget, write_entry_file
+from .fileio import FileIO, FileTarget, remove_temp, write_entry_file
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class WriterPool:
             proc = self._ready(proc)
             error = proc.write({"ns": ns, "key": key.hex(), "offset": offset, "length": length,
                                 "final": target.final, "tmp": target.tmp, "directory": target.directory,
-                                "mkdir": target.mkdir, "fsync": fsync, "format": version})
+                                "mkdir": target.mkdir, "root": target.root, "fsync": fsync, "format": version})
             if not proc.alive():
                 with self._lock:
                     killed = self._closed and proc not in self._procs
@@ -184,10 +184,7 @@ class WriterPool:
                 # alone, and the process is done with it (it answered, or it is gone). But not
                 # after EEXIST: the process created no temporary, and the file of that name is
                 # somebody else's.
-                try:
-                    os.unlink(target.tmp)
-                except OSError:
-                    pass
+                remove_temp(target)
             return error
         finally:
             self._idle.put(proc)
@@ -276,7 +273,7 @@ def _job(job: dict, buf: memoryview, io: FileIO) -> dict:
     payload = buf[offset : offset + length]
     try:
         header = fmt.encode_header(bytes.fromhex(job["ns"]), bytes.fromhex(job["key"]), payload, version)
-        target = FileTarget(job["final"], job["tmp"], job["directory"], job["mkdir"])
+        target = FileTarget(job["final"], job["tmp"], job["directory"], job["mkdir"], job.get("root"))
         # The pool's mapping starts on a page and its slots on ALIGN: the payload is aligned.
         direct = version == fmt.VERSION_ALIGNED and offset % fmt.ALIGN == 0 and length % fmt.ALIGN == 0
         error = write_entry_file(io, target, [header, payload], job["fsync"], direct)

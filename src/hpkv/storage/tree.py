@@ -1,0 +1,273 @@
+"""The storage tree, trusted by nothing but its root: opened, walked and changed without
+following a link below the root.
+
+The tree (`<root>/<ns>/<ab>/<cd>/<hex>.kv`, `<root>/<ns>/namespace.json`) may be shared by nodes
+and writable by others, so a name in it proves nothing. The root is the operator's
+HPKV_KV_STORAGE_PATH and is opened as configured (a link there is the operator's). Below it no
+link is followed on the way to a name: one `openat2` with RESOLVE_NO_SYMLINKS|RESOLVE_BENEATH
+from the root's descriptor where the kernel has it (Linux 5.6), else each directory opened from
+its parent's with O_DIRECTORY|O_NOFOLLOW (`open_beneath`, `open_dir`). Every file to read is
+opened O_NOFOLLOW|O_NONBLOCK and fstat-checked to be a regular file (`check_regular`), every file
+to write created O_CREAT|O_EXCL|O_NOFOLLOW in a directory reached so, and every removal is
+`unlink(name, dir_fd=)` in such a directory. So a symbolic link, a FIFO
+or a directory planted anywhere in the tree is never followed, never blocks a thread, and nothing
+outside the tree is read, written or removed with the server's rights. What is found in place of
+a directory or a file is `Untrusted` (an OSError naming it): callers skip it and count it.
+
+Primitives: `Untrusted`, `Root` (the root held open), `open_dir`, `opened_dir` (the same as a context manager), `open_beneath`
+(one `openat2` where the kernel has it), `check_regular`, `is_regular`, `kind_of`, `raise_untrusted`,
+`parts_below`, `write_description`.
+Must not know: the entry format, the index, the pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import stat
+import threading
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK  # added to every open of a file in the tree
+CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_SYS_OPENAT2 = 437  # one number on every Linux architecture (5.6 and later)
+_RESOLVE = 0x04 | 0x08  # RESOLVE_NO_SYMLINKS | RESOLVE_BENEATH
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+try:
+    _syscall = ctypes.CDLL(None, use_errno=True).syscall
+    _syscall.restype = ctypes.c_long
+    _openat2_works = os.uname().sysname == "Linux"
+except (OSError, AttributeError):
+    _openat2_works = False
+
+
+class Untrusted(OSError):
+    """A name in the storage tree that is not what HPKV puts there (a link, a FIFO, a device, a
+    directory where a file belongs): not followed, not read, not adopted."""
+
+    def __init__(self, path: str, what: str) -> None:
+        super().__init__(errno.ELOOP if what == "a symbolic link" else errno.EINVAL,
+                         f"{path} is {what}, not followed: HPKV follows no link and reads only regular files "
+                         "inside the storage tree", path)
+        self.what = what
+
+
+def kind_of(mode: int) -> str:
+    """What a file of st_mode `mode` is, in words."""
+    for test, words in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
+                        (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                        (stat.S_ISBLK, "a block device"), (stat.S_ISREG, "a regular file")):
+        if test(mode):
+            return words
+    return "not a regular file"
+
+
+def is_regular(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode)
+
+
+def check_regular(st: os.stat_result, path: str) -> None:
+    """Raise Untrusted unless `st` (an fstat or lstat) is of a regular file."""
+    if not stat.S_ISREG(st.st_mode):
+        raise Untrusted(path, kind_of(st.st_mode))
+
+
+def parts_below(root: str, directory: str) -> list[str]:
+    """The names leading from `root` down to `directory` (a path HPKV built by joining names to
+    the root); OSError (EINVAL) where `directory` is not a plain path below `root`."""
+    root = root.rstrip("/")
+    parts = directory[len(root) + 1:].split("/") if directory.startswith(root + "/") else [""]
+    if any(part in ("", ".", "..") for part in parts):
+        raise OSError(errno.EINVAL, f"{directory} is not a plain path below {root or '/'}")
+    return parts
+
+
+def open_dir(root: str, parts: list[str] | tuple[str, ...], create: bool = False) -> int:
+    """A descriptor of `root/parts...`, reached without following a link below the root
+    (`Untrusted` where one is a link or not a directory). With `create`, the root (as configured:
+    its links followed) and every missing part are made, mode 0700. The caller closes it."""
+    if create:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    if not parts:
+        return root_fd
+    try:
+        if create:
+            return _descend(root_fd, root, parts, create=True)
+        return open_beneath(root_fd, "/".join(parts), DIR_FLAGS, base=root)
+    finally:
+        os.close(root_fd)
+
+
+def open_beneath(dir_fd: int, relpath: str, flags: int, mode: int = 0o600, base: str = "") -> int:
+    """`openat(dir_fd, relpath, flags)` that follows no link in the directories on the way (its
+    last name is opened as `flags` say: callers add O_NOFOLLOW) and does not leave `dir_fd`'s
+    tree. One `openat2` (RESOLVE_NO_SYMLINKS|RESOLVE_BENEATH) where the kernel has it; else, or
+    to name what stood in the way, a walk from directory to directory (`Untrusted` for a link or
+    a non-directory there). `base`: `dir_fd`'s path, for messages (none: paths relative to it)."""
+    global _openat2_works
+    path = f"{base}/{relpath}" if base else relpath
+    if "/" in relpath and _openat2_works:
+        how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, _RESOLVE)
+        fd = _syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_long(dir_fd), ctypes.c_char_p(os.fsencode(relpath)),
+                      ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+        if fd >= 0:
+            return fd
+        err = ctypes.get_errno()
+        if err in (errno.ENOSYS, errno.EPERM):  # an older kernel, or a sandbox that forbids it: walk from now on
+            _openat2_works = False
+        elif err not in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
+            raise OSError(err, os.strerror(err), path)
+    *dirs, name = relpath.split("/")
+    if any(part in ("", ".", "..") for part in relpath.split("/")):
+        raise OSError(errno.EINVAL, f"{path} is not a plain path", path)
+    parent = _descend(dir_fd, base, dirs, create=False) if dirs else dir_fd
+    try:
+        try:
+            return os.open(name, flags | os.O_CLOEXEC, mode, dir_fd=parent)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR) and flags & os.O_NOFOLLOW:
+                raise_untrusted(parent, name, path, exc)
+            raise
+    finally:
+        if parent != dir_fd:
+            os.close(parent)
+
+
+def _descend(dir_fd: int, base: str, parts, create: bool) -> int:
+    """A new descriptor of `dir_fd/parts...` (parts not empty), each opened from its parent's
+    without following a link, made first where missing with `create`; `dir_fd` stays open."""
+    fd, path = dir_fd, base or "."
+    try:
+        for part in parts:
+            path = f"{path}/{part}"
+            if create:
+                try:
+                    os.mkdir(part, 0o700, dir_fd=fd)
+                except FileExistsError:
+                    pass
+            try:
+                child = os.open(part, DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ENOTDIR, errno.ELOOP):  # Linux says ENOTDIR for a link with O_DIRECTORY
+                    raise_untrusted(fd, part, path, exc)
+                raise
+            if fd != dir_fd:
+                os.close(fd)
+            fd = child
+    except BaseException:
+        if fd != dir_fd:
+            os.close(fd)
+        raise
+    return fd
+
+
+def raise_untrusted(dir_fd: int, name: str, path: str, exc: OSError) -> None:
+    """Raise Untrusted for what stands at `name` in `dir_fd` (an open of it without following a
+    link failed with `exc`: ELOOP or ENOTDIR); `exc` itself where nothing is there."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        raise exc from None
+    what = kind_of(st.st_mode)
+    raise Untrusted(path, "a file where a directory belongs" if what == "a regular file" else what) from None
+
+
+class Root:
+    """The storage root, held open: looking its path up for every open cost as much as the rest
+    of the open. `open` opens a path below it (`open_beneath`); where that finds nothing, the
+    root may have been removed and made again (`rm -rf` while a server runs): then the path's
+    directory is taken instead, and the open tried once more. A descriptor replaced so is
+    closed only by `close` (another thread may still be using it)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._old: list[int] = []
+        self._lock = threading.Lock()
+
+    def fd(self) -> int:
+        fd = self._fd
+        if fd is None:
+            with self._lock:
+                if self._fd is None:
+                    self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                fd = self._fd
+        return fd
+
+    def open(self, relpath: str, flags: int, opener=None) -> int:
+        """`opener(relpath, flags, dir_fd=)` (`open_beneath` by default) from the root's descriptor."""
+        opener = opener or (lambda path, flags_, dir_fd: open_beneath(dir_fd, path, flags_, base=self.path))
+        try:
+            return opener(relpath, flags, dir_fd=self.fd())
+        except FileNotFoundError:
+            if not self._renew():
+                raise
+            return opener(relpath, flags, dir_fd=self.fd())
+
+    def _renew(self) -> bool:
+        """Whether the root's path names another directory than the one held (now held)."""
+        with self._lock:
+            try:
+                now = os.stat(self.path)
+                held = os.fstat(self._fd) if self._fd is not None else None
+                if held is not None and (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+                    return False
+                fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError:
+                return False
+            if self._fd is not None:
+                self._old.append(self._fd)
+            self._fd = fd
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in [*self._old, *([self._fd] if self._fd is not None else [])]:
+                os.close(fd)
+            self._fd, self._old = None, []
+
+
+@contextlib.contextmanager
+def opened_dir(root: str, parts, create: bool = False):
+    """`open_dir` for a `with` block: the descriptor is closed after it."""
+    fd = open_dir(root, parts, create)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def write_description(root: str, ns: str, name: str, tmp_name: str, text: str) -> bool:
+    """Put `text` at `<root>/<ns>/<name>` unless a regular file is there already (the namespace
+    directory made where missing); False where one was. Written to `tmp_name`, created
+    exclusively without following a link, then renamed over whatever else held the name (a
+    planted link is replaced, its target untouched). OSError (Untrusted among them) where it
+    cannot; the temporary is then removed."""
+    with opened_dir(root, [ns], create=True) as dir_fd:
+        try:
+            if is_regular(os.stat(name, dir_fd=dir_fd, follow_symlinks=False)):
+                return False
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp_name, CREATE_FLAGS, 0o600, dir_fd=dir_fd)
+        try:
+            try:
+                data = text.encode()
+                while data:
+                    data = data[os.write(fd, data):]
+            finally:
+                os.close(fd)
+            os.rename(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_name, dir_fd=dir_fd)
+            raise
+    return True
