@@ -32,7 +32,7 @@ def holders(path) -> list[str]:
 def test_a_client_that_lets_go_of_an_old_pool_keeps_none_of_it(shm_dir):
     server = PoolRegion.create(shm_dir, 4 << 20)
     path = server.path
-    client = PoolRegion.attach(path)
+    client = PoolRegion.attach(os.dup(server.share_fd()), server.size_bytes, path)
     tensors = PoolTensors(torch.device("cpu"))  # as a worker keeps it for its whole life
     pool = tensors.get(client)
     pool[:16] = 7
@@ -47,7 +47,7 @@ def test_a_client_that_lets_go_of_an_old_pool_keeps_none_of_it(shm_dir):
 def test_closing_a_client_region_twice_unmaps_it_once(shm_dir):
     server = PoolRegion.create(shm_dir, 4 << 20)
     alone = holders(server.path)  # the server's own descriptor and mapping
-    client = PoolRegion.attach(server.path)
+    client = PoolRegion.attach(os.dup(server.share_fd()), server.size_bytes, server.path)
     assert len(holders(server.path)) > len(alone)
     client.close()
     client.close()

@@ -198,7 +198,7 @@ def check_socket_path(pool: PoolConfig) -> Check:
     if num_bytes > _MAX_SOCKET_PATH_BYTES:
         return Check(name, Verdict.FAIL, f"the server socket {path} would be {num_bytes} bytes long; Unix "
                      f"sockets allow {_MAX_SOCKET_PATH_BYTES}, so no server could listen there",
-                     "point HPKV_SHARE_MEM_FILE_PATH at a shorter path, e.g. /dev/shm/hpkv")
+                     f"point HPKV_SHARE_MEM_FILE_PATH at a shorter path, e.g. /dev/shm/hpkv-{os.geteuid()}")
     return Check(name, Verdict.OK, f"{path} ({num_bytes} bytes, the limit is {_MAX_SOCKET_PATH_BYTES})")
 
 
