@@ -115,6 +115,13 @@ class PoolTensors:
         with self._lock:
             self._release_dead()
 
+    def close(self) -> None:
+        """Unregister and drop every tensor now, live regions' too: the caller copies no more,
+        and may unmap a pool it owns next."""
+        with self._lock:
+            self._dead.extend(self._held)
+            self._release_dead()
+
     def _died(self, token: int) -> None:
         self._dead.append(token)  # list.append is atomic: safe from any thread, lock or not
         if self._lock.acquire(blocking=False):  # not when the collector runs inside `get`
@@ -125,7 +132,7 @@ class PoolTensors:
 
     def _release_dead(self) -> None:
         while self._dead:
-            tensor, pinned = self._held.pop(self._dead.pop())
+            tensor, pinned = self._held.pop(self._dead.pop(), (None, False))  # none: gone with `close`
             if pinned:
                 self.pinning.unregister(tensor)  # before the tensor, the last hold on the mapping, goes
             del tensor
