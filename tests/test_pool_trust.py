@@ -108,40 +108,56 @@ def _file_with_inode(directory: Path, inode: int, size: int, limit: int = 200_00
     return None
 
 
-@pytest.fixture
-def other_tmpfs(tmp_path):
-    point = tmp_path / "other-tmpfs"
+def mount_tmpfs(point: Path) -> Path:
     point.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128m", "tmpfs", str(point)],
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128m,mode=0700", "tmpfs", str(point)],
                       capture_output=True).returncode != 0:
         pytest.skip("mounting a tmpfs needs CAP_SYS_ADMIN")
-    yield point
-    subprocess.run(["umount", "-l", str(point)], check=False)
+    return point
 
 
-def test_a_client_maps_the_servers_pool_whatever_the_name_points_at(node, other_tmpfs):
+@pytest.fixture
+def two_tmpfs(tmp_path):
+    """Two fresh tmpfs mounts: on each, inode numbers count up from 2."""
+    mounted = []
+    try:
+        for name in ("pool-tmpfs", "other-tmpfs"):
+            mounted.append(mount_tmpfs(tmp_path / name))
+        yield mounted
+    finally:
+        for point in mounted:
+            subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def test_a_client_maps_the_servers_pool_whatever_the_name_points_at(tmp_path, two_tmpfs):
     """Issue 18, row 2: `hpkv.pool` replaced by a link to a file on another tmpfs that has the
     same inode number. The client maps the descriptor the server passed: its saves reach the
     server's pool (another engine reads them), and the file the name points at is left alone."""
-    node.start_server()
-    reader = node.agent()  # another engine, attached before the swap
-    reader.call("register")
-    inode, size = node.pool_path.stat().st_ino, node.pool_path.stat().st_size
-    theirs = _file_with_inode(other_tmpfs, inode, size)
-    if theirs is None:
-        pytest.skip(f"no file with inode {inode} could be made on a fresh tmpfs")
-    os.rename(node.pool_path, node.shm_dir / "hpkv.pool.real")
-    node.pool_path.symlink_to(theirs)
-    before = theirs.read_bytes()
+    pool_tmpfs, other_tmpfs = two_tmpfs
+    work = tmp_path / "work"
+    work.mkdir()
+    node = Node(pool_tmpfs / "pool", work)
+    try:
+        node.start_server()
+        reader = node.agent()  # another engine, attached before the swap
+        reader.call("register")
+        inode, size = node.pool_path.stat().st_ino, node.pool_path.stat().st_size
+        theirs = _file_with_inode(other_tmpfs, inode, size)
+        assert theirs is not None, f"no file with inode {inode} on a fresh tmpfs"
+        os.rename(node.pool_path, node.shm_dir / "hpkv.pool.real")
+        node.pool_path.symlink_to(theirs)
+        before = theirs.read_bytes()
 
-    client = node.client()
-    client.connect()
-    ns = client.register(desc())
-    keys = [entry_key("victim", i) for i in range(3)]
-    save(client, ns, keys)
+        client = node.client()
+        client.connect()
+        ns = client.register(desc())
+        keys = [entry_key("victim", i) for i in range(3)]
+        save(client, ns, keys)
 
-    assert reader.call("load", prefix="victim", n=3)["same"] == [True] * 3
-    assert theirs.read_bytes() == before  # the attacker read nothing, and wrote nothing into the victim's KV
+        assert reader.call("load", prefix="victim", n=3)["same"] == [True] * 3
+        assert theirs.read_bytes() == before  # the attacker read nothing, and wrote nothing into the victim's KV
+    finally:
+        node.close()
 
 
 # -- descriptors: never leaked ---------------------------------------------------------------------

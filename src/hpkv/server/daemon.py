@@ -259,9 +259,14 @@ class Server:
             return False
         client.kind = hello.kind[:32]
         region = self.store.region
+        try:
+            pool_fd = region.share_fd()
+        except PoolError:  # the pool is closing: the server is stopping
+            _send(conn, p.Error("internal", "the HPKV server is stopping; a new one takes its place"))
+            return False
         # The pool goes as a descriptor: the client maps this file, whatever its name is by now.
         p.send_frame_fds(conn, p.Welcome(p.PROTOCOL_VERSION, os.getpid(), p.display_path(region.path),
-                                         region.size_bytes, region.inode, client.id), [region.share_fd()])
+                                         region.size_bytes, region.inode, client.id), [pool_fd])
         return True
 
     def _dialogue(self, conn: socket.socket, client: ClientInfo) -> None:
