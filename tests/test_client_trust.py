@@ -1,6 +1,6 @@
 """Stories of whom a client trusts: the server that listens on the socket of its pool directory
-must run as this user or root, and must name the pool file in that directory; a server log
-planted as a symbolic link is not followed."""
+must run as this user or root, and must pass its pool file's descriptor (a regular file of the
+size it announces); a server log planted as a symbolic link is not followed."""
 
 from __future__ import annotations
 

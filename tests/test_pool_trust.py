@@ -232,6 +232,8 @@ def test_a_pool_directory_writable_by_others_without_the_sticky_bit_is_refused(n
     assert "without the sticky bit" in log
     assert f"chmod 700 {node.shm_dir}" in log and f"chmod 1777 {node.shm_dir}" in log
     assert "HPKV_SHARE_MEM_FILE_PATH" in log
+    doctor = check_pool_permissions(PoolConfig(dir=node.shm_dir, size_bytes=1 << 20))
+    assert doctor.verdict is Verdict.FAIL and "mode 0777" in doctor.detail and "chmod 1777" in doctor.fix
 
 
 @as_root
