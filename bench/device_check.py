@@ -16,10 +16,17 @@ On a machine with an NVIDIA GPU it:
    and a `torch.empty(..., pin_memory=True)` buffer; and, as a diagnosis row, the same per-page
    copies as the copier but to/from that torch-pinned buffer (what pinning alone would give).
 Every copy is checked: the loaded blocks must equal the saved ones, byte for byte.
+5. a server restart under a running worker (`--restarts`, 2 by default): a real HPKV server
+   (`python -m hpkv.server.daemon`, storage off) in a fresh directory under /dev/shm, a client
+   that copies through a `BlockCopier` (save under a reservation, load under a lease) in every
+   server generation; after the last, exactly one pool must be registered (cudaHostRegister)
+   and mapped: every old one unregistered and unmapped once its handles were gone.
 
 Without CUDA it prints "no CUDA device: skipped" and exits 0. `--device cpu` runs the same logic
-with a CPU "device" (no pinning), to test the script itself. Figures are GB/s (10^9 bytes/s),
-the median of `--reps` timed rounds after one warm-up round. Nothing is asserted.
+with a CPU "device" (no pinning; the restart check counts registrations with a stand-in), to test
+the script itself; `--restart-only` runs step 5 alone. Figures are GB/s (10^9 bytes/s), the
+median of `--reps` timed rounds after one warm-up round. Only the checks are asserted (exit 1
+when one fails).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import platform
 import shlex
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +63,8 @@ class Options:
     num_moved: int  # blocks per save / load
     reps: int
     json: bool
+    restarts: int = 2  # server restarts under a running worker (step 5); 0: none
+    restart_only: bool = False
 
 
 @dataclass
@@ -79,9 +89,11 @@ def parse_args(argv: list[str]) -> Options:
     p.add_argument("--blocks", type=int, default=256, help="blocks moved per save / load")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--restarts", type=int, default=2, help="server restarts under a running worker (0: skip)")
+    p.add_argument("--restart-only", action="store_true", help="only the restart check")
     a = p.parse_args(argv)
     return Options(a.device, int(a.pool_gib * 2**30), a.layers, a.page_bytes, a.kv_blocks,
-                   min(a.blocks, a.kv_blocks // 2), a.reps, a.json)
+                   min(a.blocks, a.kv_blocks // 2), a.reps, a.json, a.restarts, a.restart_only)
 
 
 def pool_size(opts: Options, slot_bytes: int) -> int:
@@ -137,7 +149,7 @@ def run(opts: Options) -> dict:
         rows, checks = copier_rows(opts, copier, region, slot_bytes, sync, gen)
         rows += limit_rows(opts, views, slot_bytes, sync, gen)
         pinned = copier.pools.pinned
-        unregister(copier, region)
+        copier.pools.close()  # unpinned before the pool is unmapped: no registration of dead pages
         del copier, views
         gc.collect()  # the pool's tensor views must be gone before it is unmapped
         return {"pool_bytes": size, "pool_pinned": pinned, "register_s": register_s,
@@ -211,13 +223,132 @@ def attach_limits(rows: list[Row]) -> None:
             row.limit_gbps = limits.get(row.measure.split(":")[0])
 
 
-def unregister(copier, region) -> None:
-    """Unpin before the pool is unmapped (the driver must not keep a registration of dead pages)."""
-    if copier.device.type != "cuda" or not copier.pools.pinned:
-        return
+class CountingPinning:
+    """Counts the registrations a `PoolTensors` makes and ends; delegates to CUDA's, if given."""
+
+    def __init__(self, inner=None) -> None:
+        self.inner = inner
+        self.num_registered = self.num_unregistered = 0
+
+    def register(self, tensor) -> bool:
+        self.num_registered += 1
+        return self.inner.register(tensor) if self.inner is not None else True
+
+    def unregister(self, tensor) -> None:
+        self.num_unregistered += 1
+        if self.inner is not None:
+            self.inner.unregister(tensor)
+
+
+def pool_mappings(directory: Path) -> int:
+    """This process's mappings of `directory`'s pool files, removed ones too."""
+    with open("/proc/self/maps") as f:
+        return sum(f"{directory}/hpkv.pool" in line for line in f)
+
+
+def start_server(env: dict, log_path: Path, timeout_s: float = 60.0) -> subprocess.Popen:
+    from hpkv.server.autostart import answers
+
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "hpkv.server.daemon"], env=env, stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=log)
+    deadline = time.monotonic() + timeout_s
+    socket_path = Path(env["HPKV_SHARE_MEM_FILE_PATH"]) / "hpkv.sock"
+    while not answers(socket_path):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"the HPKV server did not start: {log_path.read_text(errors='replace')[-2000:]}")
+        time.sleep(0.05)
+    return proc
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def restart_check(opts: Options) -> dict:
+    """Step 5: save and load through a live client in every server generation; after the
+    restarts, one pool registered and mapped."""
+    import hpkv
     import torch
 
-    torch.cuda.cudart().cudaHostUnregister(copier.pools.get(region).data_ptr())
+    from hpkv.keys import NamespaceDesc, make_key
+    from hpkv.server.autostart import ServerUnavailable
+    from hpkv.server.client import Client
+    from hpkv.transfer.blocks import BlockCopier, CudaPinning
+
+    device = torch.device(opts.device)
+    entry_bytes = opts.num_layers * opts.page_bytes
+    slot_bytes = -(-entry_bytes // SLOT_ALIGN) * SLOT_ALIGN
+    pool_bytes = max(64 << 20, 4 * opts.num_moved * slot_bytes)  # room for one generation's saves, and slabs
+    pool_dir = Path(tempfile.mkdtemp(prefix="hpkv-device-restart-", dir=SHM))
+    src_root = str(Path(hpkv.__file__).resolve().parents[1])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPKV_", "VLLM_HPKV"))}
+    env.update(HPKV_SHARE_MEM_FILE_PATH=str(pool_dir), HPKV_KV_MEM_POOL_SIZE=str(pool_bytes),
+               HPKV_KV_STORAGE_ENABLE="false", HPKV_CONFIG_FILE_PATH=str(pool_dir / "no-config.ini"),
+               PYTHONPATH=os.pathsep.join(filter(None, [src_root, os.environ.get("PYTHONPATH")])))
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    fill = torch.Generator(device=device).manual_seed(1)
+    views = [torch.randint(-128, 128, (opts.num_blocks, opts.page_bytes), dtype=torch.int8, device=device,
+                           generator=fill) for _ in range(opts.num_layers)]
+    pinning = CountingPinning(CudaPinning() if device.type == "cuda" else None)
+    copier = BlockCopier(views, tuple(i * opts.page_bytes for i in range(opts.num_layers)), pinning=pinning)
+    log_path = pool_dir / "servers.log"
+    server = start_server(env, log_path)
+    client = Client(pool_dir, "device-check", autostart=False, prefault=True, retry_interval_s=0.05)
+    same, restart_s = True, []
+    try:
+        ns = client.register(NamespaceDesc(engine="device-check", model="fake", dtype="int8", layout="blocks",
+                                           block_size=32, num_layers=opts.num_layers, entry_bytes=entry_bytes))
+        for generation in range(opts.restarts + 1):
+            if generation:
+                started = time.perf_counter()
+                stop_server(server)
+                server = start_server(env, log_path)
+                while True:
+                    try:
+                        client.stats()
+                        break
+                    except ServerUnavailable:
+                        time.sleep(0.05)
+                restart_s.append(time.perf_counter() - started)
+            ids = torch.randperm(opts.num_blocks, generator=gen)[: 2 * opts.num_moved].tolist()
+            src, dst = ids[: opts.num_moved], ids[opts.num_moved :]
+            keys = [make_key(f"{generation}-{i}".encode()) for i in range(opts.num_moved)]
+            res = client.reserve(ns, keys)
+            if None in res.offsets:
+                raise SystemExit(f"the pool of {pool_bytes} bytes had no room for {opts.num_moved} entries")
+            copier.save(res.region, src, res.offsets)
+            client.commit(ns, keys, reservation=res)
+            lease = client.lease(ns, keys)
+            ready = client.wait(lease, timeout_s=30)
+            copier.load(lease.region, dst, lease.offsets)
+            same = same and ready == opts.num_moved and all(torch.equal(v[dst], v[src]) for v in views)
+            client.release(lease)
+            del res, lease
+        gc.collect()
+        held, mapped = copier.pools.num_held(), pool_mappings(pool_dir)
+        registered, unregistered = pinning.num_registered, pinning.num_unregistered
+    finally:
+        client.close()
+        stop_server(server)
+        copier.pools.close()
+        del copier, views
+        gc.collect()
+        shutil.rmtree(pool_dir, ignore_errors=True)
+    restarts = opts.restarts
+    return {"restart_s": restart_s, "registered": registered, "unregistered": unregistered,
+            "checks": {
+                f"restart: loaded blocks equal the saved ones in each of {restarts + 1} server generations": same,
+                f"restart: {restarts + 1} pools registered, {restarts} unregistered, 1 held after {restarts} "
+                f"restarts (got {registered}, {unregistered}, {held})":
+                    (registered, unregistered, held) == (restarts + 1, restarts, 1),
+                f"restart: 1 pool mapped after {restarts} restarts (got {mapped})": mapped == 1}}
 
 
 def machine(opts: Options) -> dict:
@@ -234,6 +365,9 @@ def machine(opts: Options) -> dict:
 def print_report(head: dict, result: dict) -> None:
     print(f"command: {head['command']}")
     print(f"machine: {json.dumps(head['machine'])}")
+    if "rows" not in result:  # --restart-only
+        print_restart(result)
+        return
     print(f"pool: {result['pool_bytes'] / 2**30:.2f} GiB on /dev/shm; pinned (cudaHostRegister): "
           f"{'yes' if result['pool_pinned'] else 'no' if head['options']['device'] == 'cuda' else 'n/a (cpu)'}"
           f" in {result['register_s'] * 1e3:.0f} ms; entry {result['entry_bytes'] / 2**10:.0f} KiB, "
@@ -243,6 +377,13 @@ def print_report(head: dict, result: dict) -> None:
         limit = f"{row['limit_gbps']:.2f}" if row["limit_gbps"] else "-"
         ratio = f"{row['ratio']:.2f}" if row["ratio"] else "-"
         print(f"{row['measure']:<58} {row['pattern']:<12} {row['gbps']:>8.2f} {limit:>8} {ratio:>6}")
+    print_restart(result)
+
+
+def print_restart(result: dict) -> None:
+    if result.get("restart_s"):
+        print(f"server restarts under a running worker: {len(result['restart_s'])}, each "
+              f"{statistics.median(result['restart_s']):.1f} s (median) until the client was back")
     for label, ok in result["checks"].items():
         print(f"check: {label}: {'yes' if ok else 'NO'}")
 
@@ -259,14 +400,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     head = {"command": shlex.join([sys.executable, *sys.argv]), "machine": machine(opts),
             "options": {k: getattr(opts, k) for k in opts.__dataclass_fields__}}
-    result = run(opts)
-    attach_limits(result["rows"])
-    result["rows"] = [{**row.__dict__, "ratio": row.ratio} for row in result["rows"]]
+    result = {"checks": {}} if opts.restart_only else run(opts)
+    if not opts.restart_only:
+        attach_limits(result["rows"])
+        result["rows"] = [{**row.__dict__, "ratio": row.ratio} for row in result["rows"]]
+    if opts.restarts:
+        restart = restart_check(opts)
+        result["checks"].update(restart.pop("checks"))
+        result.update(restart)
     if opts.json:
         print(json.dumps({**head, **result}, indent=2))
     else:
         print_report(head, result)
-    return 0
+    return 0 if all(result["checks"].values()) else 1
 
 
 if __name__ == "__main__":

@@ -122,7 +122,7 @@ class Node:
 
     def server_pids(self) -> list[int]:
         """Live `hpkv.server.daemon` processes serving this node's directory."""
-        wanted = f"HPKV_SHARE_MEM_FILE_PATH={self.shm_dir}".encode()
+        wanted = os.fsencode(f"HPKV_SHARE_MEM_FILE_PATH={self.shm_dir}")  # the name need not be UTF-8
         pids = []
         for entry in os.scandir("/proc"):
             if not entry.name.isdigit():

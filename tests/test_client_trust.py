@@ -1,6 +1,6 @@
 """Stories of whom a client trusts: the server that listens on the socket of its pool directory
-must run as this user or root, and must name the pool file in that directory; a server log
-planted as a symbolic link is not followed."""
+must run as this user or root, and must pass its pool file's descriptor (a regular file of the
+size it announces); a server log planted as a symbolic link is not followed."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import threading
 import pytest
 
 from serverutil import Node
-from hpkv.pool.region import POOL_FILE_NAME, PoolRegion
 from hpkv.server import protocol as p
 from hpkv.server.autostart import LOG_NAME, ServerUnavailable, ensure_server
 
@@ -25,8 +24,9 @@ def node(shm_dir, tmp_path):
     node.close()
 
 
-def impostor(directory, welcome: p.Welcome) -> threading.Thread:
-    """A server of sorts on `directory`'s socket: it answers one Hello with `welcome`."""
+def impostor(directory, welcome: p.Welcome, fds: list[int] = ()) -> threading.Thread:
+    """A server of sorts on `directory`'s socket: it answers one Hello with `welcome`, passing
+    `fds` with it."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(directory / p.SOCKET_NAME))
     listener.listen(1)
@@ -36,7 +36,7 @@ def impostor(directory, welcome: p.Welcome) -> threading.Thread:
             conn, _ = listener.accept()
             with conn:
                 p.recv_frame(conn)
-                conn.sendall(p.encode(welcome))
+                p.send_frame_fds(conn, welcome, list(fds))
                 conn.recv(1)  # until the client hangs up
 
     thread = threading.Thread(target=answer_one, daemon=True)
@@ -52,22 +52,39 @@ def test_a_server_of_this_user_is_trusted(node):
     assert client.connected and client.region.path == node.pool_path
 
 
-def test_a_server_that_names_a_pool_file_elsewhere_is_refused(node, tmp_path):
-    """Whatever answers on the socket, the client maps only the pool file of its own directory:
-    a server pointing it at another file (another user's, to read the KV cache out of, or to
-    feed it bytes) is refused."""
-    elsewhere = tmp_path / "elsewhere"
-    with PoolRegion.create(elsewhere, 1 << 20) as foreign:
-        impostor(node.shm_dir, p.Welcome(p.PROTOCOL_VERSION, os.getpid(), str(foreign.path),
-                                         foreign.size_bytes, foreign.inode, 1))
-        client = node.client()
-        with pytest.raises(ServerUnavailable) as refused:
-            client.connect()
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
 
-    message = str(refused.value)
-    assert str(foreign.path) in message and str(node.shm_dir / POOL_FILE_NAME) in message
-    assert "HPKV_SHARE_MEM_FILE_PATH" in message
+
+@pytest.mark.parametrize("passed", ["nothing", "a pipe", "a file of another size"])
+def test_a_server_that_does_not_pass_its_pool_file_is_refused(node, tmp_path, passed):
+    """The client maps only the descriptor its server passes with the Welcome, once it is known to
+    be a regular file of the size announced; anything else is refused, and every descriptor that
+    came is closed."""
+    fds: list[int] = []
+    if passed == "a pipe":
+        fds = list(os.pipe())[:1]
+    elif passed == "a file of another size":
+        other = tmp_path / "other"
+        other.write_bytes(b"x" * 4096)
+        fds = [os.open(other, os.O_RDWR)]
+    before = open_fds()
+    inode = os.fstat(fds[0]).st_ino if fds else 0
+    thread = impostor(node.shm_dir, p.Welcome(p.PROTOCOL_VERSION, os.getpid(), "/dev/shm/x/hpkv.pool",
+                                              1 << 20, inode, 1), fds)
+    client = node.client()
+    with pytest.raises(ServerUnavailable) as refused:
+        client.connect()
+    thread.join(5)
+
     assert not client.connected and client.region is None
+    message = str(refused.value)
+    assert {"nothing": "passed 0 descriptors", "a pipe": "is a FIFO",
+            "a file of another size": "a file of 4096 bytes"}[passed] in message
+    assert "restart" in message
+    assert open_fds() <= before  # what was received is closed
+    for fd in fds:
+        os.close(fd)
 
 
 def connect_to_nobody(node, **client_kw) -> tuple[ServerUnavailable, bool]:

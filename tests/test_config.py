@@ -40,7 +40,7 @@ def test_nothing_set_gives_the_documented_defaults(home):
     settings = load_settings(env_with(home))
     assert settings.config_file == home / ".config/hpkv/config.ini"
     assert settings.storage.path == home / ".cache/hpkv/storage"
-    assert settings.pool == settings.pool.__class__(dir=Path("/dev/shm/hpkv"), size_bytes=8 * GIB)
+    assert settings.pool == settings.pool.__class__(dir=Path(f"/dev/shm/hpkv-{os.geteuid()}"), size_bytes=8 * GIB)
     assert settings.token_threshold == 1204
     assert settings.enable_vllm is False
     assert settings.storage.enabled is True

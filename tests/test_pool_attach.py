@@ -32,7 +32,7 @@ def holders(path) -> list[str]:
 def test_a_client_that_lets_go_of_an_old_pool_keeps_none_of_it(shm_dir):
     server = PoolRegion.create(shm_dir, 4 << 20)
     path = server.path
-    client = PoolRegion.attach(path)
+    client = PoolRegion.attach(os.dup(server.share_fd()), server.size_bytes, path)
     tensors = PoolTensors(torch.device("cpu"))  # as a worker keeps it for its whole life
     pool = tensors.get(client)
     pool[:16] = 7
@@ -47,10 +47,78 @@ def test_a_client_that_lets_go_of_an_old_pool_keeps_none_of_it(shm_dir):
 def test_closing_a_client_region_twice_unmaps_it_once(shm_dir):
     server = PoolRegion.create(shm_dir, 4 << 20)
     alone = holders(server.path)  # the server's own descriptor and mapping
-    client = PoolRegion.attach(server.path)
+    client = PoolRegion.attach(os.dup(server.share_fd()), server.size_bytes, server.path)
     assert len(holders(server.path)) > len(alone)
     client.close()
     client.close()
     assert holders(server.path) == alone
     server.close()
     assert holders(server.path) == []
+
+
+class CountingPinning:
+    """Stands in for cudaHostRegister/cudaHostUnregister: records the addresses (no CUDA here)."""
+
+    def __init__(self) -> None:
+        self.registered: list[int] = []
+        self.unregistered: list[int] = []
+
+    def register(self, tensor: torch.Tensor) -> bool:
+        self.registered.append(tensor.data_ptr())
+        return True
+
+    def unregister(self, tensor: torch.Tensor) -> None:
+        self.unregistered.append(tensor.data_ptr())
+
+
+def test_a_pinning_worker_unregisters_each_old_pool_once_no_handle_refers_to_it(shm_dir, tmp_path):
+    """Issue 18, row 13: a CUDA worker kept every pool generation mapped and registered for its
+    life. Across real server restarts under a running worker client, each old pool is
+    unregistered (before its tensor, the mapping's last hold, goes) once its handles are gone,
+    and unmapped: one pool registered and mapped at the end."""
+    from serverutil import Node, desc, entry_key, wait_for
+    from hpkv.server.autostart import ServerUnavailable
+    from hpkv.transfer.blocks import BlockCopier
+
+    page = 4096
+    layers = [torch.arange(16 * page, dtype=torch.int32).to(torch.int8).reshape(16, page) + i for i in range(2)]
+    pinning = CountingPinning()
+    copier = BlockCopier(layers, (0, page), pinning=pinning)
+    node = Node(shm_dir, tmp_path)
+    try:
+        node.start_server()
+        client = node.client("worker", retry_interval_s=0.01)
+        ns = client.register(desc(entry_bytes=2 * page))
+        for generation in range(4):
+            if generation:
+                node.servers[-1].terminate()
+                node.servers[-1].wait(30)
+                node.start_server()
+                wait_for(lambda: _answers(client, ServerUnavailable), what="a reconnection")
+            keys = [entry_key(f"gen{generation}", i) for i in range(2)]
+            res = client.reserve(ns, keys)
+            copier.save(res.region, [3, 5], res.offsets)
+            assert client.commit(ns, keys, reservation=res) == 2
+            lease = client.lease(ns, keys)
+            assert client.wait(lease) == 2
+            copier.load(lease.region, [7, 9], lease.offsets)
+            client.release(lease)
+            del res, lease
+            assert all(torch.equal(v[7], v[3]) and torch.equal(v[9], v[5]) for v in layers)
+        gc.collect()
+
+        assert len(pinning.registered) == 4
+        assert sorted(pinning.unregistered) == sorted(pinning.registered[:3])
+        assert copier.pools.num_held() == 1
+        with open("/proc/self/maps") as f:
+            assert sum(str(shm_dir / "hpkv.pool") in line for line in f) == 1
+    finally:
+        node.close()
+
+
+def _answers(client, unavailable) -> bool:
+    try:
+        client.stats()
+        return True
+    except unavailable:
+        return False

@@ -22,6 +22,12 @@ MiB = 1 << 20
 SPAWN = multiprocessing.get_context("spawn")
 
 
+def attach_by_name(path: Path) -> PoolRegion:
+    """What a server's client gets, made here from the name: a descriptor of the pool file."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    return PoolRegion.attach(fd, os.fstat(fd).st_size, path)
+
+
 # -- what the other processes run (module level, so that spawned children can import them) ------
 
 def _own_pool(directory: str, size_bytes: int, ready, stop) -> None:
@@ -32,7 +38,7 @@ def _own_pool(directory: str, size_bytes: int, ready, stop) -> None:
 
 
 def _client(path: str, write_at: int | None, data: bytes, read_at: int | None, num_bytes: int, out) -> None:
-    region = PoolRegion.attach(Path(path))
+    region = attach_by_name(Path(path))
     if write_at is not None:
         region.buf[write_at : write_at + len(data)] = data
     if read_at is not None:
@@ -328,7 +334,7 @@ def test_without_the_right_to_lock_memory_the_pool_warns_and_goes_on(shm_dir):
 
 def test_close_by_the_owner_removes_the_file_but_an_attached_map_stays_valid(shm_dir, regions):
     owner = regions(PoolRegion.create(shm_dir, 2 * MiB))
-    client = regions(PoolRegion.attach(owner.path))
+    client = regions(attach_by_name(owner.path))
     owner.buf[0:5] = b"hello"
 
     owner.close()
@@ -339,7 +345,7 @@ def test_close_by_the_owner_removes_the_file_but_an_attached_map_stays_valid(shm
 
 def test_close_by_a_client_keeps_the_file(shm_dir, regions):
     owner = regions(PoolRegion.create(shm_dir, 2 * MiB))
-    client = PoolRegion.attach(owner.path)
+    client = attach_by_name(owner.path)
 
     client.close()
     client.close()  # twice is harmless
@@ -358,21 +364,28 @@ def test_close_with_a_view_still_held_removes_the_file(shm_dir, regions):
     view.release()
 
 
-def test_attaching_to_a_missing_pool_is_a_pool_error_naming_the_file(shm_dir):
-    with pytest.raises(PoolError, match=str(shm_dir / POOL_FILE_NAME)):
-        PoolRegion.attach(shm_dir / POOL_FILE_NAME)
-
-
-def test_attaching_to_a_pool_file_not_yet_sized_is_a_pool_error(shm_dir):
-    # What a client sees when it races an owner between its create and its fallocate.
-    path = shm_dir / POOL_FILE_NAME
-    path.touch()
+def test_attaching_a_descriptor_that_is_not_a_regular_file_is_a_pool_error(shm_dir):
+    read_end, write_end = os.pipe()
     fds_before = len(os.listdir("/proc/self/fd"))
 
-    with pytest.raises(PoolError, match=str(path)):
-        PoolRegion.attach(path)
+    with pytest.raises(PoolError, match="is a FIFO, not the pool of 1048576 bytes"):
+        PoolRegion.attach(read_end, MiB, shm_dir / POOL_FILE_NAME)
 
-    assert len(os.listdir("/proc/self/fd")) == fds_before  # no descriptor left open
+    assert len(os.listdir("/proc/self/fd")) == fds_before - 1  # taken, and closed
+    os.close(write_end)
+
+
+def test_attaching_a_pool_file_not_of_the_announced_size_is_a_pool_error(shm_dir):
+    # What a client would see of a file swapped in (or of an owner between create and fallocate).
+    path = shm_dir / POOL_FILE_NAME
+    path.touch()
+    fd = os.open(path, os.O_RDWR)
+    fds_before = len(os.listdir("/proc/self/fd"))
+
+    with pytest.raises(PoolError, match=f"{path} is a file of 0 bytes"):
+        PoolRegion.attach(fd, MiB, path)
+
+    assert len(os.listdir("/proc/self/fd")) == fds_before - 1  # no descriptor left open
 
 
 def test_a_pool_under_one_mebibyte_is_refused():
@@ -406,7 +419,7 @@ def _resident_bytes(region: PoolRegion) -> int:
 
 def test_a_prefaulted_attachment_has_every_pool_page_mapped(shm_dir, regions):
     owner = regions(PoolRegion.create(shm_dir, 32 * MiB))
-    attached = regions(PoolRegion.attach(owner.path))
+    attached = regions(attach_by_name(owner.path))
 
     before = _resident_bytes(attached)
     attached._populate()  # what prefault() runs in its thread

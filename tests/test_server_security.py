@@ -119,19 +119,30 @@ def test_hpkv_server_allow_uids_admits_that_uid(node):
     assert seen["replies"] == [["Welcome", None], ["StatsReply", None]] and not seen["closed"]
 
 
-def test_an_admitted_uid_that_cannot_map_the_pool_gets_server_unavailable(node):
+def test_an_admitted_uid_maps_the_pool_it_is_passed_though_the_file_is_0600(node):
+    """HPKV_SERVER_ALLOW_UIDS names the uids sharing the pool: the server passes them the pool
+    file's descriptor, so they need no access to the file by its name (0600, this uid's)."""
+    from serverutil import desc, entry_key, payload
     from hpkv.server.client import Client
 
     node.start_server(HPKV_SERVER_ALLOW_UIDS=str(NOBODY))
-    open_to_others(node)  # the pool file itself stays 0600
+    open_to_others(node)
+    key = entry_key("shared", 0)
 
-    def lookup() -> dict:
-        Client(node.shm_dir, "intruder", autostart=False).stats()
-        return {"raised": None}
+    def save() -> dict:
+        with Client(node.shm_dir, "admitted", autostart=False) as client:
+            ns = client.register(desc())
+            res = client.reserve(ns, [key])
+            res.view(0)[:] = payload(key)
+            return {"committed": client.commit(ns, [key], reservation=res)}
 
-    seen = as_other_uid(lookup)
-    assert seen["raised"] == "ServerUnavailable"
-    assert str(node.pool_path) in seen["message"]
+    seen = as_other_uid(save)
+    assert seen == {"committed": 1}
+    assert stat.S_IMODE(node.pool_path.stat().st_mode) == 0o600
+    client = node.client()
+    ns = client.register(desc())
+    lease = client.lease(ns, [key])
+    assert client.wait(lease) == 1 and bytes(lease.view(0)) == payload(key)
 
 
 def test_clear_refuses_a_namespace_that_is_not_a_namespace_id(node, tmp_path):

@@ -102,7 +102,8 @@ def test_a_writer_killed_mid_job_leaves_no_temporary_behind(shm_dir, storage_dir
     pool_path = shm_dir / "pool"
     with open(pool_path, "wb") as f:
         f.truncate(size)
-    writers = WriterPool(pool_path, 1, nice=0)
+    pool_fd = os.open(pool_path, os.O_RDONLY)
+    writers = WriterPool(pool_fd, 1, nice=0)
     try:
         for attempt in range(5):
             target = FileTarget(str(storage_dir / f"{attempt}.kv"), str(storage_dir / f".{attempt}.tmp"),
@@ -124,6 +125,7 @@ def test_a_writer_killed_mid_job_leaves_no_temporary_behind(shm_dir, storage_dir
         assert writers.stats()["died"] == 1
     finally:
         writers.close()
+        os.close(pool_fd)
 
 
 def test_a_job_whose_temporary_name_is_taken_leaves_that_file_alone(shm_dir, storage_dir):
@@ -136,11 +138,13 @@ def test_a_job_whose_temporary_name_is_taken_leaves_that_file_alone(shm_dir, sto
         f.truncate(1 << 20)
     target = FileTarget(str(storage_dir / "k.kv"), str(storage_dir / ".k.tmp"), str(storage_dir), mkdir=False)
     Path(target.tmp).write_bytes(b"another writer's half file")
-    writers = WriterPool(pool_path, 1, nice=0)
+    pool_fd = os.open(pool_path, os.O_RDONLY)
+    writers = WriterPool(pool_fd, 1, nice=0)
     try:
         error = writers.write("ab" * 16, b"key", 0, 64 << 10, target, "off")
     finally:
         writers.close()
+        os.close(pool_fd)
 
     assert error is not None and error.errno == errno.EEXIST
     assert Path(target.tmp).read_bytes() == b"another writer's half file"
@@ -207,8 +211,13 @@ def test_a_writer_of_another_protocol_version_is_refused_with_the_reason(shm_dir
     impostor.write_text("#!/bin/sh\necho '{\"hello\": \"hpkv-writer\", \"version\": 99}'\ncat >/dev/null\n")
     impostor.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(impostor))
-    with pytest.raises(WriterUnavailable, match=f"expected protocol {PROTOCOL_VERSION}"):
-        WriterProcess(shm_dir / "pool", nice=10)
+    read_end, write_end = os.pipe()
+    try:
+        with pytest.raises(WriterUnavailable, match=f"expected protocol {PROTOCOL_VERSION}"):
+            WriterProcess(read_end, nice=10)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
 
 
 def test_writers_exit_when_their_server_is_killed(shm_dir, storage_dir):

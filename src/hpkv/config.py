@@ -193,6 +193,10 @@ def _parse_path(text: str) -> Path:
     return Path(os.path.abspath(text.strip()))
 
 
+def _parse_pool_dir(text: str) -> Path:
+    return _parse_path(text.replace("<uid>", str(os.geteuid())))
+
+
 def _parse_uids(text: str) -> tuple[int, ...]:
     try:
         uids = tuple(int(part) for part in text.split(",") if part.strip())
@@ -233,9 +237,10 @@ KEYS: tuple[KeySpec, ...] = (
             "Directory of the persistent storage tier.", "a directory path"),
     KeySpec("HPKV_KV_MEM_POOL_SIZE", "size", parse_size, "8g",
             "Size of the shared-memory DRAM pool.", _SIZE_WORDS),
-    KeySpec("HPKV_SHARE_MEM_FILE_PATH", "path", _parse_path, "/dev/shm/hpkv",
+    # Per user: a directory name every uid shares could be made first by another user.
+    KeySpec("HPKV_SHARE_MEM_FILE_PATH", "path", _parse_pool_dir, "/dev/shm/hpkv-<uid>",
             "Directory (ramfs/tmpfs) holding the pool file and server socket.",
-            "a directory path on ramfs or tmpfs"),
+            "a directory path on ramfs or tmpfs (<uid> stands for the reader's user id)"),
     KeySpec("VLLM_HPKV_TOKEN_THRESHOLD", "int", _parse_threshold, "1204",
             "Minimum HPKV-hit tokens for a load; below it the engine recomputes.",
             "an integer >= 0 or 'auto'"),

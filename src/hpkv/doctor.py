@@ -13,15 +13,17 @@ import enum
 import json
 import os
 import resource
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from . import __version__
+from . import __version__, safefs
 from .config import PoolConfig, Settings, StorageConfig, load_settings
 from .errors import ConfigError, HpkvError
 from .fsinfo import (MEMORY_FS, PSEUDO_FS, cgroup_memory_left, existing_ancestor, free_bytes, meminfo_available_bytes,
                      mount_of, room_bytes)
+from .pool import directory as pool_directory
 from .pool.region import POOL_FILE_NAME
 from .server import protocol as p
 from .server.autostart import ServerUnavailable
@@ -74,7 +76,7 @@ def run_checks(env: Mapping[str, str] | None = None) -> list[Check]:
     server = probe_server(settings.pool.dir, settings.server_allow_uids)
     checks = check_config(settings)
     checks += [check_pool_fs(settings.pool), check_pool_pages(settings.pool),
-               check_pool_permissions(settings.pool), check_socket_path(settings.pool),
+               check_pool_permissions(settings.pool, settings.server_allow_uids), check_socket_path(settings.pool),
                check_pool_space(settings.pool), check_memlock(settings.pool, server)]
     checks += check_storage(settings.storage, server, settings.pool)
     checks += [check_server(server), check_hash_seed(env)]
@@ -162,7 +164,8 @@ def check_pool_pages(pool: PoolConfig) -> Check:
                  f"mode=0700 tmpfs {pool.dir} (docs/operations.md)")
 
 
-def check_pool_permissions(pool: PoolConfig) -> Check:
+def check_pool_permissions(pool: PoolConfig, trusted_uids: tuple[int, ...] = ()) -> Check:
+    """What server and engines say of the directory at start (`pool.directory`), and more."""
     name = "pool directory: permissions"
     directory = Path(pool.dir)
     uid = os.geteuid()
@@ -178,17 +181,31 @@ def check_pool_permissions(pool: PoolConfig) -> Check:
     if not directory.is_dir():
         return Check(name, Verdict.FAIL, f"{directory} exists and is not a directory",
                      "point HPKV_SHARE_MEM_FILE_PATH at a directory")
+    found = pool_directory.problem(directory, safefs.owners(trusted_uids))
+    if found is not None:
+        return Check(name, Verdict.FAIL, f"{found.detail}: the server and the engines refuse it", found.fix)
+    st = directory.stat()
+    mode = st.st_mode & 0o777
+    if st.st_uid not in safefs.owners():
+        return Check(name, Verdict.INFO,
+                     f"{directory} belongs to uid {st.st_uid}, listed in HPKV_SERVER_ALLOW_UIDS: this user's engines "
+                     f"use the server of that uid there, but a server started by uid {uid} refuses it",
+                     f"let uid {st.st_uid} run the server (hpkv server, as that user)")
     if not os.access(directory, os.R_OK | os.W_OK | os.X_OK):
         return Check(name, Verdict.FAIL, f"{directory} is not writable by uid {uid}",
                      f"as root: chown {uid} {directory} && chmod 700 {directory}, or choose another directory")
-    st = directory.stat()
-    mode = st.st_mode & 0o777
+    if st.st_mode & stat.S_ISVTX and mode & 0o002:
+        return Check(name, Verdict.WARN,
+                     f"{directory} has mode 1{mode:03o} (owner uid {st.st_uid}): shared by users, each one's files "
+                     "its own, but anyone can create names in it first (a lock or log planted before this user's "
+                     "makes the server refuse to start, naming it)",
+                     f"a directory of this user's own, e.g. HPKV_SHARE_MEM_FILE_PATH=/dev/shm/hpkv-{uid}")
     if mode & 0o077:
         return Check(name, Verdict.WARN,
-                     f"{directory} has mode {mode:04o} (owner uid {st.st_uid}): other users can see and replace "
-                     "the names in it; the socket and pool file are 0600, but a 0700 directory is recommended",
+                     f"{directory} has mode {mode:04o} (owner uid {st.st_uid}): other users can see the names in it; "
+                     "the socket and pool file are 0600, but a 0700 directory is recommended",
                      f"chmod 700 {directory}" if st.st_uid == uid else
-                     f"use a directory of your own, e.g. HPKV_SHARE_MEM_FILE_PATH={directory}/hpkv-{uid}")
+                     f"use a directory of your own, e.g. HPKV_SHARE_MEM_FILE_PATH=/dev/shm/hpkv-{uid}")
     return Check(name, Verdict.OK, f"{directory} has mode {mode:04o}, owner uid {st.st_uid}, writable")
 
 
@@ -199,14 +216,14 @@ def check_socket_path(pool: PoolConfig) -> Check:
     if num_bytes > _MAX_SOCKET_PATH_BYTES:
         return Check(name, Verdict.FAIL, f"the server socket {path} would be {num_bytes} bytes long; Unix "
                      f"sockets allow {_MAX_SOCKET_PATH_BYTES}, so no server could listen there",
-                     "point HPKV_SHARE_MEM_FILE_PATH at a shorter path, e.g. /dev/shm/hpkv")
+                     f"point HPKV_SHARE_MEM_FILE_PATH at a shorter path, e.g. /dev/shm/hpkv-{os.geteuid()}")
     return Check(name, Verdict.OK, f"{path} ({num_bytes} bytes, the limit is {_MAX_SOCKET_PATH_BYTES})")
 
 
 def _pool_file_bytes(directory: Path) -> int:
     """Space the current pool file holds: a new server replaces it, so it counts as free."""
     try:
-        return (directory / POOL_FILE_NAME).stat().st_blocks * 512
+        return os.lstat(directory / POOL_FILE_NAME).st_blocks * 512
     except OSError:
         return 0
 

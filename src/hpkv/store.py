@@ -173,7 +173,7 @@ class TieredStore:
         self._writer = None if storage is None else ThreadPoolExecutor(
             write_threads(storage.config.io_threads), thread_name_prefix="hpkv-write")
         self.writers = None if storage is None or not write_processes else WriterPool(
-            region.path, write_threads(storage.config.io_threads), storage.config.write_nice)
+            region.share_fd(), write_threads(storage.config.io_threads), storage.config.write_nice)
 
     @classmethod
     def open(cls, pool: PoolConfig, storage: StorageConfig, slab_bytes: int | None = None) -> "TieredStore":

@@ -12,6 +12,14 @@ Why the choices:
   clear error at start.
 - `mlock` on tmpfs: tmpfs pages can be swapped; ramfs pages never are. Locking needs
   `RLIMIT_MEMLOCK` (or CAP_IPC_LOCK); without it we warn and go on.
+- Handed over as a descriptor, never re-opened by name: the owner gives `share_fd()` to its
+  clients (over the server's socket) and its write-through processes, and they `attach` that
+  descriptor. A name in a directory others might write to can be swapped for another file (or a
+  link to one) at any time; a descriptor cannot. `share_fd` is a second open file description of
+  the same file (opened through /proc/self/fd), so the mappings made from it do not share the
+  owner's `flock`: a client that outlives a killed server must not make its pool look live.
+- Every open in the pool directory is O_NOFOLLOW|O_NONBLOCK and fstat-checked (`safefs`), and the
+  directory itself must be trustworthy (`pool.directory`).
 """
 
 from __future__ import annotations
@@ -24,12 +32,15 @@ import logging
 import mmap
 import os
 import resource
+import stat
 import threading
 from pathlib import Path
 
+from .. import safefs
 from ..errors import PoolError
 from ..fsinfo import (MEMORY_FS, PSEUDO_FS, cgroup_memory_left, existing_ancestor, free_bytes, meminfo_available_bytes,
                       mount_of)
+from . import directory as pool_directory
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +58,8 @@ def _human(num_bytes: int) -> str:
 
 
 class PoolRegion:
-    """A mapped pool file. Use `create` (owner) or `attach` (any other process)."""
+    """A mapped pool file. Use `create` (owner) or `attach` (any other process, given a
+    descriptor of the owner's). `path` is where the owner created it: for messages only."""
 
     def __init__(self, path: Path, fd: int, size_bytes: int, owner: bool) -> None:
         self.path = path
@@ -56,6 +68,7 @@ class PoolRegion:
         self.locked_in_memory = False
         self._closed = False
         self._fd = fd
+        self._share_fd = -1
         self._map = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         try:
             # Huge pages halve the cost of TLB misses in large copies. Only a tmpfs mounted
@@ -66,7 +79,9 @@ class PoolRegion:
         except (AttributeError, OSError):
             pass
         self.buf = memoryview(self._map)
-        self.inode = os.fstat(fd).st_ino
+        st = os.fstat(fd)
+        self.inode = st.st_ino
+        self.identity = (st.st_dev, st.st_ino)  # the file, whatever its name says now
 
     @classmethod
     def create(cls, directory: Path, size_bytes: int) -> "PoolRegion":
@@ -86,30 +101,49 @@ class PoolRegion:
             # Only now: a stale pool left by a crashed owner has been removed and frees its space.
             _check_space(directory, size_bytes)
             _reserve(fd, path, size_bytes)
-            region = cls(path, fd, size_bytes, owner=True)
+            share_fd = _reopen(fd, path)
+            try:
+                region = cls(path, fd, size_bytes, owner=True)
+            except BaseException:
+                os.close(share_fd)
+                raise
+            region._share_fd = share_fd
         except BaseException:
-            os.unlink(path)
+            if _names(path, fd):
+                os.unlink(path)
             os.close(fd)
             raise
         region._lock_in_memory(mount_of(directory).fs_type)
         return region
 
+    def share_fd(self) -> int:
+        """The owner's descriptor to hand to other processes (SCM_RIGHTS, `pass_fds`); it stays
+        the region's: send or pass it, never close it."""
+        if self._share_fd < 0:
+            raise PoolError("only the pool's owner, before it closes, can share the pool file")
+        return self._share_fd
+
     @classmethod
-    def attach(cls, path: Path) -> "PoolRegion":
-        """Map an existing pool file (a client process)."""
+    def attach(cls, fd: int, size_bytes: int, path: Path | str) -> "PoolRegion":
+        """Map the pool file open as `fd` (received from its owner), which must be a regular file
+        of `size_bytes` (what the owner announced); `path` names it in messages. Takes `fd`:
+        it is closed whatever happens."""
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except OSError as exc:
-            raise PoolError(f"cannot open the HPKV pool file {path}: {exc.strerror}") from None
-        try:
-            region = cls(Path(path), fd, os.fstat(fd).st_size, owner=False)
-        except (OSError, ValueError) as exc:  # ValueError: an empty file (its owner is still starting)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size_bytes:
+                what = (f"{safefs.kind(st.st_mode)}" if not stat.S_ISREG(st.st_mode) else
+                        f"a file of {st.st_size} bytes")
+                raise PoolError(f"the descriptor passed for the HPKV pool file {path} is {what}, not the "
+                                f"pool of {size_bytes} bytes its server announced; restart the HPKV server")
+            try:
+                region = cls(Path(path), fd, size_bytes, owner=False)
+            except (OSError, ValueError) as exc:
+                raise PoolError(f"cannot map the HPKV pool file {path}: {exc}") from None
+        finally:
+            # The map holds the file open by a descriptor of its own, closed with the map (also
+            # when the region is collected unclosed): once a restarted server's old pool file has
+            # no mapping left, nothing here keeps its memory.
             os.close(fd)
-            raise PoolError(f"cannot map the HPKV pool file {path}: {exc}; is its server running?") from None
-        # The map holds the file open by a descriptor of its own, closed with the map (also when
-        # the region is collected unclosed): once a restarted server's old pool file has no
-        # mapping left, nothing here keeps its memory.
-        os.close(fd)
         region._fd = -1
         return region
 
@@ -156,6 +190,9 @@ class PoolRegion:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+        if self._share_fd >= 0:
+            os.close(self._share_fd)
+            self._share_fd = -1
         os.close(self._fd)
         self._fd = -1
 
@@ -186,7 +223,8 @@ class PoolRegion:
 
 def prepare_directory(directory: Path) -> None:
     """Make the pool directory (0700) if needed; PoolError naming the problem and the fix when it
-    cannot hold the pool: a kernel pseudo file system, a file in the way, no write permission."""
+    cannot hold the pool: a kernel pseudo file system, a file in the way, no write permission, or
+    a directory others could replace names in (`pool.directory`)."""
     fs_type = mount_of(directory).fs_type
     if fs_type in PSEUDO_FS:
         raise PoolError(f"{directory} (HPKV_SHARE_MEM_FILE_PATH) is on {fs_type}, a kernel pseudo file system "
@@ -202,6 +240,9 @@ def prepare_directory(directory: Path) -> None:
         raise PoolError(
             f"cannot create the pool directory {directory} (HPKV_SHARE_MEM_FILE_PATH): {exc.strerror}; "
             "create it or point HPKV_SHARE_MEM_FILE_PATH at a writable ramfs/tmpfs directory") from None
+    # Only this uid and root: a server's pool directory is its own (HPKV_SERVER_ALLOW_UIDS names
+    # clients; they may use it, not own it).
+    pool_directory.check(directory, safefs.owners())
     if not os.access(directory, os.W_OK | os.X_OK):
         raise PoolError(f"the pool directory {directory} (HPKV_SHARE_MEM_FILE_PATH) is not writable by "
                         f"uid {os.geteuid()}; fix its permissions or choose another directory")
@@ -213,8 +254,8 @@ def _warn_if_not_in_memory(directory: Path) -> None:
         log.warning(
             "the pool directory %s is on %s (%s), not ramfs/tmpfs: pool pages are backed by that file "
             "system and may be written back to disk, which makes copies slow. Fix: mount ramfs "
-            "(mount -t ramfs nodev %s) or use a tmpfs directory such as /dev/shm/hpkv",
-            directory, mount.fs_type, mount.mount_point, directory)
+            "(mount -t ramfs nodev %s) or use a tmpfs directory such as /dev/shm/hpkv-%d",
+            directory, mount.fs_type, mount.mount_point, directory, os.geteuid())
 
 
 def _check_space(directory: Path, size_bytes: int) -> None:
@@ -237,7 +278,7 @@ def _check_space(directory: Path, size_bytes: int) -> None:
 
 
 def _create_exclusive(path: Path) -> int:
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     for _ in range(3):
         try:
             fd = os.open(path, flags, 0o600)
@@ -257,11 +298,16 @@ def _create_exclusive(path: Path) -> int:
 
 def _remove_if_stale(path: Path) -> None:
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = safefs.open_file(path, os.O_RDWR, safefs.owners())
     except FileNotFoundError:
         return
     except PermissionError as exc:
         raise PoolError(_not_ours(path, exc)) from None
+    except safefs.UnsafeFile as exc:
+        if exc.why.startswith("belongs to"):
+            raise PoolError(_not_ours(path, exc)) from None
+        raise PoolError(f"the pool file {exc}, which HPKV never makes; remove it (rm {path}) or point "
+                        "HPKV_SHARE_MEM_FILE_PATH at a directory only this user can write to") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -281,24 +327,40 @@ def _remove_if_stale(path: Path) -> None:
         os.close(fd)
 
 
-def _not_ours(path: Path, exc: OSError) -> str:
+def _not_ours(path: Path, exc: OSError | safefs.UnsafeFile) -> str:
     try:
-        owner = f"uid {os.stat(path).st_uid}"
+        owner = f"uid {os.lstat(path).st_uid}"
     except OSError:
         owner = "another user"
+    why = exc.strerror if isinstance(exc, OSError) else "not this user's file"
     return (f"the pool file {path} belongs to {owner} and uid {os.geteuid()} cannot check or replace it "
-            f"({exc.strerror}); if no HPKV server of that user runs, remove it as that user or root "
+            f"({why}); if no HPKV server of that user runs, remove it as that user or root "
             f"(rm {path}), or give each user a pool directory of its own in HPKV_SHARE_MEM_FILE_PATH")
 
 
 def _names(path: Path, fd: int) -> bool:
-    """Whether `path` is (still) the file open as `fd`."""
+    """Whether `path` is (still) the file open as `fd` (a link to it is not)."""
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except FileNotFoundError:
         return False
     own = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def _reopen(fd: int, path: Path) -> int:
+    """A second open file description of the file open as `fd`, read-write, without its flock:
+    through /proc/self/fd (the file itself, not its name)."""
+    try:
+        share = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise PoolError(f"cannot reopen the pool file {path} through /proc/self/fd to share it: {exc.strerror}; "
+                        "the HPKV server needs /proc mounted") from None
+    a, b = os.fstat(share), os.fstat(fd)
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):  # not /proc's magic link (a strange /proc)
+        os.close(share)
+        raise PoolError(f"/proc/self/fd/{fd} is not the pool file {path}; the HPKV server needs a real /proc")
+    return share
 
 
 def _reserve(fd: int, path: Path, size_bytes: int) -> None:

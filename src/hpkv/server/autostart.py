@@ -9,11 +9,15 @@ The server is started detached (its own session, stdio to `<dir>/server.log`, wo
 /) with the caller's environment, and reads its settings in the caller's working directory, so it
 resolves the same configuration, relative paths included; it exits on its own after its last
 client leaves.
+
+Nothing in the directory is taken on its name: the directory must be trustworthy
+(`pool.directory`), the lock and the log are opened with O_NOFOLLOW|O_NONBLOCK and checked to be
+regular files of this uid or root (`safefs`), the socket to be a socket; anything else is a
+`ServerUnavailable` naming it and the fix, never a hang: `timeout_s` bounds the whole start.
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import socket
@@ -22,7 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import HpkvError
+from .. import safefs
+from ..errors import HpkvError, PoolError
+from ..pool import directory as pool_directory
 from . import protocol as p
 
 LOG_NAME = "server.log"
@@ -46,29 +52,46 @@ def answers(socket_path: Path, timeout_s: float = 1.0) -> bool:
         probe.close()
 
 
-def ensure_server(directory: Path, timeout_s: float = 60.0) -> None:
-    """Return once a server answers on `<directory>/hpkv.sock`, starting one if needed."""
+_FIX = "or point HPKV_SHARE_MEM_FILE_PATH at a directory only this user can write to"
+
+
+def check_socket(socket_path: Path) -> bool:
+    """Whether the socket is there; ServerUnavailable if something else is (a link planted in its
+    place would have this user connect wherever it points). Whose it is, the client learns from
+    the peer (SO_PEERCRED) once connected."""
+    try:
+        return safefs.check_socket(socket_path, None)
+    except safefs.UnsafeFile as exc:
+        raise ServerUnavailable(f"cannot use the HPKV server socket {exc}; remove it (as its owner or root), "
+                                f"{_FIX}") from None
+
+
+def ensure_server(directory: Path, timeout_s: float = 60.0, trusted_uids: tuple[int, ...] = ()) -> None:
+    """Return once a server answers on `<directory>/hpkv.sock`, starting one if needed, within
+    `timeout_s`. `trusted_uids`: owners accepted for the directory and the socket besides this
+    uid and root (HPKV_SERVER_ALLOW_UIDS); the lock and log must be this uid's or root's."""
+    deadline = time.monotonic() + timeout_s
     socket_path = directory / p.SOCKET_NAME
-    if answers(socket_path):
+    trusted = safefs.owners(trusted_uids)
+    if check_socket(socket_path) and answers(socket_path):
         return
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        # O_NOFOLLOW: in a directory others may write to, a link planted as the lock would have
-        # this user create or lock a file of the planter's choosing.
-        lock_fd = os.open(directory / p.LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        pool_directory.check(directory, trusted)
+        lock_fd = safefs.open_file(directory / p.LOCK_NAME, os.O_RDWR | os.O_CREAT, safefs.owners())
+    except PoolError as exc:
+        raise ServerUnavailable(str(exc)) from None
+    except safefs.UnsafeFile as exc:
+        raise ServerUnavailable(f"cannot use {directory} (HPKV_SHARE_MEM_FILE_PATH): its {p.LOCK_NAME} {exc.why}; "
+                                f"remove it (as its owner or root), {_FIX}") from None
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ServerUnavailable(
-                f"cannot use {directory} (HPKV_SHARE_MEM_FILE_PATH): its {p.LOCK_NAME} is a symbolic link; remove "
-                "it, or point HPKV_SHARE_MEM_FILE_PATH at a directory only this user can write to") from None
         raise ServerUnavailable(
             f"cannot use {directory} (HPKV_SHARE_MEM_FILE_PATH): {exc.strerror}; give uid {os.geteuid()} read, "
             f"write and search permission on it (as root: chown {os.geteuid()} {directory} && chmod 700 "
             f"{directory}), or point HPKV_SHARE_MEM_FILE_PATH at a directory this user owns") from None
-    deadline = time.monotonic() + timeout_s
     try:
         _lock(lock_fd, deadline, directory)
-        if answers(socket_path):
+        if check_socket(socket_path) and answers(socket_path):
             return  # another process started it while we waited for the lock
         _start_and_wait(directory, socket_path, deadline)
     finally:
@@ -100,15 +123,16 @@ _LAUNCHER = (
 
 
 def _open_log(log_path: Path) -> int:
-    """The server log, for appending. O_NOFOLLOW: in a pool directory others may write to, a
-    symbolic link planted there would have the server's output appended to a file of its
-    choosing (any file this user may write)."""
+    """The server log, for appending: a regular file of this uid or root. In a pool directory
+    others may write to, a link planted there would have the server's output appended to a file of
+    its choosing, and a FIFO would block this open for ever."""
     try:
-        return os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        return safefs.open_file(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, safefs.owners())
+    except safefs.UnsafeFile as exc:
+        raise ServerUnavailable(f"cannot open the HPKV server log {exc}; remove it, {_FIX}") from None
     except OSError as exc:
-        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
-        raise ServerUnavailable(f"cannot open the HPKV server log {log_path}: {why}; remove it, or point "
-                                "HPKV_SHARE_MEM_FILE_PATH at a directory only this user can write to") from None
+        raise ServerUnavailable(f"cannot open the HPKV server log {log_path}: {exc.strerror}; remove it, "
+                                f"{_FIX}") from None
 
 
 def _start_and_wait(directory: Path, socket_path: Path, deadline: float) -> None:
@@ -157,7 +181,7 @@ def _alive(pid: int) -> bool:
 
 def _tail(path: Path, num_lines: int = 3) -> str:
     try:
-        lines = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return "(no log)"
+        lines = safefs.read_tail(path, safefs.owners()).strip().splitlines()
+    except (OSError, safefs.UnsafeFile) as exc:
+        return f"(no log: {exc})"
     return " | ".join(lines[-num_lines:])

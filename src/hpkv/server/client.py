@@ -25,15 +25,20 @@ the same key may be reserved again, in a slot another copy is still filling. Nei
 connects: a new connection holds no reservation to end. Give each thread that copies its own
 Client, so one thread's timeout cannot close another's connection mid-copy.
 
-A client trusts only a server that runs as its own uid, root or a uid it is given (SO_PEERCRED;
-HPKV_SERVER_ALLOW_UIDS, the uids sharing the pool) and names the pool file of the client's own
-directory, which is the path it maps: a pool directory others may write to must not let them
-serve, or read, this user's KV cache.
+A client trusts only a pool directory that no other uid can replace names in (`pool.directory`:
+owned by this uid, root or a uid it is given, and not writable by others without the sticky
+bit), checked before it starts or connects to a server; a socket name there that is not a
+socket (a link, say) is refused; and only a server that runs as its own uid, root or a uid
+it is given (SO_PEERCRED; HPKV_SERVER_ALLOW_UIDS, the uids sharing the pool). It maps the pool
+file the server passes as a descriptor with its Welcome, checked to be a regular file of the
+size and inode announced, and never opens the pool by name: a name can be swapped.
 
-The clients of one process share their mapping of a server's pool file (`_shared_region`): each
-mapping costs page tables, 2 MiB per GiB of pool once prefaulted, and an engine process keeps a
-client per copying thread. A mapping lives while a client or a handle still refers to it, so a
-handle's bytes stay valid after a restart; a new server's pool file gets a mapping of its own.
+The clients of one process share their mapping of a server's pool file (`_shared_region`, keyed
+by the server's pid and the file's device and inode): each mapping costs page tables, 2 MiB per
+GiB of pool once prefaulted, and an engine process keeps a client per copying thread. A mapping
+lives while a client or a handle still refers to it, so a handle's bytes stay valid after a
+restart; a new server's pool file gets a mapping of its own. A descriptor received for a pool
+already mapped is closed at once.
 
 Thread-safe: one connection, calls serialised by a lock.
 """
@@ -49,12 +54,14 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import safefs
 from ..errors import HpkvError, PoolError
 from ..keys import NamespaceDesc
+from ..pool import directory as pool_directory
 from ..pool.region import POOL_FILE_NAME, PoolRegion
 from ..store import Lookup, Tier
 from . import protocol as p
-from .autostart import ServerUnavailable, ensure_server
+from .autostart import ServerUnavailable, check_socket, ensure_server
 
 
 _TIERS = {int(t): t for t in Tier}  # wire code -> Tier, without Enum's slow constructor
@@ -95,7 +102,7 @@ class LeaseHandle:
 MAX_RETRY_S = 30.0
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
-# (pool path, inode, server pid, prefaulted) -> the mapping this process's clients share. Weak:
+# (server pid, device, inode, prefaulted) -> the mapping this process's clients share. Weak:
 # the last client or handle to let go of a mapping unmaps it. The inode cannot be reused while
 # the mapping lives (its file stays open), and a new server has a new pid, so a key never names
 # a mapping of another file. Prefaulted mappings are apart: a client that only looks up keys
@@ -104,22 +111,27 @@ _regions: "weakref.WeakValueDictionary[tuple, PoolRegion]" = weakref.WeakValueDi
 _regions_lock = threading.Lock()
 
 
-def _shared_region(path: Path, welcome: p.Welcome, prefault: bool) -> PoolRegion:
-    """This process's mapping of the pool file at `path`, the one `welcome` names, made on first
-    use. PoolError: the file cannot be mapped; ServerUnavailable: the path names another file by
-    now."""
-    key = (str(path), welcome.pool_inode, welcome.server_pid, prefault)
-    with _regions_lock:
-        region = _regions.get(key)
-        if region is None:
-            region = PoolRegion.attach(path)
-            if region.inode != welcome.pool_inode:  # the server went and another came meanwhile
-                region.close()
-                raise ServerUnavailable(f"the HPKV pool file {path} changed while connecting")
+def _shared_region(fd: int, welcome: p.Welcome, path: Path, prefault: bool) -> PoolRegion:
+    """This process's mapping of the pool file open as `fd` (which the server that sent `welcome`
+    passed), made on first use. Takes `fd`: closed whatever happens. ServerUnavailable: `fd` is
+    not the pool the Welcome announced."""
+    try:
+        st = os.fstat(fd)
+        if st.st_ino != welcome.pool_inode:
+            raise ServerUnavailable(f"the HPKV server passed a descriptor of inode {st.st_ino}, not of its pool "
+                                    f"file {welcome.pool_path} (inode {welcome.pool_inode}); restart the server")
+        key = (welcome.server_pid, st.st_dev, st.st_ino, prefault)
+        with _regions_lock:
+            region = _regions.get(key)
+            if region is not None:
+                return region
+            region = PoolRegion.attach(os.dup(fd), welcome.pool_bytes, path)
             if prefault:
                 region.prefault()
             _regions[key] = region
-        return region
+            return region
+    finally:
+        os.close(fd)
 
 
 class Client:
@@ -191,42 +203,44 @@ class Client:
 
     def _open(self) -> None:
         socket_path = self.directory / p.SOCKET_NAME
+        trusted = safefs.owners(self.trusted_uids)
+        try:
+            pool_directory.check(self.directory, trusted)
+        except PoolError as exc:
+            raise ServerUnavailable(str(exc)) from None
         if self.autostart:
-            ensure_server(self.directory, self.start_timeout_s)
+            ensure_server(self.directory, self.start_timeout_s, self.trusted_uids)
+        else:
+            check_socket(socket_path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_s)
+        fds: list[int] = []
         try:
             sock.connect(str(socket_path))
             self._check_peer(sock, socket_path)
             sock.sendall(p.encode(p.Hello(p.PROTOCOL_VERSION, self.kind, os.getpid())))
-            welcome = p.decode_reply(p.recv_frame(sock))
+            body, fds = p.recv_frame_fds(sock)
+            welcome = p.decode_reply(body)
+            if isinstance(welcome, p.Error):
+                raise ServerError(welcome.code, welcome.message)
+            if len(fds) != 1:
+                raise ServerUnavailable(f"the HPKV server on {socket_path} passed {len(fds)} descriptors with its "
+                                        "Welcome, not its pool file; restart it (with this hpkv version)")
+            # Takes the descriptor; a new server maps a new pool file, even where the file
+            # system gave it the old one's inode number (not tmpfs): its pid tells them apart.
+            region = _shared_region(fds.pop(), welcome, self.directory / POOL_FILE_NAME, self.prefault)
         except (OSError, EOFError, p.FrameError) as exc:
             sock.close()
             raise ServerUnavailable(f"cannot reach the HPKV server at {socket_path}: {exc}") from None
-        except ServerUnavailable:
+        except PoolError as exc:  # not a pool of the size announced
+            sock.close()
+            raise ServerUnavailable(str(exc)) from None
+        except BaseException:
             sock.close()
             raise
-        if isinstance(welcome, p.Error):
-            sock.close()
-            raise ServerError(welcome.code, welcome.message)
-        pool_path = self._own_pool_path(welcome)
-        if pool_path is None:
-            sock.close()
-            raise ServerUnavailable(
-                f"refusing the HPKV server on {socket_path}: its pool file {welcome.pool_path} is not "
-                f"{self.directory / POOL_FILE_NAME}; is another node's server listening here? Point "
-                "HPKV_SHARE_MEM_FILE_PATH at the same directory for the engines and the server")
-        # A new server maps a new pool file, even where the file system gave it the old one's
-        # inode number (not tmpfs): its pid tells them apart.
-        if self.region is None or self.region.inode != welcome.pool_inode or self.server_pid != welcome.server_pid:
-            try:
-                self.region = _shared_region(pool_path, welcome, self.prefault)  # the old map lives on in old handles
-            except PoolError as exc:  # e.g. a uid the server admits but the pool file's mode does not
-                sock.close()
-                raise ServerUnavailable(str(exc)) from None
-            except ServerUnavailable:
-                sock.close()
-                raise
+        finally:
+            p.close_fds(fds)
+        self.region = region  # the old map lives on in old handles
         self._sock = sock
         self.client_id = welcome.client_id
         self.server_pid = welcome.server_pid
@@ -245,15 +259,6 @@ class Client:
                 f"{os.geteuid()}), root or a uid in HPKV_SERVER_ALLOW_UIDS; give this user a pool directory only "
                 f"it can write to (HPKV_SHARE_MEM_FILE_PATH, mode 0700), run the server as uid {os.geteuid()}, "
                 f"or, if uid {uid} is meant to share this pool, add it to HPKV_SERVER_ALLOW_UIDS")
-
-    def _own_pool_path(self, welcome: p.Welcome) -> Path | None:
-        """The pool file in this client's directory, if that is the one the server names. The
-        client maps its own path, never the server's word for it: a path under the directory
-        is all the client trusts."""
-        own = Path(os.path.abspath(self.directory / POOL_FILE_NAME))
-        if os.path.realpath(welcome.pool_path) != os.path.realpath(own):
-            return None
-        return own
 
     def _fail(self, message: str) -> None:
         self._failures += 1

@@ -1,8 +1,10 @@
 """The HPKV Server process: the tiered store behind a Unix socket, one thread per client.
 
 Start-up: read the configuration (file > env > default) and log it with sources; make the pool
-directory (0700); refuse to start if a live server answers on the socket, remove a stale socket;
-create the store (pool file, storage tier); bind the socket with mode 0600.
+directory (0700), and refuse one another uid could replace names in (`pool.directory`); refuse
+to start if a live server answers on the socket, remove a stale socket; create the store (pool
+file, storage tier); bind the socket with mode 0600. Each client is welcomed with the pool
+file's descriptor, never its name.
 
 Clients: every connection is one owner in the store; when it closes, for whatever reason, its
 reservations are aborted and its leases released (the reservations of a client whose process
@@ -38,7 +40,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import __version__
+from .. import __version__, safefs
 from ..config import Settings, load_settings
 from ..errors import HpkvError, PoolError
 from ..keys import MAX_KEY_BYTES, NS_DIGEST_BYTES, NamespaceDesc
@@ -260,8 +262,14 @@ class Server:
             return False
         client.kind = hello.kind[:32]
         region = self.store.region
-        _send(conn, p.Welcome(p.PROTOCOL_VERSION, os.getpid(), str(region.path), region.size_bytes,
-                              region.inode, client.id))
+        try:
+            pool_fd = region.share_fd()
+        except PoolError:  # the pool is closing: the server is stopping
+            _send(conn, p.Error("internal", "the HPKV server is stopping; a new one takes its place"))
+            return False
+        # The pool goes as a descriptor: the client maps this file, whatever its name is by now.
+        p.send_frame_fds(conn, p.Welcome(p.PROTOCOL_VERSION, os.getpid(), p.display_path(region.path),
+                                         region.size_bytes, region.inode, client.id), [pool_fd])
         return True
 
     def _dialogue(self, conn: socket.socket, client: ClientInfo) -> None:
@@ -383,8 +391,9 @@ class Server:
                        for c in self._clients.values()]
         out["server"] = {"pid": os.getpid(), "version": __version__, "protocol": p.PROTOCOL_VERSION,
                          "auto": self.auto, "uptime_s": round(time.time() - self.started_at, 1),
-                         "socket": str(self.socket_path), "pool_path": str(self.store.region.path),
-                         "storage_path": str(self.settings.storage.path)}
+                         "socket": p.display_path(self.socket_path),
+                         "pool_path": p.display_path(self.store.region.path),
+                         "storage_path": p.display_path(self.settings.storage.path)}
         out["clients"] = clients
         return out
 
@@ -419,9 +428,14 @@ def _send(conn: socket.socket, msg: p.Msg) -> None:
 
 
 def _claim_socket_path(path: Path) -> None:
-    """Refuse if a live server answers on `path`; remove a socket left by a dead one."""
-    if not path.exists():
-        return
+    """Refuse if a live server answers on `path`; remove a socket left by a dead one. What is
+    not a socket of this uid or root (a link, a FIFO, another user's socket) is refused."""
+    try:
+        if not safefs.check_socket(path, safefs.owners()):
+            return
+    except safefs.UnsafeFile as exc:
+        raise PoolError(f"cannot listen on {path}: it {exc.why}, which no HPKV server leaves; remove it (as its "
+                        "owner or root), or point HPKV_SHARE_MEM_FILE_PATH at a directory of this user's own") from None
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(2.0)
     busy = ""

@@ -15,16 +15,24 @@ Holds (version 2): a reservation made with a `hold` name is not the reserving cl
 commit. Whoever knows whether the bytes are good (vLLM's scheduler, once the step that computed
 them is known not to have read a failed load) settles the whole hold, every client's part of
 it, with `Settle`: the keys it names are aborted, the rest committed.
+
+The pool as a descriptor (version 3): the `Welcome` frame carries the pool file's descriptor
+(SCM_RIGHTS, `send_frame_fds` / `recv_frame_fds`), and the client maps that, never the file of
+that name: a name in a directory others might write to can be swapped. `Welcome.pool_path` is
+for messages only (`display_path`: any bytes, as UTF-8 with escapes), `pool_bytes` and
+`pool_inode` are what the client checks the descriptor against.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import struct
 from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_FRAME_BYTES = 16 << 20
 SOCKET_NAME = "hpkv.sock"
 LOCK_NAME = "hpkv.lock"
@@ -111,7 +119,7 @@ Request = Union[Hello, Register, Lookup, Reserve, Commit, Abort, Settle, Lease, 
 class Welcome(_Stable):
     version: int
     server_pid: int
-    pool_path: str
+    pool_path: str  # display_path: for messages only (the pool itself comes as a descriptor)
     pool_bytes: int
     pool_inode: int
     client_id: int
@@ -221,3 +229,52 @@ def recv_exact(sock, num_bytes: int, idle_ok: bool = False) -> bytes:
 
 def recv_frame(sock, idle_ok: bool = False) -> bytes:
     return recv_exact(sock, frame_length(recv_exact(sock, _LENGTH.size, idle_ok)))
+
+
+def display_path(path: str | os.PathLike) -> str:
+    """A path as text that always encodes: its bytes as UTF-8, any others escaped (a directory
+    name need not be UTF-8, and msgpack strings must be)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def send_frame_fds(sock: socket.socket, msg: Msg, fds: list[int]) -> None:
+    """Send one frame with `fds` attached to its first byte (SCM_RIGHTS)."""
+    data = encode(msg)
+    sent = socket.send_fds(sock, [data], fds)
+    if sent < len(data):
+        sock.sendall(data[sent:])
+
+
+def recv_frame_fds(sock: socket.socket, max_fds: int = 1) -> tuple[bytes, list[int]]:
+    """One frame and the descriptors that came with it (close-on-exec). The caller owns the
+    descriptors; on any error they are closed here. More than `max_fds` are closed by the kernel
+    (MSG_CTRUNC) or here."""
+    fds: list[int] = []
+
+    def exact(num_bytes: int) -> bytes:
+        chunks = bytearray()
+        while len(chunks) < num_bytes:
+            data, got, _, _ = socket.recv_fds(sock, num_bytes - len(chunks), max_fds, socket.MSG_CMSG_CLOEXEC)
+            fds.extend(got)
+            if not data:
+                raise EOFError("connection closed")
+            chunks += data
+        return bytes(chunks)
+
+    try:
+        body = exact(frame_length(exact(_LENGTH.size)))
+    except BaseException:
+        close_fds(fds)
+        raise
+    if len(fds) > max_fds:
+        close_fds(fds[max_fds:])
+        del fds[max_fds:]
+    return body, fds
+
+
+def close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

@@ -3,18 +3,21 @@
 A write-through checksums a pool slot and copies it into the page cache: CPU work that, on the
 server's own threads, competed for the GIL with its request handlers (a lookup waits behind it),
 and that could not run at a lower priority there (a descheduled thread holding the GIL stalls
-every handler). A writer is a child process (`python -m hpkv.storage.writer POOL NICE`) at
-niceness `HPKV_WRITE_NICE`: it maps the pool file read-only and, for each job on its stdin,
-checksums the slot, writes the entry file (`write_entry_file`: temporary, then rename) and
-answers on its stdout. So an engine's threads come before the write-through on a busy CPU, and
-the server's handlers never wait for it.
+every handler). A writer is a child process (`python -m hpkv.storage.writer POOL_FD NICE`) at
+niceness `HPKV_WRITE_NICE`: it maps the pool file read-only from the descriptor the server
+passes it (`pass_fds`; never by name, which someone with write access to the pool directory
+could swap for a file of their own) and, for each job on its stdin, checksums the slot, writes
+the entry file (`write_entry_file`: temporary, then rename) and answers on its stdout. So an
+engine's threads come before the write-through on a busy CPU, and the server's handlers never
+wait for it.
 
 Protocol: one JSON object per line. The writer first says `{"hello": "hpkv-writer", "version":
 N}`; a job is `{"ns", "key" (hex), "offset", "length", "final", "tmp", "directory", "mkdir",
 "root", "fsync", "format"}` (a `FileTarget`; "format": the file format version, 2 to write it
 with O_DIRECT), answered by `{"ok": true}` or `{"errno": E, "error": "..."}`.
 
-Primitives: `WriterPool(pool_path, num_processes, nice)`: `write(ns, key, offset, length, target,
+Primitives: `WriterPool(pool_fd, num_processes, nice)` (the descriptor stays the caller's, open
+while the pool lives): `write(ns, key, offset, length, target,
 fsync, version) -> OSError | None` (one job; the caller holds the slot for its duration),
 `pids()`, `stats()`, `close()`, `kill()`. `WriterUnavailable` when no writer process can be started: the
 caller writes in process instead. Must not know: the index, capacity, eviction (the storage tier
@@ -30,6 +33,7 @@ import mmap
 import os
 import queue
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -42,7 +46,7 @@ from .fileio import FileIO, FileTarget, remove_temp, write_entry_file
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: the pool comes as a descriptor
 HELLO = "hpkv-writer"
 
 
@@ -53,13 +57,13 @@ class WriterUnavailable(HpkvError):
 class WriterProcess:
     """One child process; one job at a time."""
 
-    def __init__(self, pool_path: Path, nice: int) -> None:
+    def __init__(self, pool_fd: int, nice: int) -> None:
         src_root = str(Path(__file__).resolve().parents[2])  # so the child imports this hpkv
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, env.get("PYTHONPATH")) if p)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hpkv.storage.writer", str(pool_path), str(nice)],
+                [sys.executable, "-m", "hpkv.storage.writer", str(pool_fd), str(nice)], pass_fds=(pool_fd,),
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
         except OSError as exc:
             raise WriterUnavailable(f"cannot start a write-through process: {exc}") from None
@@ -142,8 +146,8 @@ class WriterPool:
 
     RETRY_S = 60.0
 
-    def __init__(self, pool_path: Path, num_processes: int, nice: int) -> None:
-        self.pool_path = Path(pool_path)
+    def __init__(self, pool_fd: int, num_processes: int, nice: int) -> None:
+        self.pool_fd = pool_fd
         self.nice = nice
         self._idle: queue.SimpleQueue[WriterProcess | None] = queue.SimpleQueue()
         for _ in range(num_processes):
@@ -198,7 +202,7 @@ class WriterPool:
             if time.monotonic() < self._retry_at:
                 raise WriterUnavailable(self._unavailable or "no write-through process")
         try:
-            proc = WriterProcess(self.pool_path, self.nice)
+            proc = WriterProcess(self.pool_fd, self.nice)
         except WriterUnavailable as exc:
             with self._lock:
                 self.num_start_failures += 1
@@ -246,15 +250,18 @@ class WriterPool:
 
 # -- the child ----------------------------------------------------------------------------------
 
-def _serve(pool_path: str, nice: int) -> int:
+def _serve(pool_fd: int, nice: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C stops the server, which closes our stdin
     os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
     out = sys.stdout.buffer
-    fd = os.open(pool_path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        pool = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+        if not stat.S_ISREG(os.fstat(pool_fd).st_mode):
+            print(f"hpkv writer: descriptor {pool_fd} is not the pool file", file=sys.stderr)
+            return 2
+        # The mapping keeps the file; the descriptor is not needed once it is made.
+        pool = mmap.mmap(pool_fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
     finally:
-        os.close(fd)
+        os.close(pool_fd)
     buf = memoryview(pool)
     io = FileIO()
     _answer(out, {"hello": HELLO, "version": PROTOCOL_VERSION})
@@ -290,4 +297,4 @@ def _answer(out, reply: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(_serve(sys.argv[1], int(sys.argv[2])))
+    sys.exit(_serve(int(sys.argv[1]), int(sys.argv[2])))

@@ -24,8 +24,11 @@ long run of 512 such blocks (128 MiB) out of a tmpfs pool: 21-24 ms on one threa
 two, on an otherwise idle machine.
 
 The pool is mapped as a CPU tensor; on CUDA it is registered as pinned memory (cudaHostRegister)
-once per pool file, so device copies DMA straight into it, in both directions without waiting
-for each copy (the stream is synchronized once, before `save`/`load` return).
+once per pool mapping, so device copies DMA straight into it, in both directions without waiting
+for each copy (the stream is synchronized once, before `save`/`load` return). A registration
+lasts as long as the mapping's `PoolRegion`: once no client or handle refers to it (a restarted
+server's old pool), it is unregistered and its tensor dropped, so the mapping, and the old pool's
+memory, go as they do on the CPU path.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import ctypes
 import itertools
 import logging
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -45,40 +49,93 @@ from ..pool.region import PoolRegion
 log = logging.getLogger(__name__)
 
 
-class PoolTensors:
-    """The pool as an int8 CPU tensor: on CUDA one per pool file (by inode), registered as pinned
-    memory once; elsewhere a view made per copy."""
+class CudaPinning:
+    """Registers host memory with CUDA (`cudaHostRegister`), for `PoolTensors`."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._by_inode: dict[int, tuple[PoolRegion, torch.Tensor]] = {}
-        self._lock = threading.Lock()  # the forward thread's loads and the saver thread's saves
-        self.pinned = False
-
-    def get(self, region: PoolRegion) -> torch.Tensor:
-        if self.device.type != "cuda":
-            # Nothing to register: a view made per copy keeps no pool mapped after its server
-            # is gone (a restarted server's old pool keeps its memory while anything maps it).
-            return torch.frombuffer(region.buf, dtype=torch.int8)
-        with self._lock:
-            held = self._by_inode.get(region.inode)
-            if held is None:
-                tensor = torch.frombuffer(region.buf, dtype=torch.int8)
-                self._pin(tensor)
-                held = self._by_inode[region.inode] = (region, tensor)
-            return held[1]
-
-    def _pin(self, tensor: torch.Tensor) -> None:
-        if self.device.type != "cuda":
-            return  # CPU needs no pinning; other devices copy through pageable memory
+    def register(self, tensor: torch.Tensor) -> bool:
         result = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
         code = result[0] if isinstance(result, tuple) else result
         # 712, cudaErrorHostMemoryAlreadyRegistered: another copier in this process (the saver
         # thread's, another engine's) registered this mapping first; it is pinned all the same.
-        self.pinned = int(code) in (0, 712)
-        if not self.pinned:
-            log.warning("could not register the HPKV pool as pinned memory (cuda error %s); copies to and "
-                        "from the GPU will be slower", code)
+        if int(code) in (0, 712):
+            return True
+        log.warning("could not register the HPKV pool as pinned memory (cuda error %s); copies to and "
+                    "from the GPU will be slower", code)
+        return False
+
+    def unregister(self, tensor: torch.Tensor) -> None:
+        torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
+
+class PoolTensors:
+    """The pool as an int8 CPU tensor. With a `pinning` (CUDA's by default on a CUDA device), one
+    tensor per live pool mapping, registered once and unregistered when the mapping's region is
+    collected (no client or handle refers to it any more: its server is gone), then dropped so the
+    mapping can go; elsewhere a view made per copy. The unregistering runs on the next `get` or
+    `release_dead`, or at once when the collector runs it and no copy is under way here."""
+
+    def __init__(self, device: torch.device, pinning=None) -> None:
+        self.device = device
+        self.pinning = pinning if pinning is not None else CudaPinning() if device.type == "cuda" else None
+        self._tokens: weakref.WeakKeyDictionary[PoolRegion, int] = weakref.WeakKeyDictionary()
+        self._held: dict[int, tuple[torch.Tensor, bool]] = {}  # token -> (tensor, pinned)
+        self._dead: list[int] = []  # tokens of regions collected, their tensors not unregistered yet
+        self._next_token = itertools.count(1)
+        self._lock = threading.Lock()  # the forward thread's loads and the saver thread's saves
+        self.pinned = False  # whether the last tensor handed out is pinned
+
+    def get(self, region: PoolRegion) -> torch.Tensor:
+        return self.get_pinned(region)[0]
+
+    def get_pinned(self, region: PoolRegion) -> tuple[torch.Tensor, bool]:
+        """The pool's tensor, and whether it is registered as pinned memory."""
+        if self.pinning is None:
+            # Nothing to register: a view made per copy keeps no pool mapped after its server
+            # is gone (a restarted server's old pool keeps its memory while anything maps it).
+            return torch.frombuffer(region.buf, dtype=torch.int8), False
+        with self._lock:
+            self._release_dead()
+            token = self._tokens.get(region)
+            if token is None:
+                tensor = torch.frombuffer(region.buf, dtype=torch.int8)
+                token = self._tokens[region] = next(self._next_token)
+                self._held[token] = (tensor, self.pinning.register(tensor))
+                # Holds neither the region nor the tensor: collecting the region is the signal.
+                # Not at exit: the process's mappings and registrations go with it.
+                weakref.finalize(region, self._died, token).atexit = False
+            tensor, self.pinned = self._held[token]
+            return tensor, self.pinned
+
+    def num_held(self) -> int:
+        """Pool mappings registered now."""
+        with self._lock:
+            return len(self._held)
+
+    def release_dead(self) -> None:
+        with self._lock:
+            self._release_dead()
+
+    def close(self) -> None:
+        """Unregister and drop every tensor now, live regions' too: the caller copies no more,
+        and may unmap a pool it owns next."""
+        with self._lock:
+            self._dead.extend(self._held)
+            self._release_dead()
+
+    def _died(self, token: int) -> None:
+        self._dead.append(token)  # list.append is atomic: safe from any thread, lock or not
+        if self._lock.acquire(blocking=False):  # not when the collector runs inside `get`
+            try:
+                self._release_dead()
+            finally:
+                self._lock.release()
+
+    def _release_dead(self) -> None:
+        while self._dead:
+            tensor, pinned = self._held.pop(self._dead.pop(), (None, False))  # none: gone with `close`
+            if pinned:
+                self.pinning.unregister(tensor)  # before the tensor, the last hold on the mapping, goes
+            del tensor
 
 
 LONG_RUN = 8  # blocks; shorter runs are copied page by page on the CPU
@@ -144,13 +201,14 @@ def _runs(block_ids: list[int], offsets: list[int]) -> list[tuple[int, int, int,
 
 
 class BlockCopier:
-    def __init__(self, layer_views: list[torch.Tensor], layer_offsets: tuple[int, ...]) -> None:
+    def __init__(self, layer_views: list[torch.Tensor], layer_offsets: tuple[int, ...], pinning=None) -> None:
+        """`pinning`: registers pool mappings (`CudaPinning` on a CUDA device, by default)."""
         self.layer_views = layer_views
         self.layer_offsets = layer_offsets
         self.page_bytes = [v.shape[1] for v in layer_views]
         self.entry_bytes = sum(self.page_bytes)
         self.device = layer_views[0].device if layer_views else torch.device("cpu")
-        self.pools = PoolTensors(self.device)
+        self.pools = PoolTensors(self.device, pinning)
 
     def save(self, region: PoolRegion, block_ids: list[int], offsets: list[int]) -> None:
         """Copy blocks into pool entries (device -> pool)."""
@@ -161,16 +219,16 @@ class BlockCopier:
         self._move(region, block_ids, offsets, to_pool=False)
 
     def _move(self, region: PoolRegion, block_ids: list[int], offsets: list[int], to_pool: bool) -> None:
-        pool = self.pools.get(region)
+        pool, pinned = self.pools.get_pinned(region)
         if self.device.type == "cpu":
             self._move_cpu(pool, _runs(block_ids, offsets), to_pool)
             return
         for run in _runs(block_ids, offsets):
             for blocks, entries in self._pairs(pool, run):
                 if to_pool:
-                    entries.copy_(blocks, non_blocking=self.pools.pinned)
+                    entries.copy_(blocks, non_blocking=pinned)
                 else:
-                    blocks.copy_(entries, non_blocking=self.pools.pinned)
+                    blocks.copy_(entries, non_blocking=pinned)
         self._sync()
 
     def _move_cpu(self, pool: torch.Tensor, runs: list[tuple[int, int, int, int, int]], to_pool: bool) -> None:
