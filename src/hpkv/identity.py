@@ -22,7 +22,7 @@ engines find it (`huggingface_hub.snapshot_download(local_files_only=True)`); on
 be found, or a weight source this module cannot read, has no content identity: the caller then
 uses a private one (never shared) and logs why.
 
-Primitives: `content_identity(model, revision, download_dir)` (cached), `fingerprint(path)`,
+Primitives: `content_identity(model, revision, download_dir)` (cached; `forget()`), `fingerprint(path)`,
 `override_identity(value)`, `private_identity(reason, scope)`, `ModelIdentity`.
 Must not know: engines (no torch, vLLM or SGLang here), namespaces, the pool.
 """
@@ -108,6 +108,11 @@ def content_identity(model: str, revision: str | None = None, download_dir: str 
     """The content identity of `model` (a directory, a single weight file, or a hub id with its
     local snapshot). Raises NoContentIdentity. Computed once per process per argument set."""
     return _content_identity(str(model), revision or None, download_dir or None)
+
+
+def forget() -> None:
+    """Drop the identities computed so far: the next call reads the files again."""
+    _content_identity.cache_clear()
 
 
 @functools.lru_cache(maxsize=None)
