@@ -30,7 +30,7 @@ LOCAL_LOAD_FORMATS = frozenset(("auto", "pt", "safetensors", "instanttensor", "n
                                 "presharded", "gguf", "bitsandbytes", "mistral", "layered", "fastsafetensors",
                                 "runai_streamer"))
 # Server arguments that change a model's numerics on load, with the values that change nothing.
-NUMERICS_ARGS = (("quantization", None), ("modelopt_quant", None), ("dtype", "auto"), ("qsa_indexer_dtype", None))
+NUMERICS_ARGS = (("quantization", None), ("modelopt_quant", None), ("dtype", "auto"), ("qsa_indexer_dtype", "auto"))
 # Server arguments that take weights or config from outside --model-path.
 OUTSIDE_ARGS = ("modelopt_checkpoint_restore_path", "custom_weight_loader", "decrypted_config_file", "rl_quant_profile")
 _PROCESS_SCOPE = uuid.uuid4().hex[:12]
