@@ -160,3 +160,26 @@ def test_the_override_and_private_identities():
     assert ident.override_identity("team/model@v7").id == "HPKV_MODEL_ID:team/model@v7"
     one, other = ident.private_identity("random weights", "a"), ident.private_identity("random weights", "b")
     assert not one.shared and one.id != other.id
+
+
+def test_hpkv_status_shows_each_namespace_identity_and_where_it_came_from():
+    from rich.console import Console
+
+    from hpkv.keys import NamespaceDesc
+    from hpkv.status import _namespaces_table
+
+    source = "content of 2 config files and 4 weight files (16.0 GiB; headers and sampled chunks)"
+    described = NamespaceDesc(engine="vllm", model="content:0123abcd+quantization=fp8", dtype="bfloat16",
+                              layout="LBHNC", block_size=32, num_layers=2, entry_bytes=8192,
+                              extra=(("model_source", source),))
+    older = NamespaceDesc(engine="vllm", model="/models/m@main", dtype="bfloat16", layout="LBHNC", block_size=32,
+                          num_layers=2, entry_bytes=8192)
+    counts = {"lookups": 1, "lookup_keys": 4, "hit_keys_dram": 2, "hit_keys_storage": 1}
+    stats = {"store": dict(counts), "namespaces": {d.ns: {"desc": d.to_json(), **counts} for d in (described, older)}}
+    console = Console(record=True, width=400)
+
+    console.print(_namespaces_table(stats))
+
+    text = console.export_text()
+    assert "content:0123abcd+quantization=fp8" in text and source in text
+    assert "model from" in text
