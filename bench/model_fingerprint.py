@@ -47,7 +47,8 @@ def build(directory: Path, total_bytes: int, num_shards: int, num_layers: int) -
         tensor_bytes = data_bytes // len(shard_names) // 2 * 2
         header, offset = {"__metadata__": {"format": "pt"}}, 0
         for name in shard_names:
-            header[name] = {"dtype": "BF16", "shape": [tensor_bytes // 2], "data_offsets": [offset, offset + tensor_bytes]}
+            header[name] = {"dtype": "BF16", "shape": [tensor_bytes // 2],
+                            "data_offsets": [offset, offset + tensor_bytes]}
             offset += tensor_bytes
         text = json.dumps(header).encode()
         path = directory / f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"

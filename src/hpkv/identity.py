@@ -32,14 +32,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import logging
 import os
 import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-log = logging.getLogger("hpkv.identity")
 
 FORMAT = b"hpkv-model-fingerprint-1"
 DIGEST_BYTES = 16

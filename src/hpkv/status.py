@@ -116,7 +116,8 @@ def _namespaces_table(stats: dict) -> Table:
         desc = _desc(entry["desc"])
         keys = entry["lookup_keys"]
         table.add_row(ns[:NS_PREFIX_CHARS], Text(str(desc.get("engine", "?"))), Text(str(desc.get("model", "?"))),
-                      Text(_model_source(desc)), Text(str(desc.get("dtype", "?"))), f"{desc.get('tp_size', '?')}/{desc.get('rank', '?')}",
+                      Text(_model_source(desc)), Text(str(desc.get("dtype", "?"))),
+                      f"{desc.get('tp_size', '?')}/{desc.get('rank', '?')}",
                       human_bytes(desc["entry_bytes"]) if "entry_bytes" in desc else "?",
                       str(entry["lookups"]), str(keys), hit_rate(entry["hit_keys_dram"], keys),
                       hit_rate(entry["hit_keys_storage"], keys),
