@@ -12,7 +12,8 @@ the weights, so the pages the fingerprint reads are usually still in the page ca
 prints how many reads it makes, to price a cold cache: reads x the device's latency).
 `--model-dir DIR` fingerprints a real model directory instead (no baseline).
 
-    .venv/bin/python bench/model_fingerprint.py [--gib 40] [--shards 1] [--layers 80] [--dir /tmp] [--repeat 5] [--json]
+    .venv/bin/python bench/model_fingerprint.py [--gib 40] [--shards 1] [--layers 80] [--experts 0] [--dir /tmp]
+        [--repeat 5] [--json]
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ TENSORS_PER_LAYER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self
                      "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight")
 
 
-def build(directory: Path, total_bytes: int, num_shards: int, num_layers: int) -> list[Path]:
+def build(directory: Path, total_bytes: int, num_shards: int, num_layers: int, num_experts: int = 0) -> list[Path]:
     """A sparse checkpoint: every shard's header is real, its data a hole."""
     names = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
     names += [f"model.layers.{i}.{t}" for i in range(num_layers) for t in TENSORS_PER_LAYER]
+    names += [f"model.layers.{i}.mlp.experts.{e}.{t}_proj.weight" for i in range(num_layers)
+              for e in range(num_experts) for t in ("gate", "up", "down")]
     files = []
     for shard in range(num_shards):
         shard_names = names[shard * len(names) // num_shards:(shard + 1) * len(names) // num_shards]
@@ -86,12 +89,15 @@ def time_baseline(files: list[Path], num_bytes: int) -> float:
 
 
 def num_reads(files: list[Path]) -> int:
+    """Reads of the fingerprint, as `identity._hash_samples` plans them."""
+    per_file = max(16, min(identity.MAX_TENSOR_SAMPLES, identity.TENSOR_SAMPLE_BUDGET // len(files)))
+    chunks = max(2, min(identity.NUM_CHUNKS, identity.CHUNK_BUDGET // len(files)))
     reads = 0
     for path in files:
         with open(path, "rb") as f:
-            spans = identity._safetensors_tensors(f, os.path.getsize(path))
-        tensors = len(spans[1]) if spans else 2
-        reads += 1 + min(tensors, identity.MAX_TENSOR_SAMPLES) + identity.NUM_CHUNKS
+            header = identity._safetensors_header(f, os.path.getsize(path))
+        tensors = len(header[1]) if header else 2
+        reads += 1 + len(range(0, tensors, max(1, -(-tensors // per_file)))) + chunks
     return reads
 
 
@@ -100,6 +106,7 @@ def main() -> int:
     parser.add_argument("--gib", type=float, default=40.0)
     parser.add_argument("--shards", type=int, default=1)
     parser.add_argument("--layers", type=int, default=80)
+    parser.add_argument("--experts", type=int, default=0, help="routed experts per layer (MoE: 3 tensors each)")
     parser.add_argument("--dir", default=None, help="where to build the sparse model (default: the temp dir)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--baseline-mib", type=int, default=64)
@@ -118,10 +125,10 @@ def main() -> int:
         return 0
     directory = Path(tempfile.mkdtemp(prefix="hpkv-fingerprint-", dir=args.dir))
     try:
-        files = build(directory, int(args.gib * 2 ** 30), args.shards, args.layers)
+        files = build(directory, int(args.gib * 2 ** 30), args.shards, args.layers, args.experts)
         baseline_s = time_baseline(files, args.baseline_mib << 20)
         times, found = time_fingerprint(directory, args.repeat)
-        result = {"gib": args.gib, "shards": args.shards, "tensors": 3 + 9 * args.layers,
+        result = {"gib": args.gib, "shards": args.shards, "tensors": 3 + (9 + 3 * args.experts) * args.layers,
                   "fingerprint_s": times, "median_s": statistics.median(times), "max_s": max(times),
                   "budget_s": BUDGET_S, "bytes_read": found.num_bytes_read, "reads": num_reads(files),
                   "baseline_mib": args.baseline_mib, "baseline_s": baseline_s, "source": found.source}

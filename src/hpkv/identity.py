@@ -13,9 +13,11 @@ load from; hidden files and subdirectories are not read):
   are the keys, so the tokenizer cannot change the KV of given ids; sampling defaults do not touch
   the KV), `*.py` (remote code), `*.yaml`/`*.yml`;
 - weight files (`WEIGHT_SUFFIXES`): name and size; whole when small; otherwise the safetensors
-  header, one 4 KiB sample from the middle of every tensor (up to MAX_TENSOR_SAMPLES per file),
-  and NUM_CHUNKS chunks at fixed offsets (other formats: the first 1 MiB, the last 64 KiB and
-  the chunks). A change that none of these bytes sees (a few weights edited by hand) keeps the
+  header, one 4 KiB sample from the middle of every tensor, and NUM_CHUNKS chunks at fixed
+  offsets (other formats: the first 1 MiB, the last 64 KiB and the chunks). Reads are what cost
+  (the size does not): a model of many files or tensors gets fewer per file, evenly spread, so
+  that a whole model costs at most about TENSOR_SAMPLE_BUDGET + CHUNK_BUDGET reads and a header
+  per file. A change that none of these bytes sees (a few weights edited by hand) keeps the
   identity: such deployments set HPKV_MODEL_ID.
 A model given as a Hugging Face hub id is read from its local snapshot, found the way the
 engines find it (`huggingface_hub.snapshot_download(local_files_only=True)`); one that cannot
@@ -31,8 +33,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import os
+import re
 import struct
 import time
 from dataclasses import dataclass, field
@@ -50,10 +52,12 @@ NOT_KV_FILES = frozenset(("tokenizer.json", "tokenizer_config.json", "special_to
                           "added_tokens.json", "vocab.json", "generation_config.json", "chat_template.json"))
 FULL_READ_BYTES = 8 << 20  # a file up to this size is hashed whole
 CONFIG_MAX_BYTES = 64 << 20  # a config-like file larger than this is sampled like a weight file
-NUM_CHUNKS = 16
-CHUNK_BYTES = 16 << 10
+NUM_CHUNKS = 16  # per file, at most; fewer when the model has many files
+CHUNK_BUDGET = 1024  # chunks for the whole model
+CHUNK_BYTES = 4 << 10
 TENSOR_SAMPLE_BYTES = 4 << 10
-MAX_TENSOR_SAMPLES = 1024  # per file, spread evenly over its tensors
+MAX_TENSOR_SAMPLES = 1024  # per file, at most, spread evenly over its tensors
+TENSOR_SAMPLE_BUDGET = 4096  # tensor samples for the whole model
 HEAD_BYTES = 1 << 20  # non-safetensors weight files: their header region
 TAIL_BYTES = 64 << 10  # ... and their end (a zip's central directory)
 SAFETENSORS_MAX_HEADER = 100 << 20  # safetensors' own limit
@@ -180,6 +184,9 @@ def fingerprint(path: Path) -> Fingerprint:
         raise NoContentIdentity(f"{path} is neither a file nor a directory")
     h = hashlib.blake2b(FORMAT, digest_size=DIGEST_BYTES)
     num_config = num_weights = weight_bytes = num_read = 0
+    num_weight_files = max(1, sum(_kind(name) == "weights" for name, _ in files))
+    tensor_samples = max(16, min(MAX_TENSOR_SAMPLES, TENSOR_SAMPLE_BUDGET // num_weight_files))
+    num_chunks = max(2, min(NUM_CHUNKS, CHUNK_BUDGET // num_weight_files))
     for name, file in files:
         kind = _kind(name)
         if kind is None:
@@ -189,7 +196,8 @@ def fingerprint(path: Path) -> Fingerprint:
                 size = os.fstat(f.fileno()).st_size
                 h.update(_frame(kind.encode(), name.encode(), str(size).encode()))
                 whole = size <= (CONFIG_MAX_BYTES if kind == "config" else FULL_READ_BYTES)
-                num_read += _hash_whole(f, h) if whole else _hash_samples(f, size, name, h)
+                num_read += (_hash_whole(f, h) if whole else
+                             _hash_samples(f, size, name, h, tensor_samples, num_chunks))
         except OSError as exc:
             raise NoContentIdentity(f"cannot read {file}: {exc.strerror or exc}") from None
         if kind == "config":
@@ -230,43 +238,56 @@ def _read_at(f, offset: int, length: int, h) -> int:
     return len(data)
 
 
-def _hash_samples(f, size: int, name: str, h) -> int:
-    """A large file: its header, a sample of every tensor (safetensors), and fixed chunks."""
+def _hash_samples(f, size: int, name: str, h, tensor_samples: int, num_chunks: int) -> int:
+    """A large file: its header, a sample of its tensors (safetensors), and fixed chunks."""
     num = 0
     offsets: list[tuple[int, int]] = []
-    tensors = _safetensors_tensors(f, size) if name.lower().endswith(".safetensors") else None
-    if tensors is not None:
-        header_end, spans = tensors
-        num += _read_at(f, 0, header_end, h)  # the header: every tensor's name, dtype, shape, place
-        step = max(1, -(-len(spans) // MAX_TENSOR_SAMPLES))
-        for start, end in spans[::step]:
+    header = _safetensors_header(f, size) if name.lower().endswith(".safetensors") else None
+    if header is not None:
+        raw, tensors = header
+        h.update(_frame(b"0", raw))  # the header: every tensor's name, dtype, shape and place
+        num += len(raw)
+        # In the header's own order (the same in every copy), evenly spread.
+        for start, end in _spans(tensors[::max(1, -(-len(tensors) // tensor_samples))], len(raw), size):
             middle = max(start, (start + end - TENSOR_SAMPLE_BYTES) // 2)
             offsets.append((middle, min(TENSOR_SAMPLE_BYTES, end - middle)))
     else:
         offsets += [(0, HEAD_BYTES), (size - TAIL_BYTES, TAIL_BYTES)]
     last = size - CHUNK_BYTES
-    offsets += [(last * i // (NUM_CHUNKS - 1), CHUNK_BYTES) for i in range(NUM_CHUNKS)]
+    offsets += [(last * i // (num_chunks - 1), CHUNK_BYTES) for i in range(num_chunks)]
     for offset, length in sorted(set(offsets)):
         num += _read_at(f, offset, length, h)
     return num
 
 
-def _safetensors_tensors(f, size: int) -> tuple[int, list[tuple[int, int]]] | None:
-    """(end of the header, absolute (start, end) of each tensor's data), or None for a file that
-    is not a well-formed safetensors file (then sampled like any other)."""
+def _safetensors_header(f, size: int) -> tuple[bytes, list[tuple[bytes, bytes]]] | None:
+    """(the header's bytes with their length prefix, each tensor's data offsets as written), or
+    None for a file that is not a safetensors file (then sampled like any other). The offsets
+    are found by a pattern rather than a JSON parse: a 160-file MoE checkpoint has 50,000
+    tensors, whose parse would cost more than all the reads; the header is hashed whole anyway."""
     head = os.pread(f.fileno(), 8, 0)
     if len(head) < 8:
         return None
     (header_bytes,) = struct.unpack("<Q", head)
     if header_bytes > min(SAFETENSORS_MAX_HEADER, size - 8):
         return None
-    try:
-        header = json.loads(os.pread(f.fileno(), header_bytes, 8))
-        spans = sorted((8 + header_bytes + int(t["data_offsets"][0]), 8 + header_bytes + int(t["data_offsets"][1]))
-                       for name, t in header.items() if name != "__metadata__")
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError):
+    text = os.pread(f.fileno(), header_bytes, 8)
+    if not text.startswith(b"{"):
         return None
-    return 8 + header_bytes, [(start, end) for start, end in spans if 0 <= start < end <= size]
+    return head + text, _DATA_OFFSETS.findall(text)
+
+
+_DATA_OFFSETS = re.compile(rb'"data_offsets"\s*:\s*\[\s*(\d+)\s*,\s*(\d+)\s*\]')
+
+
+def _spans(tensors: list[tuple[bytes, bytes]], data_start: int, size: int) -> list[tuple[int, int]]:
+    """The absolute (start, end) of these tensors' data, those inside the file."""
+    spans = []
+    for begin, finish in tensors:
+        start, end = data_start + int(begin), data_start + int(finish)
+        if data_start <= start < end <= size:
+            spans.append((start, end))
+    return spans
 
 
 def _human(num_bytes: int) -> str:
