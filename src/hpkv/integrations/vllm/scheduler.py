@@ -65,7 +65,10 @@ class HpkvScheduler:
         self.descs = lay.namespaces(vllm_config, self.layout, identity)
         log.info("HPKV model identity: %s; model %s; namespace model %s", identity.describe(),
                  vllm_config.model_config.model, self.descs[0].model)
-        self._lora_logged = False
+        self._lora_logged = getattr(vllm_config, "lora_config", None) is not None
+        if self._lora_logged:
+            log.info("HPKV does not cache requests with a LoRA adapter (vLLM keys their KV by the adapter's name "
+                     "and path, not its content): they are computed by vLLM alone; base-model requests are cached")
         self.client = Client(settings.pool.dir, kind="vllm-scheduler", trusted_uids=settings.server_allow_uids)
         self.stats = HpkvConnectorStats()
         self._ns: list[str] | None = None
