@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import signal
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -105,36 +107,100 @@ def test_another_layout_dtype_or_rank_never_hits(node):
     assert su.backend(su.host_pool("mha", "page_first")).batch_exists(keys) == 3
 
 
+def weights(model, seed: int):
+    """A weight file in `model` (another seed: same names, shapes and size, other values)."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    save_file({"model.embed_tokens.weight": torch.randn(1000, 64, generator=generator).to(torch.bfloat16)},
+              model / "model.safetensors")
+    return model
+
+
 def test_another_model_under_the_same_served_name_never_hits(node, tmp_path):
-    """SGLang restarted under the same --served-model-name with another checkpoint, revision,
-    online quantization or config override: the pages stored before are another model's KV.
-    The served name itself is only an alias: the same model under another name hits."""
+    """SGLang restarted under the same --served-model-name with another checkpoint, new weights
+    at the same path, a `current` link switched, online quantization, a config override or
+    random weights: the pages stored before are another model's KV. The served name and the
+    path are only names: the same model under another name, or copied to another path, hits."""
+    from hpkv import identity
+
     keys = su.page_hashes("prompt", 3)
     model, other = su.tiny_model(tmp_path / "model"), su.tiny_model(tmp_path / "fine-tune")
+    weights(model, seed=1), weights(other, seed=2)
     current = tmp_path / "current"
     current.symlink_to(model)
     served = ["--served-model-name", su.SERVED]
     pool = su.host_pool()
     with su.published(["--model-path", current, *served]):
         write_pages(su.backend(pool), pool, keys)
+
+    def hits(argv) -> int:
+        identity.forget()  # as a new SGLang process: the files are read again
+        with su.published(argv):
+            return su.backend(pool).batch_exists(keys)
+
     restarts = {
         "another checkpoint": ["--model-path", other, *served],
-        "another revision": ["--model-path", current, "--revision", "v2", *served],
         "quantized on load": ["--model-path", current, "--quantization", "fp8", *served],
         "a config override": ["--model-path", current, "--json-model-override-args",
                               '{"rope_scaling": {"rope_type": "linear", "factor": 2.0}}', *served],
+        "random weights": ["--model-path", current, "--load-format", "dummy", *served],
     }
-    hits = {}
-    for what, argv in restarts.items():
-        with su.published(argv):
-            hits[what] = su.backend(pool).batch_exists(keys)
+    got = {what: hits(argv) for what, argv in restarts.items()}
     current.unlink()
     current.symlink_to(other)  # the deployment's "current" now names the fine-tune
-    with su.published(["--model-path", current, *served]):
-        hits["the symlink switched"] = su.backend(pool).batch_exists(keys)
-    assert hits == dict.fromkeys(hits, 0)
-    with su.published(["--model-path", model, "--served-model-name", "an-alias"]):
+    got["the symlink switched"] = hits(["--model-path", current, *served])
+    shutil.copytree(model, tmp_path / "copy")
+    weights(model, seed=3)  # new weights put where the model was
+    got["new weights at the same path"] = hits(["--model-path", model, *served])
+    assert got == dict.fromkeys(got, 0)
+    # The copy made before: another path (another node's mount), another served name, a
+    # revision (a local directory's content is what SGLang loads, whatever --revision says).
+    assert hits(["--model-path", tmp_path / "copy", "--served-model-name", "an-alias", "--revision", "v2"]) == 3
+
+
+def test_hpkv_model_id_names_the_model_in_place_of_its_files(node, tmp_path, monkeypatch):
+    from hpkv import identity
+
+    keys = su.page_hashes("prompt", 3)
+    pool = su.host_pool()
+    monkeypatch.setenv("HPKV_MODEL_ID", "team/qwen@7")
+    one, two = su.tiny_model(tmp_path / "one"), su.tiny_model(tmp_path / "two")
+    with su.published(["--model-path", one]):
+        storage = su.backend(pool)
+        write_pages(storage, pool, keys)
+    assert storage.desc.model == "HPKV_MODEL_ID:team/qwen@7"
+    assert dict(storage.desc.extra)["model_source"] == "HPKV_MODEL_ID"
+    with su.published(["--model-path", two]):
         assert su.backend(pool).batch_exists(keys) == 3
+    monkeypatch.setenv("HPKV_MODEL_ID", "team/qwen@8")
+    identity.forget()
+    with su.published(["--model-path", one]):
+        assert su.backend(pool).batch_exists(keys) == 0
+
+
+def test_a_lora_adapter_changed_at_its_path_names_another_namespace(tmp_path):
+    """SGLang keys a --lora-paths adapter's pages by its name and path only (a stable id): its
+    content is in HPKV's identity, so new adapter weights at the same path never hit."""
+    from hpkv import identity
+    from hpkv.integrations.sglang import modelid
+
+    model = weights(su.tiny_model(tmp_path / "model"), seed=1)
+    adapter = tmp_path / "adapters" / "sql"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16}))
+    weights(adapter, seed=4)
+
+    def ident(lora_paths):
+        identity.forget()
+        args = SimpleNamespace(model_path=str(model), load_format="auto", lora_paths=lora_paths)
+        return modelid.model_identity(args, None).id
+
+    forms = [["sql=" + str(adapter)], [{"lora_name": "sql", "lora_path": str(adapter)}], {"sql": str(adapter)}]
+    before = {ident(form) for form in forms}
+    assert len(before) == 1 and before != {ident(None)}
+    weights(adapter, seed=5)
+    assert ident(forms[0]) not in before
 
 
 def test_without_sglangs_server_args_the_served_name_names_the_model(node, caplog):

@@ -78,6 +78,15 @@ def test_blocks_split_in_kernel_blocks_are_refused_with_the_fix():
         block_rows("l0", cache, NUM_BLOCKS, page, "LBHNC")
 
 
+def _model():
+    from hpkv.identity import override_identity
+
+    return override_identity("m")
+
+
+MODEL = _model()
+
+
 def _config(num_layers: int, pp_size: int, tp_size: int = 1):
     """What `namespaces` reads of a vLLM config: the model, its layers, the parallel sizes."""
     from types import SimpleNamespace
@@ -104,9 +113,9 @@ def test_the_scheduler_looks_up_each_pipeline_stage_in_the_namespace_its_workers
 
     config = _config(28, pp_size=3, tp_size=2)
 
-    descs = namespaces(config, _stage(9))
+    descs = namespaces(config, _stage(9), MODEL)
 
-    workers = [namespace(config, _stage(layers), rank) for rank, layers in enumerate([9, 9, 10, 10, 9, 9])]
+    workers = [namespace(config, _stage(layers), rank, MODEL) for rank, layers in enumerate([9, 9, 10, 10, 9, 9])]
     assert descs == workers
     assert [d.num_layers for d in descs] == [9, 9, 10, 10, 9, 9]
     assert descs[2].entry_bytes == 10 * 4096
@@ -117,7 +126,7 @@ def test_one_stage_is_named_from_its_own_layers():
 
     config = _config(28, pp_size=1, tp_size=2)
 
-    assert namespaces(config, _stage(28)) == [namespace(config, _stage(28), rank) for rank in (0, 1)]
+    assert namespaces(config, _stage(28), MODEL) == [namespace(config, _stage(28), rank, MODEL) for rank in (0, 1)]
 
 
 def test_a_padded_page_is_one_row_with_its_padding_after_the_block():

@@ -74,6 +74,7 @@ class Settings:
     storage: StorageConfig
     token_threshold: int | None  # None means "auto"
     enable_vllm: bool
+    model_id: str | None  # HPKV_MODEL_ID: None means the model's content fingerprint
     log_level: str
     metrics_port: int
     metrics_host: str
@@ -207,6 +208,18 @@ def _parse_uids(text: str) -> tuple[int, ...]:
     return uids
 
 
+MODEL_ID_MAX_CHARS = 256
+
+
+def _parse_model_id(text: str) -> str | None:
+    text = text.strip()
+    if not text:
+        return None
+    if len(text) > MODEL_ID_MAX_CHARS or not text.isprintable():
+        raise ValueError(f"at most {MODEL_ID_MAX_CHARS} printable characters")
+    return text
+
+
 def _parse_host(text: str) -> str:
     if not text.strip():
         raise ValueError("empty host")
@@ -246,6 +259,11 @@ KEYS: tuple[KeySpec, ...] = (
             "an integer >= 0 or 'auto'"),
     KeySpec("VLLM_ENABLE_HPKV", "bool", _parse_bool, "false",
             "Enables HPKV in vLLM.", "1/0, true/false, yes/no or on/off"),
+    KeySpec("HPKV_MODEL_ID", "word", _parse_model_id, "",
+            "The model's identity in HPKV's namespaces, in place of the fingerprint of its files: engines "
+            "with the same value (and the same KV settings) share KV. Set it per engine, never for two models.",
+            f"empty (fingerprint the model's files), or an identity of at most {MODEL_ID_MAX_CHARS} printable "
+            "characters"),
     KeySpec("HPKV_KV_STORAGE_ENABLE", "bool", _parse_bool, "true",
             "Offload KV cache to the storage tier.", "1/0, true/false, yes/no or on/off"),
     KeySpec("HPKV_KV_STORAGE_SIZE", "size", _parse_size_or_auto, "auto",
@@ -450,6 +468,7 @@ def _build(resolved: list[Setting], warnings: tuple[str, ...]) -> Settings:
                               write_budget_bytes=v["HPKV_KV_STORAGE_WRITE_BUDGET"]),
         token_threshold=v["VLLM_HPKV_TOKEN_THRESHOLD"],
         enable_vllm=v["VLLM_ENABLE_HPKV"],
+        model_id=v["HPKV_MODEL_ID"],
         log_level=v["HPKV_LOG_LEVEL"],
         metrics_port=v["HPKV_METRICS_PORT"],
         metrics_host=v["HPKV_METRICS_HOST"],

@@ -116,23 +116,31 @@ def _tiers_table(stats: dict) -> Table:
 def _namespaces_table(stats: dict) -> Table:
     store = stats["store"]
     table = Table(title="namespaces", title_justify="left")
-    for column in ("namespace", "engine", "model", "dtype", "tp/rank", "entry", "lookups", "keys",
+    for column in ("namespace", "engine", "model", "model from", "dtype", "tp/rank", "entry", "lookups", "keys",
                    "DRAM hits", "storage hits", "all hits"):
-        table.add_column(column, no_wrap=column != "model")
+        table.add_column(column, no_wrap=column not in ("model", "model from"))
     for ns, entry in sorted(stats["namespaces"].items()):
         desc = _desc(entry["desc"])
         keys = entry["lookup_keys"]
         table.add_row(ns[:NS_PREFIX_CHARS], Text(str(desc.get("engine", "?"))), Text(str(desc.get("model", "?"))),
-                      Text(str(desc.get("dtype", "?"))), f"{desc.get('tp_size', '?')}/{desc.get('rank', '?')}",
+                      Text(_model_source(desc)), Text(str(desc.get("dtype", "?"))),
+                      f"{desc.get('tp_size', '?')}/{desc.get('rank', '?')}",
                       human_bytes(desc["entry_bytes"]) if "entry_bytes" in desc else "?",
                       str(entry["lookups"]), str(keys), hit_rate(entry["hit_keys_dram"], keys),
                       hit_rate(entry["hit_keys_storage"], keys),
                       hit_rate(entry["hit_keys_dram"] + entry["hit_keys_storage"], keys))
     keys = store["lookup_keys"]
-    table.add_row("all", "", "", "", "", "", str(store["lookups"]), str(keys),
+    table.add_row("all", "", "", "", "", "", "", str(store["lookups"]), str(keys),
                   hit_rate(store["hit_keys_dram"], keys), hit_rate(store["hit_keys_storage"], keys),
                   hit_rate(store["hit_keys_dram"] + store["hit_keys_storage"], keys), style="bold")
     return table
+
+
+def _model_source(desc: dict) -> str:
+    """What the namespace's model identity was derived from (the engines put it in `extra`)."""
+    extra = desc.get("extra")
+    source = extra.get("model_source") if isinstance(extra, dict) else None
+    return str(source) if source else "-"
 
 
 def _desc(text: str) -> dict:

@@ -35,6 +35,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolTransferRes
 
 from ...config import load_settings
 from ...errors import ConfigError, HpkvError
+from ...identity import override_identity
 from ...server.autostart import ServerUnavailable
 from ...server.client import Client
 from . import layout as lay
@@ -64,6 +65,7 @@ class HpkvStorage(HiCacheStorage):
         pool = settings.pool
         self.pool_dir, self.prefault = pool.dir, pool.prefault
         self.trusted_uids = settings.server_allow_uids
+        self.model_override = settings.model_id
         self.layout: lay.PageLayout | None = None
         self.desc = None
         self.ns: str | None = None
@@ -81,14 +83,19 @@ class HpkvStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)
         self.layout = lay.page_layout(mem_pool_host)
-        model = lay.model_id()
+        model = lay.model_id(self.model_override)
+        if model is None and self.model_override:
+            model = lay.ModelId(override_identity(self.model_override).id, "auto", "HPKV_MODEL_ID")
         if model is None and self.storage_config.tp_rank == 0:
             log.warning("SGLang's server arguments are not published in this process, so HPKV names the model by "
                         "its served name %r only: give every model (and every fine-tune, quantization or KV dtype "
-                        "of it) its own --served-model-name, or HPKV may load another model's KV",
-                        self.storage_config.model_name)
+                        "of it) its own --served-model-name, or set HPKV_MODEL_ID, or HPKV may load another "
+                        "model's KV", self.storage_config.model_name)
         self.desc = lay.namespace(self.storage_config, self.layout, model)
         self.ns = self.desc.ns
+        if model is not None and model.identity is not None and self.storage_config.tp_rank == 0:
+            log.info("HPKV model identity: %s; model %s; namespace model %s", model.identity.describe(),
+                     model.model_path, self.desc.model)
         log.info("HPKV storage for SGLang: namespace %s (%s), %d bytes per page, pool %s", self.ns,
                  self.desc.to_json(), self.layout.entry_bytes, self.pool_dir)
         config = self.storage_config

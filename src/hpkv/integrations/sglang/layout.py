@@ -8,26 +8,27 @@ one page, nothing is read), so every pool SGLang can describe that way is suppor
 HPKV knowing its shapes.
 
 SGLang's page keys are content hashes of tokens only, the same on every rank and model. The
-namespace adds everything that makes the bytes incompatible: the model (`ModelId`, from SGLang's
-server arguments: path, revision and what changes its numerics on load), the KV dtype, host
+namespace adds everything that makes the bytes incompatible: the model (`ModelId`: its identity,
+the content fingerprint of its files or HPKV_MODEL_ID (`modelid.py`), and what changes its
+numerics on load; never its path), the KV dtype, host
 layout and region sizes, page size, the layers this stage holds, and the shard the bytes belong
 to. MHA: every (pp, attn-cp, tp) rank stores its own head shard. MLA: the KV is the same on every
 TP rank, so one namespace per (pp, attn-cp) shard, written by TP rank 0 and read by all (SGLang
 skips the backups of the other ranks).
 
-Primitives: `page_layout(host_pool)`, `model_id()`, `namespace(config, layout, model)`,
+Primitives: `page_layout(host_pool)`, `model_id(override)`, `namespace(config, layout, model)`,
 `page_keys(keys)`.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 
 import torch
 
+from ...identity import ModelIdentity, NoContentIdentity, content_identity
 from ...keys import Key, NamespaceDesc, make_key
+from . import modelid
 
 ENGINE = "sglang"
 
@@ -87,17 +88,17 @@ def _geometry(host_pool) -> str:
 class ModelId:
     """The model as far as its KV bytes depend on it, from SGLang's server arguments."""
 
-    text: str  # path@revision, plus what changes the numerics on load
+    text: str  # the identity (modelid.py) plus what changes the numerics on load
     kv_cache_dtype: str  # --kv-cache-dtype as SGLang resolved it: fp8_e4m3 and fp8_e5m2 both store uint8
+    source: str = ""  # what the identity was derived from, for `hpkv status`
+    identity: ModelIdentity | None = None  # for the log
+    model_path: str = ""  # for the log only: never in the namespace
 
 
-# Server arguments that change a model's numerics on load, with the values that change nothing.
-_NUMERICS_ARGS = (("quantization", None), ("modelopt_quant", None), ("load_format", "auto"), ("dtype", "auto"))
-
-
-def model_id() -> ModelId | None:
+def model_id(override: str | None = None) -> ModelId | None:
     """This scheduler process's model, from the server arguments SGLang publishes in it before it
-    builds the cache; None where none are published (SGLang embedded some other way)."""
+    builds the cache; None where none are published (SGLang embedded some other way). `override`
+    is HPKV_MODEL_ID."""
     try:
         from sglang.srt.runtime_context import get_model, get_server_args
 
@@ -108,37 +109,19 @@ def model_id() -> ModelId | None:
         kv_cache_dtype = str(get_model().kv_cache_dtype)
     except Exception:  # the resolved view is not readable here: the raw flag
         kv_cache_dtype = str(getattr(args, "kv_cache_dtype", "auto"))
-    text = _model_text(args)
+    identity = modelid.model_identity(args, override)
+    text = modelid.model_text(args, identity)
     try:
         # fp8 KV scales loaded from a file (load_model_utils): other scales, other bytes' meaning.
         scales = get_model().quantization_param_path
     except Exception:
         scales = None
     if scales:
-        text += f"+kv_scales={os.path.realpath(scales) if os.path.exists(scales) else scales}"
-    return ModelId(text, kv_cache_dtype)
-
-
-def _model_text(args) -> str:
-    """As the vLLM integration's model id: path (resolved, so a symlink switched to another
-    checkpoint is another model) and revision, plus online quantization, dummy weights, another
-    compute dtype and config overrides (RoPE scaling, say), none of which the page hashes cover."""
-    path = str(args.model_path)
-    if os.path.exists(path):
-        path = os.path.realpath(path)
-    text = f"{path}@{getattr(args, 'revision', None) or 'main'}"
-    for name, default in _NUMERICS_ARGS:
-        value = getattr(args, name, default)
-        if value != default and value is not None:
-            text += f"+{name}={value}"
-    overrides = getattr(args, "json_model_override_args", None) or "{}"
-    try:
-        overrides = json.dumps(json.loads(overrides), sort_keys=True)
-    except (TypeError, ValueError):
-        overrides = str(overrides)
-    if overrides != "{}":
-        text += f"+json_model_override_args={overrides}"
-    return text
+        try:
+            text += f"+kv_scales={content_identity(scales).id}"
+        except NoContentIdentity:
+            text += "+kv_scales=unreadable"  # SGLang cannot read them either
+    return ModelId(text, kv_cache_dtype, identity.source, identity, str(args.model_path))
 
 
 def namespace(config, layout: PageLayout, model: ModelId | None) -> NamespaceDesc:
@@ -151,6 +134,8 @@ def namespace(config, layout: PageLayout, model: ModelId | None) -> NamespaceDes
              ("layers", layout.layers)]
     if layout.format_tag:
         extra.append(("format", layout.format_tag))
+    if model is not None and model.source:
+        extra.append(("model_source", model.source))
     dcp_size = getattr(config, "dcp_size", 1)
     if dcp_size > 1:  # decode-CP splits each page over the DCP ranks
         extra.append(("dcp", f"{config.dcp_rank}/{dcp_size}"))

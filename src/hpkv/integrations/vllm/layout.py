@@ -2,19 +2,21 @@
 
 An entry holds one vLLM block (all layers of the first KV cache group, this rank's shard): the
 bytes of each layer's page, concatenated in the group's layer order. Both connector halves
-derive the same description from the engine's config and `KVCacheConfig`, so the scheduler can
-look up the keys each worker rank writes without asking the workers.
+derive the same description from the engine's config and `KVCacheConfig` (and the model's
+identity, `modelid.py`), so the scheduler can look up the keys each worker rank writes without
+asking the workers.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass
 
 from ...errors import ConfigError
+from ...identity import ModelIdentity
 from ...keys import NamespaceDesc
+from . import modelid
 
 log = logging.getLogger("hpkv.vllm.layout")
 
@@ -84,7 +86,7 @@ def world_ranks(vllm_config) -> int:
     return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
 
 
-def namespaces(vllm_config, layout: BlockLayout) -> list[NamespaceDesc]:
+def namespaces(vllm_config, layout: BlockLayout, identity: ModelIdentity) -> list[NamespaceDesc]:
     """Every rank's namespace, as the scheduler half sees them. vLLM gives it the first pipeline
     stage's `KVCacheConfig` only; a later stage with another number of layers (28 over 3 stages:
     9, 10, 9) has other entries. Their layer counts follow vLLM's own partition (`get_pp_indices`)
@@ -106,7 +108,7 @@ def namespaces(vllm_config, layout: BlockLayout) -> list[NamespaceDesc]:
             num = counts[pp_rank]
             stage_layout = dataclasses.replace(layout, layer_names=tuple(f"stage{pp_rank}.{i}" for i in range(num)),
                                                page_bytes=layout.page_bytes[:1] * num)
-        descs.append(namespace(vllm_config, stage_layout, rank))
+        descs.append(namespace(vllm_config, stage_layout, rank, identity))
     return descs
 
 
@@ -127,13 +129,14 @@ def _stage_layer_counts(vllm_config) -> list[int] | None:
     return counts if counts else None
 
 
-def namespace(vllm_config, layout: BlockLayout, rank: int) -> NamespaceDesc:
-    """The namespace of one rank's entries; `rank` = pp_rank * tp_size + tp_rank."""
+def namespace(vllm_config, layout: BlockLayout, rank: int, identity: ModelIdentity) -> NamespaceDesc:
+    """The namespace of one rank's entries; `rank` = pp_rank * tp_size + tp_rank. The model is
+    `identity` (modelid.py) and what changes the numerics on load, never the model's path."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     return NamespaceDesc(
         engine=ENGINE,
-        model=_model_id(model),
+        model=modelid.model_text(vllm_config, identity),
         dtype=str(vllm_config.cache_config.cache_dtype if vllm_config.cache_config.cache_dtype != "auto"
                   else model.dtype),
         layout=f"{REQUIRED_LAYOUT};{layout.spec};pages={','.join(map(str, layout.page_bytes))}",
@@ -145,23 +148,8 @@ def namespace(vllm_config, layout: BlockLayout, rank: int) -> NamespaceDesc:
         cp_size=max(1, getattr(parallel, "prefill_context_parallel_size", 1)) *
         max(1, getattr(parallel, "decode_context_parallel_size", 1)),
         rank=rank,
+        extra=(("model_source", identity.source),),
     )
-
-
-def _model_id(model) -> str:
-    """The model as far as its KV depends on it: path and revision, plus what changes its
-    numerics on load (online quantization, config overrides such as RoPE scaling), which the
-    block hashes do not cover. Without either, the id is what it always was."""
-    text = f"{model.model}@{model.revision or 'main'}"
-    # Online only: a pre-quantized checkpoint is named by its path already, and vLLM may pick
-    # another kernel for it per GPU (awq, awq_marlin), which must not split the namespace.
-    prequantized = getattr(getattr(model, "hf_config", None), "quantization_config", None)
-    if getattr(model, "quantization", None) and not prequantized:
-        text += f"+quantization={model.quantization}"
-    overrides = getattr(model, "hf_overrides", None)
-    if overrides and not callable(overrides):
-        text += "+hf_overrides=" + json.dumps(overrides, sort_keys=True, default=str)
-    return text
 
 
 def block_keys(block_hashes, layout: BlockLayout, start: int, stop: int) -> list[bytes]:

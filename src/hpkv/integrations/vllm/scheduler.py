@@ -28,7 +28,7 @@ from ...errors import HpkvError
 from ...server.client import Client, LeaseHandle
 from ...store import HOLD_TIMEOUT_S, Tier
 from . import layout as lay
-from . import probes
+from . import modelid, probes
 from .costmodel import AffineCost, AutoThreshold, CostModel, FixedThreshold
 from .holds import HpkvWorkerMeta, SaveHolds
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats, LoadJob, SaveJob
@@ -54,13 +54,21 @@ class _Req:
     num_promoting: int = 0  # storage blocks of the lease, until their promotion has been timed
     asked_at: float = 0.0  # perf_counter before the lease
     polled_at: float = 0.0  # perf_counter of the last poll that saw promotions running
+    uncached: bool = False  # neither looked up nor saved (a LoRA request)
 
 
 class HpkvScheduler:
     def __init__(self, vllm_config, kv_cache_config, settings: Settings) -> None:
         self.layout = lay.block_layout(vllm_config, kv_cache_config)
         self.block_size = self.layout.block_size
-        self.descs = lay.namespaces(vllm_config, self.layout)
+        identity = modelid.model_identity(vllm_config, settings.model_id)
+        self.descs = lay.namespaces(vllm_config, self.layout, identity)
+        log.info("HPKV model identity: %s; model %s; namespace model %s", identity.describe(),
+                 vllm_config.model_config.model, self.descs[0].model)
+        self._lora_logged = getattr(vllm_config, "lora_config", None) is not None
+        if self._lora_logged:
+            log.info("HPKV does not cache requests with a LoRA adapter (vLLM keys their KV by the adapter's name "
+                     "and path, not its content): they are computed by vLLM alone; base-model requests are cached")
         self.client = Client(settings.pool.dir, kind="vllm-scheduler", trusted_uids=settings.server_allow_uids)
         self.stats = HpkvConnectorStats()
         self._ns: list[str] | None = None
@@ -108,6 +116,8 @@ class HpkvScheduler:
         if getattr(request, "skip_reading_prefix_cache", False):  # e.g. prompt logprobs: vLLM drops any hit
             self._release(state)
             return 0, False
+        if self._uncached(request, state):
+            return 0, False
         start = num_computed_tokens // self.block_size
         stop = (request.num_tokens - 1) // self.block_size  # vLLM computes at least the last token
         if stop - start <= 0 or not self.policy.may_pay(start * self.block_size, stop - start):
@@ -130,6 +140,19 @@ class HpkvScheduler:
             return 0, False
         state.num_load_blocks = num_load
         return num_load * self.block_size, False
+
+    def _uncached(self, request, state: _Req) -> bool:
+        """LoRA requests are neither looked up nor saved: vLLM's block hashes name the adapter by
+        name and path, not by content, so an adapter changed at its path (or another one of the
+        same name and path on another node) would be served the old one's KV."""
+        if getattr(request, "lora_request", None) is None:
+            return False
+        state.uncached = True
+        if not self._lora_logged:
+            self._lora_logged = True
+            log.info("HPKV does not cache requests with a LoRA adapter (their KV is keyed by the adapter's name "
+                     "and path, not its content): they are computed by vLLM alone")
+        return True
 
     def _lease(self, state: _Req, start: int, stop: int) -> int | None:
         self._release(state)
@@ -297,6 +320,8 @@ class HpkvScheduler:
         self.policy.step_done(load_s + save_s, load_s, data.get("loaded_bytes", 0) / ranks)
 
     def _add_saves(self, meta: HpkvConnectorMetadata, req_id: str, state: _Req, num_tokens: int) -> None:
+        if state.uncached:
+            return
         full = min(num_tokens // self.block_size, len(state.block_ids))
         keys = lay.block_keys(state.request.block_hashes, self.layout, state.saved_blocks, full)
         if keys:

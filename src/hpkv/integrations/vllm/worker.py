@@ -33,6 +33,7 @@ from ...errors import ConfigError, HpkvError
 from ...server.client import Client, Reservation
 from ...transfer.blocks import BlockCopier
 from . import layout as lay
+from . import modelid
 from .holds import HpkvWorkerMeta
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats
 
@@ -102,7 +103,8 @@ class HpkvWorker:
         self.kv_cache_config = kv_cache_config
         self.rank = rank
         self.layout = lay.block_layout(vllm_config, kv_cache_config)
-        self.desc = lay.namespace(vllm_config, self.layout, rank)
+        self.desc = lay.namespace(vllm_config, self.layout, rank,
+                                  modelid.model_identity(vllm_config, settings.model_id))
         self.client = Client(settings.pool.dir, kind=f"vllm-worker-{rank}", prefault=settings.pool.prefault,
                              trusted_uids=settings.server_allow_uids)
         self.ns: str | None = None

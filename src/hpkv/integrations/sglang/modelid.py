@@ -1,0 +1,106 @@
+"""The model part of an SGLang namespace: which weights computed the KV, and what in SGLang's
+server arguments changes the KV bytes on top of them.
+
+`model_identity` is the weights: HPKV_MODEL_ID where the operator sets it, else the content
+fingerprint of `--model-path` (`hpkv.identity`; the path never enters it), plus the content of
+every adapter given by `--lora-paths`: SGLang keys a LoRA request's pages by a stable id made
+of the adapter's name and path only, so an adapter changed at its path would otherwise be
+served the old one's KV. (Adapters loaded at run time get a random id per load from SGLang:
+never shared.) Weights HPKV cannot fingerprint (random `--load-format dummy` weights, a loader
+that reads them from elsewhere, a hub id with no local snapshot) get a private identity, this
+process's own: never shared, never served to a later engine. `model_text` adds what changes the
+numerics on load.
+
+Primitives: `model_identity(args, override)`, `model_text(args, identity)`.
+Must not know: pools, clients, page layouts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+
+from ...identity import ModelIdentity, NoContentIdentity, content_identity, override_identity, private_identity
+
+log = logging.getLogger("hpkv.sglang.model")
+
+# Loaders that read the weights from --model-path (or its hub snapshot) as given.
+LOCAL_LOAD_FORMATS = frozenset(("auto", "pt", "safetensors", "instanttensor", "npcache", "sharded_state",
+                                "presharded", "gguf", "bitsandbytes", "mistral", "layered", "fastsafetensors",
+                                "runai_streamer"))
+# Server arguments that change a model's numerics on load, with the values that change nothing.
+NUMERICS_ARGS = (("quantization", None), ("modelopt_quant", None), ("dtype", "auto"), ("qsa_indexer_dtype", "auto"))
+# Server arguments that take weights or config from outside --model-path.
+OUTSIDE_ARGS = ("modelopt_checkpoint_restore_path", "custom_weight_loader", "decrypted_config_file", "rl_quant_profile")
+_PROCESS_SCOPE = uuid.uuid4().hex[:12]
+
+
+def model_identity(args, override: str | None) -> ModelIdentity:
+    """The identity of the weights this engine serves (see the module docstring)."""
+    scope = f"sglang-{_PROCESS_SCOPE}"
+    load_format = str(getattr(getattr(args, "load_format", "auto"), "value", getattr(args, "load_format", "auto")))
+    if load_format == "dummy":
+        return private_identity("random weights (--load-format dummy)", scope)
+    if override:
+        return override_identity(override)
+    if load_format not in LOCAL_LOAD_FORMATS:
+        return _private(f"--load-format {load_format}", scope,
+                        f"the {load_format} loader reads weights HPKV cannot fingerprint")
+    outside = [name for name in OUTSIDE_ARGS if getattr(args, name, None)]
+    if outside:
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in outside)
+        return _private(flags, scope, f"{flags} take weights or config from outside --model-path")
+    download_dir = getattr(args, "download_dir", None)
+    try:
+        identity = content_identity(str(args.model_path), getattr(args, "revision", None), download_dir)
+        if not identity.num_weight_files:
+            raise NoContentIdentity(f"{args.model_path} holds no weight file")
+        for name, path in lora_adapters(getattr(args, "lora_paths", None)):
+            identity = identity.with_part(f"lora:{name}", content_identity(path, None, download_dir))
+    except NoContentIdentity as exc:
+        return _private("weights not readable here", scope, str(exc))
+    return identity
+
+
+def lora_adapters(lora_paths) -> list[tuple[str, str]]:
+    """(name, path) of every --lora-paths adapter, in any of the forms SGLang takes, by name."""
+    if not lora_paths:
+        return []
+    items = lora_paths.items() if isinstance(lora_paths, dict) else None
+    if items is None:
+        items = []
+        for entry in lora_paths:
+            if isinstance(entry, str):
+                name, _, path = entry.partition("=") if "=" in entry else (entry, "", entry)
+            elif isinstance(entry, dict):
+                name, path = entry["lora_name"], entry["lora_path"]
+            else:  # a LoRARef
+                name, path = entry.lora_name, entry.lora_path
+            items.append((name, path))
+    return sorted((str(name), str(path)) for name, path in items)
+
+
+def _private(short: str, scope: str, why: str) -> ModelIdentity:
+    log.warning("HPKV cannot tell the model's identity (%s): this engine's KV stays private to it (no hits from "
+                "other engines or after a restart). Fix: give a local model directory, or set HPKV_MODEL_ID to "
+                "an identity you manage for these weights", why)
+    return private_identity(short, scope)
+
+
+def model_text(args, identity: ModelIdentity) -> str:
+    """The namespace's model field: the identity, plus online quantization, another compute
+    dtype and config overrides (RoPE scaling, say), none of which the page hashes cover."""
+    text = identity.id
+    for name, default in NUMERICS_ARGS:
+        value = getattr(args, name, default)
+        if value != default and value is not None:
+            text += f"+{name}={value}"
+    overrides = getattr(args, "json_model_override_args", None) or "{}"
+    try:
+        overrides = json.dumps(json.loads(overrides), sort_keys=True)
+    except (TypeError, ValueError):
+        overrides = str(overrides)
+    if overrides != "{}":
+        text += f"+json_model_override_args={overrides}"
+    return text

@@ -1,0 +1,112 @@
+"""The model part of a vLLM namespace: which weights computed the KV, and what in the engine's
+config changes the KV bytes on top of them.
+
+`model_identity` is the weights: HPKV_MODEL_ID where the operator sets it, else the content
+fingerprint of the model directory (`hpkv.identity`; the path never enters it). Weights HPKV
+cannot fingerprint (random `--load-format dummy` weights, a loader that reads them from elsewhere,
+a hub id with no local snapshot) get a private identity: this engine instance's own namespace
+(vLLM's `instance_id`, which its scheduler and workers share), never shared and never served to
+a later engine. `model_text` adds what changes the numerics on load, which neither the weights
+nor vLLM's block hashes cover: online quantization, config overrides, another config directory,
+another model class, sliding window disabled, layers kept out of KV quantization, a draft model.
+
+Primitives: `model_identity(vllm_config, override)`, `model_text(vllm_config, identity)`.
+Must not know: pools, clients, layouts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+
+from ...identity import ModelIdentity, NoContentIdentity, content_identity, override_identity, private_identity
+
+log = logging.getLogger("hpkv.vllm.model")
+
+# Loaders that read the weights from the model directory (or hub snapshot) as given.
+LOCAL_LOAD_FORMATS = frozenset(("auto", "hf", "safetensors", "pt", "npcache", "fastsafetensors", "instanttensor",
+                                "mistral", "sharded_state", "runai_streamer", "runai_streamer_sharded", "gguf",
+                                "bitsandbytes"))
+_PROCESS_SCOPE = uuid.uuid4().hex[:12]  # a vLLM without instance_id: private to this process
+
+
+def model_identity(vllm_config, override: str | None) -> ModelIdentity:
+    """The identity of the weights this engine serves (see the module docstring)."""
+    model = vllm_config.model_config
+    load = vllm_config.load_config
+    scope = f"vllm-{getattr(vllm_config, 'instance_id', '') or _PROCESS_SCOPE}"
+    load_format = str(getattr(load.load_format, "value", load.load_format))
+    if load_format == "dummy":
+        return private_identity("random weights (--load-format dummy)", scope)
+    if override:
+        return override_identity(override)
+    if load_format not in LOCAL_LOAD_FORMATS:
+        return _private(f"--load-format {load_format}", scope,
+                        f"the {load_format} loader reads weights HPKV cannot fingerprint")
+    if getattr(model, "model_weights", ""):
+        return _private("weights from object storage", scope, f"the weights stream from {model.model_weights}")
+    try:
+        identity = content_identity(model.model, model.revision, load.download_dir)
+        if not identity.num_weight_files:
+            raise NoContentIdentity(f"{model.model} holds no weight file")
+        for what, other, revision in _other_models(vllm_config):
+            extra = content_identity(other, revision, load.download_dir)
+            identity = identity.with_part(what, extra)
+    except NoContentIdentity as exc:
+        return _private("weights not readable here", scope, str(exc))
+    return identity
+
+
+def _other_models(vllm_config) -> list[tuple[str, str, str | None]]:
+    """Other directories whose content shapes this engine's KV: a config read from elsewhere
+    (--hf-config-path), a draft model whose layers may share the KV cache group."""
+    model = vllm_config.model_config
+    out = []
+    config_path = getattr(model, "hf_config_path", None)
+    if config_path and config_path != model.model:
+        out.append(("hf_config", config_path, model.revision))
+    draft = getattr(getattr(vllm_config, "speculative_config", None), "draft_model_config", None)
+    if draft is not None and getattr(draft, "model", None) and draft.model != model.model:
+        out.append(("draft", draft.model, getattr(draft, "revision", None)))
+    return out
+
+
+def _private(short: str, scope: str, why: str) -> ModelIdentity:
+    log.warning("HPKV cannot tell the model's identity (%s): this engine's KV stays private to it (no hits from "
+                "other engines or after a restart). Fix: give a local model directory, or set HPKV_MODEL_ID to "
+                "an identity you manage for these weights", why)
+    return private_identity(short, scope)
+
+
+def model_text(vllm_config, identity: ModelIdentity) -> str:
+    """The namespace's model field: the identity, plus what changes the numerics on load."""
+    model = vllm_config.model_config
+    text = identity.id
+    # Online only: a pre-quantized checkpoint says so in its config.json (in the identity); vLLM
+    # may pick another kernel for it per GPU (awq, awq_marlin), which must not split the namespace.
+    prequantized = getattr(getattr(model, "hf_config", None), "quantization_config", None)
+    if getattr(model, "quantization", None) and not prequantized:
+        text += f"+quantization={model.quantization}"
+        quant_config = getattr(model, "quantization_config", None)
+        if quant_config:
+            text += "+quantization_config=" + _json(quant_config)
+    overrides = getattr(model, "hf_overrides", None)
+    if overrides and not callable(overrides):
+        text += "+hf_overrides=" + _json(overrides)
+    elif callable(overrides):  # a function: its effect is unknown; its name at least
+        text += f"+hf_overrides={getattr(overrides, '__qualname__', type(overrides).__name__)}"
+    if getattr(model, "model_class_overrides", None):
+        text += "+model_class_overrides=" + _json(model.model_class_overrides)
+    if getattr(model, "disable_sliding_window", False):
+        text += "+disable_sliding_window"
+    skip = getattr(vllm_config.cache_config, "kv_cache_dtype_skip_layers", None)
+    if skip and vllm_config.cache_config.cache_dtype != "auto":
+        text += "+kv_cache_dtype_skip_layers=" + ",".join(sorted(map(str, skip)))
+    return text
+
+
+def _json(value) -> str:
+    if hasattr(value, "__dict__") and not isinstance(value, dict):
+        value = vars(value)
+    return json.dumps(value, sort_keys=True, default=str)

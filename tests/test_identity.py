@@ -1,0 +1,185 @@
+"""A model's identity is its content: a copy anywhere shares it; new weights at the same path, a
+new config, or a `current` link switched to another version do not. Real files, real copies."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from hpkv import identity as ident
+from hpkv.identity import NoContentIdentity, content_identity, fingerprint
+
+TENSOR_BYTES = 3 << 20  # four of them: a 12 MiB file, sampled rather than read whole
+
+
+def write_safetensors(path: Path, seed: int, num_tensors: int = 4, tensor_bytes: int = TENSOR_BYTES,
+                      changed: int | None = None) -> None:
+    """A safetensors file of `num_tensors` byte tensors; `changed`: only that tensor takes
+    `seed`'s bytes, the others seed 0's (a fine-tune of one layer)."""
+    header, offset = {}, 0
+    for i in range(num_tensors):
+        header[f"model.layers.{i}.weight"] = {"dtype": "U8", "shape": [tensor_bytes],
+                                              "data_offsets": [offset, offset + tensor_bytes]}
+        offset += tensor_bytes
+    header["__metadata__"] = {"format": "pt"}
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for i in range(num_tensors):
+            tensor_seed = seed if changed is None or changed == i else 0
+            f.write(_bytes(tensor_seed * 1000 + i, tensor_bytes))
+
+
+def _bytes(seed: int, num: int) -> bytes:
+    import random
+
+    return random.Random(seed).randbytes(num)
+
+
+def make_model(directory: Path, seed: int = 1, config: dict | None = None, **weights) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config or {"architectures": ["Qwen2ForCausalLM"],
+                                                                  "num_hidden_layers": 4}))
+    (directory / "tokenizer.json").write_text(json.dumps({"vocab": ["a", "b"]}))
+    (directory / "generation_config.json").write_text(json.dumps({"temperature": 0.7}))
+    write_safetensors(directory / "model.safetensors", seed, **weights)
+    return directory
+
+
+def digest(path: Path) -> str:
+    return fingerprint(path).digest
+
+
+def test_a_copy_at_another_path_with_other_mtimes_has_the_same_identity(tmp_path):
+    model = make_model(tmp_path / "node-a" / "model")
+    copy = tmp_path / "node-b" / "elsewhere"
+    copy.mkdir(parents=True)
+    for file in model.iterdir():
+        shutil.copyfile(file, copy / file.name)  # new inodes, new mtimes
+        os.utime(copy / file.name, (1, 1))
+
+    assert digest(copy) == digest(model)
+    assert content_identity(str(copy)).id == content_identity(str(model)).id
+
+
+def test_weights_replaced_in_place_change_the_identity(tmp_path):
+    model = make_model(tmp_path / "model", seed=1)
+    before = digest(model)
+
+    write_safetensors(model / "model.safetensors", seed=2)  # same names, shapes, header, size
+
+    assert digest(model) != before
+
+
+def test_a_fine_tune_of_one_tensor_changes_the_identity(tmp_path):
+    """Every tensor is sampled: the one tensor a partial fine-tune changed is seen."""
+    base = make_model(tmp_path / "base", seed=1, num_tensors=64, tensor_bytes=256 << 10, changed=63)
+    tuned = make_model(tmp_path / "tuned", seed=2, num_tensors=64, tensor_bytes=256 << 10, changed=63)
+    assert (base / "model.safetensors").stat().st_size > ident.FULL_READ_BYTES
+
+    assert digest(base) != digest(tuned)
+
+
+def test_a_config_change_changes_the_identity_and_the_tokenizer_does_not(tmp_path):
+    model = make_model(tmp_path / "model")
+    before = digest(model)
+
+    (model / "tokenizer.json").write_text(json.dumps({"vocab": ["a", "b", "c"]}))
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.1}))
+    (model / "README.md").write_text("notes")
+    assert digest(model) == before
+
+    (model / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 4,
+                                                   "rope_scaling": {"type": "linear", "factor": 2.0}}))
+    assert digest(model) != before
+
+
+def test_switching_a_current_link_to_another_version_changes_the_identity(tmp_path):
+    v1, v2 = make_model(tmp_path / "v1", seed=1), make_model(tmp_path / "v2", seed=2)
+    current = tmp_path / "current"
+    current.symlink_to(v1)
+    assert digest(current) == digest(v1)
+
+    current.unlink()
+    current.symlink_to(v2)
+
+    assert digest(current) == digest(v2) != digest(v1)
+
+
+def test_hugging_face_cache_links_are_read_through(tmp_path):
+    """A hub snapshot's files are links to blobs: the identity is the blobs' content."""
+    model = make_model(tmp_path / "model")
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    for file in model.iterdir():
+        (snapshot / file.name).symlink_to(file)
+    assert digest(snapshot) == digest(model)
+
+
+def test_a_single_weight_file_of_another_format_is_sampled(tmp_path):
+    gguf = tmp_path / "model.gguf"
+    data = bytearray(_bytes(5, 20 << 20))
+    gguf.write_bytes(data)
+    before = digest(gguf)
+    data[len(data) - (16 << 10):] = _bytes(7, 16 << 10)  # the end is always read
+    gguf.write_bytes(data)
+    assert digest(gguf) != before
+    assert fingerprint(gguf).num_weight_files == 1
+
+
+def test_a_hub_id_is_read_from_its_local_snapshot_and_shares_with_a_copy(tmp_path, monkeypatch):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    snapshot = make_model(repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    copy = tmp_path / "copy"
+    shutil.copytree(snapshot, copy)
+
+    found = content_identity("acme/tiny", None, str(tmp_path / "hub"))
+
+    assert found.revision == commit  # reported...
+    assert found.id == content_identity(str(copy)).id  # ...not hashed: the copy still shares
+    assert str(snapshot) in found.describe() and commit in found.describe()
+
+
+def test_a_hub_id_without_a_local_snapshot_has_no_content_identity(tmp_path):
+    with pytest.raises(NoContentIdentity, match="no local Hugging Face snapshot"):
+        content_identity("acme/not-downloaded", None, str(tmp_path / "empty-hub"))
+    with pytest.raises(NoContentIdentity):
+        content_identity(str(tmp_path / "missing" / "dir"))
+
+
+def test_the_override_and_private_identities():
+    assert ident.override_identity("team/model@v7").id == "HPKV_MODEL_ID:team/model@v7"
+    one, other = ident.private_identity("random weights", "a"), ident.private_identity("random weights", "b")
+    assert not one.shared and one.id != other.id
+
+
+def test_hpkv_status_shows_each_namespace_identity_and_where_it_came_from():
+    from rich.console import Console
+
+    from hpkv.keys import NamespaceDesc
+    from hpkv.status import _namespaces_table
+
+    source = "content of 2 config files and 4 weight files (16.0 GiB; headers and sampled chunks)"
+    described = NamespaceDesc(engine="vllm", model="content:0123abcd+quantization=fp8", dtype="bfloat16",
+                              layout="LBHNC", block_size=32, num_layers=2, entry_bytes=8192,
+                              extra=(("model_source", source),))
+    older = NamespaceDesc(engine="vllm", model="/models/m@main", dtype="bfloat16", layout="LBHNC", block_size=32,
+                          num_layers=2, entry_bytes=8192)
+    counts = {"lookups": 1, "lookup_keys": 4, "hit_keys_dram": 2, "hit_keys_storage": 1}
+    stats = {"store": dict(counts), "namespaces": {d.ns: {"desc": d.to_json(), **counts} for d in (described, older)}}
+    console = Console(record=True, width=400)
+
+    console.print(_namespaces_table(stats))
+
+    text = console.export_text()
+    assert "content:0123abcd+quantization=fp8" in text and source in text
+    assert "model from" in text

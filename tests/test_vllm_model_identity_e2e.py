@@ -1,0 +1,138 @@
+"""A model's identity on real vLLM engines sharing one storage directory, three engine starts:
+
+- A serves a prompt at path P, and its KV lands on storage; A stops (and its HPKV server).
+- Model B's weights (another seed, same names, shapes and sizes) are put at P, and a copy of A
+  made before sits at Q. Two engines start side by side over the same storage directory:
+  B at P on node 1, and A's copy at Q on node 2 (a pool directory of its own: another node).
+- B at P gets no HPKV hit for the prompt and answers as B (its own KV); the copy at Q gets
+  storage hits from A's files and answers exactly as A did.
+
+Before model identity the namespace was the model path: B was served A's KV, Q missed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from vllmutil import (
+    HPKV_ENV_PREFIXES,
+    Engine,
+    kill_server,
+    num_saved_blocks,
+    same_output,
+    server_pid,
+    server_stats,
+    settled_files,
+    start_all,
+    wait_for,
+    wait_gone,
+)
+
+pytestmark = [
+    pytest.mark.vllm_e2e,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install ct-hpkv[engines])"),
+    pytest.mark.timeout(1200),
+]
+
+# Kept between runs (vLLM caches its compile by model path); their weights are written anew.
+PATH_P = Path(tempfile.gettempdir()) / f"hpkv-identity-p-{os.getuid()}"
+PATH_Q = Path(tempfile.gettempdir()) / f"hpkv-identity-q-{os.getuid()}"
+
+
+def _prompt(num_words: int, seed: int) -> str:
+    from hpkv.demo.model import prompt_text
+
+    return prompt_text(num_words, seed)
+
+
+PROMPT = _prompt(800, seed=71)
+
+
+def reseed(model: Path, seed: int) -> None:
+    """Model B: every tensor drawn again (same scale) from another seed."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = model / "model.safetensors"
+    tensors = load_file(path)
+    generator = torch.Generator().manual_seed(seed)
+    new = {}
+    for name, tensor in tensors.items():
+        scale = tensor.float().std().item() if tensor.numel() > 1 else 1.0
+        new[name] = (torch.randn(tensor.shape, generator=generator) * (scale or 1.0)).to(tensor.dtype)
+    save_file(new, path, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def place(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        for name in list(os.environ):
+            if name.startswith(HPKV_ENV_PREFIXES):
+                mp.delenv(name)
+        root = tmp_path_factory.mktemp("identity-e2e")
+        shms = [Path(tempfile.mkdtemp(prefix=f"hpkv-id{i}-", dir="/dev/shm")) for i in (1, 2)]
+        (root / "storage").mkdir()
+        (root / "logs").mkdir()
+        yield root, shms
+        for shm in shms:
+            kill_server(server_pid(shm))
+            shutil.rmtree(shm, ignore_errors=True)
+
+
+def env(root: Path, shm: Path) -> dict[str, str]:
+    return {"VLLM_ENABLE_HPKV": "1", "HPKV_KV_MEM_POOL_SIZE": "256m", "HPKV_SHARE_MEM_FILE_PATH": str(shm),
+            "HPKV_KV_STORAGE_PATH": str(root / "storage"), "HPKV_SERVER_IDLE_EXIT_S": "2",
+            "VLLM_HPKV_TOKEN_THRESHOLD": "0", "HPKV_CONFIG_FILE_PATH": str(root / "no-config.ini")}
+
+
+def test_new_weights_at_the_path_get_their_own_kv_and_a_copy_elsewhere_shares(place):
+    from hpkv.demo.model import build_model
+
+    root, (shm1, shm2) = place
+    for path in (PATH_P, PATH_Q):
+        shutil.rmtree(path, ignore_errors=True)
+    build_model(PATH_P)
+    shutil.copytree(PATH_P, PATH_Q)  # A on a second node
+
+    a = Engine("a-at-p", PATH_P, env(root, shm1), root / "logs")
+    try:
+        a.start()
+        first = a.complete(PROMPT)
+        settled_files(root / "storage", at_least=num_saved_blocks(first))
+        a_answer = a.reference(PROMPT)  # A's own prefix-cache hit: no HPKV load on this engine yet
+    finally:
+        pid = server_pid(shm1)
+        a.stop()
+        if pid is not None:
+            wait_gone(pid)
+
+    reseed(PATH_P, seed=2)  # model B where A was
+    b = Engine("b-at-p", PATH_P, env(root, shm1), root / "logs")
+    copy = Engine("a-at-q", PATH_Q, env(root, shm2), root / "logs")
+    try:
+        start_all([b, copy])
+        wait_for(lambda: server_stats(shm2)["storage"]["index_ready"], what="node 2's storage index")
+
+        before = b.counters()
+        b_answer = b.complete(PROMPT)
+        got = b.counters() - before
+        assert got["disk"] == got["host"] == 0, "B was served A's KV"
+        assert not same_output(b_answer, a_answer)  # computed by B alone: B's own answer, not A's
+
+        before = copy.counters()
+        copy_answer = copy.complete(PROMPT)
+        got = copy.counters() - before
+        assert got["disk"] > 0 and got["host"] == 0, "the copy at another path missed A's files"
+        assert same_output(copy_answer, a_answer)
+    finally:
+        pids = [server_pid(shm) for shm in (shm1, shm2)]
+        b.stop()
+        copy.stop()
+        for pid in pids:
+            kill_server(pid)
