@@ -302,7 +302,13 @@ def test_blocks_computed_on_a_load_that_failed_are_not_saved(engine_a, node, pla
 
     got = engine_a.counters() - before
     assert got["host"] >= len(engine_a.tokenize(extended)) // BLOCK_SIZE * BLOCK_SIZE - BLOCK_SIZE
-    assert same_output(again, plain.reference(extended))
+    # Not bit-identical by design: HPKV now holds base's blocks as computed in a 1500-token pass
+    # and the rest as recomputed in an 1801-token one, and vLLM's CPU kernels are not invariant to
+    # the pass's shape (a fault-free control differs from `plain` by up to 3e-5 on some CPUs).
+    # KV kept from the failed step (computed on zeroed blocks) moves logprobs by up to 1.6e-2.
+    reference = plain.reference(extended)
+    assert again.token_ids == reference.token_ids
+    assert max(abs(a - b) for a, b in zip(again.logprobs, reference.logprobs)) < 1e-3
 
 
 # -- engines B and C: a restart, a second instance ------------------------------------------
