@@ -81,9 +81,10 @@ class FileIO:
         fcntl.fcntl(fd, fcntl.F_SETFL, (flags | O_DIRECT) if on else (flags & ~O_DIRECT))
 
 
-def open_in_tree(io: FileIO, root: Root, parts, name: str, flags: int) -> int:
+def open_in_tree(io: FileIO, root: Root, parts, name: str, flags: int) -> tuple[int, os.stat_result]:
     """Open the file `name` in `root/parts...` for reading, following no link below the root and
-    never blocking (a FIFO): `tree.Untrusted` unless it is a regular file. The caller closes it."""
+    never blocking (a FIFO): (fd, its fstat); `tree.Untrusted` unless it is a regular file. The
+    caller closes it."""
     relpath = "/".join((*parts, name))
     try:
         return root.open(relpath, flags, lambda path, flags_, dir_fd: _open_regular(io, dir_fd, path, flags_))
@@ -91,22 +92,22 @@ def open_in_tree(io: FileIO, root: Root, parts, name: str, flags: int) -> int:
         raise Untrusted(f"{root.path}/{exc.filename}", exc.what) from None
 
 
-def _open_regular(io: FileIO, dir_fd: int, relpath: str, flags: int) -> int:
+def _open_regular(io: FileIO, dir_fd: int, relpath: str, flags: int) -> tuple[int, os.stat_result]:
     try:
         fd = io.open(relpath, flags | FILE_FLAGS, dir_fd=dir_fd)
     except OSError as exc:
         # O_DIRECT is refused (EINVAL) by a file system, and for a FIFO or a directory too: that
         # one must not be taken for the file system's refusal (direct I/O off for good).
         if exc.errno == errno.EINVAL and flags & O_DIRECT:
-            io.close(_open_regular(io, dir_fd, relpath, flags & ~O_DIRECT))
+            io.close(_open_regular(io, dir_fd, relpath, flags & ~O_DIRECT)[0])
         raise
     try:
-        check_regular(io.stat(fd), relpath)
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)  # a file system may heed it
+        st = io.stat(fd)
+        check_regular(st, relpath)  # O_NONBLOCK may stay: Linux ignores it for a regular file's reads
     except BaseException:
         io.close(fd)
         raise
-    return fd
+    return fd, st
 
 
 def aligned(buf) -> bool:

@@ -272,7 +272,8 @@ class StorageTier:
         path = self.path_of(ns, key)
         direct = self.direct and aligned(dest)
         try:
-            fd = open_in_tree(self.io, self._root, *self._where(ns, key), os.O_RDONLY | (O_DIRECT if direct else 0))
+            fd, st = open_in_tree(self.io, self._root, *self._where(ns, key),
+                                  os.O_RDONLY | (O_DIRECT if direct else 0))
         except tree.Untrusted as exc:
             self._skip_untrusted(ns, key, exc)
             return False
@@ -287,7 +288,6 @@ class StorageTier:
             return False
         header = None
         try:
-            st = self.io.stat(fd)
             version = fmt.version_of_size(st.st_size, len(key), len(dest))
             if version is None:
                 head = bytearray(16)

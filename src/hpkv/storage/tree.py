@@ -46,6 +46,18 @@ try:
     _openat2_works = os.uname().sysname == "Linux"
 except (OSError, AttributeError):
     _openat2_works = False
+_NR_OPENAT2 = ctypes.c_long(_SYS_OPENAT2)
+# (flags, mode) -> (how, pointer to it, its size): built once, as a read is dominated by such calls;
+# the kernel only reads it, so threads share it.
+_HOWS: dict[tuple[int, int], tuple[_OpenHow, object, ctypes.c_size_t]] = {}
+
+
+def _how(flags: int, mode: int) -> tuple[_OpenHow, object, ctypes.c_size_t]:
+    how = _HOWS.get((flags, mode))
+    if how is None:
+        struct = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, _RESOLVE)
+        how = _HOWS[(flags, mode)] = (struct, ctypes.byref(struct), ctypes.c_size_t(ctypes.sizeof(struct)))
+    return how
 
 
 class Untrusted(OSError):
@@ -115,9 +127,8 @@ def open_beneath(dir_fd: int, relpath: str, flags: int, mode: int = 0o600, base:
     global _openat2_works
     path = f"{base}/{relpath}" if base else relpath
     if "/" in relpath and _openat2_works:
-        how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, _RESOLVE)
-        fd = _syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_long(dir_fd), ctypes.c_char_p(os.fsencode(relpath)),
-                      ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+        _, how, size = _how(flags, mode)
+        fd = _syscall(_NR_OPENAT2, ctypes.c_long(dir_fd), os.fsencode(relpath), how, size)
         if fd >= 0:
             return fd
         err = ctypes.get_errno()
