@@ -122,3 +122,28 @@ def _answers(client, unavailable) -> bool:
         return True
     except unavailable:
         return False
+
+
+class FailingOncePinning(CountingPinning):
+    """A registration that raises the first time (a CUDA error surfacing as an exception)."""
+
+    def register(self, tensor: torch.Tensor) -> bool:
+        if not self.registered:
+            self.registered.append(0)
+            raise RuntimeError("cudaHostRegister failed")
+        return super().register(tensor)
+
+
+def test_a_registration_that_raises_leaves_the_pool_usable_next_time(shm_dir):
+    server = PoolRegion.create(shm_dir, 4 << 20)
+    tensors = PoolTensors(torch.device("cpu"), pinning=FailingOncePinning())
+    try:
+        try:
+            tensors.get(server)
+        except RuntimeError:
+            pass
+        tensor, pinned = tensors.get_pinned(server)  # registered now, not a KeyError for good
+        assert pinned and tensor.numel() == server.size_bytes and tensors.num_held() == 1
+    finally:
+        tensors.close()
+        server.close()

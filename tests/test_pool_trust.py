@@ -432,3 +432,11 @@ def test_a_pool_directory_whose_name_is_not_utf8_works(shm_dir, tmp_path):
         assert stats["pool_path"] == os.fsencode(shm_dir).decode() + "/pool-\\xff\\xfe/hpkv.pool"
     finally:
         node.close()
+
+
+def test_the_fix_for_a_refused_default_directory_does_not_point_back_at_it():
+    from hpkv.pool.directory import default_fix
+
+    default = Path(f"/dev/shm/hpkv-{os.geteuid()}")  # another user may make it first: /dev/shm is 1777
+    assert "the default" not in default_fix(default) and "root" in default_fix(default)
+    assert str(default) in default_fix(Path("/mnt/hpkv"))

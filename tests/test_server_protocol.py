@@ -265,3 +265,22 @@ def test_a_broken_namespace_description_is_a_bad_request(node, desc_json):
     assert isinstance(broken, p.Error) and broken.code == "bad_request", broken
     assert fine == p.Registered(desc().ns, desc().entry_bytes)
     sock.close()
+
+
+def test_a_descriptor_received_with_a_frame_is_close_on_exec(tmp_path):
+    """The pool's descriptor must not leak into a process another engine thread starts."""
+    from hpkv.server import protocol as p
+
+    a, b = socket.socketpair()
+    target = tmp_path / "f"
+    target.write_bytes(b"x")
+    fd = os.open(target, os.O_RDONLY)
+    try:
+        p.send_frame_fds(a, p.Count(1), [fd])
+        _, fds = p.recv_frame_fds(b)
+        assert len(fds) == 1 and not os.get_inheritable(fds[0])
+        p.close_fds(fds)
+    finally:
+        os.close(fd)
+        a.close()
+        b.close()

@@ -254,8 +254,10 @@ def recv_frame_fds(sock: socket.socket, max_fds: int = 1) -> tuple[bytes, list[i
     def exact(num_bytes: int) -> bytes:
         chunks = bytearray()
         while len(chunks) < num_bytes:
-            data, got, _, _ = socket.recv_fds(sock, num_bytes - len(chunks), max_fds, socket.MSG_CMSG_CLOEXEC)
+            data, got, _, _ = socket.recv_fds(sock, num_bytes - len(chunks), max_fds)
             fds.extend(got)
+            for fd in got:  # recv_fds ignores its flags (MSG_CMSG_CLOEXEC) in CPython 3.11
+                os.set_inheritable(fd, False)
             if not data:
                 raise EOFError("connection closed")
             chunks += data

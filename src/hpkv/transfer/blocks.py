@@ -98,8 +98,9 @@ class PoolTensors:
             token = self._tokens.get(region)
             if token is None:
                 tensor = torch.frombuffer(region.buf, dtype=torch.int8)
+                pinned = self.pinning.register(tensor)  # first: a raise must leave no token without a tensor
                 token = self._tokens[region] = next(self._next_token)
-                self._held[token] = (tensor, self.pinning.register(tensor))
+                self._held[token] = (tensor, pinned)
                 # Holds neither the region nor the tensor: collecting the region is the signal.
                 # Not at exit: the process's mappings and registrations go with it.
                 weakref.finalize(region, self._died, token).atexit = False
