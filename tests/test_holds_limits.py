@@ -207,3 +207,33 @@ def _status(node) -> str:
     console = Console(file=io.StringIO(), width=250)
     print_status(node.client("status").stats(), console)
     return console.file.getvalue()
+
+
+def test_a_handle_past_the_servers_time_limit_is_not_held_on_the_clients_side_either(shm_dir, tmp_path):
+    """A reader that copies out of a lease after the server took it back (and, after the
+    quarantine, gave its slots to someone else) must see `holds()` False and discard the bytes;
+    a saver likewise must not publish. The client learns the limit in the Welcome."""
+    node = Node(shm_dir, tmp_path, HPKV_SERVER_SLOT_TIMEOUT_S="1")
+    server = daemon.Server(load_settings(node.env))
+    thread = threading.Thread(target=server.run, name="hpkv-server", daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: _answers(node.socket_path), what="the server answers")
+        client = node.client("worker")
+        ns = client.register(desc(0))
+        saved = [entry_key("saved", i) for i in range(4)]
+        res = client.reserve(ns, saved)
+        assert client.slot_timeout_s == 1.0 and client.holds(res)
+        for i, key in enumerate(saved):
+            res.view(i)[:] = payload(key)
+        client.commit(ns, saved, reservation=res)
+        lease = client.lease(ns, saved)
+        late = client.reserve(ns, [entry_key("late", 0)])
+        assert client.holds(lease) and client.holds(late)
+        time.sleep(1.05)
+        assert not client.holds(lease) and not client.holds(late)
+        assert client.connected  # the connection lives on: only the expired handles are void
+    finally:
+        node.close()
+        server.stop()
+        thread.join(timeout=30)

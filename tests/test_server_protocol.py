@@ -74,7 +74,7 @@ def test_a_later_versions_hello_with_more_fields_still_gets_the_version_error(no
     later_hello = msgspec.msgpack.encode(["Hello", p.PROTOCOL_VERSION + 1, "engine", os.getpid(), "new", [1, 2]])
     replies = exchange(node, frame(later_hello), hello=False)
     assert [(type(r), r.code) for r in replies] == [(p.Error, "version")]
-    welcome_with_more = msgspec.msgpack.encode(["Welcome", 3, 1, "/dev/shm/x", 4096, 7, 1, "new"])
+    welcome_with_more = msgspec.msgpack.encode(["Welcome", 3, 1, "/dev/shm/x", 4096, 7, 1, 300.0, "new"])
     assert p.decode_reply(welcome_with_more).version == 3  # and an older client reads a later Welcome
 
 

@@ -432,3 +432,21 @@ def test_the_backend_refuses_the_copying_interface():
         su.backend(su.host_pool(), su.storage_config(extra={"backend_name": "ct_hpkv",
                                                              "module_path": "hpkv.integrations.sglang.backend",
                                                              "class_name": "HpkvStorage"}))
+
+
+def test_a_private_identity_is_shared_by_the_ranks_of_one_launch_and_no_other():
+    """SGLang's TP ranks are processes of one launcher; an MLA model's ranks all read the pages
+    rank 0 writes, so a private identity must be the launch's, not each rank process's."""
+    import subprocess
+    import sys
+
+    child = ("from hpkv.integrations.sglang.modelid import _PROCESS_SCOPE; print(_PROCESS_SCOPE)")
+    launcher = ("import subprocess, sys\n"
+                f"for _ in range(2): subprocess.run([sys.executable, '-c', {child!r}], check=True)\n")
+
+    def launch() -> list[str]:
+        out = subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True, check=True)
+        return out.stdout.split()
+
+    first, second = launch(), launch()
+    assert len(set(first)) == 1 and len(set(second)) == 1 and first[0] != second[0]

@@ -152,3 +152,23 @@ def test_a_lora_request_is_neither_looked_up_nor_saved(node, caplog):
     base.request_id = "base"
     assert scheduler.get_num_new_matched_tokens(base, 0) == (4 * BS, False)
     scheduler.update_state_after_alloc(base, blocks(1, 2, 3, 4, 5), 4 * BS)
+
+
+def test_a_lora_request_that_skips_the_prefix_cache_is_not_saved_either(node):
+    """Prompt logprobs make vLLM skip reading the prefix cache; the request's blocks must still
+    not be saved under the adapter's name."""
+    from test_vllm_scheduler import BS, prompt, scheduler_half
+
+    from hpkv.integrations.vllm.metadata import HpkvConnectorMetadata
+
+    scheduler = scheduler_half(node, 1)
+    scheduler._lora_logged = False
+    adapter = SimpleNamespace(lora_name="sql", lora_int_id=1, lora_path="/adapters/sql")
+    request = prompt(node, scheduler, 4, lora_request=adapter)
+    request.skip_reading_prefix_cache = True
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    state = scheduler._reqs["r"]
+    state.block_ids = [1, 2, 3, 4, 5]
+    meta = HpkvConnectorMetadata(loads=[], allocated=[], seq=1)
+    scheduler._add_saves(meta, "r", state, 5 * BS)
+    assert meta.saves == []

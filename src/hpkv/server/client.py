@@ -45,6 +45,7 @@ Thread-safe: one connection, calls serialised by a lock.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import struct
@@ -81,6 +82,7 @@ class Reservation:
     entry_bytes: int
     offsets: list[int | None]  # None: skip this key (held already, or no room)
     epoch: int = 0
+    deadline: float = math.inf  # time.monotonic() past which the server may have taken the slots back
 
     def view(self, i: int) -> memoryview:
         return self.region.view(self.offsets[i], self.entry_bytes)
@@ -94,6 +96,7 @@ class LeaseHandle:
     offsets: list[int]
     num_ready: int | None
     epoch: int
+    deadline: float = math.inf  # as Reservation's
 
     def view(self, i: int) -> memoryview:
         return self.region.view(self.offsets[i], self.entry_bytes)
@@ -153,6 +156,7 @@ class Client:
         self.client_id = 0
         self.server_pid = 0
         self.epoch = 0  # bumps whenever a connection ends: handles made before are void
+        self.slot_timeout_s = 0.0  # the server's limit on a handle (Welcome); 0: none
         self._sock: socket.socket | None = None
         self._lock = threading.RLock()
         self._retry_at = 0.0
@@ -244,6 +248,7 @@ class Client:
         self._sock = sock
         self.client_id = welcome.client_id
         self.server_pid = welcome.server_pid
+        self.slot_timeout_s = welcome.slot_timeout_s
         for desc_json, _ in list(self._namespaces.values()):
             self._roundtrip(p.Register(desc_json), self.timeout_s)
         self._failures = 0
@@ -313,8 +318,9 @@ class Client:
         """With `hold`, the reservation is settled by whoever calls `settle(hold)` (this client
         neither commits nor aborts it)."""
         with self._lock:
+            deadline = self._deadline()
             offsets = self._call(p.Reserve(ns, keys, hold)).offsets
-            return Reservation(self.region, self._namespaces[ns][1], offsets, self.epoch)
+            return Reservation(self.region, self._namespaces[ns][1], offsets, self.epoch, deadline)
 
     def commit(self, ns: str, keys: list[bytes], *, reservation: Reservation | None = None) -> int:
         """Publish reserved keys; returns how many were. With `reservation` (the handle that
@@ -345,9 +351,15 @@ class Client:
 
     def lease(self, ns: str, keys: list[bytes]) -> LeaseHandle:
         with self._lock:
+            deadline = self._deadline()
             r = self._call(p.Lease(ns, keys))
             return LeaseHandle(r.lease_id, self.region, self._namespaces[ns][1], r.offsets, r.num_ready,
-                               self.epoch)
+                               self.epoch, deadline)
+
+    def _deadline(self) -> float:
+        """When a handle asked for now stops being held: the server's time limit counts from
+        when it got the request, later than now, so the client lets go first."""
+        return time.monotonic() + self.slot_timeout_s if self.slot_timeout_s > 0 else math.inf
 
     def wait(self, lease: LeaseHandle, timeout_s: float = 5.0) -> int | None:
         """Entries of the lease ready to copy from, or None if promotions are still running."""
@@ -366,10 +378,11 @@ class Client:
                 self._call(p.Release(lease.id))
 
     def holds(self, handle: LeaseHandle | Reservation) -> bool:
-        """Whether the connection that made `handle` is still the live one (so the server still
-        holds its slots for us). Lock-free: the epoch is read first, and it bumps before the
-        connection closes (`_drop`)."""
-        return handle.epoch == self.epoch and self._sock is not None
+        """Whether the server still holds `handle`'s slots for us: the connection that made it is
+        the live one, and the server's time limit on it (HPKV_SERVER_SLOT_TIMEOUT_S) has not
+        passed. Lock-free: the epoch is read first, and it bumps before the connection closes
+        (`_drop`)."""
+        return handle.epoch == self.epoch and self._sock is not None and time.monotonic() < handle.deadline
 
     def clear(self, memory: bool = True, storage: bool = False, ns: str | None = None) -> p.Cleared:
         return self._call(p.Clear(memory, storage, ns), max(self.timeout_s, 300.0))

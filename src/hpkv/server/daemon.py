@@ -269,7 +269,8 @@ class Server:
             return False
         # The pool goes as a descriptor: the client maps this file, whatever its name is by now.
         p.send_frame_fds(conn, p.Welcome(p.PROTOCOL_VERSION, os.getpid(), p.display_path(region.path),
-                                         region.size_bytes, region.inode, client.id), [pool_fd])
+                                         region.size_bytes, region.inode, client.id,
+                                         self.settings.server_slot_timeout_s or 0.0), [pool_fd])
         return True
 
     def _dialogue(self, conn: socket.socket, client: ClientInfo) -> None:

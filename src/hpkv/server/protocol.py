@@ -123,6 +123,7 @@ class Welcome(_Stable):
     pool_bytes: int
     pool_inode: int
     client_id: int
+    slot_timeout_s: float = 0.0  # HPKV_SERVER_SLOT_TIMEOUT_S; 0: none. Clients void their handles by then
 
 
 class Registered(Msg):

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import uuid
 
 from ...identity import ModelIdentity, NoContentIdentity, content_identity, override_identity, private_identity
@@ -33,7 +35,22 @@ LOCAL_LOAD_FORMATS = frozenset(("auto", "pt", "safetensors", "instanttensor", "n
 NUMERICS_ARGS = (("quantization", None), ("modelopt_quant", None), ("dtype", "auto"), ("qsa_indexer_dtype", "auto"))
 # Server arguments that take weights or config from outside --model-path.
 OUTSIDE_ARGS = ("modelopt_checkpoint_restore_path", "custom_weight_loader", "decrypted_config_file", "rl_quant_profile")
-_PROCESS_SCOPE = uuid.uuid4().hex[:12]
+
+
+def _launch_scope() -> str:
+    """What the TP ranks of one SGLang launch share, and no other launch has: the launching
+    process (their parent) and its start time (pids are reused). An MLA model's ranks read the
+    namespace rank 0 writes, so a private identity per rank process would never hit."""
+    ppid = os.getppid()
+    try:
+        with open(f"/proc/{ppid}/stat", encoding="ascii") as f:
+            started = f.read().rsplit(")", 1)[1].split()[19]  # field 22, starttime
+    except (OSError, IndexError):
+        return uuid.uuid4().hex[:12]
+    return f"{socket.gethostname()}-{ppid}-{started}"
+
+
+_PROCESS_SCOPE = _launch_scope()
 
 
 def model_identity(args, override: str | None) -> ModelIdentity:

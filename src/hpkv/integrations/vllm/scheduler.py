@@ -113,10 +113,10 @@ class HpkvScheduler:
         state = self._reqs.get(request.request_id)
         if state is None:
             state = self._reqs[request.request_id] = _Req(request)
+        if self._uncached(request, state):  # first: a LoRA request is not saved either
+            return 0, False
         if getattr(request, "skip_reading_prefix_cache", False):  # e.g. prompt logprobs: vLLM drops any hit
             self._release(state)
-            return 0, False
-        if self._uncached(request, state):
             return 0, False
         start = num_computed_tokens // self.block_size
         stop = (request.num_tokens - 1) // self.block_size  # vLLM computes at least the last token
