@@ -538,6 +538,7 @@ def test_a_file_of_a_terabyte_or_more_is_never_indexed(open_tier):
     """An index value keeps a file's size in 40 bits: a larger file (no KV file of ours) is
     neither adopted by a lookup nor found by a scan, and counts for nothing."""
     tier = open_tier()
+    assert tier.scan_done.wait(10)  # else its scan may index the file while it is still empty
     huge = Path(tier.path_of(NS, key(1)))
     huge.parent.mkdir(parents=True, exist_ok=True)
     try:
