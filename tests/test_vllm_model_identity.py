@@ -107,7 +107,7 @@ def test_hpkv_model_id_replaces_the_content(model, tmp_path):
 def test_a_loader_hpkv_cannot_read_gives_a_private_namespace_and_says_why(model, caplog):
     config = engine_config(model)
     config.load_config.load_format = "tensorizer"
-    with caplog.at_level(logging.WARNING, logger="hpkv.vllm.model"):
+    with caplog.at_level(logging.WARNING, logger="hpkv.identity"):
         got = desc(config)
     assert got.model.startswith("private:")
     assert "HPKV_MODEL_ID" in caplog.text and "tensorizer" in caplog.text

@@ -25,7 +25,8 @@ be found, or a weight source this module cannot read, has no content identity: t
 uses a private one (never shared) and logs why.
 
 Primitives: `content_identity(model, revision, download_dir)` (cached; `forget()`), `fingerprint(path)`,
-`override_identity(value)`, `private_identity(reason, scope)`, `ModelIdentity`.
+`override_identity(value)`, `private_identity(reason, scope)`, `unreadable_identity(reason, scope, why)`,
+`ModelIdentity`.
 Must not know: engines (no torch, vLLM or SGLang here), namespaces, the pool.
 """
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import re
 import struct
@@ -40,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+log = logging.getLogger("hpkv.identity")
 
 FORMAT = b"hpkv-model-fingerprint-1"
 DIGEST_BYTES = 16
@@ -104,6 +107,14 @@ def private_identity(reason: str, scope: str) -> ModelIdentity:
     """An identity no other engine instance has (`scope` names this instance): its KV is
     never shared, and never served to a later engine."""
     return ModelIdentity(f"private:{scope}", f"nothing shareable: {reason}", shared=False)
+
+
+def unreadable_identity(reason: str, scope: str, why: str) -> ModelIdentity:
+    """`private_identity` for weights this module cannot read, said in the log with the fix."""
+    log.warning("HPKV cannot tell the model's identity (%s): this engine's KV stays private to it (no hits from "
+                "other engines or after a restart). Fix: give a local model directory, or set HPKV_MODEL_ID to "
+                "an identity you manage for these weights", why)
+    return private_identity(reason, scope)
 
 
 def content_identity(model: str, revision: str | None = None, download_dir: str | None = None) -> ModelIdentity:

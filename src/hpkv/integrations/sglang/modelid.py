@@ -18,14 +18,13 @@ Must not know: pools, clients, page layouts.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import uuid
 
-from ...identity import ModelIdentity, NoContentIdentity, content_identity, override_identity, private_identity
+from ...identity import (ModelIdentity, NoContentIdentity, content_identity, override_identity, private_identity,
+                         unreadable_identity)
 
-log = logging.getLogger("hpkv.sglang.model")
 
 # Loaders that read the weights from --model-path (or its hub snapshot) as given.
 LOCAL_LOAD_FORMATS = frozenset(("auto", "pt", "safetensors", "instanttensor", "npcache", "sharded_state",
@@ -62,12 +61,12 @@ def model_identity(args, override: str | None) -> ModelIdentity:
     if override:
         return override_identity(override)
     if load_format not in LOCAL_LOAD_FORMATS:
-        return _private(f"--load-format {load_format}", scope,
+        return unreadable_identity(f"--load-format {load_format}", scope,
                         f"the {load_format} loader reads weights HPKV cannot fingerprint")
     outside = [name for name in OUTSIDE_ARGS if getattr(args, name, None)]
     if outside:
         flags = ", ".join(f"--{name.replace('_', '-')}" for name in outside)
-        return _private(flags, scope, f"{flags} take weights or config from outside --model-path")
+        return unreadable_identity(flags, scope, f"{flags} take weights or config from outside --model-path")
     download_dir = getattr(args, "download_dir", None)
     try:
         identity = content_identity(str(args.model_path), getattr(args, "revision", None), download_dir)
@@ -76,7 +75,7 @@ def model_identity(args, override: str | None) -> ModelIdentity:
         for name, path in lora_adapters(getattr(args, "lora_paths", None)):
             identity = identity.with_part(f"lora:{name}", content_identity(path, None, download_dir))
     except NoContentIdentity as exc:
-        return _private("weights not readable here", scope, str(exc))
+        return unreadable_identity("weights not readable here", scope, str(exc))
     return identity
 
 
@@ -97,12 +96,6 @@ def lora_adapters(lora_paths) -> list[tuple[str, str]]:
             items.append((name, path))
     return sorted((str(name), str(path)) for name, path in items)
 
-
-def _private(short: str, scope: str, why: str) -> ModelIdentity:
-    log.warning("HPKV cannot tell the model's identity (%s): this engine's KV stays private to it (no hits from "
-                "other engines or after a restart). Fix: give a local model directory, or set HPKV_MODEL_ID to "
-                "an identity you manage for these weights", why)
-    return private_identity(short, scope)
 
 
 def model_text(args, identity: ModelIdentity) -> str:

@@ -17,12 +17,11 @@ Must not know: pools, clients, layouts.
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 
-from ...identity import ModelIdentity, NoContentIdentity, content_identity, override_identity, private_identity
+from ...identity import (ModelIdentity, NoContentIdentity, content_identity, override_identity, private_identity,
+                         unreadable_identity)
 
-log = logging.getLogger("hpkv.vllm.model")
 
 # Loaders that read the weights from the model directory (or hub snapshot) as given.
 LOCAL_LOAD_FORMATS = frozenset(("auto", "hf", "safetensors", "pt", "npcache", "fastsafetensors", "instanttensor",
@@ -42,10 +41,10 @@ def model_identity(vllm_config, override: str | None) -> ModelIdentity:
     if override:
         return override_identity(override)
     if load_format not in LOCAL_LOAD_FORMATS:
-        return _private(f"--load-format {load_format}", scope,
+        return unreadable_identity(f"--load-format {load_format}", scope,
                         f"the {load_format} loader reads weights HPKV cannot fingerprint")
     if getattr(model, "model_weights", ""):
-        return _private("weights from object storage", scope, f"the weights stream from {model.model_weights}")
+        return unreadable_identity("weights from object storage", scope, f"the weights stream from {model.model_weights}")
     try:
         identity = content_identity(model.model, model.revision, load.download_dir)
         if not identity.num_weight_files:
@@ -54,7 +53,7 @@ def model_identity(vllm_config, override: str | None) -> ModelIdentity:
             extra = content_identity(other, revision, load.download_dir)
             identity = identity.with_part(what, extra)
     except NoContentIdentity as exc:
-        return _private("weights not readable here", scope, str(exc))
+        return unreadable_identity("weights not readable here", scope, str(exc))
     return identity
 
 
@@ -71,12 +70,6 @@ def _other_models(vllm_config) -> list[tuple[str, str, str | None]]:
         out.append(("draft", draft.model, getattr(draft, "revision", None)))
     return out
 
-
-def _private(short: str, scope: str, why: str) -> ModelIdentity:
-    log.warning("HPKV cannot tell the model's identity (%s): this engine's KV stays private to it (no hits from "
-                "other engines or after a restart). Fix: give a local model directory, or set HPKV_MODEL_ID to "
-                "an identity you manage for these weights", why)
-    return private_identity(short, scope)
 
 
 def model_text(vllm_config, identity: ModelIdentity) -> str:
