@@ -26,7 +26,7 @@ uses a private one (never shared) and logs why.
 
 Primitives: `content_identity(model, revision, download_dir)` (cached; `forget()`), `fingerprint(path)`,
 `override_identity(value)`, `private_identity(reason, scope)`, `unreadable_identity(reason, scope, why)`,
-`ModelIdentity`.
+`loader_identity(load_format, local_formats, override, scope)`, `ModelIdentity`.
 Must not know: engines (no torch, vLLM or SGLang here), namespaces, the pool.
 """
 
@@ -107,6 +107,21 @@ def private_identity(reason: str, scope: str) -> ModelIdentity:
     """An identity no other engine instance has (`scope` names this instance): its KV is
     never shared, and never served to a later engine."""
     return ModelIdentity(f"private:{scope}", f"nothing shareable: {reason}", shared=False)
+
+
+def loader_identity(load_format: str, local_formats: frozenset[str], override: str | None,
+                    scope: str) -> ModelIdentity | None:
+    """The identity the engine's weight loader alone decides: private for random weights (even
+    with an override), the override, private for a loader that does not read local files; None
+    where the content is to be fingerprinted."""
+    if load_format == "dummy":
+        return private_identity("random weights (--load-format dummy)", scope)
+    if override:
+        return override_identity(override)
+    if load_format not in local_formats:
+        return unreadable_identity(f"--load-format {load_format}", scope,
+                                   f"the {load_format} loader reads weights HPKV cannot fingerprint")
+    return None
 
 
 def unreadable_identity(reason: str, scope: str, why: str) -> ModelIdentity:

@@ -22,8 +22,7 @@ import os
 import socket
 import uuid
 
-from ...identity import (ModelIdentity, NoContentIdentity, content_identity, override_identity, private_identity,
-                         unreadable_identity)
+from ...identity import ModelIdentity, NoContentIdentity, content_identity, loader_identity, unreadable_identity
 
 
 # Loaders that read the weights from --model-path (or its hub snapshot) as given.
@@ -56,13 +55,9 @@ def model_identity(args, override: str | None) -> ModelIdentity:
     """The identity of the weights this engine serves (see the module docstring)."""
     scope = f"sglang-{_PROCESS_SCOPE}"
     load_format = str(getattr(getattr(args, "load_format", "auto"), "value", getattr(args, "load_format", "auto")))
-    if load_format == "dummy":
-        return private_identity("random weights (--load-format dummy)", scope)
-    if override:
-        return override_identity(override)
-    if load_format not in LOCAL_LOAD_FORMATS:
-        return unreadable_identity(f"--load-format {load_format}", scope,
-                        f"the {load_format} loader reads weights HPKV cannot fingerprint")
+    decided = loader_identity(load_format, LOCAL_LOAD_FORMATS, override, scope)
+    if decided is not None:
+        return decided
     outside = [name for name in OUTSIDE_ARGS if getattr(args, name, None)]
     if outside:
         flags = ", ".join(f"--{name.replace('_', '-')}" for name in outside)

@@ -19,8 +19,7 @@ from __future__ import annotations
 import json
 import uuid
 
-from ...identity import (ModelIdentity, NoContentIdentity, content_identity, override_identity, private_identity,
-                         unreadable_identity)
+from ...identity import ModelIdentity, NoContentIdentity, content_identity, loader_identity, unreadable_identity
 
 
 # Loaders that read the weights from the model directory (or hub snapshot) as given.
@@ -36,15 +35,12 @@ def model_identity(vllm_config, override: str | None) -> ModelIdentity:
     load = vllm_config.load_config
     scope = f"vllm-{getattr(vllm_config, 'instance_id', '') or _PROCESS_SCOPE}"
     load_format = str(getattr(load.load_format, "value", load.load_format))
-    if load_format == "dummy":
-        return private_identity("random weights (--load-format dummy)", scope)
-    if override:
-        return override_identity(override)
-    if load_format not in LOCAL_LOAD_FORMATS:
-        return unreadable_identity(f"--load-format {load_format}", scope,
-                        f"the {load_format} loader reads weights HPKV cannot fingerprint")
+    decided = loader_identity(load_format, LOCAL_LOAD_FORMATS, override, scope)
+    if decided is not None:
+        return decided
     if getattr(model, "model_weights", ""):
-        return unreadable_identity("weights from object storage", scope, f"the weights stream from {model.model_weights}")
+        return unreadable_identity("weights from object storage", scope,
+                                   f"the weights stream from {model.model_weights}")
     try:
         identity = content_identity(model.model, model.revision, load.download_dir)
         if not identity.num_weight_files:
