@@ -27,7 +27,7 @@ from hpkv.keys import NamespaceDesc
 from hpkv.server.autostart import answers
 from hpkv.server.client import Client
 from hpkv.status import human_bytes
-from hpkv.store import Tier
+from hpkv.types import Tier
 from serverutil import stop
 
 HPKV_SCRIPT = Path(sys.executable).parent / "hpkv"

@@ -11,7 +11,7 @@ import pytest
 from serverutil import Node, _answers, desc, entry_key, payload, wait_for
 from hpkv.config import load_settings
 from hpkv.server import daemon
-from hpkv.store import Tier
+from hpkv.types import Tier
 
 ENTRY = 64 << 10
 

@@ -13,7 +13,7 @@ from hpkv.integrations.vllm.costmodel import (
     FixedThreshold,
     attention_kappa,
 )
-from hpkv.store import Tier
+from hpkv.types import Tier
 
 D, S = Tier.DRAM, Tier.STORAGE
 BS = 32

@@ -22,7 +22,7 @@ from hpkv.config import load_settings
 from hpkv.errors import PoolError
 from hpkv.server import daemon
 from hpkv.server import protocol as p
-from hpkv.store import Tier
+from hpkv.types import Tier
 
 DRAM, STORAGE = int(Tier.DRAM), int(Tier.STORAGE)
 SMALL = 64 << 10

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from serverutil import Node, wait_for
-from hpkv.store import Tier
+from hpkv.types import Tier
 
 DRAM, STORAGE = int(Tier.DRAM), int(Tier.STORAGE)
 

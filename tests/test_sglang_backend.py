@@ -20,7 +20,7 @@ from serverutil import Node, wait_for
 from hpkv.errors import ConfigError
 from hpkv.integrations.sglang import flag
 from hpkv.keys import NamespaceDesc, make_key
-from hpkv.store import Tier
+from hpkv.types import Tier
 
 PAGES = 6
 

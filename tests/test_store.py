@@ -17,7 +17,8 @@ import pytest
 from conftest import make_pool_config, make_storage_config
 from hpkv.config import StorageConfig
 from hpkv.keys import NamespaceDesc, make_key
-from hpkv.store import Tier, TieredStore
+from hpkv.store import TieredStore
+from hpkv.types import Tier
 
 ENTRY = 64 << 10
 

@@ -27,7 +27,6 @@ mapped region.
 
 from __future__ import annotations
 
-import enum
 import functools
 import itertools
 import logging
@@ -49,6 +48,7 @@ from .pool.tier import DramEntry, DramTier
 from .storage.root import StorageUnusable
 from .storage.tier import StorageTier
 from .storage.writer import WriterPool, WriterUnavailable
+from .types import HOLD_TIMEOUT_S, Lookup, Tier
 
 log = logging.getLogger(__name__)
 
@@ -57,35 +57,10 @@ log = logging.getLogger(__name__)
 # and is written once the backlog drains, if the pool still holds it. Without the limit a storage
 # device slower than the engines pinned the whole pool, and every save after that was skipped.
 BACKLOG_LIMIT_SHARE = 0.5
-# A hold (`reserve(..., hold=)`) nobody settles within this long is aborted: its slots are not
-# pinned for ever by a settler that died or forgot it.
-HOLD_TIMEOUT_S = 60.0
 HOLD_QUARANTINE_S = 30.0  # then its slots (and all `held` takes back) stay unusable this long: a copy may go on
 
 
 _NOWHERE = frozenset().__contains__  # the storage index of a store without a storage tier
-
-
-class Tier(enum.IntEnum):
-    DRAM = 1
-    STORAGE = 2
-
-
-@dataclass(frozen=True)
-class Lookup:
-    tiers: tuple[Tier, ...]  # the tier of each leading hit key
-
-    @property
-    def num_hit(self) -> int:
-        return len(self.tiers)
-
-    @property
-    def num_dram(self) -> int:
-        return self.tiers.count(Tier.DRAM)
-
-    @property
-    def num_storage(self) -> int:
-        return self.tiers.count(Tier.STORAGE)
 
 
 @dataclass

@@ -60,7 +60,7 @@ from ..errors import HpkvError, PoolError
 from ..keys import NamespaceDesc
 from ..pool import directory as pool_directory
 from ..pool.region import POOL_FILE_NAME, PoolRegion
-from ..store import Lookup, Tier
+from ..types import Lookup, Tier
 from . import protocol as p
 from .autostart import ServerUnavailable, check_socket, ensure_server
 

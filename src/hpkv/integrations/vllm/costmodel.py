@@ -36,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from ...store import Tier
+from ...types import Tier
 
 log = logging.getLogger("hpkv.vllm.costmodel")
 

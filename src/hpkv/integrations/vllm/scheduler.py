@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from ...config import Settings
 from ...errors import HpkvError
 from ...server.client import Client, LeaseHandle
-from ...store import HOLD_TIMEOUT_S, Tier
+from ...types import HOLD_TIMEOUT_S, Tier
 from . import layout as lay
 from . import modelid, probes
 from .costmodel import AffineCost, AutoThreshold, CostModel, FixedThreshold
