@@ -39,3 +39,11 @@ def make_pool_config(path: Path, size_bytes: int = 64 << 20) -> PoolConfig:
 def pytest_configure(config):
     # Engine tests outside test_vllm_e2e.py carry this mark, so `-k "not vllm_e2e"` leaves them out too.
     config.addinivalue_line("markers", "vllm_e2e: starts real vLLM engines (run under flock /tmp/hpkv-engine.lock)")
+    config.addinivalue_line("markers", "engine: starts a real engine process; `make test-core` runs -m 'not engine'")
+
+
+def pytest_collection_modifyitems(config, items):
+    # Every vLLM end-to-end test is an engine test: one mark to set, `-m "not engine"` leaves it out.
+    for item in items:
+        if item.get_closest_marker("vllm_e2e") is not None:
+            item.add_marker(pytest.mark.engine)
