@@ -38,8 +38,15 @@ from pathlib import Path
 
 from .. import safefs
 from ..errors import PoolError
-from ..fsinfo import (MEMORY_FS, PSEUDO_FS, cgroup_memory_left, existing_ancestor, free_bytes, meminfo_available_bytes,
-                      mount_of)
+from ..fsinfo import (
+    MEMORY_FS,
+    PSEUDO_FS,
+    cgroup_memory_left,
+    existing_ancestor,
+    free_bytes,
+    meminfo_available_bytes,
+    mount_of,
+)
 from . import directory as pool_directory
 
 log = logging.getLogger(__name__)
@@ -50,10 +57,11 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
 
 
 def _human(num_bytes: int) -> str:
+    value: float = num_bytes
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if num_bytes < 1024 or unit == "TiB":
-            return f"{num_bytes:.1f} {unit}" if unit != "B" else f"{num_bytes} B"
-        num_bytes /= 1024
+        if value < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{num_bytes} B"
+        value /= 1024
     raise AssertionError
 
 
@@ -84,7 +92,7 @@ class PoolRegion:
         self.identity = (st.st_dev, st.st_ino)  # the file, whatever its name says now
 
     @classmethod
-    def create(cls, directory: Path, size_bytes: int) -> "PoolRegion":
+    def create(cls, directory: Path, size_bytes: int) -> PoolRegion:
         """Create the pool file exclusively, reserve its memory and map it.
 
         Raises PoolError naming the path and the fix when the directory is unusable, the pool
@@ -124,7 +132,7 @@ class PoolRegion:
         return self._share_fd
 
     @classmethod
-    def attach(cls, fd: int, size_bytes: int, path: Path | str) -> "PoolRegion":
+    def attach(cls, fd: int, size_bytes: int, path: Path | str) -> PoolRegion:
         """Map the pool file open as `fd` (received from its owner), which must be a regular file
         of `size_bytes` (what the owner announced); `path` names it in messages. Takes `fd`:
         it is closed whatever happens."""
@@ -196,7 +204,7 @@ class PoolRegion:
         os.close(self._fd)
         self._fd = -1
 
-    def __enter__(self) -> "PoolRegion":
+    def __enter__(self) -> PoolRegion:
         return self
 
     def __exit__(self, *exc) -> None:
