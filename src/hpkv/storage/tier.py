@@ -107,7 +107,7 @@ class StorageTier:
 
     def indexed(self, ns: str, key: bytes) -> bool:
         """Whether the index holds (ns, key): no I/O, so callers may ask while holding a lock."""
-        return self.index.key(ns, key) in self.index
+        return self.index.holds(self.index.key(ns, key))
 
     def index_probe(self, ns: str) -> tuple[bytes, Callable[[bytes], bool]]:
         """(prefix, holds): `holds(prefix + key)` is `indexed(ns, key)` without a Python call per
@@ -119,7 +119,7 @@ class StorageTier:
         the file when the index does not hold it: ask without holding a lock); what stands
         there and is not a regular file is skipped and counted."""
         ik = self.index.key(ns, key)
-        if ik in self.index:
+        if self.index.holds(ik):
             return True
         if self.index.being_evicted(ik):
             return False
