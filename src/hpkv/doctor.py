@@ -30,7 +30,7 @@ from .server.autostart import ServerUnavailable
 from .server.client import Client
 from .storage import root as storage_root
 from .storage.fileio import direct_supported
-from .storage.tier import AUTO_CAPACITY_FRACTION, SMALL_AUTO_CAPACITY
+from .storage.capacity import AUTO_CAPACITY_FRACTION, auto_capacity_bytes, little_room
 from .status import human_bytes, human_duration
 
 NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "fuse.sshfs", "sshfs", "9p"})
@@ -472,7 +472,7 @@ def check_storage_space(storage: StorageConfig, server: ServerProbe, pool: PoolC
         ours = server.stats["storage"]["used_bytes"]
     if storage.capacity_bytes is None:
         share = round(AUTO_CAPACITY_FRACTION * 100)
-        estimate = int((free + ours) * AUTO_CAPACITY_FRACTION)
+        estimate = auto_capacity_bytes(free, ours)
         if server.stats is not None and server.stats.get("storage") is not None:
             capacity = server.stats["storage"].get("capacity_bytes", estimate)
             detail = (f"HPKV_KV_STORAGE_SIZE=auto: the running server sized the tier to {human_bytes(capacity)} "
@@ -483,7 +483,7 @@ def check_storage_space(storage: StorageConfig, server: ServerProbe, pool: PoolC
             capacity = estimate
             detail = (f"HPKV_KV_STORAGE_SIZE=auto: a server starting now sizes the tier to {human_bytes(capacity)} "
                       f"({share}% of the {room}, plus {share}% of what HPKV's files already take there)")
-        if capacity < SMALL_AUTO_CAPACITY:
+        if little_room(capacity):
             fix = ("free memory on this node (then restart the server), set HPKV_KV_STORAGE_SIZE, or point "
                    "HPKV_KV_STORAGE_PATH at an SSD or a parallel file system" if ramfs else
                    "free space on that file system (then restart the server), set HPKV_KV_STORAGE_SIZE, or point "
