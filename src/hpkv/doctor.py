@@ -28,6 +28,7 @@ from .pool.region import POOL_FILE_NAME
 from .server import protocol as p
 from .server.autostart import ServerUnavailable
 from .server.client import Client
+from .stats import ServerStats
 from .storage import root as storage_root
 from .storage.fileio import direct_supported
 from .storage.tier import AUTO_CAPACITY_FRACTION, SMALL_AUTO_CAPACITY
@@ -62,7 +63,7 @@ class ServerProbe:
     """What the node's server said: its stats, or why there are none."""
 
     socket: Path
-    stats: dict | None = None
+    stats: ServerStats | None = None
     error: HpkvError | None = None
 
 
@@ -274,8 +275,8 @@ def check_memlock(pool: PoolConfig, server: ServerProbe) -> Check:
     if mount_of(pool.dir).fs_type == "ramfs":
         return Check(name, Verdict.OK, "not needed: the pool is on ramfs, whose pages are never swapped")
     if server.stats is not None:
-        pid = server.stats["server"]["pid"]
-        if server.stats["dram"]["locked_in_memory"]:
+        pid = server.stats.server.pid
+        if server.stats.dram.locked_in_memory:
             return Check(name, Verdict.OK, f"the running server (pid {pid}) has its pool locked in memory")
         return Check(name, Verdict.WARN, f"the running server (pid {pid}) could not lock its pool in memory: "
                      "it may be swapped", "restart the server with a higher memlock limit (ulimit -l unlimited; "
@@ -302,7 +303,7 @@ def check_storage(storage: StorageConfig, server: ServerProbe, pool: PoolConfig 
         return [Check("storage directory", Verdict.INFO,
                       "the storage tier is off (HPKV_KV_STORAGE_ENABLE=false): KV lives in DRAM only")]
     checks = [check_storage_permissions(storage)]
-    if server.stats is not None and server.stats.get("storage_unusable"):
+    if server.stats is not None and server.stats.storage_unusable:
         checks.append(check_storage_in_use(server.stats))
     if checks[0].verdict is not Verdict.FAIL:
         checks.append(check_storage_writers(storage))
@@ -311,7 +312,7 @@ def check_storage(storage: StorageConfig, server: ServerProbe, pool: PoolConfig 
             checks.append(check_storage_space(storage, server, pool))
         if storage.direct_io and Path(storage.path).is_dir():
             checks.append(check_storage_direct_io(storage))
-    if server.stats is not None and server.stats.get("write_backlog") is not None:
+    if server.stats is not None and server.stats.write_backlog is not None:
         checks.append(check_write_backlog(server.stats))
     return checks
 
@@ -319,15 +320,18 @@ def check_storage(storage: StorageConfig, server: ServerProbe, pool: PoolConfig 
 BACKLOG_WARN_SHARE = 0.25  # of the pool, pinned by entries waiting for their write-through
 
 
-def check_write_backlog(stats: dict) -> Check:
-    """The running server's entries waiting for their write-through, against its pool."""
+def check_write_backlog(stats: ServerStats) -> Check:
+    """The running server's entries waiting for their write-through, against its pool (a server
+    with a storage tier: `stats.write_backlog` is not None)."""
     name = "storage: write backlog"
-    backlog, pool = stats["write_backlog"], stats["dram"]["capacity_bytes"]
-    share = backlog["bytes"] / pool if pool else 0.0
-    detail = (f"{backlog['entries']} entries ({human_bytes(backlog['bytes'])}, {share:.0%} of the pool) wait for "
+    backlog, pool = stats.write_backlog, stats.dram.capacity_bytes
+    if backlog is None:
+        raise ValueError("check_write_backlog needs the stats of a server with a storage tier")
+    share = backlog.bytes / pool if pool else 0.0
+    detail = (f"{backlog.entries} entries ({human_bytes(backlog.bytes)}, {share:.0%} of the pool) wait for "
               "their write-through to storage now")
-    if backlog.get("deferred"):
-        detail += (f", and {backlog['deferred']} more wait unpinned (the backlog pins at most half the pool; an "
+    if backlog.deferred:
+        detail += (f", and {backlog.deferred} more wait unpinned (the backlog pins at most half the pool; an "
                    "entry evicted before its turn stays unwritten)")
     if share <= BACKLOG_WARN_SHARE:
         return Check(name, Verdict.OK, detail)
@@ -385,11 +389,11 @@ def check_storage_permissions(storage: StorageConfig) -> Check:
     return Check(name, Verdict.OK, f"{path} has mode {mode:04o} and is writable by uid {uid}")
 
 
-def check_storage_in_use(stats: dict) -> Check:
+def check_storage_in_use(stats: ServerStats) -> Check:
     """The running server could not use its storage directory and runs on DRAM alone."""
     return Check("storage: running server", Verdict.WARN,
-                 f"the running server (pid {stats['server']['pid']}) runs with the DRAM tier only: "
-                 f"{stats['storage_unusable']}",
+                 f"the running server (pid {stats.server.pid}) runs with the DRAM tier only: "
+                 f"{stats.storage_unusable}",
                  "fix the storage directory as that says, then restart the server (`hpkv server`; an "
                  "auto-started one restarts once its last engine has exited)")
 
@@ -467,14 +471,13 @@ def check_storage_space(storage: StorageConfig, server: ServerProbe, pool: PoolC
     less_pool = f", less the {human_bytes(promised)} DRAM pool" if promised else ""
     room = (f"{human_bytes(free)} of room (half the memory available{less_pool}: a ramfs has no size of its own, "
             "and nothing bounds it but memory)" if ramfs else f"{human_bytes(free)} free")
-    ours = 0
-    if server.stats is not None and server.stats.get("storage") is not None:
-        ours = server.stats["storage"]["used_bytes"]
+    running = server.stats.storage if server.stats is not None else None
+    ours = running.used_bytes if running is not None else 0
     if storage.capacity_bytes is None:
         share = round(AUTO_CAPACITY_FRACTION * 100)
         estimate = int((free + ours) * AUTO_CAPACITY_FRACTION)
-        if server.stats is not None and server.stats.get("storage") is not None:
-            capacity = server.stats["storage"].get("capacity_bytes", estimate)
+        if running is not None:
+            capacity = running.capacity_bytes
             detail = (f"HPKV_KV_STORAGE_SIZE=auto: the running server sized the tier to {human_bytes(capacity)} "
                       f"({share}% of {'half the memory available' if ramfs else 'the space free'} when it started, "
                       f"plus {share}% of what its files took); "
@@ -517,15 +520,15 @@ _DESC_FIELDS = {"engine": "engine", "dtype": "KV dtype", "layout": "KV layout", 
                 "pp_size": "pipeline parallel size", "cp_size": "context parallel size", "extra": "other settings"}
 
 
-def check_namespaces(stats: dict) -> Check:
+def check_namespaces(stats: ServerStats) -> Check:
     """Why lookups find nothing: a namespace that looked up many keys and hit none, beside another
     of the same model whose KV it cannot use (engines with different settings)."""
     name = "namespaces: hits"
-    namespaces = {ns: (json.loads(n["desc"]), n) for ns, n in stats.get("namespaces", {}).items()}
+    namespaces = {ns: (json.loads(n.desc), n) for ns, n in stats.namespaces.items()}
     if not namespaces:
         return Check(name, Verdict.INFO, "no engine has registered with the server yet")
     cold = [ns for ns, (_, n) in namespaces.items()
-            if n["lookup_keys"] >= COLD_LOOKUP_KEYS and not n["hit_keys_dram"] + n["hit_keys_storage"]]
+            if n.lookup_keys >= COLD_LOOKUP_KEYS and not n.hit_keys_dram + n.hit_keys_storage]
     mismatches = []
     for ns in cold:
         desc = namespaces[ns][0]
@@ -540,15 +543,15 @@ def check_namespaces(stats: dict) -> Check:
                       for key, label in fields.items() if desc.get(key) != other_desc.get(key)]
             if differ:
                 mismatches.append(f"namespace {ns[:12]} ({desc['engine']}, {desc['model']}, rank {desc['rank']}) "
-                                  f"looked up {namespaces[ns][1]['lookup_keys']} keys and found none, and namespace "
+                                  f"looked up {namespaces[ns][1].lookup_keys} keys and found none, and namespace "
                                   f"{other[:12]} of the same model differs in {', '.join(differ)}")
                 break
     if mismatches:
         return Check(name, Verdict.WARN, "; ".join(mismatches) + ": KV saved under one cannot serve the other",
                      "give every engine serving the model the same settings (those named) to share its KV; HPKV "
                      "keeps KV of different settings apart on purpose, since loading it would give wrong tokens")
-    lookups = sum(n["lookup_keys"] for _, n in namespaces.values())
-    hits = sum(n["hit_keys_dram"] + n["hit_keys_storage"] for _, n in namespaces.values())
+    lookups = sum(n.lookup_keys for _, n in namespaces.values())
+    hits = sum(n.hit_keys_dram + n.hit_keys_storage for _, n in namespaces.values())
     detail = f"{len(namespaces)} namespaces; {hits} of {lookups} keys looked up were found"
     if cold:
         return Check(name, Verdict.INFO, f"{detail}; {len(cold)} namespaces found none yet (prompts not seen "
@@ -559,12 +562,12 @@ def check_namespaces(stats: dict) -> Check:
 def check_server(server: ServerProbe) -> Check:
     name = "server"
     if server.stats is not None:
-        s = server.stats["server"]
-        mode = "auto-started" if s["auto"] else "managed"
-        detail = (f"pid {s['pid']}, version {s['version']} (protocol {s['protocol']}), up "
-                  f"{human_duration(s['uptime_s'])}, {mode}, {len(server.stats['clients']) - 1} other clients, "
+        s = server.stats.server
+        mode = "auto-started" if s.auto else "managed"
+        detail = (f"pid {s.pid}, version {s.version} (protocol {s.protocol}), up "
+                  f"{human_duration(s.uptime_s)}, {mode}, {len(server.stats.clients) - 1} other clients, "
                   f"socket {server.socket}")
-        if s["version"] != __version__:
+        if s.version != __version__:
             return Check(name, Verdict.WARN, f"{detail}; this hpkv is version {__version__}",
                          "restart the server after upgrading, so both sides run the same version")
         return Check(name, Verdict.OK, detail)
