@@ -298,7 +298,7 @@ def test_doctor_checks_direct_io_only_when_it_is_asked_for(tmp_path, monkeypatch
     probe = ServerProbe(tmp_path / "no.sock")
     by_name = {c.name: c for c in check_storage(config, probe)}
     assert by_name["storage directory: direct I/O"].verdict is Verdict.OK  # ext4 or tmpfs here
-    monkeypatch.setattr("hpkv.doctor.direct_supported", lambda path: False)
+    monkeypatch.setattr("hpkv.doctor.storage.direct_supported", lambda path: False)
     check = {c.name: c for c in check_storage(config, probe)}["storage directory: direct I/O"]
     assert check.verdict is Verdict.WARN and str(storage) in check.detail and "page cache" in check.detail
     off = dataclasses.replace(config, direct_io=False)
