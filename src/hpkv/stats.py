@@ -16,8 +16,10 @@ from typing import Any
 
 import msgspec
 
+from .errors import HpkvError
 
-class StatsMismatch(ValueError):
+
+class StatsMismatch(HpkvError):
     """A snapshot and this schema disagree: a field missing, mistyped, or not in the schema."""
 
 
@@ -154,7 +156,8 @@ def from_wire(raw: Any) -> ServerStats:
     try:
         return msgspec.convert(raw, ServerStats)
     except msgspec.ValidationError as exc:
-        raise StatsMismatch(f"the server's stats do not match hpkv.stats: {exc}") from None
+        raise StatsMismatch(f"the server's stats do not match hpkv.stats: {exc}; run one hpkv version on both "
+                            "sides (restart the server after an upgrade)") from None
 
 
 def from_parts(raw: Mapping[str, Any]) -> ServerStats:
