@@ -26,13 +26,10 @@ from .report import log
 WAKE_PROMPT = prompt_text(8, seed=-7)
 
 # vLLM's shared-memory message queues keep a reader spinning on sched_yield for 1 s after each
-# message it reads (`SpinCondition`, busy_loop_s=1, in vllm/distributed/device_communicators/
-# shm_broadcast.py), so the engine-core process spins through every forward pass of its worker.
-# On these 2 cores that spinning is what puts a forward pass in its slow mode (100-600 ms instead
-# of 31-50 ms for one token at 8K context), but without it the fast mode was slower
-# (docs/benchmarks.md, "What selects the slow mode"). The benchmarks keep vLLM's default;
-# HPKV_BENCH_VLLM_SPIN=0 starts every engine, of every system alike, with busy_loop_s=0 (a reader
-# waits for the queue's zmq notification), through this sitecustomize on its PYTHONPATH.
+# message (`SpinCondition`, busy_loop_s=1), which on a small CPU slows a forward pass but without
+# which its fast mode was slower. The benchmarks keep vLLM's default; HPKV_BENCH_VLLM_SPIN=0
+# starts every engine, of every system alike, with busy_loop_s=0 (a reader waits for the queue's
+# zmq notification), through this sitecustomize on its PYTHONPATH.
 NO_SPIN = after_import("vllm.distributed.device_communicators.shm_broadcast",
                        "module.SpinCondition.__init__.__defaults__ = (0.0,)  # busy_loop_s")
 
@@ -110,10 +107,9 @@ class Engine:
             time.sleep(0.05)
 
     def measure(self, prompt: str, max_tokens: int) -> tuple[Completion, Sample]:
-        """One timed request, right after an untimed tiny one: on this CPU engine a request that
-        follows an idle second or more has a TTFT hundreds of ms longer (measured: an in-engine
-        hit took 86 ms after no gap, 300 ms after 1 s, 500 ms after 5 s), so every timed request
-        starts from the same just-served state rather than from whatever gap came before it."""
+        """One timed request, right after an untimed tiny one: a request after an idle second has
+        a TTFT hundreds of ms longer on a CPU engine, so every timed request starts from the same
+        just-served state. Returns the completion and its Sample (cached tokens by source)."""
         before = self.counters()
         self.complete(WAKE_PROMPT, 1)  # shorter than a block: no cache hit, no HPKV lookup or save
         completion = self.complete(prompt, max_tokens)
@@ -128,12 +124,10 @@ class Engine:
             time.sleep(0.1)
 
     def warm_up(self, prompt: str, concurrency: int = 4) -> None:
-        """An engine's first request down a path pays one-time costs (the first storage hit of a
-        restarted engine took 1.2 s instead of 0.2 s, the first DRAM hit's forward pass 157 ms
-        instead of 25 ms), so every path timed later is taken once here, untimed, with `prompt`
-        (a long prompt of the warm-up's own): computed (or, on a restarted engine, a storage
-        hit), an in-engine hit, and on an HPKV engine a DRAM hit. The first also opens the
-        scheduler's link to the HPKV server."""
+        """Every path timed later, taken once untimed with `prompt` (a long prompt of the
+        warm-up's own), since an engine's first request down a path pays one-time costs:
+        computed (on a restarted engine, a storage hit), an in-engine hit, on an HPKV engine a
+        DRAM hit, then one batch of `concurrency` short prompts."""
         self.complete(prompt, 2)
         self.complete(prompt, 2)
         if self.server.hpkv:
