@@ -15,13 +15,12 @@ miss are reserved and committed (computed and saved, in an engine; present ones 
 Documents are drawn from a Zipf distribution, so some come back often and some rarely; all of
 them together are `--working-set` times the pool.
 
-    .venv/bin/python bench/prefix_eviction.py [--requests 4000] [--working-set 1.5] [--doc-blocks 256] [--json]
+    .venv/bin/python -m bench.prefix_eviction [--requests 4000] [--working-set 1.5] [--doc-blocks 256] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import tempfile
@@ -30,8 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hpkv.config import PoolConfig, StorageConfig
-from hpkv.keys import NamespaceDesc, make_key
+from bench.harness import configs
+from bench.harness.keys import keys, namespace
+from hpkv.config import PoolConfig
 from hpkv.store import TieredStore
 
 ENTRY = 16 << 10
@@ -54,8 +54,7 @@ class PrefixOrderStore(TieredStore):
 
 
 def documents(lengths: list[int]) -> list[list[bytes]]:
-    return [[make_key(hashlib.sha256(f"doc-{d}-block-{b}".encode()).digest()) for b in range(n)]
-            for d, n in enumerate(lengths)]
+    return [keys(n, f"doc-{d}-block-") for d, n in enumerate(lengths)]
 
 
 def serve(store: TieredStore, ns: str, doc: list[bytes]) -> int:
@@ -87,10 +86,8 @@ def run(args: argparse.Namespace) -> dict:
     entries = args.pool_bytes // ENTRY
     lengths, docs, picks = zipf_requests(args, entries)
     num_docs = len(lengths)
-    storage_off = StorageConfig(path=Path(tempfile.gettempdir()) / "unused", enabled=False, capacity_bytes=None,
-                                fsync="off", io_threads=1)
-    desc = NamespaceDesc(engine="bench", model="prefix-eviction", dtype="float16", layout="blocks", block_size=32,
-                         num_layers=2, entry_bytes=ENTRY)
+    storage_off = configs.storage_off()
+    desc = namespace("prefix-eviction", ENTRY)
     total = sum(lengths)
     out: dict = {"pool_entries": entries, "documents": num_docs, "doc_blocks": args.doc_blocks, "all_blocks": total,
                  "requests": args.requests, "zipf": args.zipf, "stores": {}}

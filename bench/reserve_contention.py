@@ -10,13 +10,12 @@ started just after. The baseline is the same lookup with no reserve running, in 
 The figures are ratios to that baseline (a lookup waits for the store's lock: how long the
 reserve holds it is what this measures).
 
-    .venv/bin/python bench/reserve_contention.py [--pool-bytes 64m] [--rounds 10] [--json]
+    .venv/bin/python -m bench.reserve_contention [--pool-bytes 64m] [--rounds 10] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import heapq
 import json
 import statistics
@@ -26,8 +25,11 @@ import threading
 import time
 from pathlib import Path
 
-from hpkv.config import PoolConfig, StorageConfig, parse_size
-from hpkv.keys import NamespaceDesc, make_key
+from bench.harness import configs
+from bench.harness.keys import keys as _keys
+from bench.harness.keys import namespace
+from hpkv.config import PoolConfig, parse_size
+from hpkv.keys import NamespaceDesc
 from hpkv.pool.tier import DramTier
 from hpkv.store import TieredStore
 
@@ -69,13 +71,8 @@ class WalkStore(TieredStore):
         self.dram = WalkTier(self.region.size_bytes)
 
 
-def _keys(n: int, tag: str) -> list[bytes]:
-    return [make_key(hashlib.sha256(f"{tag}{i}".encode()).digest()) for i in range(n)]
-
-
 def _desc(entry_bytes: int) -> NamespaceDesc:
-    return NamespaceDesc(engine="bench", model=f"contention-{entry_bytes}", dtype="float16", layout="blocks",
-                         block_size=16, num_layers=2, entry_bytes=entry_bytes)
+    return namespace(f"contention-{entry_bytes}", entry_bytes, block_size=16)
 
 
 def _fill(store: TieredStore) -> tuple[str, str, list[bytes]]:
@@ -106,8 +103,7 @@ def _lookup_ms(store: TieredStore, ns: str, keys: list[bytes]) -> float:
 
 
 def measure(cls: type[TieredStore], pool_bytes: int, rounds: int, pool_dir: str) -> dict:
-    storage_off = StorageConfig(path=Path(tempfile.gettempdir()) / "unused", enabled=False, capacity_bytes=None,
-                                fsync="off", io_threads=1)
+    storage_off = configs.storage_off()
     with tempfile.TemporaryDirectory(dir=pool_dir, prefix="hpkv-bench-") as directory:
         store = cls.open(PoolConfig(dir=Path(directory), size_bytes=pool_bytes), storage_off)
         try:
