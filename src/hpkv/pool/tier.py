@@ -5,15 +5,15 @@ Entry life: `reserve` -> (writer copies into the slot) -> `commit` (visible, evi
 is never evicted and its slot never reused. Eviction is LRU among committed, unpinned entries:
 within the size class that needs a slot, or, when another class holds the least recently used
 entries, by draining that class's slab and giving the slab over (memcached-style slab moves).
-The slab that moves is, of the other classes' slabs whose entries are all evictable, the one
-holding the oldest entry, if older than the class's own oldest. Finding it costs O(log slabs),
-whatever the pool holds: each slab keeps its evictable entries in LRU order, and each class a
-heap of its slabs that could move, keyed by their oldest entry (stale items are skipped when met);
-kept from the time a second size class appears (a pool of one size class never moves a slab).
+Which entry or slab goes is the room policy's (`pool/room.py`, given to the tier); the tier keeps
+the books it decides from: each slab's evictable entries in LRU order, and each class a heap of
+its slabs that could move, keyed by their oldest entry (stale items are skipped when met), kept
+from the time a second size class appears (a pool of one size class never moves a slab).
 
-Primitives: `add_namespace`, `get`, `reserve`, `commit`, `abort`, `pin`, `unpin`, `touch`, `drop`.
-Owns no memory: offsets refer to a `PoolRegion` someone else maps. Not thread-safe: the store
-serialises calls.
+Primitives: `add_namespace`, `get`, `reserve`, `commit`, `abort`, `pin`, `unpin`, `touch`, `drop`;
+for room policies: `oldest`, `oldest_movable_slab`, `evictable_by_class`, `slab_entries`,
+`move_slab`, `evict_for`. Owns no memory: offsets refer to a `PoolRegion` someone else maps.
+Not thread-safe: the store serialises calls.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..errors import PoolError
+from .room import OldestFirst, RoomPolicy
 from .slots import SlotAllocator
 
 
@@ -54,8 +55,9 @@ class DramCounters:
 
 
 class DramTier:
-    def __init__(self, pool_bytes: int, slab_bytes: int | None = None) -> None:
+    def __init__(self, pool_bytes: int, slab_bytes: int | None = None, room: RoomPolicy | None = None) -> None:
         self.alloc = SlotAllocator(pool_bytes, slab_bytes)
+        self.room = room if room is not None else OldestFirst()
         self.counters = DramCounters()
         self._entry_bytes: dict[str, int] = {}
         self._index: dict[str, dict[bytes, DramEntry]] = {}
@@ -102,7 +104,7 @@ class DramTier:
         slot_bytes = self.alloc.slot_bytes_for(self._entry_bytes[ns])
         offset = self.alloc.alloc(slot_bytes)
         if offset is None:
-            offset = self._make_room(slot_bytes)
+            offset = self.room.make_room(self, slot_bytes)
             if offset is None:
                 self.counters.reserve_failures += 1
                 return None
@@ -169,12 +171,16 @@ class DramTier:
                 num += 1
         return num
 
+    @property
+    def num_entries(self) -> int:
+        return sum(len(i) for i in self._index.values())
+
     def stats(self) -> dict[str, int]:
         used = self._used_bytes
         return {
             "capacity_bytes": self.alloc.num_slabs * self.alloc.slab_bytes,
             "used_bytes": used,
-            "num_entries": sum(len(i) for i in self._index.values()),
+            "num_entries": self.num_entries,
             "free_slabs": self.alloc.num_free_slabs,
             "evictions": self.counters.evictions,
             "slab_moves": self.counters.slab_moves,
@@ -183,7 +189,7 @@ class DramTier:
 
     def _to_lru(self, entry: DramEntry) -> None:
         entry.stamp = next(self._clock)
-        # Each LRU stays in stamp order, which `_make_room` relies on.
+        # Each LRU stays in stamp order, which the room policies rely on.
         lru = self._lru.setdefault(entry.slot_bytes, OrderedDict())
         lru[entry] = None
         lru.move_to_end(entry)
@@ -221,22 +227,40 @@ class DramTier:
         else:
             self._offer(slab)
 
-    def _make_room(self, slot_bytes: int) -> int | None:
+    # -- for room policies (`pool/room.py`) ---------------------------------------------------
+
+    def oldest(self, slot_bytes: int) -> DramEntry | None:
+        """The class's least recently used evictable entry."""
         own = self._lru.get(slot_bytes)
-        own_oldest = next(iter(own)) if own else None
+        return next(iter(own)) if own else None
+
+    def oldest_movable_slab(self, slot_bytes: int) -> tuple[int, int] | None:
+        """(stamp of its oldest entry, slab) of the slab of another class whose entries are all
+        evictable and whose oldest entry is the oldest of such slabs; O(log slabs)."""
         best: tuple[int, int] | None = None
         for other in self._movable:
             if other != slot_bytes:
                 top = self._oldest_movable(other)
                 if top is not None and (best is None or top < best):
                     best = top
-        if best is not None and (own_oldest is None or best[0] < own_oldest.stamp):
-            self._drain_slab(best[1])
-            self.counters.slab_moves += 1
-            return self.alloc.alloc(slot_bytes)
-        if own_oldest is None:
-            return None
-        self._evict(own_oldest)
+        return best
+
+    def evictable_by_class(self) -> dict[int, OrderedDict[DramEntry, None]]:
+        """slot_bytes -> that class's evictable entries, oldest first (read-only for callers)."""
+        return self._lru
+
+    def slab_entries(self, slab: int) -> list[DramEntry]:
+        return [self._by_offset[o] for o in self.alloc.used_in_slab(slab)]
+
+    def move_slab(self, slab: int, slot_bytes: int) -> int | None:
+        """Evict every entry of a slab whose entries are all evictable; a slot of the freed slab."""
+        self._drain_slab(slab)
+        self.counters.slab_moves += 1
+        return self.alloc.alloc(slot_bytes)
+
+    def evict_for(self, entry: DramEntry, slot_bytes: int) -> int | None:
+        """Evict an evictable entry of the class; a slot of the class."""
+        self._evict(entry)
         return self.alloc.alloc(slot_bytes)
 
     def _start_by_slab(self) -> None:
