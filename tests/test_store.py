@@ -28,6 +28,16 @@ def desc(model: str = "tiny", entry_bytes: int = ENTRY, rank: int = 0) -> Namesp
                          num_layers=2, entry_bytes=entry_bytes, rank=rank)
 
 
+class Clock:
+    """Time that moves only when the test says so (the store's `held.clock`)."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()  # what was held before keeps its age
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def keys(n: int, prefix: str = "req") -> list[bytes]:
     return [make_key(hashlib.sha256(f"{prefix}-{i}".encode()).digest()) for i in range(n)]
 
@@ -176,17 +186,17 @@ def test_an_owner_gives_back_what_it_reserved_in_a_hold_and_the_settle_cannot_pu
     assert store.lookup(ns, ks).num_hit == 0 and store.lookup(ns, ks[1:]).num_hit == 1
 
 
-def test_a_hold_nobody_settles_is_aborted_after_the_timeout(open_store, monkeypatch):
-    import hpkv.store
+def test_a_hold_nobody_settles_is_aborted_after_the_timeout(open_store):
+    from hpkv.store import HOLD_QUARANTINE_S
+    from hpkv.types import HOLD_TIMEOUT_S
 
     store = open_store()
+    clock = store.held.clock = Clock()
     ns = store.register(desc())
     ks = keys(3)
-    monkeypatch.setattr(hpkv.store, "HOLD_TIMEOUT_S", 0.05)
-    monkeypatch.setattr(hpkv.store, "HOLD_QUARANTINE_S", 0.2)
     store.reserve(ns, ks, owner=1, hold="forgotten")
     store.reserve(ns, keys(1, "late"), owner=1, hold="late")
-    time.sleep(0.1)
+    clock.now += HOLD_TIMEOUT_S
     store.reserve(ns, keys(1, "later"), owner=2, hold="late")  # ends holds past their time, but this one
 
     stats = store.stats()
@@ -194,7 +204,10 @@ def test_a_hold_nobody_settles_is_aborted_after_the_timeout(open_store, monkeypa
     assert store.settle("forgotten", abort=[]) == (0, 0)
     assert store.lookup(ns, ks).num_hit == 0
     assert store.settle("late", abort=None) == (0, 2)
-    time.sleep(0.25)
+    clock.now += HOLD_QUARANTINE_S - 1
+    store.reserve(ns, [], owner=3)
+    assert store.stats()["quarantined"] == 3
+    clock.now += 1
     store.reserve(ns, [], owner=3)
     assert store.stats()["quarantined"] == 0 and store.reserve(ns, ks, owner=3) != [None] * 3
 
@@ -320,9 +333,9 @@ def test_a_lease_touches_its_storage_hits_before_looking_for_files_elsewhere(ope
     only_in_storage(store, ns, ks)
     store.storage._forget(ns, ks[2])  # written by another node, say: found by a stat
     events = []
-    touch, found_elsewhere = store.storage.touch, store._found_elsewhere
+    touch, found_elsewhere = store.storage.touch, store.lookups.found_elsewhere
     store.storage.touch = lambda ns_, touched: (events.append(("touch", list(touched))), touch(ns_, touched))
-    store._found_elsewhere = lambda *args: (events.append(("stat",)), found_elsewhere(*args))[1]
+    store.lookups.found_elsewhere = lambda *args: (events.append(("stat",)), found_elsewhere(*args))[1]
 
     lease = store.lease(ns, ks)
 
@@ -786,7 +799,7 @@ def test_a_slow_storage_stat_does_not_hold_up_other_clients(shm_dir, storage_dir
 def test_a_failure_sizing_the_pool_s_pages_closes_the_pool(shm_dir, storage_dir, monkeypatch):
     """TieredStore.open looks at the pool's mount after creating it: a failure there (a mount
     table that cannot be read) must not leave the pool file behind."""
-    import hpkv.store as store_module
+    import hpkv.store.tiered as store_module
     from hpkv.pool.region import POOL_FILE_NAME
 
     def unreadable(path):

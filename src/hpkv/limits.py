@@ -8,12 +8,12 @@ and one that takes the whole pool leaves the others none.
 Owns, per owner (a client connection; 0 in process): its reservations (name -> entry, oldest
 first, with when each was made), the slot bytes its reservations and leases hold, and the
 counters of keys refused at the cap and of reservations and leases taken back at the limit; the
-holds (`reserve(..., hold=)`: reservations named (ns, key, hold), settled together by whoever
-settles the hold); and the quarantine: entries whose holder may still be copying, kept from
-reuse until a given time.
+holds (`reserve(..., hold=)`: reservations named `Reserved(ns, key, hold)`, settled together by
+whoever settles the hold); and the quarantine: entries whose holder may still be copying, kept
+from reuse until a given time.
 Primitives: `room(owner)`, `refused`; reservations `has`, `add`, `pop`, `pop_owner`; leases
 `leased`, `released`; holds `join`, `end_hold`; `expired_holds`, `expired_reservations`,
-`expired_leases`; `quarantine`, `quarantine_over`; `stats`.
+`expired_leases`; `quarantine`, `quarantine_over`; `bytes_held`, `stats`.
 
 The store decides what an entry becomes (aborted or unpinned) once its quarantine is over: this
 module does not know the DRAM index, the leases' contents beyond their entries, or the protocol.
@@ -31,7 +31,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Callable, Hashable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,33 @@ CAP_LOG_INTERVAL_S = 60.0  # a client at its cap is named in the log at most thi
 
 class Slot(Protocol):
     slot_bytes: int
+
+
+class Reserved(NamedTuple):
+    """What an owner reserved: a key, alone or in a hold (`hold` "": its owner commits it)."""
+
+    ns: str
+    key: bytes
+    hold: str = ""
+
+
+@dataclass
+class HoldPart:
+    owner: int
+    ns: str
+    keys: list[bytes]  # reserved in the hold, each as Reserved(ns, key, hold)
+
+
+@dataclass
+class Hold:
+    began_at: float  # on the clock
+    parts: list[HoldPart]
+
+
+class Quarantined(NamedTuple):
+    until: float  # on the clock
+    entry: Slot
+    leased: bool  # pinned by a lease (the store unpins it after) or reserved (aborted after)
 
 
 class Leased(Protocol):  # a `store.Lease`
@@ -63,11 +90,10 @@ class HeldSlots:
         self.max_bytes = max_bytes  # None: no cap
         self.clock = clock
         self.counters = LimitCounters()
-        self._reserved: dict[int, dict[Hashable, tuple[Slot, float]]] = {}
+        self._reserved: dict[int, dict[Reserved, tuple[Slot, float]]] = {}  # owner -> name -> (entry, made at)
         self._bytes: dict[int, int] = {}  # owner -> slot bytes reserved or leased
-        self._quarantine: deque[tuple[float, Slot, bool]] = deque()  # (until, entry, leased)
-        # hold name -> (when it began, [(owner, ns, keys reserved)]), oldest first
-        self._holds: OrderedDict[str, tuple[float, list[tuple[int, str, list[bytes]]]]] = OrderedDict()
+        self._quarantine: deque[Quarantined] = deque()
+        self._holds: OrderedDict[str, Hold] = OrderedDict()  # by name, oldest first
         self._cap_logged_at = -math.inf
 
     def configure(self, timeout_s: float | None, max_bytes: int | None) -> None:
@@ -92,14 +118,14 @@ class HeldSlots:
 
     # -- reservations -------------------------------------------------------------------------
 
-    def has(self, owner: int, name: Hashable) -> bool:
+    def has(self, owner: int, name: Reserved) -> bool:
         return name in self._reserved.get(owner, ())
 
-    def add(self, owner: int, name: Hashable, entry: Slot) -> None:
+    def add(self, owner: int, name: Reserved, entry: Slot) -> None:
         self._reserved.setdefault(owner, {})[name] = (entry, self.clock())
         self._take(owner, entry.slot_bytes)
 
-    def pop(self, owner: int, name: Hashable) -> Slot | None:
+    def pop(self, owner: int, name: Reserved) -> Slot | None:
         """The entry `owner` reserved as `name`, which it holds no more; None if it did not."""
         held = self._reserved.get(owner)
         item = held.pop(name, None) if held else None
@@ -123,7 +149,7 @@ class HeldSlots:
     def num_reservations(self) -> int:
         return sum(len(held) for held in self._reserved.values())
 
-    def expired_reservations(self) -> list[tuple[int, Hashable, Slot]]:
+    def expired_reservations(self) -> list[tuple[int, Reserved, Slot]]:
         """Take back the reservations past the time limit: (owner, name, entry) of each, which
         their owners hold no more. Costs one look per owner when none is due."""
         if self.timeout_s is None or not self._reserved:
@@ -145,12 +171,13 @@ class HeldSlots:
     # -- holds --------------------------------------------------------------------------------
 
     def join(self, hold: str, owner: int, ns: str, keys: list[bytes]) -> None:
-        """`owner` has reserved `keys` (named (ns, key, hold)) in `hold`."""
-        self._holds.setdefault(hold, (self.clock(), []))[1].append((owner, ns, keys))
+        """`owner` has reserved `keys` (each named Reserved(ns, key, hold)) in `hold`."""
+        self._holds.setdefault(hold, Hold(self.clock(), [])).parts.append(HoldPart(owner, ns, keys))
 
-    def end_hold(self, hold: str) -> list[tuple[int, str, list[bytes]]]:
+    def end_hold(self, hold: str) -> list[HoldPart]:
         """The parts of a hold being settled (none if it is unknown or settled already)."""
-        return self._holds.pop(hold, (0.0, []))[1]
+        ended = self._holds.pop(hold, None)
+        return ended.parts if ended is not None else []
 
     @property
     def num_holds(self) -> int:
@@ -163,12 +190,12 @@ class HeldSlots:
         if not self._holds:
             return []
         cutoff, entries = self.clock() - timeout_s, []
-        for name in list(itertools.takewhile(lambda n: self._holds[n][0] <= cutoff, self._holds)):
+        for name in list(itertools.takewhile(lambda n: self._holds[n].began_at <= cutoff, self._holds)):
             if name == joining:
                 continue
             log.warning("hold %s was not settled within %.0f s: its entries are not saved", name, timeout_s)
-            for owner, ns, keys in self._holds.pop(name)[1]:
-                entries += filter(None, (self.pop(owner, (ns, key, name)) for key in keys))
+            for part in self._holds.pop(name).parts:
+                entries += filter(None, (self.pop(part.owner, Reserved(part.ns, key, name)) for key in part.keys))
         return entries
 
     # -- leases -------------------------------------------------------------------------------
@@ -180,18 +207,14 @@ class HeldSlots:
         self._give(owner, num_bytes)
         self.counters.expired_leases += expired
 
-    def expired_leases(self, leases: dict[int, Leased]) -> list[Leased]:
-        """Take out of `leases` (id -> lease, oldest first) those past the time limit."""
-        if self.timeout_s is None or not leases:
+    def expired_leases(self, leases: Iterable[Leased]) -> list[Leased]:
+        """Of `leases` (oldest first), those past the time limit, booked as released: their
+        holder drops them from its table."""
+        if self.timeout_s is None:
             return []
         cutoff = self.clock() - self.timeout_s
-        due = []
-        for lease in leases.values():
-            if lease.made_at > cutoff:
-                break
-            due.append(lease)
+        due = list(itertools.takewhile(lambda lease: lease.made_at <= cutoff, leases))
         for lease in due:
-            del leases[lease.id]
             self.released(lease.owner, sum(e.slot_bytes for e in lease.entries), expired=True)
         if due:
             self._log_expired(len(due), "lease", {lease.owner for lease in due})
@@ -207,16 +230,15 @@ class HeldSlots:
         if not entries:
             return
         until = self.clock() + seconds
-        self._quarantine.extend((until, entry, leased) for entry in entries)
+        self._quarantine.extend(Quarantined(until, entry, leased) for entry in entries)
 
-    def quarantine_over(self) -> list[tuple[Slot, bool]]:
-        """(entry, leased) of the quarantines over, oldest first: the store aborts a reserved
-        entry, unpins a leased one."""
+    def quarantine_over(self) -> list[Quarantined]:
+        """The quarantines over, oldest first: the store aborts a reserved entry, unpins a leased one."""
         if not self._quarantine:
             return []
         now, over = self.clock(), []
-        while self._quarantine and self._quarantine[0][0] <= now:
-            over.append(self._quarantine.popleft()[1:])
+        while self._quarantine and self._quarantine[0].until <= now:
+            over.append(self._quarantine.popleft())
         return over
 
     @property
@@ -224,6 +246,10 @@ class HeldSlots:
         return len(self._quarantine)
 
     # -- the books ----------------------------------------------------------------------------
+
+    def bytes_held(self) -> dict[int, int]:
+        """owner -> slot bytes it holds reserved or leased now (a copy)."""
+        return dict(self._bytes)
 
     def _take(self, owner: int, num_bytes: int) -> None:
         self._bytes[owner] = self._bytes.get(owner, 0) + num_bytes
