@@ -32,7 +32,7 @@ import numpy as np
 
 from hpkv.config import PoolConfig, StorageConfig
 from hpkv.keys import NamespaceDesc, make_key
-from hpkv.store import TieredStore
+from hpkv.store import StorePolicy, TieredStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prefix_eviction import ENTRY, workload_arguments, zipf_requests  # noqa: E402 (the same documents)
@@ -41,12 +41,7 @@ PERIOD_S = 0.1
 WARM = [make_key(hashlib.sha256(f"warm-{i}".encode()).digest()) for i in range(4)]
 
 
-class UnlimitedBacklogStore(TieredStore):
-    """The baseline: every committed entry is pinned until its write-through ends."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._backlog_limit = math.inf
+UNLIMITED_BACKLOG = StorePolicy(backlog_share=math.inf)  # the baseline: every committed entry pinned until written
 
 
 class Throttle:
@@ -105,12 +100,12 @@ def run(args: argparse.Namespace) -> dict:
     asked = sum(lengths[d] for d in picks)
     out: dict = {"pool_entries": entries, "documents": len(docs), "all_blocks": sum(lengths),
                  "requests": args.requests, "stalled": args.stalled, "drift": args.drift, "stores": {}}
-    for name, cls in (("HPKV (half the pool at most)", TieredStore), ("no limit (all pinned)", UnlimitedBacklogStore)):
+    for name, policy in (("HPKV (half the pool at most)", StorePolicy()), ("no limit (all pinned)", UNLIMITED_BACKLOG)):
         with tempfile.TemporaryDirectory(dir=args.pool_dir, prefix="hpkv-bench-") as pool_dir, \
                 tempfile.TemporaryDirectory(dir=args.storage_dir, prefix="hpkv-bench-") as storage_dir:
             storage = StorageConfig(path=Path(storage_dir), enabled=True, capacity_bytes=None, fsync="off",
                                     io_threads=2)
-            store = cls.open(PoolConfig(dir=Path(pool_dir), size_bytes=args.pool_bytes), storage)
+            store = TieredStore.open(PoolConfig(dir=Path(pool_dir), size_bytes=args.pool_bytes), storage, policy=policy)
             try:
                 ns = store.register(desc)
                 serve(store, ns, WARM)  # starts the writer processes
