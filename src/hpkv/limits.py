@@ -29,9 +29,9 @@ import logging
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Protocol
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,17 @@ CAP_LOG_INTERVAL_S = 60.0  # a client at its cap is named in the log at most thi
 
 class Slot(Protocol):
     slot_bytes: int
+
+
+class Leased(Protocol):  # a `store.Lease`
+    id: int
+    owner: int
+    made_at: float  # on this module's clock
+    entries: list
+
+
+SlotT = TypeVar("SlotT", bound=Slot)  # the store's entries
+LeasedT = TypeVar("LeasedT", bound=Leased)
 
 
 class Reserved(NamedTuple):
@@ -63,17 +74,11 @@ class Hold:
     parts: list[HoldPart]
 
 
-class Quarantined(NamedTuple):
+@dataclass
+class Quarantined(Generic[SlotT]):
     until: float  # on the clock
-    entry: Slot
+    entry: SlotT
     leased: bool  # pinned by a lease (the store unpins it after) or reserved (aborted after)
-
-
-class Leased(Protocol):  # a `store.Lease`
-    id: int
-    owner: int
-    made_at: float  # on this module's clock
-    entries: list
 
 
 @dataclass
@@ -83,16 +88,16 @@ class LimitCounters:
     expired_leases: int = 0
 
 
-class HeldSlots:
+class HeldSlots(Generic[SlotT]):
     def __init__(self, timeout_s: float | None = None, max_bytes: int | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.timeout_s = timeout_s  # None: no time limit
         self.max_bytes = max_bytes  # None: no cap
         self.clock = clock
         self.counters = LimitCounters()
-        self._reserved: dict[int, dict[Reserved, tuple[Slot, float]]] = {}  # owner -> name -> (entry, made at)
+        self._reserved: dict[int, dict[Reserved, tuple[SlotT, float]]] = {}  # owner -> name -> (entry, made at)
         self._bytes: dict[int, int] = {}  # owner -> slot bytes reserved or leased
-        self._quarantine: deque[Quarantined] = deque()
+        self._quarantine: deque[Quarantined[SlotT]] = deque()
         self._holds: OrderedDict[str, Hold] = OrderedDict()  # by name, oldest first
         self._cap_logged_at = -math.inf
 
@@ -121,11 +126,11 @@ class HeldSlots:
     def has(self, owner: int, name: Reserved) -> bool:
         return name in self._reserved.get(owner, ())
 
-    def add(self, owner: int, name: Reserved, entry: Slot) -> None:
+    def add(self, owner: int, name: Reserved, entry: SlotT) -> None:
         self._reserved.setdefault(owner, {})[name] = (entry, self.clock())
         self._take(owner, entry.slot_bytes)
 
-    def pop(self, owner: int, name: Reserved) -> Slot | None:
+    def pop(self, owner: int, name: Reserved) -> SlotT | None:
         """The entry `owner` reserved as `name`, which it holds no more; None if it did not."""
         held = self._reserved.get(owner)
         item = held.pop(name, None) if held else None
@@ -136,7 +141,7 @@ class HeldSlots:
         self._give(owner, item[0].slot_bytes)
         return item[0]
 
-    def pop_owner(self, owner: int) -> list[Slot]:
+    def pop_owner(self, owner: int) -> list[SlotT]:
         held = self._reserved.pop(owner, {})
         for entry, _ in held.values():
             self._give(owner, entry.slot_bytes)
@@ -149,7 +154,7 @@ class HeldSlots:
     def num_reservations(self) -> int:
         return sum(len(held) for held in self._reserved.values())
 
-    def expired_reservations(self) -> list[tuple[int, Reserved, Slot]]:
+    def expired_reservations(self) -> list[tuple[int, Reserved, SlotT]]:
         """Take back the reservations past the time limit: (owner, name, entry) of each, which
         their owners hold no more. Costs one look per owner when none is due."""
         if self.timeout_s is None or not self._reserved:
@@ -183,13 +188,13 @@ class HeldSlots:
     def num_holds(self) -> int:
         return len(self._holds)
 
-    def expired_holds(self, timeout_s: float, joining: str) -> list[Slot]:
+    def expired_holds(self, timeout_s: float, joining: str) -> list[SlotT]:
         """End the holds nobody settled within `timeout_s`, but `joining` (a late owner joining
         it now gets slots it will copy into): the entries their owners still had reserved, which
         they hold no more."""
         if not self._holds:
             return []
-        cutoff, entries = self.clock() - timeout_s, []
+        cutoff, entries = self.clock() - timeout_s, list[SlotT]()
         for name in list(itertools.takewhile(lambda n: self._holds[n].began_at <= cutoff, self._holds)):
             if name == joining:
                 continue
@@ -207,7 +212,7 @@ class HeldSlots:
         self._give(owner, num_bytes)
         self.counters.expired_leases += expired
 
-    def expired_leases(self, leases: Iterable[Leased]) -> list[Leased]:
+    def expired_leases(self, leases: Iterable[LeasedT]) -> list[LeasedT]:
         """Of `leases` (oldest first), those past the time limit, booked as released: their
         holder drops them from its table."""
         if self.timeout_s is None:
@@ -226,13 +231,13 @@ class HeldSlots:
 
     # -- quarantine ---------------------------------------------------------------------------
 
-    def quarantine(self, entries: Iterable[Slot], leased: bool, seconds: float) -> None:
+    def quarantine(self, entries: Iterable[SlotT], leased: bool, seconds: float) -> None:
         if not entries:
             return
         until = self.clock() + seconds
         self._quarantine.extend(Quarantined(until, entry, leased) for entry in entries)
 
-    def quarantine_over(self) -> list[Quarantined]:
+    def quarantine_over(self) -> list[Quarantined[SlotT]]:
         """The quarantines over, oldest first: the store aborts a reserved entry, unpins a leased one."""
         if not self._quarantine:
             return []

@@ -4,9 +4,8 @@ Owns: `RoomPolicy` (what a policy is), `OldestFirst` (the tier's own: the oldest
 goes, or, when another size class holds older ones, that class's movable slab with the oldest
 entry moves over) and `WalkOldest` (the same choice made by walking entries oldest first: the
 reference the fast one must match, for tests and `bench/reserve_contention.py`).
-Primitives, all the tier's (`DramTier`): `oldest(slot_bytes)`, `oldest_movable_slab(slot_bytes)`,
-`evictable_by_class()`, `slab_entries(slab)`, `move_slab(slab, slot_bytes)`,
-`evict_for(entry, slot_bytes)`.
+Primitives, all the tier's (`DramTier`): `evictable_by_class()`, `oldest_movable_slab(slot_bytes)`,
+`slab_entries(slab)`, `move_slab(slab, slot_bytes)`, `evict_for(entry, slot_bytes)`.
 Must not know: the store, leases, reservations, or what an entry holds. Runs under the caller's
 lock: its cost is what every other client of the store waits for.
 """
@@ -17,7 +16,7 @@ import heapq
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from .tier import DramTier
+    from .tier import DramEntry, DramTier
 
 
 class RoomPolicy(Protocol):
@@ -25,11 +24,17 @@ class RoomPolicy(Protocol):
         """A free slot of `slot_bytes` made by evicting, or None where nothing may go."""
 
 
+def oldest(tier: DramTier, slot_bytes: int) -> DramEntry | None:
+    """The class's least recently used evictable entry."""
+    own = tier.evictable_by_class().get(slot_bytes)
+    return next(iter(own)) if own else None
+
+
 class OldestFirst:
     """O(log slabs): the tier keeps each class's movable slabs in a heap by their oldest entry."""
 
     def make_room(self, tier: DramTier, slot_bytes: int) -> int | None:
-        own_oldest = tier.oldest(slot_bytes)
+        own_oldest = oldest(tier, slot_bytes)
         best = tier.oldest_movable_slab(slot_bytes)
         if best is not None and (own_oldest is None or best[0] < own_oldest.stamp):
             return tier.move_slab(best[1], slot_bytes)
@@ -44,7 +49,7 @@ class WalkOldest:
     class's own oldest entry. Every step is a walk over entries."""
 
     def make_room(self, tier: DramTier, slot_bytes: int) -> int | None:
-        own_oldest = tier.oldest(slot_bytes)
+        own_oldest = oldest(tier, slot_bytes)
         lrus = [lru for size, lru in tier.evictable_by_class().items() if size != slot_bytes and lru]
         tried: set[int] = set()
         for other in heapq.merge(*lrus, key=lambda e: e.stamp):

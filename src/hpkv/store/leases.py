@@ -77,7 +77,7 @@ class _Pinned:
 
 class Leases:
     def __init__(self, lock: threading.Lock, dram: DramTier, storage: StorageTier | None, region: PoolRegion,
-                 held: HeldSlots, counters: StoreCounters, lookups: Lookups, order: PrefixOrder,
+                 held: HeldSlots[DramEntry], counters: StoreCounters, lookups: Lookups, order: PrefixOrder,
                  reclaim: Callable[[], None]) -> None:
         self._lock = lock
         self._dram = dram
@@ -95,6 +95,12 @@ class Leases:
     def __len__(self) -> int:
         return len(self._leases)
 
+    @property
+    def _tier(self) -> StorageTier:
+        """The storage tier, reached only for storage hits: there is one."""
+        assert self._storage is not None
+        return self._storage
+
     def lease(self, ns: str, keys: list[bytes], owner: int = 0, start_reads: bool = True) -> Lease:
         """Pin the leading hits; storage hits are read into DRAM slots in the background. With
         `start_reads=False` those reads wait for `start_reads(lease)`: a server answers first, so
@@ -111,12 +117,12 @@ class Leases:
             # key is the last evicted (a lookup stops at the first miss). Outside the lock: the
             # tier's lock may be held for long (an eviction).
             if len(pinned.reads) > num_read:
-                self._storage.touch(ns, [entry.key for entry, _ in reversed(pinned.reads[num_read:])])
+                self._tier.touch(ns, [entry.key for entry, _ in reversed(pinned.reads[num_read:])])
                 num_touches += 1
             if num_capped or not self._lookups.found_elsewhere(ns, keys, len(pinned.entries)):
                 break
         if num_touches > 1:  # the first key last evicted across rounds too (no I/O)
-            self._storage.touch(ns, [entry.key for entry, _ in reversed(pinned.reads)])
+            self._tier.touch(ns, [entry.key for entry, _ in reversed(pinned.reads)])
         with self._lock:
             lease = Lease(next(self._ids), ns, owner, pinned.entries, pinned.promotions, pinned.reads,
                           self._held.clock())
@@ -138,37 +144,38 @@ class Leases:
                 if room < slot_bytes:  # the rest is a miss: the caller recomputes it
                     return len(keys) - len(pinned.entries)
                 room -= slot_bytes
-                entry, promotion, read = self._pin_for_read(ns, key, probe)
+                entry, promotion, new = self._pin_for_read(ns, key, probe)
                 if entry is None:
                     break
                 pinned.entries.append(entry)
                 pinned.promotions.append(promotion)
-                if read:
-                    pinned.reads.append((entry, promotion))
+                if new is not None:
+                    pinned.reads.append((entry, new))
         return 0
 
-    def _pin_for_read(self, ns: str, key: bytes, probe: Probe) -> tuple[DramEntry | None, Future | None, bool]:
-        """(entry, its promotion or None, whether that promotion is new and must be queued).
+    def _pin_for_read(self, ns: str, key: bytes, probe: Probe
+                      ) -> tuple[DramEntry | None, Future | None, Future | None]:
+        """(entry, its promotion or None, that promotion again if it is new and must be queued).
         Caller holds the lock."""
         entry = self._dram.get(ns, key)
         if entry is not None:
             promotion = self._promoting.get(entry)
             if not entry.ready and promotion is None:
-                return None, None, False  # a writer is still copying it in
+                return None, None, None  # a writer is still copying it in
             self._dram.pin(entry)
             self._dram.touch(entry)
-            return entry, promotion, False
+            return entry, promotion, None
         prefix, on_storage = probe
         if not on_storage(prefix + key):
-            return None, None, False
+            return None, None, None
         entry = self._dram.reserve(ns, key)
         if entry is None:
-            return None, None, False
+            return None, None, None
         self._dram.pin(entry)
-        promotion = Future()
-        self._promoting[entry] = promotion
+        new: Future = Future()
+        self._promoting[entry] = new
         self._counters.promotions += 1
-        return entry, promotion, True
+        return entry, new, new
 
     def start_reads(self, lease: Lease) -> None:
         """Queue the storage reads of a lease's promotions (outside the lock: the I/O threads
@@ -176,7 +183,7 @@ class Leases:
         reads, lease.reads = lease.reads, []
         for entry, promotion in reversed(reads):
             try:
-                read = self._storage.submit(self._promote, entry, promotion)
+                read = self._tier.submit(self._promote, entry, promotion)
             except RuntimeError:  # the executor is shut down: the store is closing
                 self._promote_done(entry, promotion, False)
                 continue
@@ -195,7 +202,7 @@ class Leases:
         try:
             view = self._region.view(entry.offset, self._dram.entry_bytes(entry.ns))  # raises once the pool is closed
             try:
-                ok = self._storage.read_into(entry.ns, entry.key, view)
+                ok = self._tier.read_into(entry.ns, entry.key, view)
             finally:
                 view.release()
         except Exception:

@@ -29,7 +29,7 @@ HOLD_QUARANTINE_S = 30.0  # what is taken back stays unusable this long: a copy 
 
 
 class Reservations:
-    def __init__(self, lock: threading.Lock, dram: DramTier, held: HeldSlots, counters: StoreCounters,
+    def __init__(self, lock: threading.Lock, dram: DramTier, held: HeldSlots[DramEntry], counters: StoreCounters,
                  leases: Leases, writes: WriteThrough | None, order: PrefixOrder) -> None:
         self._lock = lock
         self._dram = dram
@@ -65,7 +65,7 @@ class Reservations:
                 room -= slot_bytes
                 offsets.append(entry.offset)
             if hold:
-                reserved = [key for key, offset in zip(keys, offsets) if offset is not None]
+                reserved = [key for key, offset in zip(keys, offsets, strict=True) if offset is not None]
                 if reserved:
                     self._held.join(hold, owner, ns, reserved)
             self._held.refused(owner, num_capped, "reserved")

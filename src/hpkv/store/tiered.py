@@ -21,7 +21,7 @@ from ..fsinfo import MEMORY_FS, mount_of
 from ..keys import NamespaceDesc
 from ..limits import HeldSlots
 from ..pool.region import PoolRegion
-from ..pool.tier import DramTier
+from ..pool.tier import DramEntry, DramTier
 from ..storage.root import StorageUnusable
 from ..storage.tier import StorageTier
 from ..storage.writer import WriterPool
@@ -47,13 +47,15 @@ class TieredStore:
         self.storage = storage
         self.dram = DramTier(region.size_bytes, slab_bytes, room=policy.room)
         self.counters = StoreCounters()
-        self.held = HeldSlots()  # reservations by owner, and the limits the server sets
+        self.held: HeldSlots[DramEntry] = HeldSlots()  # reservations by owner, and the limits the server sets
         self._lock = threading.Lock()
         pool_bytes = self.dram.alloc.num_slabs * self.dram.alloc.slab_bytes
         # In process (no `write_processes`, or while no writer process can start) the writes run
         # on the write threads.
         self.writes = None if storage is None else WriteThrough(
             self._lock, self.dram, storage, region, self.counters, policy.backlog_limit(pool_bytes), write_processes)
+        # The write-through processes (None in process, or without a storage tier).
+        self.writers: WriterPool | None = self.writes.writers if self.writes is not None else None
         self.lookups = Lookups(self._lock, self.dram, storage, self.counters)
         self.leases = Leases(self._lock, self.dram, storage, region, self.held, self.counters, self.lookups,
                              policy.order, reclaim=lambda: self.reservations.reclaim())
@@ -91,11 +93,6 @@ class TieredStore:
                 tier.close(wait=False)
             region.close()
             raise
-
-    @property
-    def writers(self) -> WriterPool | None:
-        """The write-through processes (None in process, or without a storage tier)."""
-        return self.writes.writers if self.writes is not None else None
 
     def close(self, abandon: threading.Event | None = None) -> bool:
         """Finish the write-throughs queued and deferred (entries committed from now on are not
