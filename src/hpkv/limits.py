@@ -12,8 +12,8 @@ holds (`reserve(..., hold=)`: reservations named `Reserved(ns, key, hold)`, sett
 whoever settles the hold); and the quarantine: entries whose holder may still be copying, kept
 from reuse until a given time.
 Primitives: `room(owner)`, `refused`; reservations `has`, `add`, `pop`, `pop_owner`; leases
-`leased`, `released`; holds `join`, `end_hold`; `expired_holds`, `expired_reservations`,
-`expired_leases`; `quarantine`, `quarantine_over`; `bytes_held`, `stats`.
+`leased`, `released`; `expired_reservations`, `expired_leases`; `bytes_held`, `stats`; the
+holds (`holds`: `join`, `end`, `expired`) and the quarantine (`quarantined`: `add`, `over`).
 
 The store decides what an entry becomes (aborted or unpinned) once its quarantine is over: this
 module does not know the DRAM index, the leases' contents beyond their entries, or the protocol.
@@ -97,8 +97,8 @@ class HeldSlots(Generic[SlotT]):
         self.counters = LimitCounters()
         self._reserved: dict[int, dict[Reserved, tuple[SlotT, float]]] = {}  # owner -> name -> (entry, made at)
         self._bytes: dict[int, int] = {}  # owner -> slot bytes reserved or leased
-        self._quarantine: deque[Quarantined[SlotT]] = deque()
-        self._holds: OrderedDict[str, Hold] = OrderedDict()  # by name, oldest first
+        self.holds = Holds(lambda: self.clock())  # `clock` is the one tests may replace
+        self.quarantined: Quarantine[SlotT] = Quarantine(lambda: self.clock())
         self._cap_logged_at = -math.inf
 
     def configure(self, timeout_s: float | None, max_bytes: int | None) -> None:
@@ -173,36 +173,6 @@ class HeldSlots(Generic[SlotT]):
             self._log_expired(len(due), "reservation", {owner for owner, _, _ in due})
         return due
 
-    # -- holds --------------------------------------------------------------------------------
-
-    def join(self, hold: str, owner: int, ns: str, keys: list[bytes]) -> None:
-        """`owner` has reserved `keys` (each named Reserved(ns, key, hold)) in `hold`."""
-        self._holds.setdefault(hold, Hold(self.clock(), [])).parts.append(HoldPart(owner, ns, keys))
-
-    def end_hold(self, hold: str) -> list[HoldPart]:
-        """The parts of a hold being settled (none if it is unknown or settled already)."""
-        ended = self._holds.pop(hold, None)
-        return ended.parts if ended is not None else []
-
-    @property
-    def num_holds(self) -> int:
-        return len(self._holds)
-
-    def expired_holds(self, timeout_s: float, joining: str) -> list[SlotT]:
-        """End the holds nobody settled within `timeout_s`, but `joining` (a late owner joining
-        it now gets slots it will copy into): the entries their owners still had reserved, which
-        they hold no more."""
-        if not self._holds:
-            return []
-        cutoff, entries = self.clock() - timeout_s, list[SlotT]()
-        for name in list(itertools.takewhile(lambda n: self._holds[n].began_at <= cutoff, self._holds)):
-            if name == joining:
-                continue
-            log.warning("hold %s was not settled within %.0f s: its entries are not saved", name, timeout_s)
-            for part in self._holds.pop(name).parts:
-                entries += filter(None, (self.pop(part.owner, Reserved(part.ns, key, name)) for key in part.keys))
-        return entries
-
     # -- leases -------------------------------------------------------------------------------
 
     def leased(self, owner: int, num_bytes: int) -> None:
@@ -229,27 +199,6 @@ class HeldSlots(Generic[SlotT]):
         log.warning("%d %s(s) of client(s) %s held past %.0f s (HPKV_SERVER_SLOT_TIMEOUT_S): taken back; "
                     "their slots are quarantined before reuse", num, what, sorted(owners), self.timeout_s)
 
-    # -- quarantine ---------------------------------------------------------------------------
-
-    def quarantine(self, entries: Iterable[SlotT], leased: bool, seconds: float) -> None:
-        if not entries:
-            return
-        until = self.clock() + seconds
-        self._quarantine.extend(Quarantined(until, entry, leased) for entry in entries)
-
-    def quarantine_over(self) -> list[Quarantined[SlotT]]:
-        """The quarantines over, oldest first: the store aborts a reserved entry, unpins a leased one."""
-        if not self._quarantine:
-            return []
-        now, over = self.clock(), []
-        while self._quarantine and self._quarantine[0].until <= now:
-            over.append(self._quarantine.popleft())
-        return over
-
-    @property
-    def num_quarantined(self) -> int:
-        return len(self._quarantine)
-
     # -- the books ----------------------------------------------------------------------------
 
     def bytes_held(self) -> dict[int, int]:
@@ -269,3 +218,62 @@ class HeldSlots(Generic[SlotT]):
     def stats(self) -> dict[str, object]:
         return {"slot_timeout_s": self.timeout_s, "max_slot_bytes": self.max_bytes,
                 "max_held_bytes": max(self._bytes.values(), default=0), **vars(self.counters)}
+
+
+class Holds:
+    """The holds: reservations named `Reserved(ns, key, hold)`, settled together by whoever
+    settles the hold. Their entries are `HeldSlots`' reservations; this only names them."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._holds: OrderedDict[str, Hold] = OrderedDict()  # by name, oldest first
+
+    def __len__(self) -> int:
+        return len(self._holds)
+
+    def join(self, hold: str, owner: int, ns: str, keys: list[bytes]) -> None:
+        """`owner` has reserved `keys` (each named Reserved(ns, key, hold)) in `hold`."""
+        self._holds.setdefault(hold, Hold(self._clock(), [])).parts.append(HoldPart(owner, ns, keys))
+
+    def end(self, hold: str) -> list[HoldPart]:
+        """The parts of a hold being settled (none if it is unknown or settled already)."""
+        ended = self._holds.pop(hold, None)
+        return ended.parts if ended is not None else []
+
+    def expired(self, timeout_s: float, joining: str) -> list[tuple[str, HoldPart]]:
+        """End the holds nobody settled within `timeout_s`, but `joining` (a late owner joining
+        it now gets slots it will copy into): (name, part) of each part of them."""
+        if not self._holds:
+            return []
+        cutoff, parts = self._clock() - timeout_s, []
+        for name in list(itertools.takewhile(lambda n: self._holds[n].began_at <= cutoff, self._holds)):
+            if name == joining:
+                continue
+            log.warning("hold %s was not settled within %.0f s: its entries are not saved", name, timeout_s)
+            parts += [(name, part) for part in self._holds.pop(name).parts]
+        return parts
+
+
+class Quarantine(Generic[SlotT]):
+    """Entries whose holder may still be copying, kept from reuse until a given time; the store
+    decides what each becomes once it is over."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._items: deque[Quarantined[SlotT]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, entries: Iterable[SlotT], leased: bool, seconds: float) -> None:
+        until = self._clock() + seconds
+        self._items.extend(Quarantined(until, entry, leased) for entry in entries)
+
+    def over(self) -> list[Quarantined[SlotT]]:
+        """The quarantines over, oldest first: the store aborts a reserved entry, unpins a leased one."""
+        if not self._items:
+            return []
+        now, over = self._clock(), []
+        while self._items and self._items[0].until <= now:
+            over.append(self._items.popleft())
+        return over

@@ -67,7 +67,7 @@ class Reservations:
             if hold:
                 reserved = [key for key, offset in zip(keys, offsets, strict=True) if offset is not None]
                 if reserved:
-                    self._held.join(hold, owner, ns, reserved)
+                    self._held.holds.join(hold, owner, ns, reserved)
             self._held.refused(owner, num_capped, "reserved")
         return offsets
 
@@ -88,7 +88,7 @@ class Reservations:
         num_published = num_aborted = 0
         writes: list[DramEntry] = []
         with self._lock:
-            for part in self._held.end_hold(hold):
+            for part in self._held.holds.end(hold):
                 good = []
                 for key in part.keys:
                     entry = self._held.pop(part.owner, Reserved(part.ns, key, hold))
@@ -122,7 +122,7 @@ class Reservations:
         `quarantine_s`). Caller holds the lock."""
         reserved = self._held.pop_owner(owner)
         if quarantine_s > 0:
-            self._held.quarantine(reserved, False, quarantine_s)
+            self._held.quarantined.add(reserved, False, quarantine_s)
         else:
             for entry in reserved:
                 self._dram.abort(entry)
@@ -150,12 +150,14 @@ class Reservations:
         leases past the clients' limit: quarantined first, as their holder may still be copying
         (a stalled process); and end the quarantines that are over. Caller holds the lock."""
         held = self._held
-        expired = held.expired_holds(HOLD_TIMEOUT_S, joining) + [e for _, _, e in held.expired_reservations()]
-        held.quarantine(expired, False, HOLD_QUARANTINE_S)
+        expired = [entry for name, part in held.holds.expired(HOLD_TIMEOUT_S, joining) for key in part.keys
+                   if (entry := held.pop(part.owner, Reserved(part.ns, key, name))) is not None]
+        expired += [entry for _, _, entry in held.expired_reservations()]
+        held.quarantined.add(expired, False, HOLD_QUARANTINE_S)
         self._counters.aborts += len(expired)
         for lease in self._leases.take_expired():
-            held.quarantine(self._order.arrange(lease.entries), True, HOLD_QUARANTINE_S)  # as `release` unpins
-        for item in held.quarantine_over():
+            held.quarantined.add(self._order.arrange(lease.entries), True, HOLD_QUARANTINE_S)  # as `release` unpins
+        for item in held.quarantined.over():
             if item.leased:
                 self._dram.unpin(item.entry)
             else:

@@ -185,7 +185,7 @@ class TieredStore:
             out: dict[str, object] = {
                 "store": dict(vars(self.counters)), "dram": dram, "namespaces": self.lookups.stats(),
                 "leases": len(self.leases), "reservations": self.held.num_reservations, "limits": self.held.stats(),
-                "quarantined": self.held.num_quarantined, "holds": self.held.num_holds,
+                "quarantined": len(self.held.quarantined), "holds": len(self.held.holds),
                 "write_backlog": self.writes.stats() if self.writes is not None else None}
         out["storage"] = self.storage.stats() if self.storage is not None else None
         out["storage_unusable"] = self.storage_unusable
