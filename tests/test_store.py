@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
+import math
 import os
 import platform
 import threading
@@ -17,7 +18,7 @@ import pytest
 from conftest import make_pool_config, make_storage_config
 from hpkv.config import StorageConfig
 from hpkv.keys import NamespaceDesc, make_key
-from hpkv.store import TieredStore
+from hpkv.store import PrefixOrder, StorePolicy, TieredStore
 from hpkv.types import Tier
 
 ENTRY = 64 << 10
@@ -77,9 +78,9 @@ def open_store(shm_dir, storage_dir):
     stores = []
 
     def _open(pool_bytes: int = 16 << 20, capacity: int | None = None, storage: StorageConfig | None = None,
-              pool_dir: Path | None = None) -> TieredStore:
+              pool_dir: Path | None = None, policy: StorePolicy | None = None) -> TieredStore:
         store = TieredStore.open(make_pool_config(pool_dir or shm_dir, pool_bytes),
-                                 storage or make_storage_config(storage_dir, capacity))
+                                 storage or make_storage_config(storage_dir, capacity), policy=policy)
         stores.append(store)
         return store
 
@@ -821,3 +822,26 @@ def test_a_store_that_cannot_be_built_on_its_pool_leaves_no_pool_behind(shm_dir,
         TieredStore.open(make_pool_config(shm_dir), make_storage_config(storage_dir), slab_bytes=1 << 40)
 
     assert not (shm_dir / POOL_FILE_NAME).exists()
+
+
+@pytest.mark.parametrize("order, num_left", [(PrefixOrder.LAST_FIRST, 15), (PrefixOrder.FIRST_FIRST, 0)])
+def test_the_prefix_order_given_to_a_store_decides_which_end_of_a_prefix_is_evicted(open_store, storage_dir,
+                                                                                     order, num_left):
+    """A full pool of one prefix, then one more key: the store's own order evicts the prefix's last
+    entry (15 leading hits remain); the baseline order, plain LRU in prefix order, its first (none)."""
+    storage_off = dataclasses.replace(make_storage_config(storage_dir), enabled=False)
+    store = open_store(pool_bytes=1 << 20, storage=storage_off, policy=StorePolicy(order=order))  # 16 slots
+    ns = store.register(desc())
+    ks = keys(16)
+    assert save(store, ns, ks) == 16
+    load(store, ns, ks)  # a lease released in the policy's order too
+
+    assert save(store, ns, keys(1, "newcomer")) == 1
+
+    assert store.lookup(ns, ks).num_hit == num_left
+
+
+def test_the_backlog_limit_is_a_share_of_the_pool_given_to_the_store(open_store):
+    store = open_store(pool_bytes=16 << 20, policy=StorePolicy(backlog_share=math.inf))  # a baseline: no limit
+    assert store.stats()["write_backlog"]["limit_bytes"] == math.inf
+    assert StorePolicy().backlog_limit(16 << 20) == 8 << 20  # the store's own: half the pool
