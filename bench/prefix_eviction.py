@@ -32,25 +32,12 @@ import numpy as np
 from bench.harness import configs
 from bench.harness.keys import keys, namespace
 from hpkv.config import PoolConfig
-from hpkv.store import TieredStore
+from hpkv.store import PrefixOrder, StorePolicy, TieredStore
 
 ENTRY = 16 << 10
 
 
-class PrefixOrderStore(TieredStore):
-    """The baseline: entries reach the LRU in prefix order (commits and releases first first)."""
-
-    def commit(self, ns: str, keys: list[bytes], owner: int = 0) -> int:
-        return super().commit(ns, keys[::-1], owner)  # the store publishes last first; undo that
-
-    def release(self, lease_id: int) -> bool:
-        with self._lock:
-            lease = self._leases.pop(lease_id, None)
-            if lease is None:
-                return False
-            for entry in lease.entries:
-                self.dram.unpin(entry)
-        return True
+PREFIX_ORDER = StorePolicy(order=PrefixOrder.FIRST_FIRST)  # the baseline: commits and releases first first
 
 
 def documents(lengths: list[int]) -> list[list[bytes]]:
@@ -91,9 +78,10 @@ def run(args: argparse.Namespace) -> dict:
     total = sum(lengths)
     out: dict = {"pool_entries": entries, "documents": num_docs, "doc_blocks": args.doc_blocks, "all_blocks": total,
                  "requests": args.requests, "zipf": args.zipf, "stores": {}}
-    for name, cls in (("HPKV (last entries first)", TieredStore), ("plain LRU (prefix order)", PrefixOrderStore)):
+    for name, policy in (("HPKV (last entries first)", StorePolicy()), ("plain LRU (prefix order)", PREFIX_ORDER)):
         with tempfile.TemporaryDirectory(dir=args.pool_dir, prefix="hpkv-bench-") as pool_dir:
-            store = cls.open(PoolConfig(dir=Path(pool_dir), size_bytes=args.pool_bytes), storage_off)
+            store = TieredStore.open(PoolConfig(dir=Path(pool_dir), size_bytes=args.pool_bytes), storage_off,
+                                     policy=policy)
             try:
                 ns = store.register(desc)
                 started = time.perf_counter()

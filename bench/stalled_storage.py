@@ -33,18 +33,13 @@ from bench.harness import configs
 from bench.harness.keys import keys, namespace
 from bench.prefix_eviction import ENTRY, workload_arguments, zipf_requests  # the same documents
 from hpkv.config import PoolConfig
-from hpkv.store import TieredStore
+from hpkv.store import StorePolicy, TieredStore
 
 PERIOD_S = 0.1
 WARM = keys(4, "warm-")
 
 
-class UnlimitedBacklogStore(TieredStore):
-    """The baseline: every committed entry is pinned until its write-through ends."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._backlog_limit = math.inf
+UNLIMITED_BACKLOG = StorePolicy(backlog_share=math.inf)  # the baseline: every committed entry pinned until written
 
 
 class Throttle:
@@ -102,11 +97,11 @@ def run(args: argparse.Namespace) -> dict:
     asked = sum(lengths[d] for d in picks)
     out: dict = {"pool_entries": entries, "documents": len(docs), "all_blocks": sum(lengths),
                  "requests": args.requests, "stalled": args.stalled, "drift": args.drift, "stores": {}}
-    for name, cls in (("HPKV (half the pool at most)", TieredStore), ("no limit (all pinned)", UnlimitedBacklogStore)):
+    for name, policy in (("HPKV (half the pool at most)", StorePolicy()), ("no limit (all pinned)", UNLIMITED_BACKLOG)):
         with tempfile.TemporaryDirectory(dir=args.pool_dir, prefix="hpkv-bench-") as pool_dir, \
                 tempfile.TemporaryDirectory(dir=args.storage_dir, prefix="hpkv-bench-") as storage_dir:
             storage = configs.storage(Path(storage_dir))
-            store = cls.open(PoolConfig(dir=Path(pool_dir), size_bytes=args.pool_bytes), storage)
+            store = TieredStore.open(PoolConfig(dir=Path(pool_dir), size_bytes=args.pool_bytes), storage, policy=policy)
             try:
                 ns = store.register(desc)
                 serve(store, ns, WARM)  # starts the writer processes

@@ -128,7 +128,7 @@ def test_a_lease_kept_past_the_limit_pins_its_entries_through_the_quarantine_the
     store.held.clock.now += HOLD_QUARANTINE_S
     assert None not in store.reserve(ns, keys(8, "new"), owner=2)  # evicted now, like any entry
     assert store.lookup(ns, ks).num_hit == 256 - 8  # the last first: the lease unpinned them so
-    assert store.held.room(1) == float("inf") and store.held._bytes == {2: 8 * ENTRY}
+    assert store.held.room(1) == float("inf") and store.held.bytes_held() == {2: 8 * ENTRY}
 
 
 def test_without_limits_a_store_in_process_holds_as_before(store):
