@@ -48,4 +48,4 @@ bench: $(STAMP)
 bench-peers: $(STAMP)
 	$(VENV)/bin/pip install --quiet --no-deps lmcache==0.5.6 aiofiles
 	$(VENV)/bin/pip install --quiet -e '.[bench]'
-	$(VENV)/bin/python bench/peers.py
+	$(VENV)/bin/python -m bench.peers

@@ -1,6 +1,6 @@
 """Device check: HPKV's block copies between a GPU's paged KV cache and the pinned DRAM pool.
 
-    python bench/device_check.py [--json] [--device cpu]
+    python -m bench.device_check [--json] [--device cpu]
 
 On a machine with an NVIDIA GPU it:
 1. creates a real pool (`PoolRegion.create`, a fresh directory under /dev/shm, 4 GiB or less when
@@ -39,12 +39,13 @@ import platform
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.harness.server import start_server, stop_server
 
 GB = 1e9
 SHM = Path("/dev/shm")
@@ -244,31 +245,6 @@ def pool_mappings(directory: Path) -> int:
     """This process's mappings of `directory`'s pool files, removed ones too."""
     with open("/proc/self/maps") as f:
         return sum(f"{directory}/hpkv.pool" in line for line in f)
-
-
-def start_server(env: dict, log_path: Path, timeout_s: float = 60.0) -> subprocess.Popen:
-    from hpkv.server.autostart import answers
-
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "hpkv.server.daemon"], env=env, stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=log)
-    deadline = time.monotonic() + timeout_s
-    socket_path = Path(env["HPKV_SHARE_MEM_FILE_PATH"]) / "hpkv.sock"
-    while not answers(socket_path):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"the HPKV server did not start: {log_path.read_text(errors='replace')[-2000:]}")
-        time.sleep(0.05)
-    return proc
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def restart_check(opts: Options) -> dict:

@@ -16,13 +16,12 @@ in a store of its own. Per round:
 
 Medians over the rounds; ratios direct / page cache.
 
-    .venv/bin/python bench/direct_io.py [--rounds 6] [--entries 384] [--storage-dir DIR] [--json]
+    .venv/bin/python -m bench.direct_io [--rounds 6] [--entries 384] [--storage-dir DIR] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -35,8 +34,9 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from hpkv.config import PoolConfig, StorageConfig
-from hpkv.keys import NamespaceDesc, make_key
+from bench.harness import configs
+from bench.harness.keys import keys as make_keys
+from bench.harness.keys import namespace
 from hpkv.store import TieredStore
 
 ENTRY = 256 << 10
@@ -71,20 +71,17 @@ class Side:
         self.direct = direct
         self.pool_dir = Path(tempfile.mkdtemp(prefix="hpkv-bench-dio-", dir="/dev/shm"))
         self.storage_dir = Path(tempfile.mkdtemp(prefix="hpkv-bench-dio-", dir=storage_parent))
-        pool = PoolConfig(dir=self.pool_dir, size_bytes=2 * entries * ENTRY + (64 << 20))
-        storage = StorageConfig(path=self.storage_dir, enabled=True, capacity_bytes=None, fsync="off",
-                                io_threads=8, direct_io=direct)
+        pool = configs.pool(self.pool_dir, 2 * entries * ENTRY + (64 << 20))
+        storage = configs.storage(self.storage_dir, io_threads=8, direct_io=direct)
         self.store = TieredStore.open(pool, storage)
         if direct and not self.store.storage.direct:
             raise SystemExit(f"{storage_parent} does not take O_DIRECT; pick another --storage-dir")
-        self.ns = self.store.register(NamespaceDesc(engine="bench", model="direct-io", dtype="bfloat16",
-                                                    layout="blocks", block_size=32, num_layers=28,
-                                                    entry_bytes=ENTRY))
+        self.ns = self.store.register(namespace("direct-io", ENTRY, dtype="bfloat16", num_layers=28))
         self.src = np.random.default_rng(0).integers(0, 255, ENTRY, dtype=np.uint8)
 
     def round(self, index: int, entries: int) -> dict[str, float]:
         store = self.store
-        keys = [make_key(hashlib.sha256(f"{self.direct}-{index}-{i}".encode()).digest()) for i in range(entries)]
+        keys = make_keys(entries, f"{self.direct}-{index}-")
         pool = np.frombuffer(store.region.buf, dtype=np.uint8)
         for offset in store.reserve(self.ns, keys):
             np.copyto(pool[offset : offset + ENTRY], self.src)

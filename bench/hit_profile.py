@@ -1,11 +1,11 @@
 """Where the time of a DRAM hit goes inside vLLM: HPKV's own steps against vLLM's forward pass.
 
-    python bench/hit_profile.py [--prompt-words 8192] [--hits 12] [--json]
+    python -m bench.hit_profile [--prompt-words 8192] [--hits 12] [--json]
 
 One HPKV engine (the documented launch, `hpkv.demo.model.BENCH`) serves one prompt, computed
 once; then, --hits times: `/reset_prefix_cache` and a DRAM hit, then the same prompt again as
 vLLM's own prefix-cache hit. Each timed request follows an untimed tiny one, as in
-bench/vllm_ttft.py, and starts once the storage directory has been quiet for 1 s and synced.
+bench.vllm_ttft, and starts once the storage directory has been quiet for 1 s and synced.
 
 The engine's processes time a few functions through a `sitecustomize` module put on their
 PYTHONPATH (one trace file per process, under --workdir): the scheduler's lookup and lease, the
@@ -28,11 +28,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_ttft import WAKE_PROMPT, Engine, engine_env, log, parse_args as ttft_args  # noqa: E402
-
-from hpkv.demo.model import BENCH, build_model, prompt_text  # noqa: E402
-from hpkv.demo.scenario import documented_env  # noqa: E402
+from bench.harness.engine import WAKE_PROMPT, Engine, engine_env
+from bench.harness.report import log
+from hpkv.demo.model import BENCH, build_model, prompt_text
+from hpkv.demo.scenario import documented_env
 
 MIN_STEP_S = 0.005  # a step that runs the model takes over 15 ms on this CPU; an empty one under 1 ms
 
@@ -169,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     sends: list = []
     try:
         engine.start()
-        opts = ttft_args(["--workdir", str(a.workdir)])
-        engine.warm_up(opts, prompt_text(a.prompt_words, seed=-2))
+        engine.warm_up(prompt_text(a.prompt_words, seed=-2))
         prompt = prompt_text(a.prompt_words, seed=777)
         engine.complete(prompt, 1)  # computed and saved
         for i in range(a.hits):

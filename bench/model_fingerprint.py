@@ -12,7 +12,7 @@ the weights, so the pages the fingerprint reads are usually still in the page ca
 prints how many reads it makes, to price a cold cache: reads x the device's latency).
 `--model-dir DIR` fingerprints a real model directory instead (no baseline).
 
-    .venv/bin/python bench/model_fingerprint.py [--gib 40] [--shards 1] [--layers 80] [--experts 0] [--dir /tmp]
+    .venv/bin/python -m bench.model_fingerprint [--gib 40] [--shards 1] [--layers 80] [--experts 0] [--dir /tmp]
         [--repeat 5] [--json]
 """
 

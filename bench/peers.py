@@ -1,6 +1,6 @@
 """Peer comparison on vLLM: HPKV against LMCache, and both against vLLM's own prefix cache.
 
-    python bench/peers.py [--lengths 2048,8192,16384] [--repeats 3] [--json]
+    python -m bench.peers [--lengths 2048,8192,16384] [--repeats 3] [--json]
 
 One run serves one prefill-heavy random Qwen2 (`hpkv.demo.model.BENCH`, built locally) with real
 vLLM engines, all with the same flags, on the same machine, and measures one system after the
@@ -37,17 +37,22 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_ttft import (WAKE_PROMPT, Engine, Sample, compare, hpkv_server_alive, log,  # noqa: E402
-                       start_together, wait_for_hpkv_server_exit)
-
-from peers_report import EXTERNAL, HPKV_LOAD, ROWS, SYSTEMS, header, plot, print_report, summarize  # noqa: E402
-
-from hpkv.benchmark.lmcache_peer import LMCacheServer  # noqa: E402
-from hpkv.benchmark.multiround import Workload, drive  # noqa: E402
-from hpkv.demo.engine import VllmServer  # noqa: E402
-from hpkv.demo.model import BENCH, TINY, build_model, prompt_text  # noqa: E402
-from hpkv.demo.scenario import documented_env  # noqa: E402
+from bench.harness.engine import (
+    WAKE_PROMPT,
+    Engine,
+    Sample,
+    compare,
+    hpkv_server_alive,
+    start_together,
+    wait_for_hpkv_server_exit,
+)
+from bench.harness.report import log
+from bench.lmcache_peer import LMCacheServer
+from bench.multiround import Workload, drive
+from bench.peers_report import EXTERNAL, HPKV_LOAD, ROWS, SYSTEMS, header, plot, print_report, summarize
+from hpkv.demo.engine import VllmServer
+from hpkv.demo.model import BENCH, TINY, build_model, prompt_text
+from hpkv.demo.scenario import documented_env
 
 BLOCK_SIZE = 32  # the documented --block-size
 WORKLOADS = ("ttft", "noreuse", "multiround")
@@ -96,7 +101,7 @@ class Results:
 
 
 class PeerEngine(Engine):
-    """vllm_ttft's Engine with extra vLLM flags (the KV cache size, LMCache's connector)."""
+    """The harness's Engine with extra vLLM flags (the KV cache size, LMCache's connector)."""
 
     def __init__(self, name: str, kind: str, model: str, env: dict[str, str], flags: tuple[str, ...],
                  log_dir: Path) -> None:
@@ -123,7 +128,7 @@ class PeerEngine(Engine):
     def warm_up_paths(self, opts: Options, prompt: str) -> None:
         """Engine.warm_up (computed or stored-tier hit, in-engine hit, HPKV DRAM hit, a batch),
         plus LMCache's L1 hit on an LMCache engine."""
-        self.warm_up(opts, prompt)
+        self.warm_up(prompt, opts.tput_concurrency)
         if self.kind == "lmcache":
             self.reset_prefix_cache()
             self.complete(prompt, 2)

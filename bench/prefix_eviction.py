@@ -15,13 +15,12 @@ miss are reserved and committed (computed and saved, in an engine; present ones 
 Documents are drawn from a Zipf distribution, so some come back often and some rarely; all of
 them together are `--working-set` times the pool.
 
-    .venv/bin/python bench/prefix_eviction.py [--requests 4000] [--working-set 1.5] [--doc-blocks 256] [--json]
+    .venv/bin/python -m bench.prefix_eviction [--requests 4000] [--working-set 1.5] [--doc-blocks 256] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import tempfile
@@ -30,32 +29,19 @@ from pathlib import Path
 
 import numpy as np
 
-from hpkv.config import PoolConfig, StorageConfig
-from hpkv.keys import NamespaceDesc, make_key
-from hpkv.store import TieredStore
+from bench.harness import configs
+from bench.harness.keys import keys, namespace
+from hpkv.config import PoolConfig
+from hpkv.store import PrefixOrder, StorePolicy, TieredStore
 
 ENTRY = 16 << 10
 
 
-class PrefixOrderStore(TieredStore):
-    """The baseline: entries reach the LRU in prefix order (commits and releases first first)."""
-
-    def commit(self, ns: str, keys: list[bytes], owner: int = 0) -> int:
-        return super().commit(ns, keys[::-1], owner)  # the store publishes last first; undo that
-
-    def release(self, lease_id: int) -> bool:
-        with self._lock:
-            lease = self._leases.pop(lease_id, None)
-            if lease is None:
-                return False
-            for entry in lease.entries:
-                self.dram.unpin(entry)
-        return True
+PREFIX_ORDER = StorePolicy(order=PrefixOrder.FIRST_FIRST)  # the baseline: commits and releases first first
 
 
 def documents(lengths: list[int]) -> list[list[bytes]]:
-    return [[make_key(hashlib.sha256(f"doc-{d}-block-{b}".encode()).digest()) for b in range(n)]
-            for d, n in enumerate(lengths)]
+    return [keys(n, f"doc-{d}-block-") for d, n in enumerate(lengths)]
 
 
 def serve(store: TieredStore, ns: str, doc: list[bytes]) -> int:
@@ -87,16 +73,15 @@ def run(args: argparse.Namespace) -> dict:
     entries = args.pool_bytes // ENTRY
     lengths, docs, picks = zipf_requests(args, entries)
     num_docs = len(lengths)
-    storage_off = StorageConfig(path=Path(tempfile.gettempdir()) / "unused", enabled=False, capacity_bytes=None,
-                                fsync="off", io_threads=1)
-    desc = NamespaceDesc(engine="bench", model="prefix-eviction", dtype="float16", layout="blocks", block_size=32,
-                         num_layers=2, entry_bytes=ENTRY)
+    storage_off = configs.storage_off()
+    desc = namespace("prefix-eviction", ENTRY)
     total = sum(lengths)
     out: dict = {"pool_entries": entries, "documents": num_docs, "doc_blocks": args.doc_blocks, "all_blocks": total,
                  "requests": args.requests, "zipf": args.zipf, "stores": {}}
-    for name, cls in (("HPKV (last entries first)", TieredStore), ("plain LRU (prefix order)", PrefixOrderStore)):
+    for name, policy in (("HPKV (last entries first)", StorePolicy()), ("plain LRU (prefix order)", PREFIX_ORDER)):
         with tempfile.TemporaryDirectory(dir=args.pool_dir, prefix="hpkv-bench-") as pool_dir:
-            store = cls.open(PoolConfig(dir=Path(pool_dir), size_bytes=args.pool_bytes), storage_off)
+            store = TieredStore.open(PoolConfig(dir=Path(pool_dir), size_bytes=args.pool_bytes), storage_off,
+                                     policy=policy)
             try:
                 ns = store.register(desc)
                 started = time.perf_counter()

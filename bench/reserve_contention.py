@@ -10,14 +10,12 @@ started just after. The baseline is the same lookup with no reserve running, in 
 The figures are ratios to that baseline (a lookup waits for the store's lock: how long the
 reserve holds it is what this measures).
 
-    .venv/bin/python bench/reserve_contention.py [--pool-bytes 64m] [--rounds 10] [--json]
+    .venv/bin/python -m bench.reserve_contention [--pool-bytes 64m] [--rounds 10] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import heapq
 import json
 import statistics
 import sys
@@ -26,56 +24,23 @@ import threading
 import time
 from pathlib import Path
 
-from hpkv.config import PoolConfig, StorageConfig, parse_size
-from hpkv.keys import NamespaceDesc, make_key
-from hpkv.pool.tier import DramTier
-from hpkv.store import TieredStore
+from bench.harness import configs
+from bench.harness.keys import keys as _keys
+from bench.harness.keys import namespace
+from hpkv.config import PoolConfig, parse_size
+from hpkv.keys import NamespaceDesc
+from hpkv.pool.room import WalkOldest
+from hpkv.store import StorePolicy, TieredStore
 
 SMALL, LARGE = 4 << 10, 64 << 10
 NUM_RESERVE = 128
 
 
-class WalkTier(DramTier):
-    """The way room was found before: walk the other classes' evictable entries oldest first,
-    up to the class's own oldest, for the first slab whose entries are all evictable."""
-
-    def _make_room(self, slot_bytes: int) -> int | None:
-        own = self._lru.get(slot_bytes)
-        own_oldest = next(iter(own)) if own else None
-        lrus = [lru for size, lru in self._lru.items() if size != slot_bytes and lru]
-        tried: set[int] = set()
-        for other in heapq.merge(*lrus, key=lambda e: e.stamp):
-            if own_oldest is not None and own_oldest.stamp < other.stamp:
-                break
-            slab = self.alloc.slab_of(other.offset)
-            if slab in tried:
-                continue
-            tried.add(slab)
-            entries = [self._by_offset[o] for o in self.alloc.used_in_slab(slab)]
-            if all(e.evictable for e in entries):
-                for entry in entries:
-                    self._evict(entry)
-                self.counters.slab_moves += 1
-                return self.alloc.alloc(slot_bytes)
-        if own_oldest is None:
-            return None
-        self._evict(own_oldest)
-        return self.alloc.alloc(slot_bytes)
-
-
-class WalkStore(TieredStore):
-    def __init__(self, *args, **kw) -> None:
-        super().__init__(*args, **kw)
-        self.dram = WalkTier(self.region.size_bytes)
-
-
-def _keys(n: int, tag: str) -> list[bytes]:
-    return [make_key(hashlib.sha256(f"{tag}{i}".encode()).digest()) for i in range(n)]
+WALK = StorePolicy(room=WalkOldest())  # the way room was found before: a walk over every older entry
 
 
 def _desc(entry_bytes: int) -> NamespaceDesc:
-    return NamespaceDesc(engine="bench", model=f"contention-{entry_bytes}", dtype="float16", layout="blocks",
-                         block_size=16, num_layers=2, entry_bytes=entry_bytes)
+    return namespace(f"contention-{entry_bytes}", entry_bytes, block_size=16)
 
 
 def _fill(store: TieredStore) -> tuple[str, str, list[bytes]]:
@@ -105,11 +70,10 @@ def _lookup_ms(store: TieredStore, ns: str, keys: list[bytes]) -> float:
     return (time.perf_counter() - started) * 1e3
 
 
-def measure(cls: type[TieredStore], pool_bytes: int, rounds: int, pool_dir: str) -> dict:
-    storage_off = StorageConfig(path=Path(tempfile.gettempdir()) / "unused", enabled=False, capacity_bytes=None,
-                                fsync="off", io_threads=1)
+def measure(policy: StorePolicy, pool_bytes: int, rounds: int, pool_dir: str) -> dict:
+    storage_off = configs.storage_off()
     with tempfile.TemporaryDirectory(dir=pool_dir, prefix="hpkv-bench-") as directory:
-        store = cls.open(PoolConfig(dir=Path(directory), size_bytes=pool_bytes), storage_off)
+        store = TieredStore.open(PoolConfig(dir=Path(directory), size_bytes=pool_bytes), storage_off, policy=policy)
         try:
             ns_a, ns_b, a = _fill(store)
             probe = a[:16]
@@ -151,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     out = {"pool_bytes": args.pool_bytes, "reserve_keys": NUM_RESERVE,
-           "walk (before)": measure(WalkStore, args.pool_bytes, args.rounds, args.pool_dir),
-           "store (now)": measure(TieredStore, args.pool_bytes, args.rounds, args.pool_dir)}
+           "walk (before)": measure(WALK, args.pool_bytes, args.rounds, args.pool_dir),
+           "store (now)": measure(StorePolicy(), args.pool_bytes, args.rounds, args.pool_dir)}
     if args.json:
         print(json.dumps(out, indent=1))
         return 0

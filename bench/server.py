@@ -7,74 +7,35 @@ Starts a real server process, then, from this (client) process:
   against a plain numpy copy of the same bytes in the same process (the memory limit).
 Targets: lookup <= 2 ms, reserve+commit <= 2 ms, pool read >= 0.7x the copy limit.
 
-    .venv/bin/python bench/server.py [--json]
+    .venv/bin/python -m bench.server [--json]
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import shutil
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 
 import numpy as np
 
-from hpkv.keys import NamespaceDesc, make_key
-from hpkv.server.autostart import answers
+from bench.harness.keys import keys as _keys
+from bench.harness.keys import namespace
+from bench.harness.report import median_p99_ms, timed, verdict
+from bench.harness.server import temporary_server
+from hpkv.keys import NamespaceDesc
 from hpkv.server.client import Client
-from hpkv.server.protocol import SOCKET_NAME
 
 ENTRY = 1 << 20
 NUM_READ = 128  # 128 MiB per round
 
 
-def _keys(n: int, tag: str) -> list[bytes]:
-    return [make_key(hashlib.sha256(f"{tag}{i}".encode()).digest()) for i in range(n)]
-
-
 def _desc(entry_bytes: int) -> NamespaceDesc:
-    return NamespaceDesc(engine="bench", model="server", dtype="bfloat16", layout="blocks", block_size=32,
-                         num_layers=1, entry_bytes=entry_bytes)
-
-
-def _times(fn, reps: int) -> list[float]:
-    out = []
-    for _ in range(reps):
-        started = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - started)
-    return out
-
-
-def _ms(times: list[float]) -> tuple[float, float]:
-    times = sorted(times)
-    return statistics.median(times) * 1e3, times[int(len(times) * 0.99) - 1] * 1e3
+    return namespace("server", entry_bytes, dtype="bfloat16", num_layers=1)
 
 
 def run() -> dict:
-    pool_dir = Path(tempfile.mkdtemp(prefix="hpkv-bench-server-", dir="/dev/shm"))
-    storage = Path(tempfile.mkdtemp(prefix="hpkv-bench-server-"))
-    env = {**os.environ, "HPKV_SHARE_MEM_FILE_PATH": str(pool_dir), "HPKV_KV_STORAGE_PATH": str(storage),
-           "HPKV_KV_MEM_POOL_SIZE": "1g", "HPKV_KV_STORAGE_ENABLE": "0",
-           "HPKV_CONFIG_FILE_PATH": str(pool_dir / "none.ini"), "HPKV_LOG_LEVEL": "warning"}
-    server = subprocess.Popen([sys.executable, "-m", "hpkv.server.daemon"], env=env)
-    try:
-        deadline = time.monotonic() + 30
-        while not answers(pool_dir / SOCKET_NAME) and time.monotonic() < deadline:
-            time.sleep(0.05)
+    with temporary_server("hpkv-bench-server-", HPKV_KV_STORAGE_ENABLE="0") as (pool_dir, _):
         return _measure(Client(pool_dir, kind="bench", autostart=False))
-    finally:
-        server.terminate()
-        server.wait(30)
-        shutil.rmtree(pool_dir, ignore_errors=True)
-        shutil.rmtree(storage, ignore_errors=True)
 
 
 def _measure(client: Client) -> dict:
@@ -84,7 +45,7 @@ def _measure(client: Client) -> dict:
     assert None not in reservation.offsets
     client.commit(small, prefix)
     assert client.lookup(small, prefix).num_hit == 4096
-    lookup = _ms(_times(lambda: client.lookup(small, prefix), 300))
+    lookup = median_p99_ms(timed(lambda: client.lookup(small, prefix), 300))
 
     counter = iter(range(10**9))
 
@@ -93,7 +54,7 @@ def _measure(client: Client) -> dict:
         client.reserve(small, batch)
         client.commit(small, batch)
 
-    reserve_commit_ms = _ms(_times(reserve_commit, 200))
+    reserve_commit_ms = median_p99_ms(timed(reserve_commit, 200))
 
     big = client.register(_desc(ENTRY))
     keys = _keys(NUM_READ, "read")
@@ -118,8 +79,8 @@ def _measure(client: Client) -> dict:
 
     pool_times, plain_times = [], []
     for _ in range(10):  # alternate, so background load hits both alike; best round counts
-        pool_times += _times(read_pool, 1)
-        plain_times += _times(read_plain, 1)
+        pool_times += timed(read_pool, 1)
+        plain_times += timed(read_plain, 1)
     read_pool()
     assert np.array_equal(dst, src)
     pool_gbps = NUM_READ * ENTRY / min(pool_times[1:]) / 1e9
@@ -137,12 +98,12 @@ def _measure(client: Client) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()  # before the run, so that --help runs nothing
     result = run()
-    if parser.parse_args().json:
+    if args.json:
         print(json.dumps(result, indent=2))
         return
     lk, rc, rd = result["lookup_4096_ms"], result["reserve_commit_64_ms"], result["dram_read_1mib_gbps"]
-    verdict = lambda ok: "PASS" if ok else "MISS"  # noqa: E731
     print(f"HPKV server benchmark ({result['cpus']} CPUs, load {result['load_avg_1m']})")
     print(f"  lookup of a 4,096-key prefix, round trip: median {lk['median']:.3f} ms, p99 {lk['p99']:.3f} ms"
           f"  (target <= 2 ms: {verdict(lk['median'] <= 2)})")

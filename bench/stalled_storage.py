@@ -11,13 +11,12 @@ committed). A slow device is made of the real write-through processes: they are 
 that stopped answering for the whole run (an NFS server that hangs). After the requests the
 writers go on and the store writes what it holds (`flush`); the entries on storage are counted.
 
-    .venv/bin/python bench/stalled_storage.py [--requests 3000] [--stalled 1.0] [--seed 0] [--json]
+    .venv/bin/python -m bench.stalled_storage [--requests 3000] [--stalled 1.0] [--seed 0] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -30,23 +29,17 @@ from pathlib import Path
 
 import numpy as np
 
-from hpkv.config import PoolConfig, StorageConfig
-from hpkv.keys import NamespaceDesc, make_key
-from hpkv.store import TieredStore
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prefix_eviction import ENTRY, workload_arguments, zipf_requests  # noqa: E402 (the same documents)
+from bench.harness import configs
+from bench.harness.keys import keys, namespace
+from bench.prefix_eviction import ENTRY, workload_arguments, zipf_requests  # the same documents
+from hpkv.config import PoolConfig
+from hpkv.store import StorePolicy, TieredStore
 
 PERIOD_S = 0.1
-WARM = [make_key(hashlib.sha256(f"warm-{i}".encode()).digest()) for i in range(4)]
+WARM = keys(4, "warm-")
 
 
-class UnlimitedBacklogStore(TieredStore):
-    """The baseline: every committed entry is pinned until its write-through ends."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._backlog_limit = math.inf
+UNLIMITED_BACKLOG = StorePolicy(backlog_share=math.inf)  # the baseline: every committed entry pinned until written
 
 
 class Throttle:
@@ -100,17 +93,15 @@ def run(args: argparse.Namespace) -> dict:
     # Drift: the popularity ranking turns over the documents `--drift` times during the run, as
     # new conversations and documents arrive and old ones fade.
     picks = (picks + (np.arange(args.requests) * args.drift * len(docs) // args.requests).astype(int)) % len(docs)
-    desc = NamespaceDesc(engine="bench", model="stalled-storage", dtype="float16", layout="blocks", block_size=32,
-                         num_layers=2, entry_bytes=ENTRY)
+    desc = namespace("stalled-storage", ENTRY)
     asked = sum(lengths[d] for d in picks)
     out: dict = {"pool_entries": entries, "documents": len(docs), "all_blocks": sum(lengths),
                  "requests": args.requests, "stalled": args.stalled, "drift": args.drift, "stores": {}}
-    for name, cls in (("HPKV (half the pool at most)", TieredStore), ("no limit (all pinned)", UnlimitedBacklogStore)):
+    for name, policy in (("HPKV (half the pool at most)", StorePolicy()), ("no limit (all pinned)", UNLIMITED_BACKLOG)):
         with tempfile.TemporaryDirectory(dir=args.pool_dir, prefix="hpkv-bench-") as pool_dir, \
                 tempfile.TemporaryDirectory(dir=args.storage_dir, prefix="hpkv-bench-") as storage_dir:
-            storage = StorageConfig(path=Path(storage_dir), enabled=True, capacity_bytes=None, fsync="off",
-                                    io_threads=2)
-            store = cls.open(PoolConfig(dir=Path(pool_dir), size_bytes=args.pool_bytes), storage)
+            storage = configs.storage(Path(storage_dir))
+            store = TieredStore.open(PoolConfig(dir=Path(pool_dir), size_bytes=args.pool_bytes), storage, policy=policy)
             try:
                 ns = store.register(desc)
                 serve(store, ns, WARM)  # starts the writer processes

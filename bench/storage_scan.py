@@ -13,14 +13,13 @@ server builds it) and times:
 - the resident memory the index adds, per million files.
 The directory is removed at the end.
 
-    .venv/bin/python bench/storage_scan.py [--files 200000] [--entry-bytes 4096] [--storage-dir .] [--no-cold] [--json]
+    .venv/bin/python -m bench.storage_scan [--files 200000] [--entry-bytes 4096] [--storage-dir .] [--no-cold] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import os
 import shutil
@@ -31,20 +30,20 @@ from pathlib import Path
 
 import psutil
 
+from bench.harness import configs
+from bench.harness.keys import key, namespace
 from hpkv.config import StorageConfig
-from hpkv.keys import NamespaceDesc, make_key
 from hpkv.storage.tier import StorageTier
 
-NS = NamespaceDesc(engine="bench", model="storage-scan", dtype="float16", layout="blocks", block_size=32,
-                   num_layers=2, entry_bytes=4096).ns
+NS = namespace("storage-scan", 4096).ns
 
 
 def key_of(i: int) -> bytes:
-    return make_key(hashlib.sha256(f"scan-{i}".encode()).digest())
+    return key(f"scan-{i}")
 
 
 def config(path: Path) -> StorageConfig:
-    return StorageConfig(path=path, enabled=True, capacity_bytes=1 << 50, fsync="off", io_threads=2)
+    return configs.storage(path, capacity_bytes=1 << 50)
 
 
 def fill(path: Path, num_files: int, entry_bytes: int) -> float:

@@ -1,6 +1,6 @@
 """VLLM_HPKV_TOKEN_THRESHOLD=auto against the two fixed extremes, on a real vLLM, in one run.
 
-    python bench/threshold_auto.py [--repeats 2] [--long-tokens 8192] [--short-hits 32,64,128,256,512] [--json]
+    python -m bench.threshold_auto [--repeats 2] [--long-tokens 8192] [--short-hits 32,64,128,256,512] [--json]
 
 Three HPKV engines serve the prefill-heavy random Qwen2 `hpkv.demo.model.BENCH` side by side,
 started as the documentation says, each with its own pool and storage directory, and differing
@@ -25,7 +25,7 @@ time). Each send waits until the storage writes so far are on disk (`os.sync`), 
 after the previous engine's request, so that engine's idle threads have stopped spinning on the
 two cores (vLLM's shared-memory message queues busy-wait for 1 s after their last message:
 `SpinCondition(busy_loop_s=1)` in vllm/distributed/device_communicators/shm_broadcast.py), and
-follows an untimed tiny request to its own engine, as in bench/vllm_ttft.py. The check, per request: auto's TTFT is not more than
+follows an untimed tiny request to its own engine, as in bench.vllm_ttft. The check, per request: auto's TTFT is not more than
 10% over the slower of the two fixed policies (PASS), i.e. auto is never worse than both.
 Printed, never asserted. Progress on stderr, the table (or --json) on stdout.
 """
@@ -44,12 +44,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_ttft import Engine, engine_env, log, start_together  # noqa: E402
-
-from hpkv.benchmark.machine import describe  # noqa: E402
-from hpkv.demo.model import BENCH, build_model, prompt_text  # noqa: E402
-from hpkv.demo.scenario import documented_env  # noqa: E402
+from bench.harness.engine import Engine, engine_env, start_together
+from bench.harness.report import log
+from hpkv.benchmark.machine import describe
+from hpkv.demo.model import BENCH, build_model, prompt_text
+from hpkv.demo.scenario import documented_env
 
 POLICIES = {"always": "0", "never": "1000000000", "auto": "auto"}
 TOLERANCE = 1.10

@@ -1,6 +1,6 @@
 """vLLM end to end: time to first token on HPKV hits, and throughput when nothing is reused.
 
-    python bench/vllm_ttft.py [--repeats 3] [--prompt-words 8192] [--model PATH] [--json]
+    python -m bench.vllm_ttft [--repeats 3] [--prompt-words 8192] [--model PATH] [--json]
 
 One run serves one prefill-heavy random Qwen2 (`hpkv.demo.model.BENCH`, built locally) with a
 real vLLM, started as the documentation says, and measures in the same run:
@@ -26,28 +26,24 @@ figures and what each row measures.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
-import os
 import platform
 import shlex
 import shutil
 import sys
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from bench.harness.engine import Engine, Sample, compare, engine_env, start_together, wait_for_hpkv_server_exit
+from bench.harness.report import log, verdict
 from hpkv.benchmark.machine import describe
-from hpkv.benchmark.shim import after_import, install
-from hpkv.demo.engine import Completion, VllmServer, documented_flags
+from hpkv.demo.engine import Completion, documented_flags
 from hpkv.demo.model import BENCH, build_model, prompt_text
 from hpkv.demo.scenario import documented_env
-from hpkv.pool.region import POOL_FILE_NAME
 
 TARGETS = {  # ratio name -> (numerator row, denominator row, bound, "<=" or ">=")
     "DRAM hit / in-engine hit": ("dram", "engine_hit", 1.5, "<="),
@@ -63,25 +59,6 @@ ROWS = {  # row -> what it measures
     "dram": "HPKV DRAM hit (after /reset_prefix_cache)",
     "storage": "HPKV storage hit (engine restarted)",
 }
-WAKE_PROMPT = prompt_text(8, seed=-7)
-
-# vLLM's shared-memory message queues keep a reader spinning on sched_yield for 1 s after each
-# message it reads (`SpinCondition`, busy_loop_s=1, in vllm/distributed/device_communicators/
-# shm_broadcast.py), so the engine-core process spins through every forward pass of its worker.
-# On these 2 cores that spinning is what puts a forward pass in its slow mode (100-600 ms instead
-# of 31-50 ms for one token at 8K context), but without it the fast mode was slower
-# (docs/benchmarks.md, "What selects the slow mode"). The benchmarks keep vLLM's default;
-# HPKV_BENCH_VLLM_SPIN=0 starts every engine, of every system alike, with busy_loop_s=0 (a reader
-# waits for the queue's zmq notification), through this sitecustomize on its PYTHONPATH.
-NO_SPIN = after_import("vllm.distributed.device_communicators.shm_broadcast",
-                       "module.SpinCondition.__init__.__defaults__ = (0.0,)  # busy_loop_s")
-
-
-def engine_shim(env: dict[str, str], shim_dir: Path, code: str | None = None) -> dict[str, str]:
-    """`env` with a sitecustomize first on the engine's PYTHONPATH: NO_SPIN (with
-    HPKV_BENCH_VLLM_SPIN=0), then `code`."""
-    code = "\n".join(filter(None, [NO_SPIN if os.environ.get("HPKV_BENCH_VLLM_SPIN") == "0" else None, code]))
-    return install(env, shim_dir, code) if code else env
 
 
 @dataclass(frozen=True)
@@ -102,161 +79,11 @@ class Options:
 
 
 @dataclass
-class Sample:
-    ttft_s: float
-    prompt_tokens: int
-    sources: dict[str, float]  # cached prompt tokens by source: device / host / disk
-    same_ids: bool | None = None  # token ids equal to the in-engine hit's (hits only)
-    same_logprobs: bool | None = None
-
-
-@dataclass
 class Results:
     samples: dict[str, list[Sample]] = field(default_factory=lambda: {name: [] for name in ROWS})
     tput: dict[str, list[tuple[int, float]]] = field(default_factory=lambda: {"off": [], "on": []})
     tput_connector: dict[str, float] = field(default_factory=dict)  # HPKV's own time in the ON rounds
     hpkv_counters: dict[str, dict[str, float]] = field(default_factory=dict)
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-# -- engines --------------------------------------------------------------------------------
-
-
-class Engine:
-    """A VllmServer plus what the benchmark reads from it: per-source cached tokens, counted once
-    vLLM's metrics include every request sent (they lag the last streamed token a little)."""
-
-    def __init__(self, name: str, model: str, env: dict[str, str], hpkv: bool, log_dir: Path,
-                 extra_flags: tuple[str, ...] = (), shim: str | None = None) -> None:
-        self.name = name
-        self.env = env = engine_shim(env, log_dir / f"shim-{name}", shim)
-        self.server = VllmServer(model, env, hpkv=hpkv, log_path=log_dir / f"vllm-{name}.log",
-                                 extra_flags=extra_flags)
-        self._lock = threading.Lock()
-        self._num_sent = 0
-
-    def start(self) -> "Engine":
-        started = time.monotonic()
-        self.server.start(timeout_s=600)
-        log(f"{self.name}: up in {time.monotonic() - started:.0f} s (log {self.server.log_path})")
-        return self
-
-    def stop(self) -> None:
-        self.server.stop()
-
-    def complete(self, prompt: str, max_tokens: int) -> Completion:
-        with self._lock:
-            self._num_sent += 1
-        return self.server.complete(prompt, max_tokens)
-
-    def counters(self, timeout_s: float = 30.0) -> dict[str, float]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            out = {"finished": 0.0}
-            for name, value in self.server.metrics().items():
-                if name.startswith("vllm:prompt_tokens_cached_by_source_total{"):
-                    source = name.split('source="')[1].split('"')[0]
-                    out[source] = out.get(source, 0.0) + value
-                elif name.startswith("vllm:hpkv_"):
-                    counter = name[len("vllm:hpkv_"):].split("{")[0].removesuffix("_total")
-                    out["hpkv_" + counter] = out.get("hpkv_" + counter, 0.0) + value
-                elif name.startswith("vllm:request_success_total{"):
-                    out["finished"] += value
-            if out["finished"] >= self._num_sent or time.monotonic() > deadline:
-                return out
-            time.sleep(0.05)
-
-    def measure(self, prompt: str, max_tokens: int) -> tuple[Completion, Sample]:
-        """One timed request, right after an untimed tiny one: on this CPU engine a request that
-        follows an idle second or more has a TTFT hundreds of ms longer (measured: an in-engine
-        hit took 86 ms after no gap, 300 ms after 1 s, 500 ms after 5 s), so every timed request
-        starts from the same just-served state rather than from whatever gap came before it."""
-        before = self.counters()
-        self.complete(WAKE_PROMPT, 1)  # shorter than a block: no cache hit, no HPKV lookup or save
-        completion = self.complete(prompt, max_tokens)
-        after = self.counters()
-        sources = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("device", "host", "disk")}
-        return completion, Sample(completion.ttft_s, completion.prompt_tokens, sources)
-
-    def reset_prefix_cache(self) -> None:
-        # vLLM refuses while a finishing request still holds blocks: try again briefly.
-        deadline = time.monotonic() + 10
-        while not self.server.reset_prefix_cache() and time.monotonic() < deadline:
-            time.sleep(0.1)
-
-    def warm_up(self, opts: Options, prompt: str) -> None:
-        """An engine's first request down a path pays one-time costs (the first storage hit of a
-        restarted engine took 1.2 s instead of 0.2 s, the first DRAM hit's forward pass 157 ms
-        instead of 25 ms), so every path timed later is taken once here, untimed, with `prompt`
-        (a long prompt of the warm-up's own): computed (or, on a restarted engine, a storage
-        hit), an in-engine hit, and on an HPKV engine a DRAM hit. The first also opens the
-        scheduler's link to the HPKV server."""
-        self.complete(prompt, 2)
-        self.complete(prompt, 2)
-        if self.server.hpkv:
-            self.reset_prefix_cache()
-            self.complete(prompt, 2)
-        self.send_concurrently([prompt_text(256, seed=-2000 - i) for i in range(opts.tput_concurrency)],
-                               opts.tput_concurrency, 4)
-
-    def send_concurrently(self, prompts: list[str], concurrency: int, max_tokens: int) -> float:
-        started = time.perf_counter()
-        self.send_all(prompts, concurrency, max_tokens)
-        return time.perf_counter() - started
-
-    def send_all(self, prompts: list[str], concurrency: int, max_tokens: int) -> list[Completion]:
-        """Every prompt, `concurrency` at a time; the completions in the prompts' order."""
-        with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            return list(pool.map(lambda p: self.complete(p, max_tokens), prompts))
-
-
-def start_together(engines: list[Engine]) -> None:
-    """Engine starts mostly wait (imports, loading), so two overlap well even on two cores."""
-    errors: list[BaseException] = []
-
-    def start(engine: Engine) -> None:
-        try:
-            engine.start()
-        except BaseException as exc:  # reported below, once every start has ended
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(e,)) for e in engines]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-
-
-def wait_for_hpkv_server_exit(pool_dir: Path, timeout_s: float = 120.0) -> float:
-    """The auto-started server exits HPKV_SERVER_IDLE_EXIT_S after its last client has gone; until
-    then its DRAM tier still holds every entry. Watched without connecting: a probe connection
-    is a client too, and probing every half second would keep the server alive for ever."""
-    started = time.monotonic()
-    while hpkv_server_alive(pool_dir):
-        if time.monotonic() - started > timeout_s:
-            raise TimeoutError(f"the HPKV server in {pool_dir} did not exit within {timeout_s:.0f} s")
-        time.sleep(0.2)
-    return time.monotonic() - started
-
-
-def hpkv_server_alive(pool_dir: Path) -> bool:
-    """The server holds an exclusive flock on its pool file for its whole life (pool/region.py)."""
-    try:
-        fd = os.open(pool_dir / POOL_FILE_NAME, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # and with it the shared lock, if it was taken
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -276,12 +103,6 @@ def hpkv_env(opts: Options, pool_dir: Path, storage_dir: Path) -> dict[str, str]
     return documented_env(opts.pool_size, pool_dir, storage_dir, opts.workdir)
 
 
-def engine_env() -> dict[str, str]:
-    # engine.py sets the CPU engine's KV space to 1 GiB over os.environ; honour an explicit one.
-    keep = ("VLLM_CPU_KVCACHE_SPACE",)
-    return {name: os.environ[name] for name in keep if name in os.environ}
-
-
 def run(opts: Options, results: Results, pool_dir: Path, storage_dir: Path) -> None:
     model = opts.model or str(build_model(opts.workdir / "bench-model", BENCH))
     log_dir = opts.workdir / "logs"
@@ -296,14 +117,14 @@ def run(opts: Options, results: Results, pool_dir: Path, storage_dir: Path) -> N
         log("starting the connector-OFF engine and the HPKV engine")
         start_together([off, on])
         warm = [prompt_text(opts.prompt_words, seed=-1 - r) for r in range(2)]
-        off.warm_up(opts, warm[0])
-        on.warm_up(opts, warm[1])
+        off.warm_up(warm[0], opts.tput_concurrency)
+        on.warm_up(warm[1], opts.tput_concurrency)
         references = [ttft_repeat(opts, results, off, on, prompt, r) for r, prompt in enumerate(prompts)]
         results.hpkv_counters["hpkv"] = on.counters()
         on.stop()
         log(f"HPKV engine stopped; its HPKV server exited after {wait_for_hpkv_server_exit(pool_dir):.1f} s")
         restarted.start()
-        restarted.warm_up(opts, warm[1])  # in storage only, since the HPKV server exited
+        restarted.warm_up(warm[1], opts.tput_concurrency)  # in storage only, since the HPKV server exited
         for r, prompt in enumerate(prompts):
             completion, sample = restarted.measure(prompt, opts.max_tokens)
             results.samples["storage"].append(compare(sample, completion, references[r]))
@@ -334,12 +155,6 @@ def ttft_repeat(opts: Options, results: Results, off: Engine, on: Engine, prompt
         f"{engine_hit.ttft_s * 1e3:.0f} ms, cold+save {cold_on.ttft_s * 1e3:.0f} ms, DRAM hit "
         f"{dram.ttft_s * 1e3:.0f} ms, sources {dram.sources}")
     return reference
-
-
-def compare(sample: Sample, completion: Completion, reference: Completion) -> Sample:
-    sample.same_ids = completion.token_ids == reference.token_ids and bool(reference.token_ids)
-    sample.same_logprobs = completion.logprobs == reference.logprobs
-    return sample
 
 
 def throughput(opts: Options, results: Results, off: Engine, on: Engine) -> None:
@@ -445,11 +260,11 @@ def print_report(summary: dict, header: dict) -> None:
     for col in ("ratio", "value", "target", "result"):
         ratios.add_column(col)
     for label, r in summary["ratios"].items():
-        ratios.add_row(label, f"{r['value']:.3f}", r["target"], "PASS" if r["passed"] else "MISS")
+        ratios.add_row(label, f"{r['value']:.3f}", r["target"], verdict(r["passed"]))
     t = summary["throughput"]
     if "ratio" in t:
         ratios.add_row(f"no-reuse throughput ON / OFF ({t['on_req_per_s']:.3f} / {t['off_req_per_s']:.3f} req/s)",
-                       f"{t['ratio']['value']:.3f}", t["ratio"]["target"], "PASS" if t["ratio"]["passed"] else "MISS")
+                       f"{t['ratio']['value']:.3f}", t["ratio"]["target"], verdict(t["ratio"]["passed"]))
     console.print(ratios)
     for label, ok in summary["checks"].items():
         console.print(f"check: {label}: {'yes' if ok else 'NO'}")

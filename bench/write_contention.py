@@ -7,31 +7,29 @@ entries/s, each written through to storage); and this process looking up a 64-ke
 20 ms. Reports the lookups' round trip (p50, p90, p99, max; p99 also as a ratio to the
 baseline's) and how many of the committed entries reached storage during the run.
 
-    .venv/bin/python bench/write_contention.py [--nice 0,10,19] [--seconds 15] [--json]
+    .venv/bin/python -m bench.write_contention [--nice 0,10,19] [--seconds 15] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server import _desc, _keys  # noqa: E402
-
-from hpkv.server.autostart import answers  # noqa: E402
-from hpkv.server.client import Client  # noqa: E402
-from hpkv.server.protocol import SOCKET_NAME  # noqa: E402
+from bench.harness.keys import keys as _keys
+from bench.harness.keys import namespace
+from bench.harness.server import temporary_server
+from hpkv.keys import NamespaceDesc
+from hpkv.server.client import Client
 
 ENTRY = 256 << 10
 BATCH = 32
@@ -40,26 +38,23 @@ LOOKUP_EVERY_S = 0.02
 BUSY = "while True:\n    pass\n"
 
 
+def _desc(entry_bytes: int) -> NamespaceDesc:
+    return namespace("server", entry_bytes, dtype="bfloat16", num_layers=1)  # the server benchmark's
+
+
 def run_one(nice: int | None, seconds: float, storage_parent: Path) -> dict:
     """One server; `nice` None: no writes (the baseline)."""
-    pool_dir = Path(tempfile.mkdtemp(prefix="hpkv-bench-wc-", dir="/dev/shm"))
-    storage = Path(tempfile.mkdtemp(prefix="hpkv-bench-wc-", dir=storage_parent))
-    env = {**os.environ, "HPKV_SHARE_MEM_FILE_PATH": str(pool_dir), "HPKV_KV_STORAGE_PATH": str(storage),
-           "HPKV_KV_MEM_POOL_SIZE": "1g", "HPKV_WRITE_NICE": str(nice or 0),
-           "HPKV_CONFIG_FILE_PATH": str(pool_dir / "none.ini"), "HPKV_LOG_LEVEL": "warning"}
-    (pool_dir / "none.ini").touch()  # no user config file
-    server = subprocess.Popen([sys.executable, "-m", "hpkv.server.daemon"], env=env)
     busy: list[subprocess.Popen] = []
-    try:
-        deadline = time.monotonic() + 30
-        while not answers(pool_dir / SOCKET_NAME) and time.monotonic() < deadline:
-            time.sleep(0.05)
+    with contextlib.ExitStack() as stack:
+        pool_dir, storage = stack.enter_context(
+            temporary_server("hpkv-bench-wc-", storage_parent, HPKV_WRITE_NICE=str(nice or 0)))
+        stack.callback(_kill_all, busy)
         client = Client(pool_dir, kind="bench", autostart=False)
         small = client.register(_desc(4096))
         prefix = _keys(64, "lookup")
         client.reserve(small, prefix)
         client.commit(small, prefix)
-        busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(os.cpu_count() or 1)]
+        busy.extend(subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(os.cpu_count() or 1))
         stop = threading.Event()
         committed = [0]
         committer = threading.Thread(target=_commit_loop, args=(pool_dir, stop, committed))
@@ -78,18 +73,16 @@ def run_one(nice: int | None, seconds: float, storage_parent: Path) -> dict:
         if nice is not None:
             committer.join()
         client.close()
-    finally:
-        for proc in busy:
-            proc.kill()
-            proc.wait()
-        server.terminate()
-        server.wait(60)
-        shutil.rmtree(pool_dir, ignore_errors=True)
-        shutil.rmtree(storage, ignore_errors=True)
     times.sort()
     return {"nice": nice, "lookups": len(times), "p50_ms": statistics.median(times),
             "p90_ms": times[int(len(times) * 0.9)], "p99_ms": times[int(len(times) * 0.99)],
             "max_ms": times[-1], "committed": committed[0], "written": max(0, num_files)}
+
+
+def _kill_all(processes: list[subprocess.Popen]) -> None:
+    for proc in processes:
+        proc.kill()
+        proc.wait()
 
 
 def _commit_loop(pool_dir: Path, stop: threading.Event, committed: list[int]) -> None:

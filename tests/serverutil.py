@@ -382,7 +382,9 @@ class _AgentLoop:
         return {"num_leased": len(lease.offsets), "num_ready": num_ready, "same": same}
 
     def op_stats(self) -> dict:
-        return {"stats": self.client.stats()}
+        import msgspec
+
+        return {"stats": msgspec.to_builtins(self.client.stats())}
 
     def op_write_loop(self, prefix: str, seconds: float, rank: int = 0, entry_bytes: int = ENTRY_BYTES,
                       copy_pause_s: float = 0.002, until_commits_on_next_server: int = 0) -> dict:

@@ -5,6 +5,7 @@ targets are never asserted here: they depend on the machine and on what else run
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,14 @@ from pathlib import Path
 import pytest
 
 HPKV_SCRIPT = Path(sys.executable).parent / "hpkv"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench_module(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python -m bench.<name> args` run in `cwd`, with the repository's `bench` package importable."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", f"bench.{name}", *args], capture_output=True, text=True,
+                          timeout=240, cwd=cwd, env=env)
 SIZES = ("64k", "256k", "1m", "4m")
 SIZE_BYTES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
 
@@ -65,13 +74,10 @@ def test_bench_rejects_a_total_smaller_than_an_entry(tmp_path):
 
 
 def test_the_stalled_storage_benchmark_compares_the_backlog_limit_with_none(shm_dir, tmp_path):
-    """bench/stalled_storage.py, small: with the writers stopped, the store without a limit skips
+    """bench.stalled_storage, small: with the writers stopped, the store without a limit skips
     saves once its pool is pinned, the store with one skips none, and both leave nothing behind."""
-    script = Path(__file__).resolve().parents[1] / "bench" / "stalled_storage.py"
-    result = subprocess.run(
-        [sys.executable, str(script), "--requests", "150", "--pool-bytes", str(4 << 20), "--doc-blocks", "64",
-         "--storage-dir", str(tmp_path), "--pool-dir", str(shm_dir), "--json"],
-        capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    result = bench_module("stalled_storage", "--requests", "150", "--pool-bytes", str(4 << 20), "--doc-blocks", "64",
+                          "--storage-dir", str(tmp_path), "--pool-dir", str(shm_dir), "--json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     limited, unlimited = out["stores"].values()
@@ -83,9 +89,8 @@ def test_the_stalled_storage_benchmark_compares_the_backlog_limit_with_none(shm_
 
 
 def test_the_storage_scan_benchmark_indexes_every_file_and_hits_during_the_walk(tmp_path):
-    script = Path(__file__).resolve().parents[1] / "bench" / "storage_scan.py"
-    result = subprocess.run([sys.executable, str(script), "--files", "300", "--storage-dir", str(tmp_path),
-                             "--no-cold", "--json"], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    result = bench_module("storage_scan", "--files", "300", "--storage-dir", str(tmp_path), "--no-cold", "--json",
+                          cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["warm"]["files_indexed"] == 300 and out["warm"]["probe_hit"]

@@ -1,6 +1,6 @@
-"""The multi-round document QA workload of bench/peers.py: what it asks, in what order."""
+"""The multi-round document QA workload of bench.peers: what it asks, in what order."""
 
-from hpkv.benchmark.multiround import Workload
+from bench.multiround import Workload
 
 
 def small() -> Workload:

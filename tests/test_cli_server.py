@@ -26,6 +26,7 @@ from hpkv.cli import main
 from hpkv.keys import NamespaceDesc
 from hpkv.server.autostart import answers
 from hpkv.server.client import Client
+from hpkv.stats import ServerStats
 from hpkv.status import human_bytes
 from hpkv.types import Tier
 from serverutil import stop
@@ -132,12 +133,12 @@ def write_entries(client: Client, num: int, desc: NamespaceDesc = DESC) -> tuple
     return ns, keys
 
 
-def wait_for_storage(client: Client, num_entries: int, timeout_s: float = 10.0) -> dict:
+def wait_for_storage(client: Client, num_entries: int, timeout_s: float = 10.0) -> ServerStats:
     """Wait until the write-throughs are on storage; returns the stats then."""
     deadline = time.monotonic() + timeout_s
     while True:
         stats = client.stats()
-        if stats["storage"]["num_entries"] >= num_entries or time.monotonic() > deadline:
+        if stats.storage.num_entries >= num_entries or time.monotonic() > deadline:
             return stats
         time.sleep(0.02)
 
@@ -231,10 +232,10 @@ def test_status_shows_entries_waiting_for_a_storage_device_that_stopped(server, 
                 os.kill(pid, signal.SIGCONT)
         wait_for_storage(client, 7)
         deadline = time.monotonic() + 10  # the last write's bookkeeping ends just after its file lands
-        while client.stats()["write_backlog"]["entries"] and time.monotonic() < deadline:
+        while client.stats().write_backlog.entries and time.monotonic() < deadline:
             time.sleep(0.02)
-        backlog = client.stats()["write_backlog"]
-        assert (backlog["entries"], backlog["bytes"], backlog["deferred"]) == (0, 0, 0)
+        backlog = client.stats().write_backlog
+        assert (backlog.entries, backlog.bytes, backlog.deferred) == (0, 0, 0)
     assert stopped.returncode == 0, stopped.stderr
     waiting = f"3 entries ({human_bytes(3 * DESC.entry_bytes)}) waiting to be written"
     assert waiting in " ".join(stopped.stdout.split()), stopped.stdout
@@ -262,11 +263,11 @@ def test_status_shows_entries_deferred_past_the_backlog_limit(server, env):
                 os.kill(pid, signal.SIGCONT)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            backlog = client.stats()["write_backlog"]
-            if backlog["entries"] == backlog["deferred"] == 0:
+            backlog = client.stats().write_backlog
+            if backlog.entries == backlog.deferred == 0:
                 break
             time.sleep(0.05)
-        lost = client.stats()["store"]["write_through_lost"]
+        lost = client.stats().store.write_through_lost
         after = hpkv(env, "status")
     assert stopped.returncode == 0, stopped.stderr
     waiting = "32 entries (32.0 MiB) waiting to be written and 8 more deferred"
@@ -287,11 +288,11 @@ def test_a_write_budget_shows_in_status_and_metrics(pool_dir, tmp_path):
             write_entries(client, 20)
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:
-                storage = client.stats()["storage"]
-                if storage["writes"] + storage["over_budget"] == 20:
+                storage = client.stats().storage
+                if storage.writes + storage.over_budget == 20:
                     break
                 time.sleep(0.05)
-            assert 5 <= storage["writes"] <= 12 and storage["over_budget"] == 20 - storage["writes"]
+            assert 5 <= storage.writes <= 12 and storage.over_budget == 20 - storage.writes
             status = hpkv(env, "status")
             import urllib.request
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
@@ -300,9 +301,9 @@ def test_a_write_budget_shows_in_status_and_metrics(pool_dir, tmp_path):
         server.stop()
     assert status.returncode == 0, status.stderr
     words = " ".join(status.stdout.split())
-    assert "write budget 1.0 MiB a day" in words and f"{storage['over_budget']} writes over it" in words, words
+    assert "write budget 1.0 MiB a day" in words and f"{storage.over_budget} writes over it" in words, words
     assert "hpkv_storage_write_budget_bytes 1.048576e+06" in metrics
-    assert f"hpkv_storage_writes_over_budget_total {float(storage['over_budget'])}" in metrics
+    assert f"hpkv_storage_writes_over_budget_total {float(storage.over_budget)}" in metrics
     assert "the storage write budget (HPKV_KV_STORAGE_WRITE_BUDGET=1048576 bytes a day) is spent" in server.log()
 
 
@@ -357,8 +358,8 @@ def test_clear_memory_empties_dram_and_keeps_storage(server, env, tmp_path):
         assert "storage" not in result.stdout
         assert client.lookup(ns, keys).tiers == (Tier.STORAGE,) * 4  # the next request can only hit storage
         stats = client.stats()
-    assert stats["dram"]["num_entries"] == 0
-    assert stats["storage"]["num_entries"] == 4
+    assert stats.dram.num_entries == 0
+    assert stats.storage.num_entries == 4
     assert len(kv_files(tmp_path / "storage")) == 4
 
 

@@ -48,7 +48,7 @@ def test_a_reservation_of_a_closed_connection_neither_commits_nor_aborts_what_a_
     assert writer.commit(ns, [key], reservation=old) == 0
     writer.abort(ns, [key], reservation=old)
     assert writer.lookup(ns, [key]).num_hit == 0  # nothing published before its copy
-    assert writer.stats()["reservations"] == 1  # and the new slot is still the copier's
+    assert writer.stats().reservations == 1  # and the new slot is still the copier's
 
     new.view(0)[:] = payload(key, 0, ENTRY)
     assert writer.commit(ns, [key], reservation=new) == 1
@@ -81,7 +81,7 @@ def test_a_lease_is_void_as_soon_as_its_connection_goes(node):
     res = client.reserve(ns, [key])
     res.view(0)[:] = payload(key, 0, ENTRY)
     assert client.commit(ns, [key], reservation=res) == 1
-    wait_for(lambda: client.stats()["storage"]["num_entries"] == 1, what="the write-through")
+    wait_for(lambda: client.stats().storage.num_entries == 1, what="the write-through")
     client.clear(memory=True)
     assert client.lookup(ns, [key]).tiers == (Tier.STORAGE,)
 

@@ -17,6 +17,7 @@ from hpkv.doctor import (Check, ServerProbe, Verdict, check_hash_seed, check_mem
                          check_storage_permissions, check_storage_space, check_write_backlog, run_checks)
 from hpkv.fsinfo import mount_of
 from test_cli_server import env, hpkv, hpkv_env, pool_dir, server  # noqa: F401
+from test_stats import stats_from
 
 
 def by_name(checks: list[dict]) -> dict[str, dict]:
@@ -199,7 +200,8 @@ def test_an_automatic_capacity_with_little_free_space_is_a_warning(small_tmpfs, 
     assert space.verdict is Verdict.WARN
     assert "6.4 MiB" in space.detail and "8.0 MiB free" in space.detail  # 80% of an empty 8 MiB tmpfs
     assert "HPKV_KV_STORAGE_SIZE" in space.fix
-    running = ServerProbe(tmp_path / "no.sock", stats={"storage": {"used_bytes": 0, "capacity_bytes": 3 << 30}})
+    running = ServerProbe(tmp_path / "no.sock",
+                          stats=stats_from({"storage": {"used_bytes": 0, "capacity_bytes": 3 << 30}}))
     space = {c.name: c for c in check_storage(storage, running)}["storage directory: free space"]
     assert space.verdict is Verdict.OK and "the running server sized the tier to 3.0 GiB" in space.detail
 
@@ -235,22 +237,23 @@ def test_on_ramfs_beside_the_pool_a_server_starting_now_leaves_the_pool_its_memo
 
     assert "sizes the tier to 2.4 GiB" in space.detail, space.detail
     assert "3.0 GiB of room (half the memory available, less the 2.0 GiB DRAM pool" in space.detail
-    running = ServerProbe(tmp_path / "no.sock", stats={"storage": {"used_bytes": 0, "capacity_bytes": 2 << 30}})
+    running = ServerProbe(tmp_path / "no.sock",
+                          stats=stats_from({"storage": {"used_bytes": 0, "capacity_bytes": 2 << 30}}))
     space = check_storage_space(storage, running, pool)  # its pool is there: in the memory available already
     assert "4.0 GiB of room (half the memory available:" in space.detail, space.detail
 
 
 def test_a_write_backlog_holding_much_of_the_pool_is_a_warning(tmp_path):
-    stats = {"dram": {"capacity_bytes": 64 << 20},
+    parts = {"dram": {"capacity_bytes": 64 << 20},
              "write_backlog": {"entries": 32, "bytes": 32 << 20, "limit_bytes": 32 << 20, "deferred": 0}}
-    behind = check_write_backlog(stats)
+    behind = check_write_backlog(stats_from(parts))
     assert behind.verdict is Verdict.WARN
     assert "32 entries (32.0 MiB, 50% of the pool)" in behind.detail and "unpinned" not in behind.detail
     assert "When storage does not keep up" in behind.fix
-    stats["write_backlog"]["deferred"] = 12
-    assert "and 12 more wait unpinned" in check_write_backlog(stats).detail
-    stats["write_backlog"] = {"entries": 3, "bytes": 3 << 20, "limit_bytes": 32 << 20, "deferred": 0}
-    assert check_write_backlog(stats).verdict is Verdict.OK
+    parts["write_backlog"]["deferred"] = 12
+    assert "and 12 more wait unpinned" in check_write_backlog(stats_from(parts)).detail
+    parts["write_backlog"] = {"entries": 3, "bytes": 3 << 20, "limit_bytes": 32 << 20, "deferred": 0}
+    assert check_write_backlog(stats_from(parts)).verdict is Verdict.OK
     storage = StorageConfig(path=tmp_path, enabled=True, capacity_bytes=None, fsync="off", io_threads=1)
     names = [c.name for c in check_storage(storage, ServerProbe(tmp_path / "no.sock"))]
     assert "storage: write backlog" not in names  # only a running server has one
@@ -276,7 +279,7 @@ def test_hash_stability_is_a_note_without_pythonhashseed():
 
 def test_memlock_trusts_what_the_running_server_says(pool_dir):
     pool = PoolConfig(dir=pool_dir, size_bytes=64 << 20)
-    stats = {"server": {"pid": 42}, "dram": {"locked_in_memory": False}}
+    stats = stats_from({"server": {"pid": 42}, "dram": {"locked_in_memory": False}})
     check = check_memlock(pool, ServerProbe(Path(pool_dir) / "hpkv.sock", stats=stats))
     assert check.verdict is Verdict.WARN and "pid 42" in check.detail and "LimitMEMLOCK" in check.fix
 
@@ -295,7 +298,7 @@ def test_doctor_checks_direct_io_only_when_it_is_asked_for(tmp_path, monkeypatch
     probe = ServerProbe(tmp_path / "no.sock")
     by_name = {c.name: c for c in check_storage(config, probe)}
     assert by_name["storage directory: direct I/O"].verdict is Verdict.OK  # ext4 or tmpfs here
-    monkeypatch.setattr("hpkv.doctor.direct_supported", lambda path: False)
+    monkeypatch.setattr("hpkv.doctor.storage.direct_supported", lambda path: False)
     check = {c.name: c for c in check_storage(config, probe)}["storage directory: direct I/O"]
     assert check.verdict is Verdict.WARN and str(storage) in check.detail and "page cache" in check.detail
     off = dataclasses.replace(config, direct_io=False)
@@ -330,20 +333,20 @@ def test_namespaces_that_find_their_keys_are_fine():
         return {"desc": desc.to_json(), "lookups": 1, "lookup_keys": lookup_keys, "hit_keys_dram": hits,
                 "hit_keys_storage": 0}
 
-    assert check_namespaces({"namespaces": {}}).verdict is Verdict.INFO
+    assert check_namespaces(stats_from({"namespaces": {}})).verdict is Verdict.INFO
     rank1 = dataclasses.replace(DESC, tp_size=2, rank=1)
     rank0 = dataclasses.replace(DESC, tp_size=2, rank=0)
-    fine = {"namespaces": {rank0.ns: ns_stats(rank0, 100, 60), rank1.ns: ns_stats(rank1, 100, 60)}}
+    fine = stats_from({"namespaces": {rank0.ns: ns_stats(rank0, 100, 60), rank1.ns: ns_stats(rank1, 100, 60)}})
     check = check_namespaces(fine)
     assert check.verdict is Verdict.OK and "2 namespaces; 120 of 200 keys looked up were found" in check.detail
     # A cold namespace whose siblings differ only in rank (its own engine's other ranks) is no mismatch.
-    cold = {"namespaces": {rank0.ns: ns_stats(rank0, 100, 0), rank1.ns: ns_stats(rank1, 100, 0)}}
+    cold = stats_from({"namespaces": {rank0.ns: ns_stats(rank0, 100, 0), rank1.ns: ns_stats(rank1, 100, 0)}})
     check = check_namespaces(cold)
     assert check.verdict is Verdict.INFO and "2 namespaces found none yet" in check.detail
     # Pipeline stages of one engine hold different layers, so different bytes per block.
     stage0 = dataclasses.replace(DESC, pp_size=2, rank=0, num_layers=16, entry_bytes=16 * 4096)
     stage1 = dataclasses.replace(DESC, pp_size=2, rank=1, num_layers=15, entry_bytes=15 * 4096)
-    cold = {"namespaces": {stage0.ns: ns_stats(stage0, 100, 0), stage1.ns: ns_stats(stage1, 100, 0)}}
+    cold = stats_from({"namespaces": {stage0.ns: ns_stats(stage0, 100, 0), stage1.ns: ns_stats(stage1, 100, 0)}})
     assert check_namespaces(cold).verdict is Verdict.INFO
 
 

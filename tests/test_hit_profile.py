@@ -1,4 +1,4 @@
-"""bench/hit_profile.py splits a hit's TTFT into HPKV's part and vLLM's forward pass, from the
+"""bench.hit_profile splits a hit's TTFT into HPKV's part and vLLM's forward pass, from the
 spans its shim writes in the engine's processes."""
 
 from __future__ import annotations
@@ -7,23 +7,14 @@ import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("hit_profile", BENCH / "hit_profile.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["hit_profile"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+import bench.hit_profile as hp
+from bench.harness.engine import engine_shim
 
 
 def test_a_dram_hit_is_split_into_lease_load_copy_and_forward():
-    hp = load()
     sent = 100.0
     spans = sorted([
         (99.990, 99.9903, "execute_model"),  # the untimed request's empty last step: before the send
@@ -47,7 +38,6 @@ def test_a_dram_hit_is_split_into_lease_load_copy_and_forward():
 
 
 def test_an_in_engine_hit_has_no_hpkv_part_and_the_traces_are_read_back(tmp_path):
-    hp = load()
     (tmp_path / "trace-1.log").write_text("10.000000 10.040000 execute_model\n")
     (tmp_path / "trace-2.log").write_text("9.000000 9.100000 _lease\n")
 
@@ -61,31 +51,18 @@ def test_an_in_engine_hit_has_no_hpkv_part_and_the_traces_are_read_back(tmp_path
     assert round(medians["in-engine"]["forward_ms"], 3) == 40.0 and medians["dram"]["ttft_ms"] is None
 
 
-def load_vllm_ttft():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("vllm_ttft", BENCH / "vllm_ttft.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["vllm_ttft"] = module
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
-
-
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
 @pytest.mark.parametrize("spin", [None, "0"])
 def test_benchmark_engines_wait_without_vllms_queue_spin_when_asked(tmp_path, monkeypatch, spin):
     """With HPKV_BENCH_VLLM_SPIN=0 the sitecustomize every benchmark engine gets sets vLLM's own
     SpinCondition to wait without spinning (by default it keeps vLLM's 1 s); either way the
     caller's shim (hit_profile's) runs, and the caller's PYTHONPATH stays behind it."""
-    vt = load_vllm_ttft()
     if spin:
         monkeypatch.setenv("HPKV_BENCH_VLLM_SPIN", spin)
     else:
         monkeypatch.delenv("HPKV_BENCH_VLLM_SPIN", raising=False)
     marker = tmp_path / "marker"
-    env = vt.engine_shim({"PYTHONPATH": "/elsewhere"}, tmp_path / "shim", f"open({str(marker)!r}, 'w').close()")
+    env = engine_shim({"PYTHONPATH": "/elsewhere"}, tmp_path / "shim", f"open({str(marker)!r}, 'w').close()")
     assert env["PYTHONPATH"] == f"{tmp_path / 'shim'}{os.pathsep}/elsewhere"
     probe = ("import inspect\n"
              "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition\n"

@@ -128,7 +128,7 @@ def test_a_lease_kept_past_the_limit_pins_its_entries_through_the_quarantine_the
     store.held.clock.now += HOLD_QUARANTINE_S
     assert None not in store.reserve(ns, keys(8, "new"), owner=2)  # evicted now, like any entry
     assert store.lookup(ns, ks).num_hit == 256 - 8  # the last first: the lease unpinned them so
-    assert store.held.room(1) == float("inf") and store.held._bytes == {2: 8 * ENTRY}
+    assert store.held.room(1) == float("inf") and store.held.bytes_held() == {2: 8 * ENTRY}
 
 
 def test_without_limits_a_store_in_process_holds_as_before(store):
@@ -185,8 +185,8 @@ def test_a_client_that_keeps_what_it_reserved_and_leased_leaves_the_other_engine
     res = engine.reserve(ns, more)  # takes the hog's holds back; their slots wait out the quarantine
     assert set(res.offsets).isdisjoint(held.offsets) and set(res.offsets).isdisjoint(lease.offsets)
     stats = engine.stats()
-    assert stats["limits"]["expired_reservations"] == 64 and stats["limits"]["expired_leases"] == 1
-    assert [c["leases"] for c in stats["clients"] if c["kind"] == "hog"] == [0]
+    assert stats.limits.expired_reservations == 64 and stats.limits.expired_leases == 1
+    assert [c.leases for c in stats.clients if c.kind == "hog"] == [0]
     assert hog.commit(ns, grab) == 0 and engine.lookup(ns, grab).num_hit == 0
     assert bytes(lease.view(0)) == payload(saved[0])  # still its bytes: nobody may write there yet
     engine.abort(ns, more, reservation=res)

@@ -80,7 +80,7 @@ def test_a_taken_metrics_port_leaves_the_server_running_without_metrics(pool_dir
                                 tmp_path / "server.log")
         try:
             with process.client() as client:
-                assert client.stats()["server"]["pid"] == process.proc.pid
+                assert client.stats().server.pid == process.proc.pid
         finally:
             assert process.stop() == 0
     assert f"cannot serve metrics on 127.0.0.1:{port}" in process.log()

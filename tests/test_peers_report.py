@@ -1,25 +1,12 @@
-"""bench/peers_report.py's summary of the no-reuse workload: throughput over all rounds decides
+"""bench.peers_report's summary of the no-reuse workload: throughput over all rounds decides
 the target; the median of the rounds' own ratios shows how much one slow round moved it."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("peers_report", BENCH / "peers_report.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["peers_report"] = module
-    spec.loader.exec_module(module)
-    return module
+import bench.peers_report as pr
 
 
 def test_no_reuse_throughput_is_over_all_rounds_and_the_rounds_ratios_are_reported_beside_it():
-    pr = load()
     runs = {"off": [(8, 4.0), (8, 4.0), (8, 4.0)],
             "hpkv": [(8, 4.1), (8, 8.0), (8, 4.0)],  # one round twice as slow
             "lmcache": [(8, 5.0), (8, 5.0), (8, 5.0)]}
@@ -35,7 +22,6 @@ def test_no_reuse_throughput_is_over_all_rounds_and_the_rounds_ratios_are_report
 
 
 def test_the_cpu_of_each_systems_rounds_is_summarized_by_its_median():
-    pr = load()
     costs = {"off": [{"engine": 8.0, "hpkv_server": 0.0}, {"engine": 9.0, "hpkv_server": 0.0},
                      {"engine": 12.0, "hpkv_server": 0.01}],
              "hpkv": [{"engine": 9.5, "hpkv_server": 0.15, "hpkv_saved_blocks": 384.0}],

@@ -4,11 +4,11 @@ entry (the policy as documented in docs/architecture.md) would have evicted."""
 
 from __future__ import annotations
 
-import heapq
 import random
 
 import pytest
 
+from hpkv.pool.room import WalkOldest
 from hpkv.pool.tier import DramEntry, DramTier
 
 PAGE = 4096
@@ -18,33 +18,9 @@ NS_C = "c" * 32  # two pages per entry
 SLAB = 16 * PAGE  # 16 entries of A, or 4 of B
 
 
-class WalkTier(DramTier):
-    """The reference policy, spelt out: walk the other classes' evictable entries oldest first,
-    up to the class's own oldest; drain the first slab whose entries are all evictable; else
-    evict the class's own oldest entry. Every step is a walk over entries."""
-
-    def _make_room(self, slot_bytes: int) -> int | None:
-        own = self._lru.get(slot_bytes)
-        own_oldest = next(iter(own)) if own else None
-        lrus = [lru for size, lru in self._lru.items() if size != slot_bytes and lru]
-        tried: set[int] = set()
-        for other in heapq.merge(*lrus, key=lambda e: e.stamp):
-            if own_oldest is not None and own_oldest.stamp < other.stamp:
-                break
-            slab_index = self.alloc.slab_of(other.offset)
-            if slab_index in tried:
-                continue
-            tried.add(slab_index)
-            entries = [self._by_offset[o] for o in self.alloc.used_in_slab(slab_index)]
-            if all(e.evictable for e in entries):
-                for entry in entries:
-                    self._evict(entry)
-                self.counters.slab_moves += 1
-                return self.alloc.alloc(slot_bytes)
-        if own_oldest is None:
-            return None
-        self._evict(own_oldest)
-        return self.alloc.alloc(slot_bytes)
+def walk_tier(pool_bytes: int, slab_bytes: int) -> DramTier:
+    """A tier with the reference policy (`pool.room.WalkOldest`)."""
+    return DramTier(pool_bytes, slab_bytes, room=WalkOldest())
 
 
 def new_tier(cls, num_slabs: int) -> DramTier:
@@ -149,8 +125,8 @@ def test_random_traffic_evicts_exactly_what_the_walk_evicts(seed):
     slabs' books from the second one on)."""
     rng = random.Random(seed)
     late = seed >= 3
-    fast, walk = (DramTier(6 * SLAB, SLAB), WalkTier(6 * SLAB, SLAB)) if late else \
-        (new_tier(DramTier, 6), new_tier(WalkTier, 6))
+    fast, walk = (DramTier(6 * SLAB, SLAB), walk_tier(6 * SLAB, SLAB)) if late else \
+        (new_tier(DramTier, 6), new_tier(walk_tier, 6))
     if late:
         fast.add_namespace(NS_A, PAGE)
         walk.add_namespace(NS_A, PAGE)

@@ -76,7 +76,7 @@ def test_write_throughs_write_the_servers_pool_even_when_its_name_is_swapped(nod
     assert as_other_uid(swap) == {"uid": NOBODY}
     keys = [entry_key("victim", i) for i in range(4)]
     save(client, ns, keys)
-    wait_for(lambda: len(kv_files(node)) == 4 and client.stats()["write_backlog"]["entries"] == 0,
+    wait_for(lambda: len(kv_files(node)) == 4 and client.stats().write_backlog.entries == 0,
              what="the write-throughs")
     client.clear(memory=True)  # what is read next comes from the entry files
 
@@ -398,7 +398,7 @@ def test_a_socket_name_planted_as_a_link_is_not_connected_through(node, tmp_path
         node.socket_path.symlink_to(elsewhere.socket_path)
         with pytest.raises(ServerUnavailable, match="is a symbolic link, not a socket"):
             node.client().connect()
-        assert len(elsewhere.client().stats()["clients"]) == 1  # only the one asking
+        assert len(elsewhere.client().stats().clients) == 1  # only the one asking
     finally:
         elsewhere.close()
 
@@ -428,8 +428,8 @@ def test_a_pool_directory_whose_name_is_not_utf8_works(shm_dir, tmp_path):
         agent = node.agent()
         agent.call("register")
         assert agent.call("load", prefix="bytes", n=1)["same"] == [True]
-        stats = client.stats()["server"]
-        assert stats["pool_path"] == os.fsencode(shm_dir).decode() + "/pool-\\xff\\xfe/hpkv.pool"
+        stats = client.stats().server
+        assert stats.pool_path == os.fsencode(shm_dir).decode() + "/pool-\\xff\\xfe/hpkv.pool"
     finally:
         node.close()
 

@@ -64,7 +64,7 @@ def test_server_killed_in_the_middle_of_writes(node):
                 until_commits_on_next_server=20)
 
     watcher = node.client("watcher")
-    wait_for(lambda: watcher.stats()["store"]["commits"] >= 20, what="20 commits")
+    wait_for(lambda: watcher.stats().store.commits >= 20, what="20 commits")
     watcher.close()
     kill(old_pid)
     wait_gone(old_pid)
@@ -106,18 +106,18 @@ def test_a_client_killed_with_reservations_and_leases_gives_them_back(node):
     other = node.client("other")
     ns = other.register(desc(0, BIG))
     stats = other.stats()
-    assert stats["reservations"] == 8 and stats["leases"] == 1
+    assert stats.reservations == 8 and stats.leases == 1
     pending = [entry_key("pending", i) for i in range(8)]
     fresh = [entry_key("fresh", i) for i in range(8)]
     assert other.reserve(ns, pending).offsets == [None] * 8  # held by the victim
     assert other.reserve(ns, fresh).offsets == [None] * 8  # every slot is leased or reserved
 
     victim.kill()
-    wait_for(lambda: (lambda s: s["reservations"] == 0 and s["leases"] == 0)(other.stats()), what="reclaim")
+    wait_for(lambda: (lambda s: s.reservations == 0 and s.leases == 0)(other.stats()), what="reclaim")
     assert None not in other.reserve(ns, pending).offsets  # the victim's keys are free again
     assert None not in other.reserve(ns, fresh).offsets  # leased entries were evictable
     other.abort(ns, pending + fresh)
-    assert other.stats()["dram"]["evictions"] >= 8
+    assert other.stats().dram.evictions >= 8
 
 
 def test_a_live_client_that_loses_its_connection_keeps_its_reserved_slots_out_of_reach(node):
@@ -130,9 +130,9 @@ def test_a_live_client_that_loses_its_connection_keeps_its_reserved_slots_out_of
     pending = [entry_key("pending", i) for i in range(4)]
     assert None not in writer.reserve(ns, pending).offsets
     writer._drop("a call timed out")  # what the client does after a timeout
-    wait_for(lambda: other.stats()["quarantined"] == 4, what="quarantine")
+    wait_for(lambda: other.stats().quarantined == 4, what="quarantine")
     assert other.reserve(ns, pending).offsets == [None] * 4
-    assert other.stats()["reservations"] == 0
+    assert other.stats().reservations == 0
 
 
 def test_stale_socket_pool_and_lock_are_recovered_by_the_next_auto_start(node):
@@ -334,7 +334,7 @@ def test_a_second_sigterm_stops_a_server_whose_storage_does_not_answer(node):
     client = node.client("engine")
     ns = client.register(desc(0, BIG))
     assert save_big(client, ns, [entry_key("warm", i) for i in range(4)]) == 4
-    wait_for(lambda: client.stats()["storage"]["num_entries"] == 4, what="the warm entries on storage")
+    wait_for(lambda: client.stats().storage.num_entries == 4, what="the warm entries on storage")
     writers = [child.pid for child in psutil.Process(server.pid).children()
                if "hpkv.storage.writer" in " ".join(child.cmdline())]
     assert writers
@@ -379,7 +379,7 @@ def test_each_failure_in_a_row_doubles_the_wait_before_the_next_attempt(node):
     for wait, expected in zip(waits, (0.2, 0.4, 0.8, 1.6)):
         assert expected - 0.15 <= wait <= expected, waits
     server = node.start_server()  # the last wait is over: the next call connects
-    assert client.stats()["server"]["pid"] == server.pid
+    assert client.stats().server.pid == server.pid
     kill(server.pid)
     server.wait()
     assert 0.05 <= next_wait() <= 0.2  # the success reset the count

@@ -138,11 +138,11 @@ def test_a_client_stuck_mid_frame_loses_its_connection_and_leases_but_a_quiet_on
         clients.append(sock)
     stuck, quiet = clients
     stats = node.client("observer")
-    assert stats.stats()["leases"] == 2
+    assert stats.stats().leases == 2
     quiet_since = time.monotonic()
     stuck.sendall(length_prefix(100) + b"part of a message")
     assert read_replies(stuck) == []  # closed by the server, within the socket's 10 s
-    wait_for(lambda: stats.stats()["leases"] == 1, timeout_s=5.0)
+    wait_for(lambda: stats.stats().leases == 1, timeout_s=5.0)
     time.sleep(max(0.0, quiet_since + 2.5 - time.monotonic()))
     quiet.sendall(p.encode(p.Stats()))  # quiet between messages for over twice the timeout: still served
     assert isinstance(p.decode_reply(p.recv_frame(quiet)), p.StatsReply)
@@ -250,9 +250,9 @@ def test_fuzzed_connections_never_take_the_server_down(node):
     assert good.lookup(ns, keys).num_hit == 4
     assert [bytes(lease.view(i))[:1] for i in range(4)] == [b"\x00", b"\x01", b"\x02", b"\x03"]
     good.release(lease)
-    wait_for(lambda: [c["kind"] for c in good.stats()["clients"]] == ["engine"], what="bad peers gone")
+    wait_for(lambda: [c.kind for c in good.stats().clients] == ["engine"], what="bad peers gone")
     stats = good.stats()
-    assert stats["reservations"] == 0 and stats["leases"] == 0
+    assert stats.reservations == 0 and stats.leases == 0
 
 
 @pytest.mark.parametrize("desc_json", ["", "[]", "{}", '{"extra": 1}', '{"engine": "x"}',

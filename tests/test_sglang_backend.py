@@ -357,7 +357,7 @@ def test_clear_keeps_the_scheduler_waiting_a_few_seconds_at_most(node, monkeypat
     scheduler.start()
     try:
         wait_for(lambda: storage.batch_exists(keys) == 3, 10, what="the pages stored")
-        wait_for(lambda: node.client().stats()["write_backlog"]["entries"] == 0, 10, what="the write-throughs")
+        wait_for(lambda: node.client().stats().write_backlog.entries == 0, 10, what="the write-throughs")
         server.send_signal(signal.SIGSTOP)
         stopped.set()
         scheduler.join(timeout=6.0)

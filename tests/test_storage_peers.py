@@ -1,4 +1,4 @@
-"""Stories about the storage-tier comparison with LMCache's fs adapter (`bench/storage_peers.py`):
+"""Stories about the storage-tier comparison with LMCache's fs adapter (`bench.storage_peers`):
 both sides get the same shape of work, and a row passes only when HPKV is at least as fast."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpkv.benchmark.storage_peers import (PeerConfig, PeerReport, PeerRow, file_costs, lmcache_command, measure_hpkv,
-                                         run)
+import bench.storage_peers as cli
+from bench.storage_peers import PeerConfig, PeerReport, PeerRow, file_costs, lmcache_command, measure_hpkv, run
 
 
 def test_a_round_must_split_into_equal_submits():
@@ -73,11 +73,6 @@ def test_file_costs_time_creates_and_removals_and_leave_nothing_behind(tmp_path)
 
 
 def test_a_report_saved_as_json_prints_the_same_file_costs(tmp_path, capsys):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("storage_peers_cli", Path(__file__).parent.parent / "bench" / "storage_peers.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
     report = PeerReport(PeerConfig(), {"cpus": 2, "load_avg_1m": 0.5, "storage_dir": {"fs_type": "ext4", "path": "/x"}},
                         (PeerRow(1 << 20, "write", 2.0, 1.0, 3.0),), 10.0,
                         {"create_us": 210.0, "create_system_us": 200.0, "unlink_us": 80.0, "unlink_system_us": 75.0,

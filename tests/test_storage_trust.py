@@ -26,7 +26,7 @@ from conftest import make_pool_config, make_storage_config
 from hpkv.doctor import Verdict, run_checks
 from hpkv.errors import PoolError
 from hpkv.keys import make_key
-from hpkv.storage import tier as tier_module
+from hpkv.storage import layout as layout_module
 from hpkv.storage.tier import StorageTier
 from hpkv.store import TieredStore
 from serverutil import Node, desc, entry_key, payload as server_payload, wait_for
@@ -316,7 +316,7 @@ def test_the_description_is_written_through_no_planted_link(open_tier, storage_d
     (storage_dir / NS).mkdir()
     k = key(1)
     fan(storage_dir, NS, k).mkdir(parents=True)
-    seq = next(tier_module._TEMP_SEQ)
+    seq = next(layout_module._TEMP_SEQ)
     for n in range(seq + 1, seq + 20):
         (storage_dir / NS / f".namespace.{NODE}.{os.getpid()}.{n}.tmp").symlink_to(victim)
         (fan(storage_dir, NS, k) / f".{k.hex()}.{NODE}.{os.getpid()}.{n}.tmp").symlink_to(victim)

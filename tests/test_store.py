@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
+import math
 import os
 import platform
 import threading
@@ -17,7 +18,7 @@ import pytest
 from conftest import make_pool_config, make_storage_config
 from hpkv.config import StorageConfig
 from hpkv.keys import NamespaceDesc, make_key
-from hpkv.store import TieredStore
+from hpkv.store import PrefixOrder, StorePolicy, TieredStore
 from hpkv.types import Tier
 
 ENTRY = 64 << 10
@@ -26,6 +27,16 @@ ENTRY = 64 << 10
 def desc(model: str = "tiny", entry_bytes: int = ENTRY, rank: int = 0) -> NamespaceDesc:
     return NamespaceDesc(engine="test", model=model, dtype="float16", layout="blocks", block_size=32,
                          num_layers=2, entry_bytes=entry_bytes, rank=rank)
+
+
+class Clock:
+    """Time that moves only when the test says so (the store's `held.clock`)."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()  # what was held before keeps its age
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def keys(n: int, prefix: str = "req") -> list[bytes]:
@@ -67,9 +78,9 @@ def open_store(shm_dir, storage_dir):
     stores = []
 
     def _open(pool_bytes: int = 16 << 20, capacity: int | None = None, storage: StorageConfig | None = None,
-              pool_dir: Path | None = None) -> TieredStore:
+              pool_dir: Path | None = None, policy: StorePolicy | None = None) -> TieredStore:
         store = TieredStore.open(make_pool_config(pool_dir or shm_dir, pool_bytes),
-                                 storage or make_storage_config(storage_dir, capacity))
+                                 storage or make_storage_config(storage_dir, capacity), policy=policy)
         stores.append(store)
         return store
 
@@ -176,17 +187,17 @@ def test_an_owner_gives_back_what_it_reserved_in_a_hold_and_the_settle_cannot_pu
     assert store.lookup(ns, ks).num_hit == 0 and store.lookup(ns, ks[1:]).num_hit == 1
 
 
-def test_a_hold_nobody_settles_is_aborted_after_the_timeout(open_store, monkeypatch):
-    import hpkv.store
+def test_a_hold_nobody_settles_is_aborted_after_the_timeout(open_store):
+    from hpkv.store import HOLD_QUARANTINE_S
+    from hpkv.types import HOLD_TIMEOUT_S
 
     store = open_store()
+    clock = store.held.clock = Clock()
     ns = store.register(desc())
     ks = keys(3)
-    monkeypatch.setattr(hpkv.store, "HOLD_TIMEOUT_S", 0.05)
-    monkeypatch.setattr(hpkv.store, "HOLD_QUARANTINE_S", 0.2)
     store.reserve(ns, ks, owner=1, hold="forgotten")
     store.reserve(ns, keys(1, "late"), owner=1, hold="late")
-    time.sleep(0.1)
+    clock.now += HOLD_TIMEOUT_S
     store.reserve(ns, keys(1, "later"), owner=2, hold="late")  # ends holds past their time, but this one
 
     stats = store.stats()
@@ -194,7 +205,10 @@ def test_a_hold_nobody_settles_is_aborted_after_the_timeout(open_store, monkeypa
     assert store.settle("forgotten", abort=[]) == (0, 0)
     assert store.lookup(ns, ks).num_hit == 0
     assert store.settle("late", abort=None) == (0, 2)
-    time.sleep(0.25)
+    clock.now += HOLD_QUARANTINE_S - 1
+    store.reserve(ns, [], owner=3)
+    assert store.stats()["quarantined"] == 3
+    clock.now += 1
     store.reserve(ns, [], owner=3)
     assert store.stats()["quarantined"] == 0 and store.reserve(ns, ks, owner=3) != [None] * 3
 
@@ -320,9 +334,9 @@ def test_a_lease_touches_its_storage_hits_before_looking_for_files_elsewhere(ope
     only_in_storage(store, ns, ks)
     store.storage._forget(ns, ks[2])  # written by another node, say: found by a stat
     events = []
-    touch, found_elsewhere = store.storage.touch, store._found_elsewhere
+    touch, found_elsewhere = store.storage.touch, store.lookups.found_elsewhere
     store.storage.touch = lambda ns_, touched: (events.append(("touch", list(touched))), touch(ns_, touched))
-    store._found_elsewhere = lambda *args: (events.append(("stat",)), found_elsewhere(*args))[1]
+    store.lookups.found_elsewhere = lambda *args: (events.append(("stat",)), found_elsewhere(*args))[1]
 
     lease = store.lease(ns, ks)
 
@@ -786,7 +800,7 @@ def test_a_slow_storage_stat_does_not_hold_up_other_clients(shm_dir, storage_dir
 def test_a_failure_sizing_the_pool_s_pages_closes_the_pool(shm_dir, storage_dir, monkeypatch):
     """TieredStore.open looks at the pool's mount after creating it: a failure there (a mount
     table that cannot be read) must not leave the pool file behind."""
-    import hpkv.store as store_module
+    import hpkv.store.tiered as store_module
     from hpkv.pool.region import POOL_FILE_NAME
 
     def unreadable(path):
@@ -808,3 +822,26 @@ def test_a_store_that_cannot_be_built_on_its_pool_leaves_no_pool_behind(shm_dir,
         TieredStore.open(make_pool_config(shm_dir), make_storage_config(storage_dir), slab_bytes=1 << 40)
 
     assert not (shm_dir / POOL_FILE_NAME).exists()
+
+
+@pytest.mark.parametrize("order, num_left", [(PrefixOrder.LAST_FIRST, 15), (PrefixOrder.FIRST_FIRST, 0)])
+def test_the_prefix_order_given_to_a_store_decides_which_end_of_a_prefix_is_evicted(open_store, storage_dir,
+                                                                                     order, num_left):
+    """A full pool of one prefix, then one more key: the store's own order evicts the prefix's last
+    entry (15 leading hits remain); the baseline order, plain LRU in prefix order, its first (none)."""
+    storage_off = dataclasses.replace(make_storage_config(storage_dir), enabled=False)
+    store = open_store(pool_bytes=1 << 20, storage=storage_off, policy=StorePolicy(order=order))  # 16 slots
+    ns = store.register(desc())
+    ks = keys(16)
+    assert save(store, ns, ks) == 16
+    load(store, ns, ks)  # a lease released in the policy's order too
+
+    assert save(store, ns, keys(1, "newcomer")) == 1
+
+    assert store.lookup(ns, ks).num_hit == num_left
+
+
+def test_the_backlog_limit_is_a_share_of_the_pool_given_to_the_store(open_store):
+    store = open_store(pool_bytes=16 << 20, policy=StorePolicy(backlog_share=math.inf))  # a baseline: no limit
+    assert store.stats()["write_backlog"]["limit_bytes"] == math.inf
+    assert StorePolicy().backlog_limit(16 << 20) == 8 << 20  # the store's own: half the pool

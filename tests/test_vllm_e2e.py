@@ -315,7 +315,7 @@ def test_blocks_computed_on_a_load_that_failed_are_not_saved(engine_a, node, pla
 
 
 def test_after_a_restart_the_prompt_is_served_from_storage(engine_b, node, plain):
-    assert server_stats(node.shm)["server"]["storage_path"] == str(node.storage)  # B's ~/hpkv/storage
+    assert server_stats(node.shm).server.storage_path == str(node.storage)  # B's ~/hpkv/storage
     before = engine_b.counters()
 
     answer = engine_b.complete(LONG)  # B's first request of it: the DRAM pool went with A's server
@@ -370,7 +370,7 @@ def test_a_corrupt_storage_file_is_a_miss_and_is_removed(engine_b, node, plain):
     # One token: only the prompt's blocks are saved, all of which the request below looks up.
     first = engine_b.complete(CORRUPTED, max_tokens=1)
     files = settled_files(node.storage, at_least=len(before_files) + num_saved_blocks(first)) - before_files
-    bad_before = server_stats(node.shm)["storage"]["bad_files"]
+    bad_before = server_stats(node.shm).storage.bad_files
     corrupted = {path: flip_middle_bytes(path) for path in files}
     engine_b.reset_prefix_cache(external=True)  # DRAM misses: the next request reads storage
     before = engine_b.counters()
@@ -380,7 +380,7 @@ def test_a_corrupt_storage_file_is_a_miss_and_is_removed(engine_b, node, plain):
     assert same_output(answer, plain.reference(CORRUPTED))
     got = engine_b.counters() - before
     assert got["disk"] == 0  # nothing was loaded from a bad file
-    wait_for(lambda: server_stats(node.shm)["storage"]["bad_files"] - bad_before >= len(files),
+    wait_for(lambda: server_stats(node.shm).storage.bad_files - bad_before >= len(files),
              what="the server to find every corrupted file")
     for path, content in corrupted.items():  # removed (and perhaps saved again, whole)
         assert not path.exists() or path.read_bytes() != content
@@ -429,8 +429,8 @@ def test_a_killed_hpkv_server_costs_hits_not_requests(engine_b, node, plain):
 
     new_pid = wait_for(new_server, interval_s=0.5, what="a new HPKV server")
     stats = server_stats(node.shm)
-    assert stats["server"]["auto"]
-    assert any(client["kind"].startswith("vllm-") for client in stats["clients"])
+    assert stats.server.auto
+    assert any(client.kind.startswith("vllm-") for client in stats.clients)
     answer, got = _again_after_reset(engine_b, SERVED_AGAIN)
     assert got["host"] > 0
     assert same_output(answer, plain.reference(SERVED_AGAIN))

@@ -146,11 +146,11 @@ def test_the_scheduler_settles_a_step_on_every_rank_and_rewinds_the_requests_tha
         for r, client in enumerate(ranks):
             assert client.lookup(namespaces[r], good_keys).num_hit == 1
             assert client.lookup(namespaces[r], bad_keys).num_hit == 0
-            assert client.stats()["reservations"] == 0 and client.stats()["holds"] == 0
+            assert client.stats().reservations == 0 and client.stats().holds == 0
         assert scheduler._reqs["bad"].saved_blocks == 1  # from block 11, which vLLM recomputes
         assert scheduler._reqs["good"].saved_blocks == 2
         assert scheduler._reqs["shares"].saved_blocks == NEVER  # its KV rests on bad's recompute
         assert scheduler.stats.data["held_saves_aborted"] == 3
-        assert scheduler._reqs["good"].leases == {} and scheduler.client.stats()["leases"] == 0
+        assert scheduler._reqs["good"].leases == {} and scheduler.client.stats().leases == 0
     finally:
         node.close()

@@ -140,7 +140,7 @@ def test_a_lora_request_is_neither_looked_up_nor_saved(node, caplog):
 
     with caplog.at_level(logging.INFO, logger="hpkv.vllm.scheduler"):
         assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
-    assert scheduler.client.stats()["leases"] == 0
+    assert scheduler.client.stats().leases == 0
     assert "LoRA" in caplog.text
     state = scheduler._reqs["r"]
     state.block_ids = [1, 2, 3, 4, 5]

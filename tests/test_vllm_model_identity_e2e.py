@@ -117,7 +117,7 @@ def test_new_weights_at_the_path_get_their_own_kv_and_a_copy_elsewhere_shares(pl
     copy = Engine("a-at-q", PATH_Q, env(root, shm2), root / "logs")
     try:
         start_all([b, copy])
-        wait_for(lambda: server_stats(shm2)["storage"]["index_ready"], what="node 2's storage index")
+        wait_for(lambda: server_stats(shm2).storage.index_ready, what="node 2's storage index")
 
         before = b.counters()
         b_answer = b.complete(PROMPT)

@@ -80,7 +80,7 @@ def test_a_lease_whose_connection_was_dropped_while_it_promoted_is_a_miss(node, 
 
     assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
     assert state.leases == {}
-    assert scheduler.client.stats()["leases"] == 0
+    assert scheduler.client.stats().leases == 0
 
 
 def prompt(node, scheduler, num_blocks: int, **request_kw):
@@ -102,7 +102,7 @@ def test_a_request_that_skips_the_prefix_cache_leases_nothing(node):
     request = prompt(node, scheduler, 4, skip_reading_prefix_cache=True)
 
     assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
-    assert scheduler.client.stats()["leases"] == 0
+    assert scheduler.client.stats().leases == 0
 
 
 def test_a_hit_vllm_trims_to_nothing_is_unpinned(node):
@@ -111,11 +111,11 @@ def test_a_hit_vllm_trims_to_nothing_is_unpinned(node):
     scheduler = scheduler_half(node, 2)
     request = prompt(node, scheduler, 4)
     assert scheduler.get_num_new_matched_tokens(request, 0) == (4 * BS, False)
-    assert scheduler.client.stats()["leases"] == 2
+    assert scheduler.client.stats().leases == 2
 
     scheduler.update_state_after_alloc(request, blocks(7, 8, 9, 10, 11), 0)
 
-    assert scheduler.client.stats()["leases"] == 0 and scheduler._pending_loads == []
+    assert scheduler.client.stats().leases == 0 and scheduler._pending_loads == []
 
 
 def connector_over(scheduler):
@@ -143,7 +143,7 @@ def test_a_bug_in_a_lookup_is_a_miss_logged_once_a_minute(node, monkeypatch, cap
     assert answers == [(0, False)] * 3
     assert caplog.text.count("HPKV bug in a lookup") == 1 and "ZeroDivisionError" in caplog.text
     assert connector._bugs["a lookup"][1] == 2
-    assert scheduler.client.stats()["leases"] == 0
+    assert scheduler.client.stats().leases == 0
 
 
 def test_a_bug_after_vllm_allocated_a_load_makes_the_workers_fail_it(node, monkeypatch, caplog):

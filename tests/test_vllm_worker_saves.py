@@ -137,9 +137,9 @@ def test_a_load_copies_before_the_forward_pass_and_its_lease_is_released_after(w
 
     assert [_entry(w, b) for b in (12, 13, 14)] == saved
     assert w.take_failed_blocks() == set()
-    assert w.client.stats()["leases"] == 1  # still held: its release has not gone out yet
+    assert w.client.stats().leases == 1  # still held: its release has not gone out yet
     gate.set()
-    assert wait_for(lambda: w.client.stats()["leases"] == 0)
+    assert wait_for(lambda: w.client.stats().leases == 0)
 
 
 def test_a_held_save_is_copied_in_its_step_and_published_only_when_its_hold_is_settled(worker):
@@ -186,7 +186,7 @@ def test_a_held_save_whose_copy_fails_gives_its_slots_back_before_the_settle(wor
     reader = node.client("reader")
     reader.register(w.desc)
     assert reader.lookup(w.ns, keys).num_hit == 0
-    assert w.client.stats()["reservations"] == 0
+    assert w.client.stats().reservations == 0
 
 
 def test_a_held_save_that_fails_after_its_step_reported_still_reaches_the_scheduler(worker):

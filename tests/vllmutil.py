@@ -22,6 +22,7 @@ from hpkv.errors import HpkvError
 from hpkv.server import protocol
 from hpkv.server.autostart import answers
 from hpkv.server.client import Client
+from hpkv.stats import ServerStats
 
 BLOCK_SIZE = 32
 # Every variable that configures HPKV; the tests build each engine's environment from nothing.
@@ -178,7 +179,7 @@ def start_all(engines: list[Engine], gate=None) -> None:
 # -- the node's HPKV server -----------------------------------------------------------------
 
 
-def server_stats(shm_dir: Path) -> dict | None:
+def server_stats(shm_dir: Path) -> ServerStats | None:
     """The running server's stats, or None when none answers. Never starts one."""
     if not answers(shm_dir / protocol.SOCKET_NAME):
         return None
@@ -191,7 +192,7 @@ def server_stats(shm_dir: Path) -> dict | None:
 
 def server_pid(shm_dir: Path) -> int | None:
     stats = server_stats(shm_dir)
-    return stats["server"]["pid"] if stats else None
+    return stats.server.pid if stats else None
 
 
 def alive(pid: int) -> bool:

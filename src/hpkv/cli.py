@@ -226,7 +226,9 @@ def status(ctx: click.Context, as_json: bool) -> None:
     with client:
         stats = client.stats()
     if as_json:
-        click.echo(json.dumps(stats, indent=2))
+        import msgspec
+
+        click.echo(json.dumps(msgspec.to_builtins(stats), indent=2))
     else:
         print_status(stats, _stdout_console())
 
@@ -306,12 +308,12 @@ def clear(memory: bool, storage: bool, namespace: str | None) -> None:
         return
     with client:
         stats = client.stats()
-        ns = _resolve_ns(namespace, list(stats["namespaces"]) + _storage_namespaces(Path(settings.storage.path)))
-        server_has_storage = stats.get("storage") is not None
+        ns = _resolve_ns(namespace, list(stats.namespaces) + _storage_namespaces(Path(settings.storage.path)))
+        server_has_storage = stats.storage is not None
         cleared = client.clear(memory=memory, storage=storage and server_has_storage, ns=ns)
     if memory:
         click.echo(f"memory: dropped {cleared.memory} entries{_ns_words(ns)} from the DRAM pool of the server "
-                   f"(pid {stats['server']['pid']})")
+                   f"(pid {stats.server.pid})")
     if storage and server_has_storage:
         click.echo(f"storage: removed {cleared.storage} entry files{_ns_words(ns)} from {settings.storage.path}")
     elif storage:

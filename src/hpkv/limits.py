@@ -8,12 +8,12 @@ and one that takes the whole pool leaves the others none.
 Owns, per owner (a client connection; 0 in process): its reservations (name -> entry, oldest
 first, with when each was made), the slot bytes its reservations and leases hold, and the
 counters of keys refused at the cap and of reservations and leases taken back at the limit; the
-holds (`reserve(..., hold=)`: reservations named (ns, key, hold), settled together by whoever
-settles the hold); and the quarantine: entries whose holder may still be copying, kept from
-reuse until a given time.
+holds (`reserve(..., hold=)`: reservations named `Reserved(ns, key, hold)`, settled together by
+whoever settles the hold); and the quarantine: entries whose holder may still be copying, kept
+from reuse until a given time.
 Primitives: `room(owner)`, `refused`; reservations `has`, `add`, `pop`, `pop_owner`; leases
-`leased`, `released`; holds `join`, `end_hold`; `expired_holds`, `expired_reservations`,
-`expired_leases`; `quarantine`, `quarantine_over`; `stats`.
+`leased`, `released`; `expired_reservations`, `expired_leases`; `bytes_held`, `stats`; the
+holds (`holds`: `join`, `end`, `expired`) and the quarantine (`quarantined`: `add`, `over`).
 
 The store decides what an entry becomes (aborted or unpinned) once its quarantine is over: this
 module does not know the DRAM index, the leases' contents beyond their entries, or the protocol.
@@ -29,9 +29,9 @@ import logging
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Hashable, Protocol
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,38 @@ class Leased(Protocol):  # a `store.Lease`
     entries: list
 
 
+SlotT = TypeVar("SlotT", bound=Slot)  # the store's entries
+LeasedT = TypeVar("LeasedT", bound=Leased)
+
+
+class Reserved(NamedTuple):
+    """What an owner reserved: a key, alone or in a hold (`hold` "": its owner commits it)."""
+
+    ns: str
+    key: bytes
+    hold: str = ""
+
+
+@dataclass
+class HoldPart:
+    owner: int
+    ns: str
+    keys: list[bytes]  # reserved in the hold, each as Reserved(ns, key, hold)
+
+
+@dataclass
+class Hold:
+    began_at: float  # on the clock
+    parts: list[HoldPart]
+
+
+@dataclass
+class Quarantined(Generic[SlotT]):
+    until: float  # on the clock
+    entry: SlotT
+    leased: bool  # pinned by a lease (the store unpins it after) or reserved (aborted after)
+
+
 @dataclass
 class LimitCounters:
     capped_keys: int = 0  # keys not reserved or leased: their client held its cap already
@@ -56,18 +88,17 @@ class LimitCounters:
     expired_leases: int = 0
 
 
-class HeldSlots:
+class HeldSlots(Generic[SlotT]):
     def __init__(self, timeout_s: float | None = None, max_bytes: int | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.timeout_s = timeout_s  # None: no time limit
         self.max_bytes = max_bytes  # None: no cap
         self.clock = clock
         self.counters = LimitCounters()
-        self._reserved: dict[int, dict[Hashable, tuple[Slot, float]]] = {}
+        self._reserved: dict[int, dict[Reserved, tuple[SlotT, float]]] = {}  # owner -> name -> (entry, made at)
         self._bytes: dict[int, int] = {}  # owner -> slot bytes reserved or leased
-        self._quarantine: deque[tuple[float, Slot, bool]] = deque()  # (until, entry, leased)
-        # hold name -> (when it began, [(owner, ns, keys reserved)]), oldest first
-        self._holds: OrderedDict[str, tuple[float, list[tuple[int, str, list[bytes]]]]] = OrderedDict()
+        self.holds = Holds(lambda: self.clock())  # `clock` is the one tests may replace
+        self.quarantined: Quarantine[SlotT] = Quarantine(lambda: self.clock())
         self._cap_logged_at = -math.inf
 
     def configure(self, timeout_s: float | None, max_bytes: int | None) -> None:
@@ -92,14 +123,14 @@ class HeldSlots:
 
     # -- reservations -------------------------------------------------------------------------
 
-    def has(self, owner: int, name: Hashable) -> bool:
+    def has(self, owner: int, name: Reserved) -> bool:
         return name in self._reserved.get(owner, ())
 
-    def add(self, owner: int, name: Hashable, entry: Slot) -> None:
+    def add(self, owner: int, name: Reserved, entry: SlotT) -> None:
         self._reserved.setdefault(owner, {})[name] = (entry, self.clock())
         self._take(owner, entry.slot_bytes)
 
-    def pop(self, owner: int, name: Hashable) -> Slot | None:
+    def pop(self, owner: int, name: Reserved) -> SlotT | None:
         """The entry `owner` reserved as `name`, which it holds no more; None if it did not."""
         held = self._reserved.get(owner)
         item = held.pop(name, None) if held else None
@@ -110,7 +141,7 @@ class HeldSlots:
         self._give(owner, item[0].slot_bytes)
         return item[0]
 
-    def pop_owner(self, owner: int) -> list[Slot]:
+    def pop_owner(self, owner: int) -> list[SlotT]:
         held = self._reserved.pop(owner, {})
         for entry, _ in held.values():
             self._give(owner, entry.slot_bytes)
@@ -123,7 +154,7 @@ class HeldSlots:
     def num_reservations(self) -> int:
         return sum(len(held) for held in self._reserved.values())
 
-    def expired_reservations(self) -> list[tuple[int, Hashable, Slot]]:
+    def expired_reservations(self) -> list[tuple[int, Reserved, SlotT]]:
         """Take back the reservations past the time limit: (owner, name, entry) of each, which
         their owners hold no more. Costs one look per owner when none is due."""
         if self.timeout_s is None or not self._reserved:
@@ -142,35 +173,6 @@ class HeldSlots:
             self._log_expired(len(due), "reservation", {owner for owner, _, _ in due})
         return due
 
-    # -- holds --------------------------------------------------------------------------------
-
-    def join(self, hold: str, owner: int, ns: str, keys: list[bytes]) -> None:
-        """`owner` has reserved `keys` (named (ns, key, hold)) in `hold`."""
-        self._holds.setdefault(hold, (self.clock(), []))[1].append((owner, ns, keys))
-
-    def end_hold(self, hold: str) -> list[tuple[int, str, list[bytes]]]:
-        """The parts of a hold being settled (none if it is unknown or settled already)."""
-        return self._holds.pop(hold, (0.0, []))[1]
-
-    @property
-    def num_holds(self) -> int:
-        return len(self._holds)
-
-    def expired_holds(self, timeout_s: float, joining: str) -> list[Slot]:
-        """End the holds nobody settled within `timeout_s`, but `joining` (a late owner joining
-        it now gets slots it will copy into): the entries their owners still had reserved, which
-        they hold no more."""
-        if not self._holds:
-            return []
-        cutoff, entries = self.clock() - timeout_s, []
-        for name in list(itertools.takewhile(lambda n: self._holds[n][0] <= cutoff, self._holds)):
-            if name == joining:
-                continue
-            log.warning("hold %s was not settled within %.0f s: its entries are not saved", name, timeout_s)
-            for owner, ns, keys in self._holds.pop(name)[1]:
-                entries += filter(None, (self.pop(owner, (ns, key, name)) for key in keys))
-        return entries
-
     # -- leases -------------------------------------------------------------------------------
 
     def leased(self, owner: int, num_bytes: int) -> None:
@@ -180,18 +182,14 @@ class HeldSlots:
         self._give(owner, num_bytes)
         self.counters.expired_leases += expired
 
-    def expired_leases(self, leases: dict[int, Leased]) -> list[Leased]:
-        """Take out of `leases` (id -> lease, oldest first) those past the time limit."""
-        if self.timeout_s is None or not leases:
+    def expired_leases(self, leases: Iterable[LeasedT]) -> list[LeasedT]:
+        """Of `leases` (oldest first), those past the time limit, booked as released: their
+        holder drops them from its table."""
+        if self.timeout_s is None:
             return []
         cutoff = self.clock() - self.timeout_s
-        due = []
-        for lease in leases.values():
-            if lease.made_at > cutoff:
-                break
-            due.append(lease)
+        due = list(itertools.takewhile(lambda lease: lease.made_at <= cutoff, leases))
         for lease in due:
-            del leases[lease.id]
             self.released(lease.owner, sum(e.slot_bytes for e in lease.entries), expired=True)
         if due:
             self._log_expired(len(due), "lease", {lease.owner for lease in due})
@@ -201,29 +199,11 @@ class HeldSlots:
         log.warning("%d %s(s) of client(s) %s held past %.0f s (HPKV_SERVER_SLOT_TIMEOUT_S): taken back; "
                     "their slots are quarantined before reuse", num, what, sorted(owners), self.timeout_s)
 
-    # -- quarantine ---------------------------------------------------------------------------
-
-    def quarantine(self, entries: Iterable[Slot], leased: bool, seconds: float) -> None:
-        if not entries:
-            return
-        until = self.clock() + seconds
-        self._quarantine.extend((until, entry, leased) for entry in entries)
-
-    def quarantine_over(self) -> list[tuple[Slot, bool]]:
-        """(entry, leased) of the quarantines over, oldest first: the store aborts a reserved
-        entry, unpins a leased one."""
-        if not self._quarantine:
-            return []
-        now, over = self.clock(), []
-        while self._quarantine and self._quarantine[0][0] <= now:
-            over.append(self._quarantine.popleft()[1:])
-        return over
-
-    @property
-    def num_quarantined(self) -> int:
-        return len(self._quarantine)
-
     # -- the books ----------------------------------------------------------------------------
+
+    def bytes_held(self) -> dict[int, int]:
+        """owner -> slot bytes it holds reserved or leased now (a copy)."""
+        return dict(self._bytes)
 
     def _take(self, owner: int, num_bytes: int) -> None:
         self._bytes[owner] = self._bytes.get(owner, 0) + num_bytes
@@ -238,3 +218,62 @@ class HeldSlots:
     def stats(self) -> dict[str, object]:
         return {"slot_timeout_s": self.timeout_s, "max_slot_bytes": self.max_bytes,
                 "max_held_bytes": max(self._bytes.values(), default=0), **vars(self.counters)}
+
+
+class Holds:
+    """The holds: reservations named `Reserved(ns, key, hold)`, settled together by whoever
+    settles the hold. Their entries are `HeldSlots`' reservations; this only names them."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._holds: OrderedDict[str, Hold] = OrderedDict()  # by name, oldest first
+
+    def __len__(self) -> int:
+        return len(self._holds)
+
+    def join(self, hold: str, owner: int, ns: str, keys: list[bytes]) -> None:
+        """`owner` has reserved `keys` (each named Reserved(ns, key, hold)) in `hold`."""
+        self._holds.setdefault(hold, Hold(self._clock(), [])).parts.append(HoldPart(owner, ns, keys))
+
+    def end(self, hold: str) -> list[HoldPart]:
+        """The parts of a hold being settled (none if it is unknown or settled already)."""
+        ended = self._holds.pop(hold, None)
+        return ended.parts if ended is not None else []
+
+    def expired(self, timeout_s: float, joining: str) -> list[tuple[str, HoldPart]]:
+        """End the holds nobody settled within `timeout_s`, but `joining` (a late owner joining
+        it now gets slots it will copy into): (name, part) of each part of them."""
+        if not self._holds:
+            return []
+        cutoff, parts = self._clock() - timeout_s, []
+        for name in list(itertools.takewhile(lambda n: self._holds[n].began_at <= cutoff, self._holds)):
+            if name == joining:
+                continue
+            log.warning("hold %s was not settled within %.0f s: its entries are not saved", name, timeout_s)
+            parts += [(name, part) for part in self._holds.pop(name).parts]
+        return parts
+
+
+class Quarantine(Generic[SlotT]):
+    """Entries whose holder may still be copying, kept from reuse until a given time; the store
+    decides what each becomes once it is over."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._items: deque[Quarantined[SlotT]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, entries: Iterable[SlotT], leased: bool, seconds: float) -> None:
+        until = self._clock() + seconds
+        self._items.extend(Quarantined(until, entry, leased) for entry in entries)
+
+    def over(self) -> list[Quarantined[SlotT]]:
+        """The quarantines over, oldest first: the store aborts a reserved entry, unpins a leased one."""
+        if not self._items:
+            return []
+        now, over = self._clock(), []
+        while self._items and self._items[0].until <= now:
+            over.append(self._items.popleft())
+        return over

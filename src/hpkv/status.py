@@ -1,4 +1,4 @@
-"""Rendering of a server's stats snapshot (`Server.stats()`) for `hpkv status`.
+"""Rendering of a server's stats snapshot (`hpkv.stats.ServerStats`) for `hpkv status`.
 
 Primitives: `print_status(stats, console)`, and the small formatters `human_bytes`,
 `human_duration`, `hit_rate` that other operator commands share.
@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .fsinfo import mount_of
+from .stats import DramStats, ServerStats, StorageStats
 
 NS_PREFIX_CHARS = 12
 
@@ -43,96 +44,100 @@ def hit_rate(hit_keys: int, lookup_keys: int) -> str:
     return f"{100.0 * hit_keys / lookup_keys:.1f}%" if lookup_keys else "-"
 
 
-def print_status(stats: dict, console: Console) -> None:
+def print_status(stats: ServerStats, console: Console) -> None:
     console.print(_tiers_table(stats))
     console.print(_namespaces_table(stats))
     console.print(_clients_table(stats))
     console.print(_server_table(stats))
 
 
-def _used(tier: dict) -> str:
-    capacity = tier["capacity_bytes"]
-    share = f" ({100.0 * tier['used_bytes'] / capacity:.1f}%)" if capacity else ""
-    return human_bytes(tier["used_bytes"]) + share
+def _used(tier: DramStats | StorageStats) -> str:
+    capacity = tier.capacity_bytes
+    share = f" ({100.0 * tier.used_bytes / capacity:.1f}%)" if capacity else ""
+    return human_bytes(tier.used_bytes) + share
 
 
-def _pool_state(stats: dict) -> str:
-    if stats["dram"]["locked_in_memory"]:
+def _pool_state(stats: ServerStats) -> str:
+    if stats.dram.locked_in_memory:
         return "locked in memory"
     try:
-        on_ramfs = mount_of(stats["server"]["pool_path"]).fs_type == "ramfs"
+        on_ramfs = mount_of(stats.server.pool_path).fs_type == "ramfs"
     except OSError:
         on_ramfs = False
     return "on ramfs (never swapped)" if on_ramfs else "NOT locked in memory (may be swapped)"
 
 
-def _tiers_table(stats: dict) -> Table:
+def _tiers_table(stats: ServerStats) -> Table:
     table = Table(title="tiers", title_justify="left")
     for column in ("tier", "path", "capacity", "used", "entries", "evictions", "state"):
         table.add_column(column, no_wrap=True)
-    dram = stats["dram"]
-    table.add_row("DRAM", Text(stats["server"]["pool_path"]), human_bytes(dram["capacity_bytes"]), _used(dram),
-                  str(dram["num_entries"]), str(dram["evictions"]), _pool_state(stats))
-    storage = stats.get("storage")
-    path = Text(stats["server"]["storage_path"])
-    if storage is None and stats.get("storage_unusable"):
+    dram = stats.dram
+    table.add_row("DRAM", Text(stats.server.pool_path), human_bytes(dram.capacity_bytes), _used(dram),
+                  str(dram.num_entries), str(dram.evictions), _pool_state(stats))
+    storage = stats.storage
+    path = Text(stats.server.storage_path)
+    if storage is None and stats.storage_unusable:
         table.add_row("storage", path, "-", "-", "-", "-",
-                      Text(f"UNUSABLE, the server runs with the DRAM tier only: {stats['storage_unusable']}; "
+                      Text(f"UNUSABLE, the server runs with the DRAM tier only: {stats.storage_unusable}; "
                            "then restart the server", style="bold red"))
     elif storage is None:
         table.add_row("storage", path, "-", "-", "-", "-", "disabled (HPKV_KV_STORAGE_ENABLE)")
     else:
-        index = "index ready" if storage["index_ready"] else f"index building ({storage['files_scanned']} files)"
-        state = f"{index}, {storage['bad_files']} bad files, {storage['write_failures']} write failures, "
-        writers = stats.get("writers")
-        if not writers:
-            state += "written by the server process"
-        elif not writers["processes"] and writers.get("unavailable"):
-            state += f"written by the server process ({writers['unavailable']})"
-        else:
-            state += f"{writers['processes']} write-through processes (nice {writers['nice']})"
-        if storage.get("direct_io"):
-            state += ", direct I/O"
-        if storage.get("untrusted_files"):
-            state += (f", {storage['untrusted_files']} names skipped that are not regular files (links, FIFOs...: "
-                      "never hits; see hpkv doctor)")
-        if storage.get("write_budget_bytes") is not None:
-            state += (f", write budget {human_bytes(storage['write_budget_bytes'])} a day "
-                      f"({human_bytes(storage['write_budget_available_bytes'])} left now, "
-                      f"{storage['over_budget']} writes over it)")
-        backlog = stats.get("write_backlog") or {}
-        if backlog.get("entries"):
-            state += f", {backlog['entries']} entries ({human_bytes(backlog['bytes'])}) waiting to be written"
-            if backlog.get("deferred"):
-                state += f" and {backlog['deferred']} more deferred (the backlog holds half the pool)"
-        lost = stats["store"].get("write_through_lost", 0)
-        if lost:
-            state += f", {lost} entries never written (evicted before their turn, or given up at a stop)"
-        table.add_row("storage", path, human_bytes(storage["capacity_bytes"]), _used(storage),
-                      str(storage["num_entries"]), str(storage["evictions"]), state)
+        table.add_row("storage", path, human_bytes(storage.capacity_bytes), _used(storage),
+                      str(storage.num_entries), str(storage.evictions), _storage_state(stats, storage))
     return table
 
 
-def _namespaces_table(stats: dict) -> Table:
-    store = stats["store"]
+def _storage_state(stats: ServerStats, storage: StorageStats) -> str:
+    index = "index ready" if storage.index_ready else f"index building ({storage.files_scanned} files)"
+    state = f"{index}, {storage.bad_files} bad files, {storage.write_failures} write failures, "
+    writers = stats.writers
+    if not writers:
+        state += "written by the server process"
+    elif not writers.processes and writers.unavailable:
+        state += f"written by the server process ({writers.unavailable})"
+    else:
+        state += f"{writers.processes} write-through processes (nice {writers.nice})"
+    if storage.direct_io:
+        state += ", direct I/O"
+    if storage.untrusted_files:
+        state += (f", {storage.untrusted_files} names skipped that are not regular files (links, FIFOs...: "
+                  "never hits; see hpkv doctor)")
+    if storage.write_budget_bytes is not None:
+        state += (f", write budget {human_bytes(storage.write_budget_bytes)} a day "
+                  f"({human_bytes(storage.write_budget_available_bytes or 0)} left now, "
+                  f"{storage.over_budget} writes over it)")
+    backlog = stats.write_backlog
+    if backlog is not None and backlog.entries:
+        state += f", {backlog.entries} entries ({human_bytes(backlog.bytes)}) waiting to be written"
+        if backlog.deferred:
+            state += f" and {backlog.deferred} more deferred (the backlog holds half the pool)"
+    lost = stats.store.write_through_lost
+    if lost:
+        state += f", {lost} entries never written (evicted before their turn, or given up at a stop)"
+    return state
+
+
+def _namespaces_table(stats: ServerStats) -> Table:
+    store = stats.store
     table = Table(title="namespaces", title_justify="left")
     for column in ("namespace", "engine", "model", "model from", "dtype", "tp/rank", "entry", "lookups", "keys",
                    "DRAM hits", "storage hits", "all hits"):
         table.add_column(column, no_wrap=column not in ("model", "model from"))
-    for ns, entry in sorted(stats["namespaces"].items()):
-        desc = _desc(entry["desc"])
-        keys = entry["lookup_keys"]
+    for ns, entry in sorted(stats.namespaces.items()):
+        desc = _desc(entry.desc)
+        keys = entry.lookup_keys
         table.add_row(ns[:NS_PREFIX_CHARS], Text(str(desc.get("engine", "?"))), Text(str(desc.get("model", "?"))),
                       Text(_model_source(desc)), Text(str(desc.get("dtype", "?"))),
                       f"{desc.get('tp_size', '?')}/{desc.get('rank', '?')}",
                       human_bytes(desc["entry_bytes"]) if "entry_bytes" in desc else "?",
-                      str(entry["lookups"]), str(keys), hit_rate(entry["hit_keys_dram"], keys),
-                      hit_rate(entry["hit_keys_storage"], keys),
-                      hit_rate(entry["hit_keys_dram"] + entry["hit_keys_storage"], keys))
-    keys = store["lookup_keys"]
-    table.add_row("all", "", "", "", "", "", "", str(store["lookups"]), str(keys),
-                  hit_rate(store["hit_keys_dram"], keys), hit_rate(store["hit_keys_storage"], keys),
-                  hit_rate(store["hit_keys_dram"] + store["hit_keys_storage"], keys), style="bold")
+                      str(entry.lookups), str(keys), hit_rate(entry.hit_keys_dram, keys),
+                      hit_rate(entry.hit_keys_storage, keys),
+                      hit_rate(entry.hit_keys_dram + entry.hit_keys_storage, keys))
+    keys = store.lookup_keys
+    table.add_row("all", "", "", "", "", "", "", str(store.lookups), str(keys),
+                  hit_rate(store.hit_keys_dram, keys), hit_rate(store.hit_keys_storage, keys),
+                  hit_rate(store.hit_keys_dram + store.hit_keys_storage, keys), style="bold")
     return table
 
 
@@ -151,45 +156,44 @@ def _desc(text: str) -> dict:
     return desc if isinstance(desc, dict) else {}
 
 
-def _clients_table(stats: dict) -> Table:
+def _clients_table(stats: ServerStats) -> Table:
     table = Table(title="clients", title_justify="left")
     for column in ("id", "kind", "pid", "uid", "connected for", "leases"):
         table.add_column(column, no_wrap=True)
-    for client in sorted(stats["clients"], key=lambda c: c["id"]):
-        table.add_row(str(client["id"]), Text(client["kind"]), str(client["pid"]), str(client["uid"]),
-                      human_duration(client["connected_s"]), str(client["leases"]))
+    for client in sorted(stats.clients, key=lambda c: c.id):
+        table.add_row(str(client.id), Text(client.kind), str(client.pid), str(client.uid),
+                      human_duration(client.connected_s), str(client.leases))
     return table
 
 
-def _server_table(stats: dict) -> Table:
-    server = stats["server"]
-    mode = ("auto-started (exits when its last client leaves)" if server["auto"]
+def _server_table(stats: ServerStats) -> Table:
+    server = stats.server
+    mode = ("auto-started (exits when its last client leaves)" if server.auto
             else "managed (hpkv server; stays up across engine restarts)")
     table = Table(title="server", title_justify="left", show_header=False)
     table.add_column("what", no_wrap=True)
     table.add_column("value")
-    rows = (("pid", str(server["pid"])), ("version", f"{server['version']} (protocol {server['protocol']})"),
-            ("uptime", human_duration(server["uptime_s"])), ("mode", mode), ("socket", server["socket"]),
-            ("held now", f"{stats['leases']} leases, {stats['reservations']} reservations" + _holds(stats)),
+    rows = (("pid", str(server.pid)), ("version", f"{server.version} (protocol {server.protocol})"),
+            ("uptime", human_duration(server.uptime_s)), ("mode", mode), ("socket", server.socket),
+            ("held now", f"{stats.leases} leases, {stats.reservations} reservations" + _holds(stats)),
             *_limits(stats))
     for what, value in rows:
         table.add_row(what, Text(value))
     return table
 
 
-def _limits(stats: dict) -> tuple[tuple[str, str], ...]:
+def _limits(stats: ServerStats) -> tuple[tuple[str, str], ...]:
     """A row once a client has met the limits on what it may hold (HPKV_SERVER_SLOT_TIMEOUT_S,
     HPKV_SERVER_MAX_SLOT_SHARE)."""
-    limits = stats.get("limits") or {}
-    expired = limits.get("expired_reservations", 0) + limits.get("expired_leases", 0)
-    capped = limits.get("capped_keys", 0)
-    if not expired and not capped:
+    limits = stats.limits
+    expired = limits.expired_reservations + limits.expired_leases
+    if not expired and not limits.capped_keys:
         return ()
-    return (("held too long or too much", f"{limits['expired_reservations']} reservations and "
-             f"{limits['expired_leases']} leases taken back at the time limit, {capped} keys asked for past "
-             "a client's share of the pool (misses)"),)
+    return (("held too long or too much", f"{limits.expired_reservations} reservations and "
+             f"{limits.expired_leases} leases taken back at the time limit, {limits.capped_keys} keys asked for "
+             "past a client's share of the pool (misses)"),)
 
 
-def _holds(stats: dict) -> str:
-    num = stats.get("holds", 0)
+def _holds(stats: ServerStats) -> str:
+    num = stats.holds
     return f" ({num} holds waiting for an engine's scheduler to settle them)" if num else ""

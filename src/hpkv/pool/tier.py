@@ -5,25 +5,25 @@ Entry life: `reserve` -> (writer copies into the slot) -> `commit` (visible, evi
 is never evicted and its slot never reused. Eviction is LRU among committed, unpinned entries:
 within the size class that needs a slot, or, when another class holds the least recently used
 entries, by draining that class's slab and giving the slab over (memcached-style slab moves).
-The slab that moves is, of the other classes' slabs whose entries are all evictable, the one
-holding the oldest entry, if older than the class's own oldest. Finding it costs O(log slabs),
-whatever the pool holds: each slab keeps its evictable entries in LRU order, and each class a
-heap of its slabs that could move, keyed by their oldest entry (stale items are skipped when met);
-kept from the time a second size class appears (a pool of one size class never moves a slab).
+Which entry or slab goes is the room policy's (`pool/room.py`, given to the tier), decided from
+each class's LRU and the books of slabs that could move (`pool/movable.py`, kept from the time a
+second size class appears: a pool of one size class never moves a slab).
 
-Primitives: `add_namespace`, `get`, `reserve`, `commit`, `abort`, `pin`, `unpin`, `touch`, `drop`.
-Owns no memory: offsets refer to a `PoolRegion` someone else maps. Not thread-safe: the store
-serialises calls.
+Primitives: `add_namespace`, `get`, `reserve`, `commit`, `abort`, `pin`, `unpin`, `touch`, `drop`;
+for room policies: `evictable_by_class`, `oldest_movable_slab`, `slab_entries`, `move_slab`,
+`evict_for`. Owns no memory: offsets refer to a `PoolRegion` someone else maps. Not thread-safe:
+the store serialises calls.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..errors import PoolError
+from .movable import MovableSlabs
+from .room import OldestFirst, RoomPolicy
 from .slots import SlotAllocator
 
 
@@ -54,20 +54,16 @@ class DramCounters:
 
 
 class DramTier:
-    def __init__(self, pool_bytes: int, slab_bytes: int | None = None) -> None:
+    def __init__(self, pool_bytes: int, slab_bytes: int | None = None, room: RoomPolicy | None = None) -> None:
         self.alloc = SlotAllocator(pool_bytes, slab_bytes)
+        self.room = room if room is not None else OldestFirst()
         self.counters = DramCounters()
         self._entry_bytes: dict[str, int] = {}
         self._index: dict[str, dict[bytes, DramEntry]] = {}
         self._by_offset: dict[int, DramEntry] = {}
         self._used_bytes = 0  # slot bytes of the entries in _by_offset (stats are asked for often)
         self._lru: dict[int, OrderedDict[DramEntry, None]] = {}  # slot_bytes -> evictable entries, oldest first
-        self._slab_lru: dict[int, OrderedDict[DramEntry, None]] = {}  # slab -> the same, per slab
-        # slot_bytes -> heap of (stamp of the oldest entry, slab) of slabs whose entries were all
-        # evictable when pushed; an item is stale once its slab's oldest entry has another stamp
-        self._movable: dict[int, list[tuple[int, int]]] = {}
-        self._offered: dict[int, int] = {}  # slab -> the stamp of its item in the heap
-        self._by_slab = False  # whether the three above are kept: from the second size class on
+        self._slabs: MovableSlabs | None = None  # kept from the second size class on
         self._clock = itertools.count(1)
 
     def add_namespace(self, ns: str, entry_bytes: int) -> None:
@@ -77,8 +73,8 @@ class DramTier:
                 f"bytes (1/32 of the pool); raise HPKV_KV_MEM_POOL_SIZE to at least {entry_bytes * 32} bytes")
         self._entry_bytes[ns] = entry_bytes
         self._index.setdefault(ns, {})
-        if not self._by_slab and len({self.alloc.slot_bytes_for(b) for b in self._entry_bytes.values()}) > 1:
-            self._start_by_slab()
+        if self._slabs is None and len({self.alloc.slot_bytes_for(b) for b in self._entry_bytes.values()}) > 1:
+            self._slabs = MovableSlabs(self.alloc, self._lru.values())
 
     def entry_bytes(self, ns: str) -> int:
         return self._entry_bytes[ns]
@@ -102,7 +98,7 @@ class DramTier:
         slot_bytes = self.alloc.slot_bytes_for(self._entry_bytes[ns])
         offset = self.alloc.alloc(slot_bytes)
         if offset is None:
-            offset = self._make_room(slot_bytes)
+            offset = self.room.make_room(self, slot_bytes)
             if offset is None:
                 self.counters.reserve_failures += 1
                 return None
@@ -133,8 +129,8 @@ class DramTier:
     def pin(self, entry: DramEntry) -> None:
         if entry.evictable:
             self._lru[entry.slot_bytes].pop(entry, None)
-            if self._by_slab:
-                self._slab_lru[self.alloc.slab_of(entry.offset)].pop(entry, None)
+            if self._slabs is not None:
+                self._slabs.removed(entry)
         entry.refs += 1
 
     def unpin(self, entry: DramEntry) -> None:
@@ -150,14 +146,8 @@ class DramTier:
         if entry.evictable:
             self._lru[entry.slot_bytes].move_to_end(entry)
             entry.stamp = next(self._clock)
-            if not self._by_slab:
-                return
-            slab = self.alloc.slab_of(entry.offset)
-            slab_lru = self._slab_lru[slab]
-            was_oldest = next(iter(slab_lru)) is entry
-            slab_lru.move_to_end(entry)
-            if was_oldest:
-                self._offer(slab)
+            if self._slabs is not None:
+                self._slabs.touched(entry)
 
     def drop(self, ns: str | None = None) -> int:
         """Remove every entry (of one namespace): free ones go now, pinned or reserved ones are
@@ -169,12 +159,16 @@ class DramTier:
                 num += 1
         return num
 
+    @property
+    def num_entries(self) -> int:
+        return sum(len(i) for i in self._index.values())
+
     def stats(self) -> dict[str, int]:
         used = self._used_bytes
         return {
             "capacity_bytes": self.alloc.num_slabs * self.alloc.slab_bytes,
             "used_bytes": used,
-            "num_entries": sum(len(i) for i in self._index.values()),
+            "num_entries": self.num_entries,
             "free_slabs": self.alloc.num_free_slabs,
             "evictions": self.counters.evictions,
             "slab_moves": self.counters.slab_moves,
@@ -183,16 +177,12 @@ class DramTier:
 
     def _to_lru(self, entry: DramEntry) -> None:
         entry.stamp = next(self._clock)
-        # Each LRU stays in stamp order, which `_make_room` relies on.
+        # Each LRU stays in stamp order, which the room policies rely on.
         lru = self._lru.setdefault(entry.slot_bytes, OrderedDict())
         lru[entry] = None
         lru.move_to_end(entry)
-        if self._by_slab:
-            slab = self.alloc.slab_of(entry.offset)
-            slab_lru = self._slab_lru.setdefault(slab, OrderedDict())
-            slab_lru[entry] = None
-            slab_lru.move_to_end(entry)
-            self._offer(slab)
+        if self._slabs is not None:
+            self._slabs.added(entry)
 
     def _remove(self, entry: DramEntry) -> None:
         del self._index[entry.ns][entry.key]
@@ -207,107 +197,51 @@ class DramTier:
 
     def _free(self, entry: DramEntry) -> None:
         entry.dead = True
-        self._lru.get(entry.slot_bytes, {}).pop(entry, None)
+        lru = self._lru.get(entry.slot_bytes)
+        if lru is not None:
+            lru.pop(entry, None)
         del self._by_offset[entry.offset]
         self._used_bytes -= entry.slot_bytes
         self.alloc.free(entry.offset)
-        if not self._by_slab:
-            return
-        slab = self.alloc.slab_of(entry.offset)
-        self._slab_lru.get(slab, {}).pop(entry, None)
-        if not self.alloc.num_used_in_slab(slab):
-            self._slab_lru.pop(slab, None)
-            self._offered.pop(slab, None)
-        else:
-            self._offer(slab)
+        if self._slabs is not None:
+            self._slabs.freed(entry)
 
-    def _make_room(self, slot_bytes: int) -> int | None:
-        own = self._lru.get(slot_bytes)
-        own_oldest = next(iter(own)) if own else None
-        best: tuple[int, int] | None = None
-        for other in self._movable:
-            if other != slot_bytes:
-                top = self._oldest_movable(other)
-                if top is not None and (best is None or top < best):
-                    best = top
-        if best is not None and (own_oldest is None or best[0] < own_oldest.stamp):
-            self._drain_slab(best[1])
-            self.counters.slab_moves += 1
-            return self.alloc.alloc(slot_bytes)
-        if own_oldest is None:
-            return None
-        self._evict(own_oldest)
-        return self.alloc.alloc(slot_bytes)
+    # -- for room policies (`pool/room.py`) ---------------------------------------------------
 
-    def _start_by_slab(self) -> None:
-        """Sort the evictable entries by slab (each class's LRU is in stamp order: so is each
-        slab's, a slab serving one class) and offer every slab."""
-        for lru in self._lru.values():
-            for entry in lru:
-                self._slab_lru.setdefault(self.alloc.slab_of(entry.offset), OrderedDict())[entry] = None
-        self._by_slab = True
-        for slab in list(self._slab_lru):
-            self._offer(slab)
+    def oldest_movable_slab(self, slot_bytes: int) -> tuple[int, int] | None:
+        """(stamp of its oldest entry, slab) of the slab of another class whose entries are all
+        evictable and whose oldest entry is the oldest of such slabs; O(log slabs)."""
+        return self._slabs.oldest_movable(slot_bytes) if self._slabs is not None else None
 
-    def _movable_now(self, slab: int) -> DramEntry | None:
-        """The oldest entry of a slab whose entries are all evictable (None if one is not)."""
-        slab_lru = self._slab_lru.get(slab)
-        if not slab_lru or len(slab_lru) != self.alloc.num_used_in_slab(slab):
-            return None
-        return next(iter(slab_lru))
+    def evictable_by_class(self) -> dict[int, OrderedDict[DramEntry, None]]:
+        """slot_bytes -> that class's evictable entries, oldest first (read-only for callers)."""
+        return self._lru
 
-    def _offer(self, slab: int) -> None:
-        """Push the slab on its class's heap if it may move now (and is not there as it is)."""
-        oldest = self._movable_now(slab)
-        if oldest is None or self._offered.get(slab) == oldest.stamp:
-            return
-        self._offered[slab] = oldest.stamp
-        heap = self._movable.setdefault(oldest.slot_bytes, [])
-        heapq.heappush(heap, (oldest.stamp, slab))
-        if len(heap) > 2 * self.alloc.num_slabs + 16:  # mostly stale: start it again
-            self._rebuild_movable(oldest.slot_bytes)
+    def slab_entries(self, slab: int) -> list[DramEntry]:
+        return [self._by_offset[o] for o in self.alloc.used_in_slab(slab)]
 
-    def _oldest_movable(self, slot_bytes: int) -> tuple[int, int] | None:
-        """(stamp, slab) of the class's movable slab with the oldest entry; drops stale items."""
-        heap = self._movable[slot_bytes]
-        while heap:
-            stamp, slab = heap[0]
-            oldest = self._movable_now(slab)
-            if oldest is not None and oldest.stamp == stamp:
-                return stamp, slab
-            heapq.heappop(heap)
-            if self._offered.get(slab) == stamp:
-                del self._offered[slab]
-        return None
-
-    def _rebuild_movable(self, slot_bytes: int) -> None:
-        for slab in [s for s in self._offered if self.alloc.slab_slot_bytes(s) == slot_bytes]:
-            del self._offered[slab]
-        heap = []
-        for slab in self._slab_lru:
-            oldest = self._movable_now(slab)
-            if oldest is not None and oldest.slot_bytes == slot_bytes:
-                heap.append((oldest.stamp, slab))
-                self._offered[slab] = oldest.stamp
-        heapq.heapify(heap)
-        self._movable[slot_bytes] = heap
-
-    def _drain_slab(self, slab: int) -> None:
-        """Evict every entry of a slab whose entries are all evictable: the slab goes free (in
-        bulk: a slab of small entries holds thousands, and this runs under the store's lock)."""
-        entries = self._slab_lru.pop(slab)
-        self._offered.pop(slab, None)
-        lru, by_offset, index = self._lru[self.alloc.slab_slot_bytes(slab)], self._by_offset, self._index
+    def move_slab(self, slab: int, slot_bytes: int) -> int | None:
+        """Evict every entry of a slab whose entries are all evictable (in bulk: a slab of small
+        entries holds thousands, and this runs under the store's lock); a slot of the freed slab,
+        which moves to the class of `slot_bytes`."""
+        assert self._slabs is not None  # a slab moves only between two size classes
+        entries = self._slabs.drain(slab)
+        their_bytes = next(iter(entries)).slot_bytes  # a slab that moves holds entries, all of one class
+        lru, by_offset, index = self._lru[their_bytes], self._by_offset, self._index
         for entry in entries:
             entry.dead = True
             del index[entry.ns][entry.key]
             del lru[entry]
             del by_offset[entry.offset]
-        self._used_bytes -= len(entries) * self.alloc.slab_slot_bytes(slab)
+        self._used_bytes -= len(entries) * their_bytes
         self.counters.evictions += len(entries)
         self.alloc.release_slab(slab)
+        self.counters.slab_moves += 1
+        return self.alloc.alloc(slot_bytes)
 
-    def _evict(self, entry: DramEntry) -> None:
+    def evict_for(self, entry: DramEntry, slot_bytes: int) -> int | None:
+        """Evict an evictable entry of the class; a slot of the class."""
         del self._index[entry.ns][entry.key]
         self._free(entry)
         self.counters.evictions += 1
+        return self.alloc.alloc(slot_bytes)

@@ -63,6 +63,8 @@ from ..errors import HpkvError, PoolError
 from ..keys import NamespaceDesc
 from ..pool import directory as pool_directory
 from ..pool.region import POOL_FILE_NAME, PoolRegion
+from ..stats import ServerStats
+from ..stats import from_wire as stats_from_wire
 from ..types import Lookup, Tier
 from . import protocol as p
 from .autostart import ServerUnavailable, check_socket, ensure_server
@@ -405,8 +407,9 @@ class Client:
     def clear(self, memory: bool = True, storage: bool = False, ns: str | None = None) -> p.Cleared:
         return self._ask(p.Clear(memory, storage, ns), p.Cleared, max(self.timeout_s, 300.0))
 
-    def stats(self) -> dict:
-        return self._call(p.Stats()).stats
+    def stats(self) -> ServerStats:
+        """The server's snapshot; `StatsMismatch` if it does not fit `hpkv.stats`."""
+        return stats_from_wire(self._ask(p.Stats(), p.StatsReply).stats)
 
 
 def _expect(reply: p.Reply, reply_type: type[_R]) -> _R:

@@ -40,7 +40,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from .. import __version__, safefs
+from .. import stats as st
 from ..config import Settings, load_settings
 from ..errors import HpkvError, PoolError
 from ..keys import MAX_KEY_BYTES, NS_DIGEST_BYTES, NamespaceDesc
@@ -377,13 +380,14 @@ class Server:
         return p.Cleared(removed["memory"], removed["storage"])
 
     def _on_Stats(self, r: p.Stats, client: ClientInfo) -> p.Reply:
-        return p.StatsReply(self.stats())
+        return p.StatsReply(msgspec.to_builtins(self.stats()))
 
     def _check_ns(self, ns: str) -> None:
         if ns not in self.store.namespaces():
             raise KeyError(ns)
 
-    def stats(self) -> dict:
+    def stats(self) -> st.ServerStats:
+        """The store's components' snapshots and this server's, checked against `hpkv.stats`."""
         out = self.store.stats()
         with self._clients_lock:
             clients = [{"id": c.id, "pid": c.pid, "uid": c.uid, "kind": c.kind,
@@ -396,7 +400,7 @@ class Server:
                          "pool_path": p.display_path(self.store.region.path),
                          "storage_path": p.display_path(self.settings.storage.path)}
         out["clients"] = clients
-        return out
+        return st.from_parts(out)
 
 
 def max_slot_bytes(store: TieredStore, settings: Settings) -> int | None:

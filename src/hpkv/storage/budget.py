@@ -23,7 +23,7 @@ class WriteBudget:
         self.bytes_a_day = bytes_a_day
         self._clock = clock
         self._rate = None if bytes_a_day is None else bytes_a_day / 86400.0
-        self._cap = None if bytes_a_day is None else bytes_a_day * BUDGET_BURST_S / 86400.0
+        self._cap = 0.0 if bytes_a_day is None else bytes_a_day * BUDGET_BURST_S / 86400.0  # unused without a budget
         self._tokens = self._cap
         self._at = clock()
         self._warned_at = -math.inf

@@ -25,6 +25,7 @@ size) makes the file bad, except an HPKV file of a version newer than this reade
 
 from __future__ import annotations
 
+import mmap
 import struct
 
 import xxhash
@@ -53,7 +54,7 @@ def encode_header(ns_digest: bytes, key: bytes, payload: memoryview | bytes, ver
     return bytes(out)
 
 
-def newer_version(head: bytes | memoryview) -> int | None:
+def newer_version(head: bytes | bytearray | memoryview | mmap.mmap) -> int | None:
     """The version of an HPKV file written by a newer HPKV (one this reader does not know), from
     its first 10 bytes; None for every other file."""
     if len(head) < 10 or bytes(head[:8]) != MAGIC:
@@ -71,7 +72,7 @@ def version_of_size(file_size: int, key_len: int, payload_len: int) -> int | Non
     return None
 
 
-def check(header: bytes | memoryview, ns_digest: bytes, key: bytes, payload: memoryview,
+def check(header: bytes | bytearray | memoryview | mmap.mmap, ns_digest: bytes, key: bytes, payload: memoryview,
           expected_version: int = VERSION) -> str | None:
     """None when header and payload are exactly what was written for (ns, key) in the layout of
     `expected_version` (from the file's size); else the reason."""

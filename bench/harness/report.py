@@ -1,0 +1,34 @@
+"""Timing and verdicts as every benchmark prints them. Primitives: `timed(fn, reps)` -> seconds per
+call, `median_p99_ms(times)`, `verdict(passed)` -> "PASS"/"MISS", `log(message)` (progress, to stderr).
+Targets are shown, never enforced: a benchmark reports."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+
+def timed(fn: Callable[[], object], reps: int) -> list[float]:
+    """Seconds of each of `reps` calls of `fn`."""
+    out = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - started)
+    return out
+
+
+def median_p99_ms(times: list[float]) -> tuple[float, float]:
+    """(median, p99) of `times` (seconds), in milliseconds."""
+    ordered = sorted(times)
+    return statistics.median(ordered) * 1e3, ordered[int(len(ordered) * 0.99) - 1] * 1e3
+
+
+def verdict(passed: bool) -> str:
+    return "PASS" if passed else "MISS"
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)

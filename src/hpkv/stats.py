@@ -1,0 +1,183 @@
+"""The schema of a server's stats snapshot: what `Server.stats()` builds and `Client.stats()` returns.
+
+Owns: one msgspec Struct per component (`StoreCounters`, `DramStats`, `StorageStats`,
+`WriteBacklogStats`, `WriterStats`, `LimitStats`, `NamespaceStats`, `ClientStats`,
+`ServerInfo`) and the whole `ServerStats`; `from_parts` (the server's strict conversion of its
+components' dicts) and `from_wire` (the client's). Field names are the wire's: the snapshot
+crosses the socket as a plain map, so a struct is renamed only with the protocol version.
+
+Engine processes read stats through `Client.stats()`, so this module imports nothing server-side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import msgspec
+
+from .errors import HpkvError
+
+
+class StatsMismatch(HpkvError):
+    """A snapshot and this schema disagree: a field missing, mistyped, or not in the schema."""
+
+
+class StoreCounters(msgspec.Struct):
+    """The store's own counters since the server started."""
+
+    lookups: int
+    lookup_keys: int
+    hit_keys_dram: int
+    hit_keys_storage: int
+    commits: int
+    aborts: int
+    skipped_present: int
+    leases: int
+    promotions: int
+    promotion_failures: int
+    write_through_skipped: int
+    write_through_deferred: int
+    write_through_lost: int
+
+
+class DramStats(msgspec.Struct):
+    capacity_bytes: int
+    used_bytes: int
+    num_entries: int
+    free_slabs: int
+    evictions: int
+    slab_moves: int
+    reserve_failures: int
+    locked_in_memory: bool
+
+
+class StorageStats(msgspec.Struct):
+    capacity_bytes: int
+    used_bytes: int
+    num_entries: int
+    index_ready: bool
+    direct_io: bool
+    write_budget_bytes: int | None  # per day; None: unlimited
+    write_budget_available_bytes: int | None  # None: unlimited
+    reads: int
+    read_bytes: int
+    read_misses: int
+    writes: int
+    write_bytes: int
+    write_failures: int
+    bad_files: int
+    evictions: int
+    space_errors: int
+    files_scanned: int
+    temps_removed: int
+    over_budget: int
+    untrusted_files: int
+
+
+class WriteBacklogStats(msgspec.Struct):
+    """Write-throughs committed to DRAM and not yet on storage."""
+
+    entries: int
+    bytes: int
+    limit_bytes: int
+    deferred: int
+
+
+class WriterStats(msgspec.Struct):
+    """The write-through processes."""
+
+    processes: int
+    started: int
+    died: int
+    start_failures: int
+    unavailable: str | None  # why the last start failed, until one succeeds
+    nice: int
+
+
+class LimitStats(msgspec.Struct):
+    """The limits on what one client holds, and what they refused or took back."""
+
+    slot_timeout_s: float | None  # None: no time limit
+    max_slot_bytes: int | None  # None: no cap
+    max_held_bytes: int
+    capped_keys: int
+    expired_reservations: int
+    expired_leases: int
+
+
+class NamespaceStats(msgspec.Struct):
+    desc: str  # the NamespaceDesc as JSON
+    lookups: int
+    lookup_keys: int
+    hit_keys_dram: int
+    hit_keys_storage: int
+
+
+class ClientStats(msgspec.Struct):
+    id: int
+    pid: int
+    uid: int
+    kind: str
+    connected_s: float
+    leases: int
+
+
+class ServerInfo(msgspec.Struct):
+    pid: int
+    version: str
+    protocol: int
+    auto: bool  # started by a client, not by `hpkv server`
+    uptime_s: float
+    socket: str  # paths as `protocol.display_path` writes them
+    pool_path: str
+    storage_path: str
+
+
+class ServerStats(msgspec.Struct):
+    store: StoreCounters
+    dram: DramStats
+    namespaces: dict[str, NamespaceStats]  # by namespace id
+    leases: int
+    reservations: int
+    limits: LimitStats
+    quarantined: int
+    holds: int
+    write_backlog: WriteBacklogStats | None  # None: no storage tier
+    storage: StorageStats | None  # None: no storage tier, or it is unusable
+    storage_unusable: str | None  # why the storage tier is off though enabled
+    writers: WriterStats | None  # None: writes in threads
+    server: ServerInfo
+    clients: list[ClientStats]
+
+
+def from_wire(raw: Any) -> ServerStats:
+    """The snapshot a client received; fields it does not know (a newer server's) are ignored."""
+    try:
+        return msgspec.convert(raw, ServerStats)
+    except msgspec.ValidationError as exc:
+        raise StatsMismatch(f"the server's stats do not match hpkv.stats: {exc}; run one hpkv version on both "
+                            "sides (restart the server after an upgrade)") from None
+
+
+def from_parts(raw: Mapping[str, Any]) -> ServerStats:
+    """The snapshot of the components' dicts; a field this schema lacks is an error too, so a
+    producer and the schema cannot drift apart unnoticed."""
+    stats = from_wire(raw)
+    unknown = next(_unknown(raw, msgspec.to_builtins(stats), "$"), None)
+    if unknown is not None:
+        raise StatsMismatch(f"the server's stats have a field hpkv.stats lacks: {unknown}")
+    return stats
+
+
+def _unknown(raw: Any, known: Any, path: str) -> Iterator[str]:
+    """The paths of the fields in `raw` that its conversion `known` dropped."""
+    if isinstance(raw, Mapping) and isinstance(known, Mapping):
+        for name, value in raw.items():
+            if name not in known:
+                yield f"{path}.{name}"
+            else:
+                yield from _unknown(value, known[name], f"{path}.{name}")
+    elif isinstance(raw, list) and isinstance(known, list):
+        for i, (value, kept) in enumerate(zip(raw, known, strict=False)):
+            yield from _unknown(value, kept, f"{path}[{i}]")

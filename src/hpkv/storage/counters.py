@@ -1,0 +1,53 @@
+"""What the storage tier counts and says: its counters (the `stats` snapshot) and its warnings
+of I/O errors, each kind said at most every WARN_EVERY_S.
+
+Primitives: `StorageCounters`, `ErrorLog.warn`.
+Must not know: files, the index, capacity.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger("hpkv.storage.tier")
+
+WARN_EVERY_S = 600.0  # an I/O error of one kind (what failed, errno) is said at most this often
+
+
+@dataclass
+class StorageCounters:
+    reads: int = 0
+    read_bytes: int = 0
+    read_misses: int = 0
+    writes: int = 0
+    write_bytes: int = 0
+    write_failures: int = 0
+    bad_files: int = 0
+    evictions: int = 0
+    space_errors: int = 0
+    files_scanned: int = 0
+    temps_removed: int = 0
+    over_budget: int = 0
+    untrusted_files: int = 0  # links, FIFOs... in the tree: skipped, never hits (`tree`)
+
+
+class ErrorLog:
+    """Say an I/O error at most every WARN_EVERY_S per kind: once for the life of the process
+    hid a device that failed again hours later; every time flooded the log."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._said_at: dict[tuple[str, int | None], float] = {}  # (what failed, errno) -> when last said
+
+    def warn(self, exc: OSError | None, what: str, then: str = "the entry stays in DRAM only") -> None:
+        code = exc.errno if exc else 0
+        now = self._clock()
+        if now - self._said_at.get((what, code), -math.inf) < WARN_EVERY_S:
+            return
+        self._said_at[(what, code)] = now
+        log.warning("%s: %s; %s (errors of this kind are counted, and said at most every %.0f minutes)", what,
+                    exc.strerror if exc else "no room within HPKV_KV_STORAGE_SIZE", then, WARN_EVERY_S / 60)

@@ -1,0 +1,301 @@
+"""The storage index: the entry files this tier counts as hits, least recently used first.
+
+An index key is a namespace's 2-byte number and the engine key in one bytes object (`key`); an
+index value packs a file's size and the minute this index last knew it used in one int, shared
+by every file of that size and minute (`value_of`; read with `size_of`, `used_minute_s`). A
+large directory holds millions of files: a tuple per key, or a float per file, cost tens of
+bytes each.
+
+Besides the order it keeps what must not become a hit again: victims an eviction popped and has
+not unlinked yet (`being_evicted`), files this tier cannot read (`UnreadableMarks`, until a time
+or for good), and, while the start-up scan runs, what left the index meanwhile (`add_scanned`
+does not bring it back).
+
+Primitives: `key`/`split`, `in`, `items`, `holds` (the bare membership test, for walks over many keys),
+`remember`, `forget`, `touch`, `was_read`, `pop_victims`/`evicted`/`unpop`/`put_back` (an
+eviction's steps), `remove`, `add_scanned`/`scan_merged`; `used_bytes`. Thread-safe: one lock
+(`lock`), which the marks share.
+Must not know: the file system, capacity, how files are read or written.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+
+from ..errors import StorageError
+
+SIZE_BITS = 40  # an index value: the file's size in its low bits, the minute above them
+MAX_FILE_BYTES = (1 << SIZE_BITS) - 1  # a file larger than this (1 TiB) is no KV file of ours: never indexed
+MAX_VALUES = 1 << 16  # distinct index values kept for sharing (`value_of`)
+MAX_UNREADABLE = 1 << 20  # files this tier cannot read, remembered so that no lookup counts them as hits
+MAX_NAMESPACES = 1 << 16  # an index key's namespace number is 2 bytes
+NEVER = math.inf  # an unreadable mark for good
+REMOVALS_KEPT = 64  # removes an eviction tells apart by namespace; past that many, all count as removed
+
+Clock = Callable[[], float]
+Victims = list[tuple[bytes, int]]  # (index key, index value)
+
+
+def size_of(value: int) -> int:
+    """The file size an index value holds."""
+    return value & MAX_FILE_BYTES
+
+
+def used_minute_s(value: int) -> float:
+    """The start of the minute (wall clock seconds) an index value knew its file used."""
+    return (value >> SIZE_BITS) * 60
+
+
+class UnreadableMarks:
+    """Files this tier cannot read, by index key: not adopted again by a lookup's `stat`, or
+    every lookup would count them as hits that every read then misses. A mark holds until the
+    clock passes its time (inf: for good), or until it is dropped (`unmark`: the key was written
+    or read after all). Bounded: marks past their time go first, then, if that is not enough, all
+    (those files are found again, one read each)."""
+
+    def __init__(self, lock: threading.Lock, clock: Clock = time.monotonic, max_marks: int = MAX_UNREADABLE) -> None:
+        self._lock = lock
+        self._clock = clock
+        self._max_marks = max_marks
+        self._until: dict[bytes, float] = {}
+
+    def __contains__(self, ik: bytes) -> bool:
+        """Whether `ik` has a mark, past its time or not: no lock, no clock."""
+        return ik in self._until
+
+    def __iter__(self):
+        return iter(list(self._until))
+
+    def mark(self, ik: bytes, for_s: float) -> None:
+        """Caller holds the lock."""
+        now = self._clock()
+        if len(self._until) >= self._max_marks:
+            for k in [k for k, until in self._until.items() if until <= now]:
+                del self._until[k]
+            if len(self._until) >= self._max_marks:
+                self._until.clear()
+        self._until[ik] = now + for_s
+
+    def unmark(self, ik: bytes, locked: bool = False) -> None:
+        if locked:
+            self._until.pop(ik, None)
+        else:
+            with self._lock:
+                self._until.pop(ik, None)
+
+    def is_marked(self, ik: bytes, locked: bool = False) -> bool:
+        """Whether `ik` is marked; a mark past its time is dropped, unless marked again
+        meanwhile. `locked`: the caller holds the lock (else it is taken only to drop a mark)."""
+        until = self._until.get(ik)
+        if until is None:
+            return False
+        if until > self._clock():
+            return True
+        if locked:
+            self._drop(ik, until)
+        else:
+            with self._lock:
+                self._drop(ik, until)
+        return False
+
+    def _drop(self, ik: bytes, until: float) -> None:
+        """Caller holds the lock."""
+        if self._until.get(ik) == until:
+            del self._until[ik]
+
+
+class FileIndex:
+    def __init__(self, where: str, clock: Clock = time.monotonic, wall_clock: Clock = time.time,
+                 max_marks: int = MAX_UNREADABLE) -> None:
+        self._where = where  # the root, for messages
+        self._wall_clock = wall_clock  # file mtimes are wall clock times: so are the minutes here
+        self.lock = threading.Lock()
+        self._lru: OrderedDict[bytes, int] = OrderedDict()
+        self.holds: Callable[[bytes], bool] = self._lru.__contains__
+        self.used_bytes = 0
+        self.marks = UnreadableMarks(self.lock, clock, max_marks)
+        self._ns_ids: dict[str, bytes] = {}
+        self._ns_names: list[str] = []
+        self._values: dict[int, int] = {}  # one int object per (size, minute), not one per file
+        self._evicting: set[bytes] = set()
+        # `remove`s so far, and the prefixes of the last ones (None: all): a victim an eviction
+        # spared must not come back past a remove of its namespace.
+        self._removals = 0
+        self._removed: deque[bytes | None] = deque(maxlen=REMOVALS_KEPT)
+        # Until the start-up scan is merged: keys that left the index, namespaces removed (None: all).
+        self._gone: set[bytes] | None = set()
+        self._cleared: set[str | None] = set()
+
+    def __contains__(self, ik: bytes) -> bool:
+        return ik in self._lru
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def items(self) -> list[tuple[bytes, int]]:
+        """(index key, index value) of every file, least recently used first: a snapshot."""
+        with self.lock:
+            return list(self._lru.items())
+
+    def key(self, ns: str, key: bytes) -> bytes:
+        """The index key of (ns, key). StorageError past MAX_NAMESPACES namespaces."""
+        ns_id = self._ns_ids.get(ns)
+        if ns_id is None:
+            with self.lock:
+                ns_id = self._ns_ids.get(ns)
+                if ns_id is None:
+                    if len(self._ns_names) >= MAX_NAMESPACES:
+                        raise StorageError(f"more than {MAX_NAMESPACES} namespaces under {self._where}")
+                    ns_id = self._ns_ids[ns] = len(self._ns_names).to_bytes(2, "big")
+                    self._ns_names.append(ns)
+        return ns_id + key
+
+    def split(self, ik: bytes) -> tuple[str, bytes]:
+        """(ns, key) of an index key."""
+        return self._ns_names[int.from_bytes(ik[:2], "big")], ik[2:]
+
+    def value_of(self, size: int, used_s: float) -> int:
+        """An index value: `size` and the minute of `used_s` (wall clock), shared by every file of
+        that size and minute. So files get the minute they are used, found or scanned in, never
+        their own mtimes: millions of distinct ints."""
+        value = (int(used_s // 60) << SIZE_BITS) | size
+        if len(self._values) >= MAX_VALUES:  # bounded: values already indexed stay, only less shared
+            self._values.clear()
+        return self._values.setdefault(value, value)
+
+    def remember(self, ik: bytes, size: int) -> None:
+        """Index `ik` as the most recently used, now."""
+        value = self.value_of(size, self._wall_clock())
+        with self.lock:
+            old = self._lru.get(ik)
+            self._lru[ik] = value
+            self.used_bytes += size - (size_of(old) if old is not None else 0)
+            self._lru.move_to_end(ik)
+
+    def forget(self, ik: bytes, unreadable_s: float | None = None) -> None:
+        """Out of the index; and marked unreadable for `unreadable_s` if given, in the same hold
+        of the lock, so that no lookup adopts the file in between."""
+        with self.lock:
+            value = self._lru.pop(ik, None)
+            if value is not None:
+                self.used_bytes -= size_of(value)
+            if self._gone is not None:
+                self._gone.add(ik)
+            if unreadable_s is not None:
+                self.marks.mark(ik, unreadable_s)
+
+    def touch(self, prefix: bytes, keys: Iterable[bytes]) -> None:
+        """Make `prefix + key` of each key indexed the most recently used, in the order given."""
+        with self.lock:
+            for key in keys:
+                if prefix + key in self._lru:
+                    self._lru.move_to_end(prefix + key)
+
+    def was_read(self, ik: bytes) -> None:
+        """`ik`'s file was just read whole: readable (no mark), and the most recently used."""
+        with self.lock:
+            self.marks.unmark(ik, locked=True)
+            value = self._lru.get(ik)
+            if value is not None:
+                self._lru[ik] = self.value_of(size_of(value), self._wall_clock())
+                self._lru.move_to_end(ik)
+
+    def being_evicted(self, ik: bytes) -> bool:
+        """Popped by an eviction and not unlinked yet: a lookup's `stat` must not adopt it."""
+        return ik in self._evicting
+
+    def pop_victims(self, excess: Callable[[int], int], freed: int) -> tuple[Victims, int]:
+        """Pop the least recently used while `excess(freed)`, less what is popped, is positive;
+        with the number of removes so far (for `put_back`). `excess` is called with the lock held."""
+        victims: Victims = []
+        with self.lock:
+            removals = self._removals
+            over = excess(freed)
+            while self._lru and over > 0:
+                ik, value = self._lru.popitem(last=False)
+                self.used_bytes -= size_of(value)
+                over -= size_of(value)
+                victims.append((ik, value))
+                self._evicting.add(ik)
+            if self._gone is not None:
+                self._gone.update(ik for ik, _ in victims)
+        return victims, removals
+
+    def evicted(self, ik: bytes) -> None:
+        """A victim settled (unlinked, spared or kept): no longer a miss to lookups."""
+        with self.lock:
+            self._evicting.discard(ik)
+
+    def unpop(self, victims: Victims) -> None:
+        """Victims an eviction popped and did not get to (something raised): back at the old end,
+        counted again, no longer misses to lookups."""
+        if not victims:
+            return
+        with self.lock:
+            for ik, value in reversed(victims):
+                self._evicting.discard(ik)
+                if ik not in self._lru:
+                    self._lru[ik] = value
+                    self._lru.move_to_end(ik, last=False)
+                    self.used_bytes += size_of(value)
+
+    def put_back(self, spared: Victims, removals: int) -> int:
+        """Index the victims an eviction spared (at the recent end), unless written again or
+        found unreadable meanwhile, or removed since `removals` (their files are going: their
+        bytes, returned, count as freed)."""
+        freed = 0
+        with self.lock:
+            removed = self._removed_since(removals)
+            for ik, value in spared:
+                if removed is None or ik[:2] in removed:
+                    freed += size_of(value)
+                elif ik not in self._lru and not self.marks.is_marked(ik, locked=True):
+                    self._lru[ik] = value
+                    self.used_bytes += size_of(value)
+        return freed
+
+    def remove(self, ns: str | None) -> None:
+        """Forget every file (of namespace `ns`)."""
+        prefix = None if ns is None else self.key(ns, b"")
+        with self.lock:
+            self._removals += 1
+            self._removed.append(prefix)
+            for k in [k for k in self._lru if prefix is None or k[:2] == prefix]:
+                self.used_bytes -= size_of(self._lru.pop(k))
+            if self._gone is not None:  # what a running start-up scan found here must not come back
+                self._cleared.add(ns)
+
+    def add_scanned(self, found: Iterable[tuple[bytes, int]]) -> bool:
+        """Index files the start-up scan found, each at the old end, behind what is known, except
+        what left the index or was removed since the scan began. False, adding nothing, once
+        every namespace was removed."""
+        with self.lock:
+            if None in self._cleared:
+                return False
+            gone = self._gone if self._gone is not None else set()
+            cleared = {self._ns_ids.get(ns) for ns in self._cleared if ns is not None}  # no new ids: lock held
+            for ik, value in found:
+                if ik in self._lru or ik in gone or ik[:2] in cleared:
+                    continue
+                self._lru[ik] = value
+                self._lru.move_to_end(ik, last=False)
+                self.used_bytes += size_of(value)
+        return True
+
+    def scan_merged(self) -> None:
+        """The start-up scan is in: stop keeping what left the index for it."""
+        with self.lock:
+            self._gone = None
+
+    def _removed_since(self, removals: int) -> set[bytes] | None:
+        """The prefixes removed since `removals` (None: all namespaces). Caller holds the lock."""
+        num = self._removals - removals
+        if num > len(self._removed):
+            return None
+        recent = list(self._removed)[len(self._removed) - num :] if num else []
+        return None if None in recent else {p for p in recent if p is not None}
+

@@ -1,0 +1,42 @@
+"""The store's counters: plain dataclasses the store's parts bump under the store's lock.
+
+Owns: `StoreCounters` (the whole store's: `stats()["store"]`) and `NamespaceHits` (one per
+namespace: `stats()["namespaces"][ns]`, beside its description). Field names are stats keys.
+Must not know: the lock, the tiers, or who reads the stats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class StoreCounters:
+    lookups: int = 0
+    lookup_keys: int = 0
+    hit_keys_dram: int = 0
+    hit_keys_storage: int = 0
+    commits: int = 0
+    aborts: int = 0
+    skipped_present: int = 0
+    leases: int = 0
+    promotions: int = 0
+    promotion_failures: int = 0
+    write_through_skipped: int = 0
+    write_through_deferred: int = 0
+    write_through_lost: int = 0
+
+
+@dataclass
+class NamespaceHits:
+    lookups: int = 0
+    lookup_keys: int = 0
+    hit_keys_dram: int = 0
+    hit_keys_storage: int = 0
+
+    def count(self, num_keys: int, num_dram: int, num_storage: int) -> None:
+        """One lookup of `num_keys` keys, whose leading hits were in DRAM and on storage."""
+        self.lookups += 1
+        self.lookup_keys += num_keys
+        self.hit_keys_dram += num_dram
+        self.hit_keys_storage += num_storage

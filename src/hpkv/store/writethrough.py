@@ -1,0 +1,216 @@
+"""Write-through: committed entries written to the storage tier, the backlog they form, and the
+way a closing store finishes or gives up those writes.
+
+Owns: the write threads and the writer processes (`storage/writer.py`), the backlog (entries
+committed and not written yet: each pins its slot; their count and payload bytes), its limit, the
+deferred entries (committed past the limit, oldest first: unpinned, written once the backlog
+drains if DRAM still holds them), the writes in flight, and the closing and abandoned flags.
+Primitives: `admit` (caller holds the lock), `submit`, `flush`, `close`, `stats` (caller holds
+the lock).
+Must not know: leases, reservations, holds; who committed an entry.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+
+from ..pool.region import PoolRegion
+from ..pool.tier import DramEntry, DramTier
+from ..storage.tier import StorageTier
+from ..storage.writer import WriterPool, WriterUnavailable
+from .counters import StoreCounters
+
+log = logging.getLogger(__name__)
+
+
+def write_threads(io_threads: int, cpus: int | None = None) -> int:
+    """Threads for write-throughs: HPKV_IO_THREADS, at most a quarter of the CPUs (at least 2)."""
+    cpus = cpus or os.cpu_count() or 1
+    return max(1, min(io_threads, max(2, cpus // 4)))
+
+
+class WriteThrough:
+    def __init__(self, lock: threading.Lock, dram: DramTier, storage: StorageTier, region: PoolRegion,
+                 counters: StoreCounters, limit_bytes: float, write_processes: bool) -> None:
+        self._lock = lock
+        self._dram = dram
+        self._storage = storage
+        self._region = region
+        self._counters = counters
+        self.limit_bytes = limit_bytes
+        self.num_entries = self.num_bytes = 0  # the backlog: pinned, waiting for their write
+        self._deferred: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+        self._writes: set[Future] = set()
+        self._num_ended = 0
+        self._closing = False  # what is committed from now on is not written
+        self.abandoned = False  # the writes were given up: those still running stop short
+        # Threads of their own, so a promotion a request waits for never queues behind a write;
+        # few, each waiting for a writer process (own GIL, lower priority): in process, busy
+        # threads compete for the GIL with the server's request handlers.
+        threads = write_threads(storage.config.io_threads)
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="hpkv-write")
+        self.writers = WriterPool(region.share_fd(), threads, storage.config.write_nice) if write_processes else None
+
+    def admit(self, entry: DramEntry) -> bool:
+        """Whether to submit a published entry's write now: into the backlog (pinned: the write
+        reads the slot) if it has room and nothing waits before it; else deferred (or, while
+        closing, lost). Caller holds the lock."""
+        if self._closing:  # the pool goes with the server: nothing to write it for
+            self._counters.write_through_lost += 1
+            return False
+        size = self._dram.entry_bytes(entry.ns)
+        if self.num_entries and (self._deferred or self.num_bytes + size > self.limit_bytes):
+            if (entry.ns, entry.key) not in self._deferred:  # evicted and committed again: once
+                self._deferred[(entry.ns, entry.key)] = None
+                self._counters.write_through_deferred += 1
+            if len(self._deferred) > 2 * self._dram.num_entries + 64:  # so at least half are gone from DRAM
+                self._prune_deferred()
+            return False
+        self._pin(entry)
+        return True
+
+    def _pin(self, entry: DramEntry) -> None:
+        self._dram.pin(entry)
+        self.num_entries += 1
+        self.num_bytes += self._dram.entry_bytes(entry.ns)
+
+    def _prune_deferred(self) -> None:
+        """Forget the deferred entries DRAM no longer holds. Caller holds the lock."""
+        kept = OrderedDict((k, None) for k in self._deferred if k[1] in self._dram.index_of(k[0]))
+        self._counters.write_through_lost += len(self._deferred) - len(kept)
+        self._deferred = kept
+
+    def _admit_deferred(self) -> list[DramEntry]:
+        """The deferred entries the backlog has room for now, oldest first. Caller holds the lock."""
+        admitted = []
+        while self._deferred:
+            ns, key = next(iter(self._deferred))
+            if self.num_entries and self.num_bytes + self._dram.entry_bytes(ns) > self.limit_bytes:
+                break
+            del self._deferred[(ns, key)]
+            entry = self._dram.index_of(ns).get(key)
+            if entry is None:  # evicted or cleared before its turn: it was in DRAM only
+                self._counters.write_through_lost += 1
+                continue
+            if not entry.ready:  # evicted and reserved again: its own commit writes it through
+                continue
+            self._pin(entry)
+            admitted.append(entry)
+        return admitted
+
+    def submit(self, entries: list[DramEntry]) -> None:
+        """Queue the writes of entries `admit` took into the backlog (without the lock)."""
+        todo = deque(entries)
+        while todo:
+            entry = todo.popleft()
+            try:
+                write = self._executor.submit(self._write, entry)
+            except RuntimeError:  # the store is closed: the entry is not written
+                with self._lock:
+                    self._counters.write_through_lost += 1
+                todo.extend(self._finished(entry))
+                continue
+            with self._lock:
+                self._writes.add(write)
+            write.add_done_callback(self._write_done)
+
+    def _write_done(self, write: Future) -> None:
+        with self._lock:
+            self._writes.discard(write)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the writes queued so far, deferred ones included, are on storage (or have
+        failed). False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                pending = list(self._writes)
+            if not pending:
+                return True
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if futures_wait(pending, left).not_done:
+                return False
+
+    def _write(self, entry: DramEntry) -> None:
+        try:
+            if self.abandoned:
+                return
+            if self._storage.contains(entry.ns, entry.key):
+                self._counters.write_through_skipped += 1
+                return
+            if self.writers is not None:
+                try:
+                    self._write_in_writer(entry)
+                    return
+                except WriterUnavailable:
+                    if self.abandoned:  # the processes were killed: not written, and not here either
+                        return
+                    # said by the writer pool; this one is written here
+            view = self._region.view(entry.offset, self._dram.entry_bytes(entry.ns))
+            try:
+                self._storage.write_from(entry.ns, entry.key, view)
+            finally:
+                view.release()
+        except Exception:
+            log.exception("write-through to storage failed; the entry stays in DRAM only")
+        finally:
+            self.submit(self._finished(entry))
+
+    def _finished(self, entry: DramEntry) -> list[DramEntry]:
+        """Out of the backlog; returns the deferred entries that now take its place."""
+        with self._lock:
+            self._num_ended += 1
+            self._dram.unpin(entry)
+            self.num_entries -= 1
+            self.num_bytes -= self._dram.entry_bytes(entry.ns)
+            return self._admit_deferred()
+
+    def _write_in_writer(self, entry: DramEntry) -> None:
+        length, fsync, writers = self._dram.entry_bytes(entry.ns), self._storage.config.fsync, self.writers
+        assert writers is not None
+        version = self._storage.write_version(length)
+        self._storage.publish(entry.ns, entry.key, length, version, lambda target: writers.write(
+            entry.ns, entry.key, entry.offset, length, target, fsync, version))
+
+    def close(self, abandon: threading.Event | None, stalled_s: float) -> bool:
+        """Finish the writes queued and deferred (entries committed from now on are not written),
+        giving them up once `abandon` is set or when none has ended for `stalled_s`; stop the
+        threads and processes. Returns whether the writes were given up."""
+        with self._lock:
+            self._closing = True
+        done, progress_at = self._num_ended, time.monotonic()
+        while not self.flush(timeout=0.2):
+            if self._num_ended != done:
+                done, progress_at = self._num_ended, time.monotonic()
+            stalled = time.monotonic() - progress_at > stalled_s
+            if stalled or (abandon is not None and abandon.is_set()):
+                self._abandon(f"storage has finished no write for {stalled_s:.0f} s" if stalled
+                              else "asked to stop again")
+                break
+        self._executor.shutdown(wait=not self.abandoned)
+        if self.writers is not None:
+            self.writers.close()
+        return self.abandoned
+
+    def _abandon(self, why: str) -> None:
+        with self._lock:
+            self.abandoned = True
+            waiting = self.num_entries + len(self._deferred)
+            self._counters.write_through_lost += len(self._deferred)
+            self._deferred.clear()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.writers is not None:
+            self.writers.kill()  # a job in hand fails at once, even on a device that does not answer
+        log.warning("%s: stopping without writing the %d entries still waiting for storage (they are lost with "
+                    "the pool)", why, waiting)
+
+    def stats(self) -> dict[str, float]:
+        """`stats()["write_backlog"]`. Caller holds the lock."""
+        return {"entries": self.num_entries, "bytes": self.num_bytes, "limit_bytes": self.limit_bytes,
+                "deferred": len(self._deferred)}
