@@ -96,7 +96,7 @@ def test_the_scheduler_settles_a_step_on_every_rank_and_rewinds_the_requests_tha
     and the lease the step loaded under is released."""
     from vllm.v1.outputs import KVConnectorOutput
 
-    from hpkv.integrations.vllm.costmodel import FixedThreshold
+    from hpkv.costmodel import FixedThreshold
     from hpkv.integrations.vllm.holds import HpkvWorkerMeta, SaveHolds
     from hpkv.integrations.vllm.metadata import HpkvConnectorStats
     from hpkv.integrations.vllm.scheduler import NEVER, HpkvScheduler, _Req

@@ -28,7 +28,7 @@ def node(shm_dir, tmp_path):
 
 def scheduler_half(node, num_ranks: int):
     """The half as vLLM's engine core holds it, loading every hit (threshold 0)."""
-    from hpkv.integrations.vllm.costmodel import FixedThreshold
+    from hpkv.costmodel import FixedThreshold
     from hpkv.integrations.vllm.holds import SaveHolds
     from hpkv.integrations.vllm.metadata import HpkvConnectorStats
     from hpkv.integrations.vllm.scheduler import HpkvScheduler

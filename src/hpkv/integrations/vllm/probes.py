@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ...costmodel import AffineCost, attention_kappa
 from ...errors import HpkvError
-from .costmodel import AffineCost, attention_kappa
 
 log = logging.getLogger("hpkv.vllm.probes")
 

@@ -29,7 +29,7 @@ from ...server.client import Client, LeaseHandle
 from ...types import HOLD_TIMEOUT_S, Tier
 from . import layout as lay
 from . import modelid, probes
-from .costmodel import AffineCost, AutoThreshold, CostModel, FixedThreshold
+from ...costmodel import AffineCost, AutoThreshold, CostModel, FixedThreshold
 from .holds import HpkvWorkerMeta, SaveHolds
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats, LoadJob, SaveJob
 
