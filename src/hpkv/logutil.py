@@ -13,21 +13,21 @@ from collections.abc import Hashable
 
 
 class Throttle:
-    """`allows(now, interval_s, kind)`: whether a record of `kind` may be said now; `quieted(kind)`:
-    how many `allows` refused before the last one it allowed. Not locked: a race says one twice."""
+    """`allows(now, interval_s, kind)`: whether a record of `kind` may be said now;
+    `num_refused(kind)`: how many `allows` refused since it last allowed one. Not locked: a race
+    at worst says one record twice."""
 
     def __init__(self) -> None:
         self._said_at: dict[Hashable, float] = {}
-        self._refused: dict[Hashable, int] = {}  # since the last one allowed
-        self._quieted: dict[Hashable, int] = {}  # before the last one allowed
+        self._refused: dict[Hashable, int] = {}
 
     def allows(self, now: float, interval_s: float, kind: Hashable = None) -> bool:
         if now - self._said_at.get(kind, -math.inf) < interval_s:
             self._refused[kind] = self._refused.get(kind, 0) + 1
             return False
         self._said_at[kind] = now
-        self._quieted[kind] = self._refused.pop(kind, 0)
+        self._refused[kind] = 0
         return True
 
-    def quieted(self, kind: Hashable = None) -> int:
-        return self._quieted.get(kind, 0)
+    def num_refused(self, kind: Hashable = None) -> int:
+        return self._refused.get(kind, 0)

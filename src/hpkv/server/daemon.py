@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import signal
 import socket
@@ -38,6 +37,7 @@ from .. import __version__, safefs
 from .. import stats as st
 from ..config import Settings, load_settings
 from ..errors import HpkvError, PoolError
+from ..logutil import Throttle
 from ..pool.region import prepare_directory
 from ..procs import peer_ids
 from ..store import TieredStore
@@ -74,7 +74,7 @@ class Server:
         self._next_id = 1
         self._last_client_left = time.monotonic()
         self._listener: socket.socket | None = None
-        self._accept_warned_at = -math.inf
+        self._accept_warnings = Throttle()
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -159,9 +159,7 @@ class Server:
     def _accept_failed(self, why: str) -> None:
         """Logged at most once a minute (the rest at DEBUG); a short pause so that a lasting cause
         (EMFILE) does not spin. The client sees its connection refused or closed and retries."""
-        now = time.monotonic()
-        if now - self._accept_warned_at >= 60.0:
-            self._accept_warned_at = now
+        if self._accept_warnings.allows(time.monotonic(), 60.0):
             log.warning("%s; the clients connected already are served, new ones are retried (raise the limit "
                         "on open files, `ulimit -n`, or the memory limit if this repeats)", why)
         else:
