@@ -284,7 +284,8 @@ class AutoThreshold:
                 return
             # Break-evens are whole blocks: a move of one block near the bottom (32 <-> 64 tokens,
             # as the measured prefill rate wanders) is noise, not news.
-            if old is not None and abs(tokens - old) > max(MATERIAL_CHANGE * old, self.model.block_size):
+            if (old is not None and tokens is not None
+                    and abs(tokens - old) > max(MATERIAL_CHANGE * old, self.model.block_size)):
                 self._log("measured")
                 return
 
