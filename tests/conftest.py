@@ -1,4 +1,5 @@
-"""Shared fixtures: real directories on a real tmpfs (/dev/shm) and on the disk."""
+"""Shared fixtures: real directories on a real tmpfs (/dev/shm) and on the disk, a server test's
+node, and the tiny model the vLLM engine tests serve. Helpers live in the `helpers` package."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
-from hpkv.config import PoolConfig, StorageConfig
 
 
 @pytest.fixture
@@ -26,14 +25,24 @@ def storage_dir(tmp_path):
     return path
 
 
-def make_storage_config(path: Path, capacity_bytes: int | None = None, fsync: str = "off",
-                        io_threads: int = 4) -> StorageConfig:
-    return StorageConfig(path=Path(path), enabled=True, capacity_bytes=capacity_bytes, fsync=fsync,
-                         io_threads=io_threads)
+@pytest.fixture
+def node(shm_dir, tmp_path):
+    """A `helpers.server.Node` on `shm_dir` (no server started); whatever it started is killed after."""
+    from helpers.server import Node
+
+    node = Node(shm_dir, tmp_path)
+    yield node
+    node.close()
 
 
-def make_pool_config(path: Path, size_bytes: int = 64 << 20) -> PoolConfig:
-    return PoolConfig(dir=Path(path), size_bytes=size_bytes)
+@pytest.fixture(scope="module")
+def model():
+    """The vLLM engine tests' tiny random Qwen2 (`helpers.vllm.MODEL_DIR`)."""
+    from helpers.vllm import MODEL_DIR
+
+    from hpkv.demo.model import build_model
+
+    return build_model(MODEL_DIR)
 
 
 def pytest_configure(config):

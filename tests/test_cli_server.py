@@ -28,7 +28,7 @@ from hpkv.server.autostart import answers
 from hpkv.server.client import Client
 from hpkv.status import human_bytes
 from hpkv.types import Tier
-from serverutil import stop
+from helpers.processes import stop
 
 HPKV_SCRIPT = Path(sys.executable).parent / "hpkv"
 ENTRY_BYTES = 4096

@@ -223,7 +223,7 @@ def test_an_automatic_capacity_on_ramfs_is_a_share_of_half_the_memory_available(
 def test_on_ramfs_beside_the_pool_a_server_starting_now_leaves_the_pool_its_memory(tmp_path, monkeypatch):
     """Storage and a 2 GiB pool on one ramfs, 8 GiB available (in a container: what its cgroup
     leaves): a server starting now takes the pool's memory first, and the tier half of the rest."""
-    from test_fsinfo import GIB, pretend
+    from helpers.machine import GIB, pretend
 
     point = tmp_path / "ram"
     pretend(monkeypatch, tmp_path, 64 * GIB, ramfs=(point,), cgroup="/ctr", limits={"/ctr": (str(10 * GIB), 2 * GIB, 0)})
@@ -350,7 +350,7 @@ def test_namespaces_that_find_their_keys_are_fine():
 def test_a_pool_above_a_container_s_limit_is_a_warning_not_a_failure(tmp_path, monkeypatch):
     """64 GiB available on the host, 2 GiB left under the container's memory.max: the server
     creates an 8 GiB pool on ramfs (it warns), so doctor warns too, naming the limit."""
-    from test_fsinfo import GIB, pretend
+    from helpers.machine import GIB, pretend
 
     point = tmp_path / "ram"
     pretend(monkeypatch, tmp_path, 64 * GIB, ramfs=(point,), cgroup="/ctr", limits={"/ctr": (str(4 * GIB), 2 * GIB, 0)})
@@ -365,7 +365,7 @@ def test_storage_on_ramfs_leaves_out_a_pool_on_tmpfs_too_less_what_its_file_alre
     """As the server: the pages a pool on any memory file system has yet to take are left out
     of the room, and those a pool file already there holds are not left out twice."""
     from hpkv.pool.region import POOL_FILE_NAME
-    from test_fsinfo import GIB, pretend
+    from helpers.machine import GIB, pretend
 
     point = tmp_path / "ram"
     pretend(monkeypatch, tmp_path, 8 * GIB, ramfs=(point,))

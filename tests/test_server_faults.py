@@ -17,7 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from serverutil import Node, desc, entry_key, kill, payload, stop, wait_for, wait_gone
+from helpers.keys import desc, entry_key, payload
+from helpers.processes import kill, stop, wait_gone
+from helpers.waiting import wait_for
 from hpkv.config import load_settings
 from hpkv.errors import PoolError
 from hpkv.server import daemon
@@ -27,13 +29,6 @@ from hpkv.types import Tier
 DRAM, STORAGE = int(Tier.DRAM), int(Tier.STORAGE)
 SMALL = 64 << 10
 BIG = 1 << 20  # 64 slots in the 64m pool
-
-
-@pytest.fixture
-def node(shm_dir, tmp_path):
-    node = Node(shm_dir, tmp_path)
-    yield node
-    node.close()
 
 
 def storage_entries(stats: dict) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_storage_config
+from helpers.config import make_storage_config
 from hpkv.errors import StorageError
 from hpkv.keys import make_key
 from hpkv.storage import format as fmt
@@ -1470,7 +1470,7 @@ def test_an_automatic_capacity_on_ramfs_leaves_out_the_pool_and_a_container_s_li
                                                                                     monkeypatch, caplog):
     """The host says 64 GiB available, the container's cgroup leaves 24 GiB, and a 10 GiB pool on
     ramfs will take its pages later: auto is 80% of half of the 14 GiB left."""
-    from test_fsinfo import GIB, pretend
+    from helpers.machine import GIB, pretend
 
     point = tmp_path / "ram"
     pretend(monkeypatch, tmp_path, 64 * GIB, ramfs=(point,), cgroup="/ctr", limits={"/ctr": (str(32 * GIB), 8 * GIB, 0)})

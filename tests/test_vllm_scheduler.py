@@ -17,13 +17,9 @@ BS = 32
 
 
 @pytest.fixture
-def node(shm_dir, tmp_path):
-    from serverutil import Node
-
-    node = Node(shm_dir, tmp_path)
+def node(node):
     node.start_server()
-    yield node
-    node.close()
+    return node
 
 
 def scheduler_half(node, num_ranks: int):
@@ -32,7 +28,7 @@ def scheduler_half(node, num_ranks: int):
     from hpkv.integrations.vllm.holds import SaveHolds
     from hpkv.integrations.vllm.metadata import HpkvConnectorStats
     from hpkv.integrations.vllm.scheduler import HpkvScheduler
-    from serverutil import desc
+    from helpers.keys import desc
 
     scheduler = HpkvScheduler.__new__(HpkvScheduler)
     scheduler.client = node.client("vllm-scheduler", retry_interval_s=0.0)
@@ -48,7 +44,7 @@ def scheduler_half(node, num_ranks: int):
 def saved(node, scheduler, keys: list[bytes]) -> None:
     """Every rank's worker has saved `keys`."""
     for rank, ns in enumerate(scheduler._ns):
-        from serverutil import desc
+        from helpers.keys import desc
 
         worker = node.client(f"vllm-worker-{rank}")
         worker.register(desc(rank))
@@ -63,7 +59,7 @@ def test_a_lease_whose_connection_was_dropped_while_it_promoted_is_a_miss(node, 
     pinned nothing once its connection was gone: the next ask is a miss, neither "ask again"
     (the request would never run) nor an exception (vLLM's engine core would die)."""
     from hpkv.integrations.vllm.scheduler import _Req
-    from serverutil import entry_key
+    from helpers.keys import entry_key
 
     scheduler = scheduler_half(node, num_ranks)
     keys = [entry_key("prompt", i) for i in range(4)]
@@ -85,7 +81,7 @@ def test_a_lease_whose_connection_was_dropped_while_it_promoted_is_a_miss(node, 
 
 def prompt(node, scheduler, num_blocks: int, **request_kw):
     """A request whose first `num_blocks` blocks every rank has saved (and one token more)."""
-    from serverutil import entry_key
+    from helpers.keys import entry_key
 
     keys = [entry_key("prompt", i) for i in range(num_blocks)]
     saved(node, scheduler, keys)
