@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from helpers.scheduler import BS, blocks, prompt, scheduler_half
 from helpers.vllm import reseed
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
@@ -115,8 +116,6 @@ def node(node):
 def test_a_lora_request_is_neither_looked_up_nor_saved(node, caplog):
     """vLLM's block hashes name an adapter by name and path: another adapter at that path would
     be served this one's KV. The base model's request with the very same blocks hits."""
-    from test_vllm_scheduler import BS, blocks, prompt, scheduler_half
-
     from hpkv.integrations.vllm.metadata import HpkvConnectorMetadata
 
     scheduler = scheduler_half(node, 1)
@@ -143,8 +142,6 @@ def test_a_lora_request_is_neither_looked_up_nor_saved(node, caplog):
 def test_a_lora_request_that_skips_the_prefix_cache_is_not_saved_either(node):
     """Prompt logprobs make vLLM skip reading the prefix cache; the request's blocks must still
     not be saved under the adapter's name."""
-    from test_vllm_scheduler import BS, prompt, scheduler_half
-
     from hpkv.integrations.vllm.metadata import HpkvConnectorMetadata
 
     scheduler = scheduler_half(node, 1)
