@@ -1,5 +1,6 @@
 """Shared fixtures: real directories on a real tmpfs (/dev/shm) and on the disk, a server test's
-node, and the tiny model the vLLM engine tests serve. Helpers live in the `helpers` package."""
+node, an `hpkv server` child with its environment, and the tiny model the vLLM engine tests serve.
+Helpers live in the `helpers` package."""
 
 from __future__ import annotations
 
@@ -33,6 +34,32 @@ def node(shm_dir, tmp_path):
     node = Node(shm_dir, tmp_path)
     yield node
     node.close()
+
+
+@pytest.fixture
+def pool_dir():
+    """The pool directory of an `hpkv server` child (`server`), on /dev/shm."""
+    path = Path(tempfile.mkdtemp(prefix="hpkv-cli-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def env(pool_dir, tmp_path):
+    """The environment of `hpkv` commands against `server`: test directories, metrics on a free port."""
+    from helpers.cli import free_port, hpkv_env
+
+    return hpkv_env(pool_dir, tmp_path / "storage", tmp_path, HPKV_METRICS_PORT=str(free_port()))
+
+
+@pytest.fixture
+def server(env, tmp_path):
+    """`hpkv server` as a child process, stopped after."""
+    from helpers.cli import ServerProcess
+
+    process = ServerProcess(env, tmp_path / "server.log")
+    yield process
+    process.stop()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from hpkv.doctor import (Check, ServerProbe, Verdict, check_hash_seed, check_mem
                          check_pool_pages, check_pool_permissions, check_pool_space, check_socket_path, check_storage,
                          check_storage_permissions, check_storage_space, check_write_backlog, run_checks)
 from hpkv.fsinfo import mount_of
-from test_cli_server import env, hpkv, hpkv_env, pool_dir, server  # noqa: F401
+from helpers.cli import hpkv, hpkv_env
 
 
 def by_name(checks: list[dict]) -> dict[str, dict]:
@@ -305,7 +305,7 @@ def test_doctor_checks_direct_io_only_when_it_is_asked_for(tmp_path, monkeypatch
 def test_doctor_names_the_setting_that_keeps_two_engines_from_sharing_kv(server, env):
     """Users cannot tell why reads never happen: one engine saves, another with a different block
     size looks up the same prompts and finds nothing. Doctor names the difference."""
-    from test_cli_server import DESC, write_entries
+    from helpers.cli import DESC, write_entries
 
     with server.client() as saver, server.client() as reader:
         write_entries(saver, 8)
@@ -324,7 +324,7 @@ def test_doctor_names_the_setting_that_keeps_two_engines_from_sharing_kv(server,
 
 def test_namespaces_that_find_their_keys_are_fine():
     from hpkv.doctor import check_namespaces
-    from test_cli_server import DESC
+    from helpers.cli import DESC
 
     def ns_stats(desc, lookup_keys, hits):
         return {"desc": desc.to_json(), "lookups": 1, "lookup_keys": lookup_keys, "hit_keys_dram": hits,
