@@ -11,12 +11,16 @@ from pathlib import Path
 import pytest
 
 
+def _fresh_shm_dir(prefix: str):
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture
 def shm_dir():
     """A fresh directory on /dev/shm (tmpfs), removed afterwards."""
-    path = Path(tempfile.mkdtemp(prefix="hpkv-test-", dir="/dev/shm"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    yield from _fresh_shm_dir("hpkv-test-")
 
 
 @pytest.fixture
@@ -38,10 +42,8 @@ def node(shm_dir, tmp_path):
 
 @pytest.fixture
 def pool_dir():
-    """The pool directory of an `hpkv server` child (`server`), on /dev/shm."""
-    path = Path(tempfile.mkdtemp(prefix="hpkv-cli-", dir="/dev/shm"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    """The pool directory of an `hpkv server` child (`server`): another fresh one on /dev/shm."""
+    yield from _fresh_shm_dir("hpkv-cli-")
 
 
 @pytest.fixture

@@ -9,7 +9,11 @@
 - `users`: running a function as another uid.
 - `server`: a node (directories, environment, servers) and client processes driven by commands.
 - `agent`: the client process side of `server.Agent` (run as `python -m helpers.agent`).
+- `cli`: `hpkv` commands against an `hpkv server` child process.
 - `storage`: KV files on a storage directory.
+- `machine`: a pretend machine (meminfo, mounts, cgroups) for `hpkv.fsinfo`.
+- `mappings`: this process's mappings of pool files, and a region's resident bytes.
+- `scheduler`: the vLLM scheduler half built by hand on a real server, no engine.
 - `vllm`: real vLLM engines with their counters, and the oracle.
 - `sglang`: real SGLang modules, host pools and arguments on a CPU-only machine.
 """
