@@ -1,4 +1,6 @@
-"""Shared fixtures: real directories on a real tmpfs (/dev/shm) and on the disk."""
+"""Shared fixtures: real directories on a real tmpfs (/dev/shm) and on the disk, a server test's
+node, an `hpkv server` child with its environment, and the tiny model the vLLM engine tests serve.
+Helpers live in the `helpers` package."""
 
 from __future__ import annotations
 
@@ -8,15 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from hpkv.config import PoolConfig, StorageConfig
+
+def _fresh_shm_dir(prefix: str):
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
 def shm_dir():
     """A fresh directory on /dev/shm (tmpfs), removed afterwards."""
-    path = Path(tempfile.mkdtemp(prefix="hpkv-test-", dir="/dev/shm"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    yield from _fresh_shm_dir("hpkv-test-")
 
 
 @pytest.fixture
@@ -26,14 +30,48 @@ def storage_dir(tmp_path):
     return path
 
 
-def make_storage_config(path: Path, capacity_bytes: int | None = None, fsync: str = "off",
-                        io_threads: int = 4) -> StorageConfig:
-    return StorageConfig(path=Path(path), enabled=True, capacity_bytes=capacity_bytes, fsync=fsync,
-                         io_threads=io_threads)
+@pytest.fixture
+def node(shm_dir, tmp_path):
+    """A `helpers.server.Node` on `shm_dir` (no server started); whatever it started is killed after."""
+    from helpers.server import Node
+
+    node = Node(shm_dir, tmp_path)
+    yield node
+    node.close()
 
 
-def make_pool_config(path: Path, size_bytes: int = 64 << 20) -> PoolConfig:
-    return PoolConfig(dir=Path(path), size_bytes=size_bytes)
+@pytest.fixture
+def pool_dir():
+    """The pool directory of an `hpkv server` child (`server`): another fresh one on /dev/shm."""
+    yield from _fresh_shm_dir("hpkv-cli-")
+
+
+@pytest.fixture
+def env(pool_dir, tmp_path):
+    """The environment of `hpkv` commands against `server`: test directories, metrics on a free port."""
+    from helpers.cli import free_port, hpkv_env
+
+    return hpkv_env(pool_dir, tmp_path / "storage", tmp_path, HPKV_METRICS_PORT=str(free_port()))
+
+
+@pytest.fixture
+def server(env, tmp_path):
+    """`hpkv server` as a child process, stopped after."""
+    from helpers.cli import ServerProcess
+
+    process = ServerProcess(env, tmp_path / "server.log")
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The vLLM engine tests' tiny random Qwen2 (`helpers.vllm.MODEL_DIR`)."""
+    from helpers.vllm import MODEL_DIR
+
+    from hpkv.demo.model import build_model
+
+    return build_model(MODEL_DIR)
 
 
 def pytest_configure(config):

@@ -8,7 +8,10 @@ import threading
 
 import pytest
 
-from serverutil import Node, _answers, desc, entry_key, payload, wait_for
+from helpers.keys import desc, entry_key, payload
+from helpers.server import Node
+from helpers.waiting import wait_for
+from hpkv.server.autostart import answers
 from hpkv.config import load_settings
 from hpkv.server import daemon
 from hpkv.types import Tier
@@ -24,7 +27,7 @@ def node(shm_dir, tmp_path, monkeypatch):
     server = daemon.Server(load_settings(node.env))
     thread = threading.Thread(target=server.run, name="hpkv-server", daemon=True)
     thread.start()
-    wait_for(lambda: _answers(node.socket_path), what="the server answers")
+    wait_for(lambda: answers(node.socket_path), what="the server answers")
     yield node
     node.close()
     server.stop()

@@ -10,18 +10,10 @@ import threading
 
 import pytest
 
-from serverutil import Node
+from helpers.users import NOBODY, become
 from hpkv.server import protocol as p
 from hpkv.server.autostart import LOG_NAME, ServerUnavailable, ensure_server
 
-NOBODY = 65534
-
-
-@pytest.fixture
-def node(shm_dir, tmp_path):
-    node = Node(shm_dir, tmp_path)
-    yield node
-    node.close()
 
 
 def impostor(directory, welcome: p.Welcome, fds: list[int] = ()) -> threading.Thread:
@@ -95,9 +87,7 @@ def connect_to_nobody(node, **client_kw) -> tuple[ServerUnavailable, bool]:
     pid = os.fork()
     if pid == 0:  # the child: never return into pytest
         try:
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
+            become(NOBODY)
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             listener.bind(str(node.socket_path))
             listener.listen(1)

@@ -16,8 +16,8 @@ from hpkv.doctor import (Check, ServerProbe, Verdict, check_hash_seed, check_mem
                          check_pool_pages, check_pool_permissions, check_pool_space, check_socket_path, check_storage,
                          check_storage_permissions, check_storage_space, check_write_backlog, run_checks)
 from hpkv.fsinfo import mount_of
-from test_cli_server import env, hpkv, hpkv_env, pool_dir, server  # noqa: F401
-from test_stats import stats_from
+from helpers.cli import hpkv, hpkv_env
+from helpers.stats import stats_from
 
 
 def by_name(checks: list[dict]) -> dict[str, dict]:
@@ -225,7 +225,7 @@ def test_an_automatic_capacity_on_ramfs_is_a_share_of_half_the_memory_available(
 def test_on_ramfs_beside_the_pool_a_server_starting_now_leaves_the_pool_its_memory(tmp_path, monkeypatch):
     """Storage and a 2 GiB pool on one ramfs, 8 GiB available (in a container: what its cgroup
     leaves): a server starting now takes the pool's memory first, and the tier half of the rest."""
-    from test_fsinfo import GIB, pretend
+    from helpers.machine import GIB, pretend
 
     point = tmp_path / "ram"
     pretend(monkeypatch, tmp_path, 64 * GIB, ramfs=(point,), cgroup="/ctr", limits={"/ctr": (str(10 * GIB), 2 * GIB, 0)})
@@ -308,7 +308,7 @@ def test_doctor_checks_direct_io_only_when_it_is_asked_for(tmp_path, monkeypatch
 def test_doctor_names_the_setting_that_keeps_two_engines_from_sharing_kv(server, env):
     """Users cannot tell why reads never happen: one engine saves, another with a different block
     size looks up the same prompts and finds nothing. Doctor names the difference."""
-    from test_cli_server import DESC, write_entries
+    from helpers.cli import DESC, write_entries
 
     with server.client() as saver, server.client() as reader:
         write_entries(saver, 8)
@@ -327,7 +327,7 @@ def test_doctor_names_the_setting_that_keeps_two_engines_from_sharing_kv(server,
 
 def test_namespaces_that_find_their_keys_are_fine():
     from hpkv.doctor import check_namespaces
-    from test_cli_server import DESC
+    from helpers.cli import DESC
 
     def ns_stats(desc, lookup_keys, hits):
         return {"desc": desc.to_json(), "lookups": 1, "lookup_keys": lookup_keys, "hit_keys_dram": hits,
@@ -353,7 +353,7 @@ def test_namespaces_that_find_their_keys_are_fine():
 def test_a_pool_above_a_container_s_limit_is_a_warning_not_a_failure(tmp_path, monkeypatch):
     """64 GiB available on the host, 2 GiB left under the container's memory.max: the server
     creates an 8 GiB pool on ramfs (it warns), so doctor warns too, naming the limit."""
-    from test_fsinfo import GIB, pretend
+    from helpers.machine import GIB, pretend
 
     point = tmp_path / "ram"
     pretend(monkeypatch, tmp_path, 64 * GIB, ramfs=(point,), cgroup="/ctr", limits={"/ctr": (str(4 * GIB), 2 * GIB, 0)})
@@ -368,7 +368,7 @@ def test_storage_on_ramfs_leaves_out_a_pool_on_tmpfs_too_less_what_its_file_alre
     """As the server: the pages a pool on any memory file system has yet to take are left out
     of the room, and those a pool file already there holds are not left out twice."""
     from hpkv.pool.region import POOL_FILE_NAME
-    from test_fsinfo import GIB, pretend
+    from helpers.machine import GIB, pretend
 
     point = tmp_path / "ram"
     pretend(monkeypatch, tmp_path, 8 * GIB, ramfs=(point,))

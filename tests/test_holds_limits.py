@@ -5,17 +5,19 @@ time limit, through a quarantine, never into the hands of another writer while i
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import threading
 import time
 
 import pytest
 
-from conftest import make_pool_config, make_storage_config
-from serverutil import Node, _answers, desc, entry_key, payload, wait_for
+from helpers.config import make_pool_config, make_storage_config
+from helpers.keys import desc, entry_key, entry_keys, payload
+from helpers.server import Node
+from helpers.waiting import wait_for
+from hpkv.server.autostart import answers
 from hpkv.config import load_settings
-from hpkv.keys import NamespaceDesc, make_key
+from hpkv.keys import NamespaceDesc
 from hpkv.server import daemon
 from hpkv.store import HOLD_QUARANTINE_S, TieredStore
 
@@ -34,10 +36,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def keys(n: int, prefix: str) -> list[bytes]:
-    return [make_key(hashlib.sha256(f"{prefix}-{i}".encode()).digest()) for i in range(n)]
 
 
 @pytest.fixture
@@ -59,19 +57,19 @@ def test_a_client_that_reserves_the_whole_pool_gets_its_share_and_the_next_one_t
     store.held.configure(TIMEOUT_S, POOL // 2)
     ns = register(store)
 
-    hog = store.reserve(ns, keys(256, "hog"), owner=1)
-    other = store.reserve(ns, keys(64, "other"), owner=2)
+    hog = store.reserve(ns, entry_keys(256, "hog"), owner=1)
+    other = store.reserve(ns, entry_keys(64, "other"), owner=2)
 
     assert sum(o is not None for o in hog) == 128 and hog[128:] == [None] * 128
     assert None not in other
     assert store.stats()["limits"]["capped_keys"] == 128
-    assert store.commit(ns, keys(256, "hog"), owner=1) == 128  # then it may take as much again
-    assert sum(o is not None for o in store.reserve(ns, keys(128, "hog2"), owner=1)) == 128
+    assert store.commit(ns, entry_keys(256, "hog"), owner=1) == 128  # then it may take as much again
+    assert sum(o is not None for o in store.reserve(ns, entry_keys(128, "hog2"), owner=1)) == 128
 
 
 def test_a_lease_stops_at_the_clients_share_and_the_rest_is_a_miss(store):
     ns = register(store)
-    ks = keys(48, "doc")
+    ks = entry_keys(48, "doc")
     store.reserve(ns, ks)
     store.commit(ns, ks)
     store.held.configure(TIMEOUT_S, 32 * ENTRY)
@@ -90,14 +88,14 @@ def test_a_reservation_kept_past_the_limit_is_quarantined_then_reused(store):
     nobody else gets them while it may still be copying; after the quarantine they are free."""
     store.held.configure(TIMEOUT_S, None)
     ns = register(store)
-    stuck = keys(256, "stuck")
+    stuck = entry_keys(256, "stuck")
     slots = set(store.reserve(ns, stuck, owner=1))
     assert None not in slots
 
     store.held.clock.now += TIMEOUT_S - 1
-    assert store.reserve(ns, keys(1, "early"), owner=2) == [None]  # not yet: the pool is its own
+    assert store.reserve(ns, entry_keys(1, "early"), owner=2) == [None]  # not yet: the pool is its own
     store.held.clock.now += 1
-    during = store.reserve(ns, keys(256, "during"), owner=2)
+    during = store.reserve(ns, entry_keys(256, "during"), owner=2)
 
     assert during == [None] * 256  # taken back, but quarantined: the copy may still go on
     stats = store.stats()
@@ -107,35 +105,35 @@ def test_a_reservation_kept_past_the_limit_is_quarantined_then_reused(store):
     assert store.lookup(ns, stuck).num_hit == 0
 
     store.held.clock.now += HOLD_QUARANTINE_S
-    after = store.reserve(ns, keys(256, "after"), owner=2)
+    after = store.reserve(ns, entry_keys(256, "after"), owner=2)
     assert set(after) == slots and store.stats()["quarantined"] == 0
 
 
 def test_a_lease_kept_past_the_limit_pins_its_entries_through_the_quarantine_then_lets_go(store):
     store.held.configure(TIMEOUT_S, None)
     ns = register(store)
-    ks = keys(256, "doc")
+    ks = entry_keys(256, "doc")
     store.reserve(ns, ks)
     store.commit(ns, ks)
     lease = store.lease(ns, ks, owner=1)
     assert len(lease.entries) == 256
 
     store.held.clock.now += TIMEOUT_S
-    assert store.reserve(ns, keys(8, "new"), owner=2) == [None] * 8  # its reader may still copy
+    assert store.reserve(ns, entry_keys(8, "new"), owner=2) == [None] * 8  # its reader may still copy
     assert store.stats()["limits"]["expired_leases"] == 1 and store.stats()["leases"] == 0
     assert not store.release(lease.id)  # taken back already
 
     store.held.clock.now += HOLD_QUARANTINE_S
-    assert None not in store.reserve(ns, keys(8, "new"), owner=2)  # evicted now, like any entry
+    assert None not in store.reserve(ns, entry_keys(8, "new"), owner=2)  # evicted now, like any entry
     assert store.lookup(ns, ks).num_hit == 256 - 8  # the last first: the lease unpinned them so
     assert store.held.room(1) == float("inf") and store.held.bytes_held() == {2: 8 * ENTRY}
 
 
 def test_without_limits_a_store_in_process_holds_as_before(store):
     ns = register(store)
-    assert None not in store.reserve(ns, keys(256, "all"), owner=1)
+    assert None not in store.reserve(ns, entry_keys(256, "all"), owner=1)
     store.held.clock.now += 10 * TIMEOUT_S
-    assert store.reserve(ns, keys(1, "more"), owner=2) == [None]
+    assert store.reserve(ns, entry_keys(1, "more"), owner=2) == [None]
     assert store.stats()["limits"]["expired_reservations"] == 0
 
 
@@ -148,7 +146,7 @@ def node(shm_dir, tmp_path):
     server = daemon.Server(load_settings(node.env))
     thread = threading.Thread(target=server.run, name="hpkv-server", daemon=True)
     thread.start()
-    wait_for(lambda: _answers(node.socket_path), what="the server answers")
+    wait_for(lambda: answers(node.socket_path), what="the server answers")
     node.server = server
     yield node
     node.close()
@@ -218,7 +216,7 @@ def test_a_handle_past_the_servers_time_limit_is_not_held_on_the_clients_side_ei
     thread = threading.Thread(target=server.run, name="hpkv-server", daemon=True)
     thread.start()
     try:
-        wait_for(lambda: _answers(node.socket_path), what="the server answers")
+        wait_for(lambda: answers(node.socket_path), what="the server answers")
         client = node.client("worker")
         ns = client.register(desc(0))
         saved = [entry_key("saved", i) for i in range(4)]

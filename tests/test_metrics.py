@@ -9,8 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hpkv.server.metrics import op_label
 from hpkv.types import Tier
-from test_cli_server import (ENTRY_BYTES, ServerProcess, env, hpkv_env, pool_dir,  # noqa: F401
-                             server, wait_for_storage, write_entries)
+from helpers.cli import ENTRY_BYTES, ServerProcess, hpkv_env, wait_for_storage, write_entries
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

@@ -76,7 +76,9 @@ def test_a_pinning_worker_unregisters_each_old_pool_once_no_handle_refers_to_it(
     life. Across real server restarts under a running worker client, each old pool is
     unregistered (before its tensor, the mapping's last hold, goes) once its handles are gone,
     and unmapped: one pool registered and mapped at the end."""
-    from serverutil import Node, desc, entry_key, wait_for
+    from helpers.keys import desc, entry_key
+    from helpers.server import Node
+    from helpers.waiting import wait_for
     from hpkv.server.autostart import ServerUnavailable
     from hpkv.transfer.blocks import BlockCopier
 

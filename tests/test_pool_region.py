@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.mappings import resident_bytes
+from helpers.users import NOBODY, as_other_uid
 from hpkv.errors import PoolError
 from hpkv.pool.region import POOL_FILE_NAME, PoolRegion
 
@@ -75,32 +77,10 @@ class OwnerProcess:
         self.proc.join(30)
 
 
-NOBODY = 65534
-
-
 def _raised_as(uid: int, fn) -> tuple[str, str]:
-    """Run `fn` in a forked child that has become `uid`: the type and message of what it raised
-    (empty if nothing)."""
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never return into pytest
-        result = ("", "")
-        try:
-            os.close(read_fd)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            fn()
-        except BaseException as exc:
-            result = (type(exc).__name__, str(exc))
-        finally:
-            os.write(write_fd, "\0".join(result).encode())
-            os._exit(0)
-    os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as pipe:
-        kind, message = pipe.read().decode().split("\0", 1)
-    os.waitpid(pid, 0)
-    return kind, message
+    """Run `fn` as `uid` (a forked child): the type and message of what it raised (empty if nothing)."""
+    seen = as_other_uid(lambda: fn() and None, uid) or {}
+    return seen.get("raised", ""), seen.get("message", "")
 
 
 @pytest.fixture
@@ -402,28 +382,13 @@ def test_a_missing_pool_directory_is_created_private(shm_dir, regions):
     assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
 
 
-def _resident_bytes(region: PoolRegion) -> int:
-    """Rss of this region's own mapping of the pool file, from /proc/self/smaps."""
-    import ctypes
-
-    start = ctypes.addressof(ctypes.c_char.from_buffer(region.buf))
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        fields = line.split()
-        if len(fields) >= 5 and "-" in fields[0] and ":" in fields[3]:  # a mapping's header line
-            inside = int(fields[0].split("-")[0], 16) == start
-        elif inside and fields[0] == "Rss:":
-            return int(fields[1]) * 1024
-    raise AssertionError("the pool mapping is not in /proc/self/smaps")
-
-
 def test_a_prefaulted_attachment_has_every_pool_page_mapped(shm_dir, regions):
     owner = regions(PoolRegion.create(shm_dir, 32 * MiB))
     attached = regions(attach_by_name(owner.path))
 
-    before = _resident_bytes(attached)
+    before = resident_bytes(attached)
     attached._populate()  # what prefault() runs in its thread
-    after = _resident_bytes(attached)
+    after = resident_bytes(attached)
 
     assert after - before >= 31 * MiB
     data = os.urandom(4096)
@@ -434,7 +399,7 @@ def test_a_prefaulted_attachment_has_every_pool_page_mapped(shm_dir, regions):
 def test_a_pool_above_a_container_s_limit_is_created_with_a_warning(tmp_path, monkeypatch, regions, caplog):
     """On ramfs the pool is checked against MemAvailable, as before; what the container's cgroup
     has left (an estimate that moves with its page cache) only warns, naming the limit."""
-    from test_fsinfo import GIB, pretend
+    from helpers.machine import GIB, pretend
 
     point = tmp_path / "ram"
     pretend(monkeypatch, tmp_path, 64 * GIB, ramfs=(point,), cgroup="/ctr", limits={"/ctr": (str(GIB), GIB, 0)})

@@ -6,8 +6,6 @@ followed or waited on, and a directory name that is not UTF-8 works."""
 from __future__ import annotations
 
 import os
-import socket
-import stat
 import subprocess
 import sys
 import threading
@@ -16,30 +14,20 @@ from pathlib import Path
 
 import pytest
 
-from serverutil import Node, desc, entry_key, payload, wait_for
+from helpers.keys import desc, entry_key, payload
+from helpers.mappings import pool_mappings
+from helpers.server import Node
+from helpers.users import NOBODY, as_other_uid
+from helpers.waiting import wait_for
 from hpkv.doctor import Verdict, check_pool_permissions
 from hpkv.config import PoolConfig
 from hpkv.errors import PoolError
-from hpkv.pool.region import POOL_FILE_NAME, PoolRegion
+from hpkv.pool.region import PoolRegion
 from hpkv.server import protocol as p
 from hpkv.server.autostart import LOG_NAME, ServerUnavailable, ensure_server
 from hpkv.server.client import Client
 
-NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another uid needs root")
-
-
-@pytest.fixture
-def node(shm_dir, tmp_path):
-    node = Node(shm_dir, tmp_path)
-    yield node
-    node.close()
-
-
-def as_other_uid(fn, uid: int = NOBODY):
-    from test_server_security import as_other_uid as run
-
-    return run(fn, uid)
 
 
 def save(client: Client, ns: str, keys: list[bytes]) -> None:
@@ -164,12 +152,6 @@ def test_a_client_maps_the_servers_pool_whatever_the_name_points_at(tmp_path, tw
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-def pool_mappings(directory: Path) -> int:
-    """This process's mappings of pool files of `directory` (removed ones too)."""
-    with open("/proc/self/maps") as f:
-        return sum(f"{directory}/{POOL_FILE_NAME}" in line for line in f)
 
 
 def test_a_client_reconnecting_keeps_one_mapping_and_leaks_no_descriptor(node):

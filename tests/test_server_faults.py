@@ -17,7 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from serverutil import Node, desc, entry_key, kill, payload, stop, wait_for, wait_gone
+from helpers.keys import desc, entry_key, payload
+from helpers.processes import kill, stop, wait_gone
+from helpers.waiting import wait_for
 from hpkv.config import load_settings
 from hpkv.errors import PoolError
 from hpkv.server import daemon
@@ -27,13 +29,6 @@ from hpkv.types import Tier
 DRAM, STORAGE = int(Tier.DRAM), int(Tier.STORAGE)
 SMALL = 64 << 10
 BIG = 1 << 20  # 64 slots in the 64m pool
-
-
-@pytest.fixture
-def node(shm_dir, tmp_path):
-    node = Node(shm_dir, tmp_path)
-    yield node
-    node.close()
 
 
 def storage_entries(stats: dict) -> int:
@@ -420,14 +415,14 @@ def test_a_key_error_inside_the_store_is_an_internal_error_not_an_unknown_namesp
     the store, for a namespace that is registered, is reported (and logged) as the bug it is."""
     import threading
 
-    from serverutil import _answers
+    from hpkv.server.autostart import answers
     from hpkv.server.client import ServerError
 
     server = daemon.Server(load_settings(node.env))
     thread = threading.Thread(target=server.run, name="hpkv-server", daemon=True)
     thread.start()
     try:
-        wait_for(lambda: _answers(node.socket_path), what="the server answers")
+        wait_for(lambda: answers(node.socket_path), what="the server answers")
         client = node.client("keyerror", retry_interval_s=0.0)
         with pytest.raises(ServerError) as unknown:
             client.lookup("0" * 32, [entry_key("k", 0)])

@@ -6,19 +6,11 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
-from serverutil import Node, wait_for
+from helpers.server import Node
+from helpers.waiting import wait_for
 from hpkv.types import Tier
 
 DRAM, STORAGE = int(Tier.DRAM), int(Tier.STORAGE)
-
-
-@pytest.fixture
-def node(shm_dir, tmp_path):
-    node = Node(shm_dir, tmp_path)
-    yield node
-    node.close()
 
 
 def start_engine(node: Node, num_ranks: int = 2):
@@ -100,12 +92,12 @@ def test_the_auto_started_server_leaves_with_its_last_client_and_the_next_one_hi
 
 
 def test_a_copying_client_prefaults_the_pool_only_when_asked(node):
-    from test_pool_region import _resident_bytes
+    from helpers.mappings import resident_bytes
 
     node.start_server()
     plain = node.client("scheduler")
     plain.connect()
     copying = node.client("worker", prefault=True)
     copying.connect()
-    wait_for(lambda: _resident_bytes(copying.region) >= copying.region.size_bytes, what="the pool prefaulted")
-    assert _resident_bytes(plain.region) == 0
+    wait_for(lambda: resident_bytes(copying.region) >= copying.region.size_bytes, what="the pool prefaulted")
+    assert resident_bytes(plain.region) == 0

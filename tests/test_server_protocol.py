@@ -14,16 +14,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serverutil import Node, desc, entry_key, raw_connect, read_replies, wait_for
+from helpers.keys import desc, entry_key
+from helpers.server import Node, raw_connect, read_replies
+from helpers.waiting import wait_for
 from hpkv.server import protocol as p
 from hpkv.server.client import ServerError
-
-
-@pytest.fixture
-def node(shm_dir, tmp_path):
-    node = Node(shm_dir, tmp_path)
-    yield node
-    node.close()
 
 
 def length_prefix(num_bytes: int) -> bytes:

@@ -3,53 +3,17 @@ refused unless HPKV_SERVER_ALLOW_UIDS admits it, and requests that name paths th
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import stat
 
 import pytest
 
-from serverutil import Node
+from helpers.server import Node
+from helpers.users import NOBODY, as_other_uid
 from hpkv.server import protocol as p
 
-NOBODY = 65534
-
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switching to another uid needs root")
-
-
-@pytest.fixture
-def node(shm_dir, tmp_path):
-    node = Node(shm_dir, tmp_path)
-    yield node
-    node.close()
-
-
-def as_other_uid(fn, uid: int = NOBODY) -> dict:
-    """Run `fn` in a forked child that has become `uid`; its JSON-able result, or what it raised."""
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never return into pytest
-        try:
-            os.close(read_fd)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            result = fn()
-        except BaseException as exc:
-            result = {"raised": type(exc).__name__, "message": str(exc), **vars(exc)}
-        finally:
-            try:
-                os.write(write_fd, json.dumps(result, default=str).encode())
-            finally:
-                os._exit(0)
-    os.close(write_fd)
-    chunks = []
-    while chunk := os.read(read_fd, 65536):
-        chunks.append(chunk)
-    os.close(read_fd)
-    os.waitpid(pid, 0)
-    return json.loads(b"".join(chunks))
 
 
 def open_to_others(node: Node) -> None:
@@ -122,7 +86,7 @@ def test_hpkv_server_allow_uids_admits_that_uid(node):
 def test_an_admitted_uid_maps_the_pool_it_is_passed_though_the_file_is_0600(node):
     """HPKV_SERVER_ALLOW_UIDS names the uids sharing the pool: the server passes them the pool
     file's descriptor, so they need no access to the file by its name (0600, this uid's)."""
-    from serverutil import desc, entry_key, payload
+    from helpers.keys import desc, entry_key, payload
     from hpkv.server.client import Client
 
     node.start_server(HPKV_SERVER_ALLOW_UIDS=str(NOBODY))

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import sglangutil as su
-from serverutil import Node, wait_for
+from helpers import sglang as su
+from helpers.waiting import wait_for
 from hpkv.errors import ConfigError
 from hpkv.integrations.sglang import flag
 from hpkv.keys import NamespaceDesc, make_key
@@ -26,12 +26,10 @@ PAGES = 6
 
 
 @pytest.fixture
-def node(shm_dir, tmp_path, monkeypatch):
-    node = Node(shm_dir, tmp_path)
+def node(node, monkeypatch):
     su.use_node_env(monkeypatch, node)
     node.start_server()
-    yield node
-    node.close()
+    return node
 
 
 def write_pages(storage, pool, keys, pages=None):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import sglangutil as su
+from helpers import sglang as su
 from hpkv.integrations.sglang import flag
 
 HPKV_BACKEND = {"backend_name": "ct_hpkv", "module_path": "hpkv.integrations.sglang.backend",

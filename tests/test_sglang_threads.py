@@ -11,25 +11,23 @@ import random
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-import sglangutil as su
+from helpers import sglang as su
 from hpkv.keys import make_key
-from serverutil import Node, wait_for
+from helpers.mappings import inode_mappings
+from helpers.waiting import wait_for
 
 NUM_KEYS = 24
 READ_PAGES = 8  # each thread reads into its own pages, as SGLang gives each prefetch its own slots
 
 
 @pytest.fixture
-def node(shm_dir, tmp_path, monkeypatch):
-    node = Node(shm_dir, tmp_path, HPKV_SERVER_IDLE_EXIT_S="30")
+def node(node, monkeypatch):
     su.use_node_env(monkeypatch, node)
     node.start_server()
-    yield node
-    node.close()
+    return node
 
 
 def test_three_threads_with_the_server_killed_midway(node):
@@ -89,13 +87,6 @@ def test_three_threads_with_the_server_killed_midway(node):
 
 
 
-def pool_mappings(pool_file: Path) -> int:
-    """This process's mappings of the pool file (of its inode: an unlinked one is still there)."""
-    inode = str(pool_file.stat().st_ino) if pool_file.exists() else None
-    return sum(1 for line in Path("/proc/self/maps").read_text().splitlines()
-               if line.split()[4:5] == [inode] and str(pool_file) in line)
-
-
 def test_the_threads_clients_share_one_mapping_of_the_pool(node):
     """Each storage thread has a client (a connection of its own), but the process maps the pool
     once: every mapping costs page tables for the whole pool. A lease taken before the server
@@ -126,7 +117,7 @@ def test_the_threads_clients_share_one_mapping_of_the_pool(node):
     clients = storage_threads() + [storage._client()]  # and this thread's, which stored the pages
     old_inode = node.pool_path.stat().st_ino
     assert len({id(client.region) for client in clients}) == 1
-    assert pool_mappings(old_inode) == 1
+    assert inode_mappings(old_inode) == 1
 
     lease = clients[-1].lease(storage.ns, [make_key(k) for k in keys])
     assert clients[-1].wait(lease) == 4
@@ -142,16 +133,10 @@ def test_the_threads_clients_share_one_mapping_of_the_pool(node):
     clients = storage_threads() + [storage._client()]  # new threads, new clients
     assert {client.region.inode for client in clients} == {new_inode}
     assert len({id(client.region) for client in clients}) == 1
-    assert pool_mappings(new_inode) == 1
+    assert inode_mappings(new_inode) == 1
     assert bytes(lease.view(0)) == before  # the old pool file, unlinked, still mapped for the lease
-    assert pool_mappings(old_inode) == 1
+    assert inode_mappings(old_inode) == 1
     del lease
     gc.collect()
-    assert pool_mappings(old_inode) == 0
+    assert inode_mappings(old_inode) == 0
     storage.close()
-
-
-def pool_mappings(inode: int) -> int:
-    """This process's mappings of the pool file with this inode (unlinked or not)."""
-    return sum(1 for line in Path("/proc/self/maps").read_text().splitlines()
-               if line.split()[4:5] == [str(inode)] and "hpkv.pool" in line)

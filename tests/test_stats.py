@@ -1,8 +1,5 @@
 """Stories about the stats schema (`hpkv.stats`): a real server's snapshot fits it and loses no field
-on the way, and a snapshot with a field missing, mistyped or unknown fails naming that field.
-
-`stats_from(parts)` builds a whole `ServerStats` from the parts a test cares about (the rest zero),
-for tests of what reads a snapshot (doctor, status)."""
+on the way, and a snapshot with a field missing, mistyped or unknown fails naming that field."""
 
 from __future__ import annotations
 
@@ -10,53 +7,12 @@ import copy
 
 import msgspec
 import pytest
-from serverutil import Node, desc, entry_key, raw_connect
 
 from hpkv import stats
 from hpkv.server import protocol as p
-
-ZERO_STATS: dict = {
-    "store": {name: 0 for name in stats.StoreCounters.__struct_fields__},
-    "dram": {"capacity_bytes": 64 << 20, "used_bytes": 0, "num_entries": 0, "free_slabs": 0, "evictions": 0,
-             "slab_moves": 0, "reserve_failures": 0, "locked_in_memory": True},
-    "namespaces": {},
-    "leases": 0,
-    "reservations": 0,
-    "limits": {"slot_timeout_s": None, "max_slot_bytes": None, "max_held_bytes": 0, "capped_keys": 0,
-               "expired_reservations": 0, "expired_leases": 0},
-    "quarantined": 0,
-    "holds": 0,
-    "write_backlog": None,
-    "storage": None,
-    "storage_unusable": None,
-    "writers": None,
-    "server": {"pid": 1, "version": "0", "protocol": p.PROTOCOL_VERSION, "auto": False, "uptime_s": 0.0,
-               "socket": "/dev/shm/hpkv/hpkv.sock", "pool_path": "/dev/shm/hpkv/hpkv.pool",
-               "storage_path": "/tmp/storage"},
-    "clients": [],
-}
-ZERO_STORAGE: dict = {name: 0 for name in stats.StorageStats.__struct_fields__} | {
-    "index_ready": True, "direct_io": False, "write_budget_bytes": None, "write_budget_available_bytes": None}
-
-
-def stats_from(parts: dict) -> stats.ServerStats:
-    """A snapshot of `parts` (top-level fields, each merged into a zero one), the rest zero."""
-    raw = copy.deepcopy(ZERO_STATS)
-    for name, value in parts.items():
-        if name == "storage" and value is not None:
-            value = {**ZERO_STORAGE, **value}
-        elif isinstance(value, dict) and isinstance(raw.get(name), dict) and name != "namespaces":
-            value = {**raw[name], **value}
-        raw[name] = value
-    return stats.from_parts(raw)
-
-
-@pytest.fixture
-def node(shm_dir, tmp_path):
-    node = Node(shm_dir, tmp_path)
-    yield node
-    node.close()
-
+from helpers.keys import desc, entry_key
+from helpers.server import raw_connect
+from helpers.stats import ZERO_STATS, stats_from
 
 def test_a_real_servers_stats_fit_the_schema_and_lose_no_field(node):
     node.start_server()

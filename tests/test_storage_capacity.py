@@ -10,9 +10,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import storage_stories as stories
-from conftest import make_storage_config
-from storage_stories import (
+from helpers import storage_stories as stories
+from helpers.config import make_storage_config
+from helpers.storage_stories import (
     NS,
     FailingIO,
     FakeClock,
@@ -272,7 +272,7 @@ def test_an_automatic_capacity_on_ramfs_leaves_out_the_pool_and_a_container_s_li
                                                                                     monkeypatch, caplog):
     """The host says 64 GiB available, the container's cgroup leaves 24 GiB, and a 10 GiB pool on
     ramfs will take its pages later: auto is 80% of half of the 14 GiB left."""
-    from test_fsinfo import GIB, pretend
+    from helpers.machine import GIB, pretend
 
     point = tmp_path / "ram"
     pretend(monkeypatch, tmp_path, 64 * GIB, ramfs=(point,), cgroup="/ctr",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_storage_config
+from helpers.config import make_storage_config
 from hpkv.config import load_settings
 from hpkv.storage import fileio
 from hpkv.storage import format as fmt

@@ -7,8 +7,8 @@ import errno
 import os
 
 import pytest
-import storage_stories as stories
-from storage_stories import (
+from helpers import storage_stories as stories
+from helpers.storage_stories import (
     NS,
     OTHER_NS,
     CountedStats,

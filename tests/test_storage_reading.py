@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-import storage_stories as stories
-from storage_stories import (
+from helpers import storage_stories as stories
+from helpers.storage_stories import (
     ENTRY,
     NS,
     OTHER_NS,

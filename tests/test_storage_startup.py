@@ -9,8 +9,8 @@ import threading
 import time
 from pathlib import Path
 
-import storage_stories as stories
-from storage_stories import NS, OTHER_NS, eventually, file_bytes, held_scan, key, payload, read, write
+from helpers import storage_stories as stories
+from helpers.storage_stories import NS, OTHER_NS, eventually, file_bytes, held_scan, key, payload, read, write
 
 from hpkv.keys import make_key
 from hpkv.storage import startup

@@ -8,7 +8,6 @@ Every story uses real files, FIFOs, links and mounts; those about a server run a
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import mmap
 import os
 import signal
@@ -22,14 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_pool_config, make_storage_config
+from helpers.config import make_pool_config, make_storage_config
 from hpkv.doctor import Verdict, run_checks
 from hpkv.errors import PoolError
-from hpkv.keys import make_key
 from hpkv.storage import layout as layout_module
 from hpkv.storage.tier import StorageTier
 from hpkv.store import TieredStore
-from serverutil import Node, desc, entry_key, payload as server_payload, wait_for
+from helpers.keys import desc, entry_key, fill, payload as server_payload
+from helpers.server import Node
+from helpers.waiting import wait_for
 
 NS = "0123456789abcdef" * 2
 OTHER_NS = "fedcba9876543210" * 2
@@ -39,12 +39,11 @@ NODE = socket.gethostname().replace(".", "_")
 
 
 def key(i: int | str) -> bytes:
-    return make_key(hashlib.sha256(f"trust-{i}".encode()).digest())
+    return entry_key("trust", i)
 
 
 def payload(k: bytes, size: int = ENTRY) -> bytes:
-    block = hashlib.blake2b(k).digest()
-    return (block * (size // len(block) + 1))[:size]
+    return fill(k, size)
 
 
 def fan(root: Path, ns: str, k: bytes) -> Path:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_storage_config
-from serverutil import stop
+from helpers.config import make_storage_config
+from helpers.processes import stop
 from hpkv.config import StorageConfig
 from hpkv.storage.tier import StorageTier
 from hpkv.storage.writer import PROTOCOL_VERSION, WriterPool, WriterProcess, WriterUnavailable
@@ -225,7 +225,7 @@ def test_writers_exit_when_their_server_is_killed(shm_dir, storage_dir):
     script = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from conftest import make_pool_config, make_storage_config
+        from helpers.config import make_pool_config, make_storage_config
         from hpkv.store import TieredStore
         from test_store import desc, keys, save
         store = TieredStore.open(make_pool_config({str(shm_dir)!r}, 16 << 20),

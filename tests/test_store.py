@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_pool_config, make_storage_config
+from helpers.config import make_pool_config, make_storage_config
 from hpkv.config import StorageConfig
 from hpkv.keys import NamespaceDesc, make_key
 from hpkv.store import PrefixOrder, StorePolicy, TieredStore
@@ -415,7 +415,7 @@ def test_storage_on_ramfs_beside_a_pool_on_ramfs_leaves_the_pool_its_memory(tmp_
     tier starts, its pages come on first touch, and the memory available still counts them. An
     automatic capacity that took half of them too left the pool's pages nowhere to come from: the
     tier leaves out what the pool has not taken yet (all of it, or none once its pages are in)."""
-    from test_fsinfo import GIB, pretend
+    from helpers.machine import GIB, pretend
 
     point = tmp_path / "ram"
     pretend(monkeypatch, tmp_path, 8 * GIB, ramfs=(point,))
@@ -437,7 +437,7 @@ def test_storage_on_a_real_ramfs_beside_a_pool_on_it_leaves_the_pool_its_memory(
     those glibc's posix_fallocate touched are not left out twice."""
     import subprocess
 
-    from test_fsinfo import GIB, pretend
+    from helpers.machine import GIB, pretend
 
     point = tmp_path / "ramfs"
     point.mkdir()

@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from conftest import make_storage_config
+from helpers.config import make_storage_config
 from hpkv.keys import NamespaceDesc, make_key
 from hpkv.pool.region import PoolRegion
 from hpkv.storage.fileio import FileIO

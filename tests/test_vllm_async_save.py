@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from test_vllm_e2e import MODEL_DIR, _prompt
-from vllmutil import Engine, same_output, serving
+from hpkv.demo.model import prompt_text
+from helpers.vllm import Engine, same_output, serving
 
 pytestmark = [
     pytest.mark.vllm_e2e,
@@ -23,14 +23,11 @@ pytestmark = [
 
 ASYNC = '{"kv_connector":"HpkvConnectorV1", "kv_role":"kv_both", "kv_connector_extra_config":{"hpkv.async_save":true}}'
 NUM_BLOCKS = 128  # 4,096 tokens: about two and a half of these prompts
-PROMPTS = [_prompt(1500, seed=300 + i) for i in range(6)]
+PROMPTS = [prompt_text(1500, seed=300 + i) for i in range(6)]
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from hpkv.demo.model import build_model
-
-    model = build_model(MODEL_DIR)
+def engine(tmp_path_factory, model):
     root = tmp_path_factory.mktemp("vllm-async")
     shm = Path(tempfile.mkdtemp(prefix="hpkv-async-", dir="/dev/shm"))
     env = {"VLLM_ENABLE_HPKV": "1", "HPKV_KV_MEM_POOL_SIZE": "256m", "HPKV_SHARE_MEM_FILE_PATH": str(shm),

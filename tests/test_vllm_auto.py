@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from test_vllm_e2e import MODEL_DIR, _prompt
-from vllmutil import Engine, kill_server, num_saved_blocks, same_output, server_pid, serving, settled_files
+from hpkv.demo.model import prompt_text
+from helpers.server import kill_server, server_pid
+from helpers.storage import settled_files
+from helpers.vllm import Engine, num_saved_blocks, same_output, serving
 
 pytestmark = [
     pytest.mark.vllm_e2e,  # an engine test: `-k "not vllm_e2e"` leaves it out with the others
@@ -26,15 +28,8 @@ pytestmark = [
     pytest.mark.timeout(900),
 ]
 
-FIRST = _prompt(1200, seed=71)  # computed: the engine's first prefill, which auto measures
-LONG = _prompt(1500, seed=72)
-
-
-@pytest.fixture(scope="module")
-def model():
-    from hpkv.demo.model import build_model
-
-    return build_model(MODEL_DIR)
+FIRST = prompt_text(1200, seed=71)  # computed: the engine's first prefill, which auto measures
+LONG = prompt_text(1500, seed=72)
 
 
 @pytest.fixture(scope="module")

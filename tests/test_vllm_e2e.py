@@ -29,48 +29,38 @@ from pathlib import Path
 
 import pytest
 
+from hpkv.demo.model import prompt_text
 from hpkv.server import protocol
 from hpkv.server.autostart import answers
-from vllmutil import (
+from helpers.processes import wait_gone
+from helpers.server import kill_server, server_pid, server_stats
+from helpers.storage import flip_middle_bytes, kv_files, settled_files
+from helpers.vllm import (
     BLOCK_SIZE,
-    HPKV_ENV_PREFIXES,
     Engine,
-    flip_middle_bytes,
-    kill_server,
-    kv_files,
     num_saved_blocks,
     same_output,
-    server_pid,
-    server_stats,
-    settled_files,
     start_all,
-    wait_for,
-    wait_gone,
     with_load_fault,
+    without_hpkv_environ,
 )
+from helpers.waiting import wait_for
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install ct-hpkv[engines])"),
     pytest.mark.timeout(1200),  # a test may pay for engine starts (module fixtures)
 ]
 
-MODEL_DIR = Path(tempfile.gettempdir()) / f"hpkv-e2e-model-{os.getuid()}"  # kept: vLLM caches its compile
 VLLM_CACHE_ROOT = os.path.expanduser("~/.cache/vllm")  # engines with their own HOME share it
 
 
-def _prompt(num_words: int, seed: int) -> str:
-    from hpkv.demo.model import prompt_text
-
-    return prompt_text(num_words, seed)
-
-
-LONG = _prompt(1500, seed=1)  # about 1500 tokens: over the documented threshold of 1204
-FOLLOWED = _prompt(1500, seed=6)
-SHARED = _prompt(1500, seed=7)
-SHORT = _prompt(300, seed=5)  # under C's threshold of 512
-MIDDLE = _prompt(800, seed=51)  # over C's threshold, under the default one
-CORRUPTED = _prompt(1500, seed=8)
-SERVED_AGAIN = _prompt(1500, seed=10)
+LONG = prompt_text(1500, seed=1)  # about 1500 tokens: over the documented threshold of 1204
+FOLLOWED = prompt_text(1500, seed=6)
+SHARED = prompt_text(1500, seed=7)
+SHORT = prompt_text(300, seed=5)  # under C's threshold of 512
+MIDDLE = prompt_text(800, seed=51)  # over C's threshold, under the default one
+CORRUPTED = prompt_text(1500, seed=8)
+SERVED_AGAIN = prompt_text(1500, seed=10)
 
 
 @dataclass(frozen=True)
@@ -84,25 +74,15 @@ class Node:
 
     @property
     def load_fault(self) -> Path:
-        """While this file exists, engine A's next load fails (vllmutil.with_load_fault)."""
+        """While this file exists, engine A's next load fails (helpers.vllm.with_load_fault)."""
         return self.root / "fail-next-load"
 
 
 @pytest.fixture(scope="module")
 def clean_environ():
     """The engines see only the HPKV settings each test gives them."""
-    with pytest.MonkeyPatch.context() as mp:
-        for name in list(os.environ):
-            if name.startswith(HPKV_ENV_PREFIXES):
-                mp.delenv(name)
+    with without_hpkv_environ():
         yield
-
-
-@pytest.fixture(scope="module")
-def model():
-    from hpkv.demo.model import build_model
-
-    return build_model(MODEL_DIR)
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +164,7 @@ def engines_bc(node, model, engine_a):
     pid = server_pid(node.shm)
     engine_a.stop()
     if pid is not None:
-        wait_gone(pid)
+        wait_gone(pid, timeout_s=30)
     common = {"VLLM_ENABLE_HPKV": "1", "HPKV_KV_MEM_POOL_SIZE": "256m",
               "HPKV_SHARE_MEM_FILE_PATH": str(node.shm), "HPKV_SERVER_IDLE_EXIT_S": "2"}
     _write_config(node.home_b / "hpkv.ini", **common, HPKV_KV_STORAGE_PATH="~/hpkv/storage")
@@ -264,7 +244,7 @@ def test_a_follow_up_hits_the_blocks_of_the_generated_answer(engine_a, plain):
     first = engine_a.complete(prompt_ids, max_tokens=64)
     prompt_blocks = len(prompt_ids) // BLOCK_SIZE
     assert num_saved_blocks(first) > prompt_blocks, "the answer must fill blocks of its own"
-    follow_up = prompt_ids + first.token_ids + engine_a.tokenize(_prompt(100, seed=61))
+    follow_up = prompt_ids + first.token_ids + engine_a.tokenize(prompt_text(100, seed=61))
     engine_a.reset_prefix_cache()
     before = engine_a.counters()
 
@@ -282,8 +262,8 @@ def test_blocks_computed_on_a_load_that_failed_are_not_saved(engine_a, node, pla
     was loading into with whatever they held; the rest of the prompt, computed in the same step,
     is computed on those bytes. vLLM drops that step and recomputes; HPKV must not keep the KV
     that step computed, or the next hit on the prompt loads it (wrong tokens)."""
-    base = _prompt(1500, seed=62)
-    extended = base + " " + _prompt(300, seed=63)
+    base = prompt_text(1500, seed=62)
+    extended = base + " " + prompt_text(300, seed=63)
     engine_a.complete(base)
     engine_a.reset_prefix_cache()
     node.load_fault.touch()
@@ -346,7 +326,7 @@ def test_hits_below_the_token_threshold_are_recomputed(engine_c, plain):
     assert same_output(answer, plain.reference(short_ids))
 
     # A longer prompt whose HPKV hit is only the short one's blocks (under 512 tokens).
-    extended = short_ids + engine_c.tokenize(_prompt(400, seed=55))
+    extended = short_ids + engine_c.tokenize(prompt_text(400, seed=55))
     engine_c.reset_prefix_cache()
     before = engine_c.counters()
     answer = engine_c.complete(extended)
@@ -381,7 +361,7 @@ def test_a_corrupt_storage_file_is_a_miss_and_is_removed(engine_b, node, plain):
     got = engine_b.counters() - before
     assert got["disk"] == 0  # nothing was loaded from a bad file
     wait_for(lambda: server_stats(node.shm).storage.bad_files - bad_before >= len(files),
-             what="the server to find every corrupted file")
+             timeout_s=60, what="the server to find every corrupted file")
     for path, content in corrupted.items():  # removed (and perhaps saved again, whole)
         assert not path.exists() or path.read_bytes() != content
 
@@ -422,12 +402,12 @@ def test_a_killed_hpkv_server_costs_hits_not_requests(engine_b, node, plain):
     later = iter(range(1000))
 
     def new_server() -> int | None:
-        prompt = _prompt(1300, seed=100 + next(later))  # a fresh prompt: a lookup and saves
+        prompt = prompt_text(1300, seed=100 + next(later))  # a fresh prompt: a lookup and saves
         assert same_output(engine_b.complete(prompt), plain.reference(prompt))
         pid = server_pid(node.shm)
         return pid if pid not in (None, old_pid) else None
 
-    new_pid = wait_for(new_server, interval_s=0.5, what="a new HPKV server")
+    new_pid = wait_for(new_server, timeout_s=60, interval_s=0.5, what="a new HPKV server")
     stats = server_stats(node.shm)
     assert stats.server.auto
     assert any(client.kind.startswith("vllm-") for client in stats.clients)

@@ -101,7 +101,8 @@ def test_the_scheduler_settles_a_step_on_every_rank_and_rewinds_the_requests_tha
     from hpkv.integrations.vllm.metadata import HpkvConnectorStats
     from hpkv.integrations.vllm.requests import NEVER, RequestState as _Req
     from hpkv.integrations.vllm.scheduler import HpkvScheduler
-    from serverutil import Node, desc, entry_key, payload
+    from helpers.keys import desc, entry_key, payload
+    from helpers.server import Node
 
     node = Node(shm_dir, tmp_path)
     node.start_server()

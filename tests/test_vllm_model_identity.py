@@ -15,6 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from helpers.scheduler import BS, blocks, prompt, scheduler_half
+from helpers.vllm import reseed
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
 
 
@@ -44,18 +47,6 @@ def desc(config, override: str | None = None):
 
     identity.forget()  # as a fresh engine process: the files are read again
     return layout.namespace(config, stage(), 0, modelid.model_identity(config, override))
-
-
-def reseed(model: Path, seed: int) -> None:
-    """Other weights in place: same names, shapes, dtypes and file size (another training run)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    path = model / "model.safetensors"
-    tensors = load_file(path)
-    generator = torch.Generator().manual_seed(seed)
-    save_file({name: torch.randn(t.shape, generator=generator).to(t.dtype) for name, t in tensors.items()},
-              path, metadata={"format": "pt"})
 
 
 def test_a_copy_shares_and_new_weights_at_the_same_path_do_not(model, tmp_path):
@@ -117,20 +108,14 @@ def test_a_loader_hpkv_cannot_read_gives_a_private_namespace_and_says_why(model,
 
 
 @pytest.fixture
-def node(shm_dir, tmp_path):
-    from serverutil import Node
-
-    node = Node(shm_dir, tmp_path)
+def node(node):
     node.start_server()
-    yield node
-    node.close()
+    return node
 
 
 def test_a_lora_request_is_neither_looked_up_nor_saved(node, caplog):
     """vLLM's block hashes name an adapter by name and path: another adapter at that path would
     be served this one's KV. The base model's request with the very same blocks hits."""
-    from test_vllm_scheduler import BS, blocks, prompt, scheduler_half
-
     from hpkv.integrations.vllm.metadata import HpkvConnectorMetadata
 
     scheduler = scheduler_half(node, 1)
@@ -157,8 +142,6 @@ def test_a_lora_request_is_neither_looked_up_nor_saved(node, caplog):
 def test_a_lora_request_that_skips_the_prefix_cache_is_not_saved_either(node):
     """Prompt logprobs make vLLM skip reading the prefix cache; the request's blocks must still
     not be saved under the adapter's name."""
-    from test_vllm_scheduler import BS, prompt, scheduler_half
-
     from hpkv.integrations.vllm.metadata import HpkvConnectorMetadata
 
     scheduler = scheduler_half(node, 1)

@@ -20,19 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from vllmutil import (
-    HPKV_ENV_PREFIXES,
-    Engine,
-    kill_server,
-    num_saved_blocks,
-    same_output,
-    server_pid,
-    server_stats,
-    settled_files,
-    start_all,
-    wait_for,
-    wait_gone,
-)
+from hpkv.demo.model import prompt_text
+from helpers.processes import wait_gone
+from helpers.server import kill_server, server_pid, server_stats
+from helpers.storage import settled_files
+from helpers.vllm import Engine, num_saved_blocks, reseed, same_output, start_all, without_hpkv_environ
+from helpers.waiting import wait_for
 
 pytestmark = [
     pytest.mark.vllm_e2e,
@@ -45,36 +38,12 @@ PATH_P = Path(tempfile.gettempdir()) / f"hpkv-identity-p-{os.getuid()}"
 PATH_Q = Path(tempfile.gettempdir()) / f"hpkv-identity-q-{os.getuid()}"
 
 
-def _prompt(num_words: int, seed: int) -> str:
-    from hpkv.demo.model import prompt_text
-
-    return prompt_text(num_words, seed)
-
-
-PROMPT = _prompt(800, seed=71)
-
-
-def reseed(model: Path, seed: int) -> None:
-    """Model B: every tensor drawn again (same scale) from another seed."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    path = model / "model.safetensors"
-    tensors = load_file(path)
-    generator = torch.Generator().manual_seed(seed)
-    new = {}
-    for name, tensor in tensors.items():
-        scale = tensor.float().std().item() if tensor.numel() > 1 else 1.0
-        new[name] = (torch.randn(tensor.shape, generator=generator) * (scale or 1.0)).to(tensor.dtype)
-    save_file(new, path, metadata={"format": "pt"})
+PROMPT = prompt_text(800, seed=71)
 
 
 @pytest.fixture(scope="module")
 def place(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        for name in list(os.environ):
-            if name.startswith(HPKV_ENV_PREFIXES):
-                mp.delenv(name)
+    with without_hpkv_environ():
         root = tmp_path_factory.mktemp("identity-e2e")
         shms = [Path(tempfile.mkdtemp(prefix=f"hpkv-id{i}-", dir="/dev/shm")) for i in (1, 2)]
         (root / "storage").mkdir()
@@ -110,14 +79,14 @@ def test_new_weights_at_the_path_get_their_own_kv_and_a_copy_elsewhere_shares(pl
         pid = server_pid(shm1)
         a.stop()
         if pid is not None:
-            wait_gone(pid)
+            wait_gone(pid, timeout_s=30)
 
     reseed(PATH_P, seed=2)  # model B where A was
     b = Engine("b-at-p", PATH_P, env(root, shm1), root / "logs")
     copy = Engine("a-at-q", PATH_Q, env(root, shm2), root / "logs")
     try:
         start_all([b, copy])
-        wait_for(lambda: server_stats(shm2).storage.index_ready, what="node 2's storage index")
+        wait_for(lambda: server_stats(shm2).storage.index_ready, timeout_s=60, what="node 2's storage index")
 
         before = b.counters()
         b_answer = b.complete(PROMPT)

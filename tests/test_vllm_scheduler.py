@@ -11,49 +11,15 @@ from types import SimpleNamespace
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+from helpers.scheduler import BS, blocks, prompt, saved, scheduler_half
 
-BS = 32
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
 
 
 @pytest.fixture
-def node(shm_dir, tmp_path):
-    from serverutil import Node
-
-    node = Node(shm_dir, tmp_path)
+def node(node):
     node.start_server()
-    yield node
-    node.close()
-
-
-def scheduler_half(node, num_ranks: int):
-    """The half as vLLM's engine core holds it, loading every hit (threshold 0)."""
-    from hpkv.costmodel import FixedThreshold
-    from hpkv.integrations.vllm.holds import SaveHolds
-    from hpkv.integrations.vllm.metadata import HpkvConnectorStats
-    from hpkv.integrations.vllm.scheduler import HpkvScheduler
-    from serverutil import desc
-
-    scheduler = HpkvScheduler.__new__(HpkvScheduler)
-    scheduler.client = node.client("vllm-scheduler", retry_interval_s=0.0)
-    scheduler._ns = [scheduler.client.register(desc(r)) for r in range(num_ranks)]
-    scheduler.descs = [desc(r) for r in range(num_ranks)]
-    scheduler.stats, scheduler.holds, scheduler.policy = HpkvConnectorStats(), SaveHolds(), FixedThreshold(0, BS)
-    scheduler._seq, scheduler._loading, scheduler._reqs, scheduler._pending_loads = 0, {}, {}, []
-    scheduler.block_size, scheduler.layout = BS, SimpleNamespace(hashes_per_block=1)
-    scheduler.kv_cache_manager = None
-    return scheduler
-
-
-def saved(node, scheduler, keys: list[bytes]) -> None:
-    """Every rank's worker has saved `keys`."""
-    for rank, ns in enumerate(scheduler._ns):
-        from serverutil import desc
-
-        worker = node.client(f"vllm-worker-{rank}")
-        worker.register(desc(rank))
-        worker.reserve(ns, keys)
-        worker.commit(ns, keys)
+    return node
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2])
@@ -63,7 +29,7 @@ def test_a_lease_whose_connection_was_dropped_while_it_promoted_is_a_miss(node, 
     pinned nothing once its connection was gone: the next ask is a miss, neither "ask again"
     (the request would never run) nor an exception (vLLM's engine core would die)."""
     from hpkv.integrations.vllm.requests import RequestState as _Req
-    from serverutil import entry_key
+    from helpers.keys import entry_key
 
     scheduler = scheduler_half(node, num_ranks)
     keys = [entry_key("prompt", i) for i in range(4)]
@@ -81,19 +47,6 @@ def test_a_lease_whose_connection_was_dropped_while_it_promoted_is_a_miss(node, 
     assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
     assert state.leases == {}
     assert scheduler.client.stats().leases == 0
-
-
-def prompt(node, scheduler, num_blocks: int, **request_kw):
-    """A request whose first `num_blocks` blocks every rank has saved (and one token more)."""
-    from serverutil import entry_key
-
-    keys = [entry_key("prompt", i) for i in range(num_blocks)]
-    saved(node, scheduler, keys)
-    return SimpleNamespace(request_id="r", num_tokens=num_blocks * BS + 1, block_hashes=keys, **request_kw)
-
-
-def blocks(*block_ids: int):
-    return SimpleNamespace(get_block_ids=lambda: (list(block_ids),))
 
 
 def test_a_request_that_skips_the_prefix_cache_leases_nothing(node):

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from hpkv.server import protocol
-from serverutil import Node, desc, entry_key, wait_for
+from helpers.keys import desc, entry_key
+from helpers.server import Node
+from helpers.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
 

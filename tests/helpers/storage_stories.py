@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import make_storage_config
+from helpers.config import make_storage_config
 
 from hpkv.keys import make_key
 from hpkv.storage import format as fmt

@@ -1,4 +1,4 @@
-"""Helpers for the SGLang tests: real SGLang modules on a CPU-only machine, the documented
+"""Real SGLang for the tests: real SGLang modules on a CPU-only machine, the documented
 command lines, real SGLang host KV pools, SGLang-style page keys, and HPKV's entry points.
 
 - `sglang_modules()`: imports the SGLang modules the tests use. SGLang's host pools import its
@@ -25,9 +25,9 @@ import hashlib
 import importlib
 import importlib.abc
 import importlib.machinery
+import json
 import logging
 import os
-import json
 import struct
 import sys
 import types
@@ -37,6 +37,8 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+
+from helpers.env import pythonpath, use_hpkv_env, without_hpkv
 
 pytest.importorskip("sglang", reason="SGLang is not installed (make setup installs it)")
 
@@ -86,7 +88,7 @@ class _Placeholder:
     def __init__(self, name: str) -> None:
         self._name = name
 
-    def __getattr__(self, name: str) -> "_Placeholder":
+    def __getattr__(self, name: str) -> _Placeholder:
         return _Placeholder(f"{self._name}.{name}")
 
     def __call__(self, *args, **kwargs):
@@ -171,10 +173,7 @@ def entry_points_visible(directory: Path) -> str | None:
 
 
 def subprocess_env(extra_path: str | None, **env: str) -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items() if not k.startswith(("HPKV_", "VLLM_HPKV"))}
-    paths = [p for p in (extra_path, str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p]
-    out.update(PYTHONPATH=os.pathsep.join(paths), HF_HUB_OFFLINE="1", **env)
-    return out
+    return {**without_hpkv(), "PYTHONPATH": pythonpath(extra_path), "HF_HUB_OFFLINE": "1", **env}
 
 
 # -- server arguments -------------------------------------------------------------------------
@@ -291,11 +290,7 @@ def page_hashes(prompt: str, num_pages: int, page_size: int = 4) -> list[str]:
 
 def use_node_env(monkeypatch, node) -> None:
     """This process reads HPKV settings (and auto-starts servers) with the node's environment."""
-    for name in [n for n in os.environ if n.startswith(("HPKV_", "VLLM_HPKV"))]:
-        monkeypatch.delenv(name)
-    for name, value in node.env.items():
-        if name.startswith(("HPKV_", "VLLM_HPKV")):
-            monkeypatch.setenv(name, value)
+    use_hpkv_env(monkeypatch, node.env)
 
 
 def storage_config(model_name: str = SERVED, tp_rank: int = 0, tp_size: int = 1, is_mla: bool = False,

@@ -1,5 +1,5 @@
-"""Helpers for the end-to-end tests on a real vLLM: engines with their counters, the node's HPKV
-server, KV files on storage, and the oracle (a hit must give exactly what vLLM's own hit gives).
+"""Real vLLM engines for the end-to-end tests: engines with their counters, the tiny model and
+its prompts, and the oracle (a hit must give exactly what vLLM's own hit gives).
 
 An `Engine` is the demo's `VllmServer` (started exactly as the documentation says) plus what a
 test needs to read a story off it: how many tokens each request took from each cache tier, once
@@ -11,22 +11,20 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import serverutil
+from helpers.env import HPKV_ENV_PREFIXES
+from helpers.server import kill_server, server_pid
+from helpers.waiting import wait_for
 from hpkv.benchmark.shim import after_import, install
 from hpkv.demo.engine import Completion, VllmServer
-from hpkv.errors import HpkvError
-from hpkv.server import protocol
-from hpkv.server.autostart import answers
-from hpkv.server.client import Client
-from hpkv.stats import ServerStats
 
 BLOCK_SIZE = 32
-# Every variable that configures HPKV; the tests build each engine's environment from nothing.
-HPKV_ENV_PREFIXES = ("HPKV_", "VLLM_HPKV_", "VLLM_ENABLE_HPKV")
+# The engine tests' tiny random Qwen2, kept between runs: vLLM caches its compile by model path.
+MODEL_DIR = Path(tempfile.gettempdir()) / f"hpkv-e2e-model-{os.getuid()}"
 _COUNTER_PREFIX = {
     "source": "vllm:prompt_tokens_cached_by_source_total{",
     "hpkv": "vllm:hpkv_",
@@ -34,9 +32,27 @@ _COUNTER_PREFIX = {
 }
 
 
-def wait_for(predicate, timeout_s: float = 60.0, interval_s: float = 0.1, what: str = "condition"):
-    """serverutil.wait_for with an engine-sized default timeout."""
-    return serverutil.wait_for(predicate, timeout_s=timeout_s, interval_s=interval_s, what=what)
+def prompt(num_words: int, seed: int) -> str:
+    """A prompt of about `num_words` tokens, the same for the same seed."""
+    from hpkv.demo.model import prompt_text
+
+    return prompt_text(num_words, seed)
+
+
+def reseed(model: Path, seed: int) -> None:
+    """Other weights in place: every tensor drawn again (same scale) from another seed; same names,
+    shapes, dtypes and file size (another training run)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = model / "model.safetensors"
+    tensors = load_file(path)
+    generator = torch.Generator().manual_seed(seed)
+    new = {}
+    for name, tensor in tensors.items():
+        scale = tensor.float().std().item() if tensor.numel() > 1 else 1.0
+        new[name] = (torch.randn(tensor.shape, generator=generator) * (scale or 1.0)).to(tensor.dtype)
+    save_file(new, path, metadata={"format": "pt"})
 
 
 def same_output(a: Completion, b: Completion) -> bool:
@@ -57,7 +73,7 @@ class Counters:
     def __getitem__(self, name: str) -> float:
         return self.values.get(name, 0.0)
 
-    def __sub__(self, other: "Counters") -> "Counters":
+    def __sub__(self, other: Counters) -> Counters:
         names = set(self.values) | set(other.values)
         return Counters({n: self[n] - other[n] for n in names})
 
@@ -71,7 +87,7 @@ class Engine:
         self._num_requests = 0
         self._references: dict[object, Completion] = {}
 
-    def start(self) -> "Engine":
+    def start(self) -> Engine:
         try:
             self.server.start(timeout_s=600)
         except Exception as exc:
@@ -118,7 +134,7 @@ class Engine:
 
     def reset_prefix_cache(self, external: bool = False) -> None:
         # vLLM refuses while blocks of finishing requests are still held: try again briefly.
-        wait_for(lambda: self.server.reset_prefix_cache(external), timeout_s=30,
+        wait_for(lambda: self.server.reset_prefix_cache(external), timeout_s=30, interval_s=0.1,
                  what=f"{self.name}: /reset_prefix_cache (reset_external={external}) to succeed")
 
     # -- counters ---------------------------------------------------------------------------
@@ -128,14 +144,14 @@ class Engine:
         request reach /metrics a little after its last token reaches the client)."""
         with self._lock:
             expected = self._num_requests
-        snapshot = {}
+        snapshot: dict[str, float] = {}
 
         def caught_up() -> bool:
             snapshot.clear()
             snapshot.update(self._read_counters())
             return snapshot["finished"] >= expected
 
-        wait_for(caught_up, timeout_s=60, what=f"{self.name}: metrics of {expected} requests")
+        wait_for(caught_up, timeout_s=60, interval_s=0.1, what=f"{self.name}: metrics of {expected} requests")
         return Counters(dict(snapshot))
 
     def _read_counters(self) -> dict[str, float]:
@@ -176,97 +192,33 @@ def start_all(engines: list[Engine], gate=None) -> None:
         raise errors[0]
 
 
-# -- the node's HPKV server -----------------------------------------------------------------
-
-
-def server_stats(shm_dir: Path) -> ServerStats | None:
-    """The running server's stats, or None when none answers. Never starts one."""
-    if not answers(shm_dir / protocol.SOCKET_NAME):
-        return None
-    try:
-        with Client(shm_dir, kind="test", autostart=False) as client:
-            return client.stats()
-    except HpkvError:
-        return None
-
-
-def server_pid(shm_dir: Path) -> int | None:
-    stats = server_stats(shm_dir)
-    return stats.server.pid if stats else None
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def wait_gone(pid: int, timeout_s: float = 30.0) -> None:
-    wait_for(lambda: not alive(pid), timeout_s, what=f"HPKV server {pid} to exit")
-
-
-def kill_server(pid: int | None) -> None:
-    if pid is not None and alive(pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-# -- storage --------------------------------------------------------------------------------
-
-
-def kv_files(storage_dir: Path) -> set[Path]:
-    return set(Path(storage_dir).rglob("*.kv"))
-
-
-def settled_files(storage_dir: Path, at_least: int = 0, timeout_s: float = 60.0) -> set[Path]:
-    """The KV files once the server's write-throughs have landed: at least `at_least` of them,
-    no temporary in flight, and the same set on three polls in a row."""
-    seen: list[set[Path]] = []
-
-    def settled() -> tuple[set[Path]] | None:
-        files = kv_files(storage_dir)
-        in_flight = any(Path(storage_dir).rglob("*.tmp"))
-        seen.append(files)
-        if len(files) >= at_least and not in_flight and len(seen) >= 3 and seen[-3] == seen[-2] == files:
-            return (files,)  # a tuple: an empty set is an answer too
-        return None
-
-    return wait_for(settled, timeout_s, interval_s=0.2, what=f"{at_least} KV files under {storage_dir}")[0]
-
-
 def num_saved_blocks(completion: Completion) -> int:
     """Full blocks a request computed: its prompt and all generated tokens but the last."""
     return (completion.prompt_tokens + len(completion.token_ids or []) - 1) // BLOCK_SIZE
 
 
-def flip_middle_bytes(path: Path, num_bytes: int = 16) -> bytes:
-    """Corrupt a file in place (same inode, same size); returns the corrupted content."""
-    data = bytearray(path.read_bytes())
-    middle = len(data) // 2
-    for i in range(middle, min(middle + num_bytes, len(data))):
-        data[i] ^= 0xFF
-    with open(path, "r+b") as f:
-        f.write(data)
-    return bytes(data)
+@contextlib.contextmanager
+def without_hpkv_environ():
+    """This process without its HPKV variables for the block (an engine gets only those it is given)."""
+    saved = {name: os.environ.pop(name) for name in list(os.environ) if name.startswith(HPKV_ENV_PREFIXES)}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 @contextlib.contextmanager
-def serving(engine: Engine, shm_dir: Path, env_prefixes: tuple[str, ...] = HPKV_ENV_PREFIXES):
+def serving(engine: Engine, shm_dir: Path):
     """Start `engine` without this process's own HPKV settings (an engine gets only those it was
     given); on the way out stop it and the HPKV server it auto-started in `shm_dir`."""
-    saved = {name: os.environ.pop(name) for name in list(os.environ) if name.startswith(env_prefixes)}
-    try:
-        engine.start()
-        yield engine
-    finally:
-        pid = server_pid(shm_dir)
-        engine.stop()
-        kill_server(pid)
-        os.environ.update(saved)
+    with without_hpkv_environ():
+        try:
+            engine.start()
+            yield engine
+        finally:
+            pid = server_pid(shm_dir)
+            engine.stop()
+            kill_server(pid)
 
 
 # A load that fails inside the engine (its lease lost between the scheduler's and the worker's,

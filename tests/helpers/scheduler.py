@@ -1,0 +1,48 @@
+"""The vLLM scheduler half (`HpkvScheduler`) as vLLM's engine core holds it, on a real server and
+no engine: built by hand, loading every hit, with requests whose blocks every rank has saved."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from helpers.keys import desc, entry_key
+
+BS = 32
+
+
+def scheduler_half(node, num_ranks: int):
+    """The half as vLLM's engine core holds it, loading every hit (threshold 0)."""
+    from hpkv.costmodel import FixedThreshold
+    from hpkv.integrations.vllm.holds import SaveHolds
+    from hpkv.integrations.vllm.metadata import HpkvConnectorStats
+    from hpkv.integrations.vllm.scheduler import HpkvScheduler
+
+    scheduler = HpkvScheduler.__new__(HpkvScheduler)
+    scheduler.client = node.client("vllm-scheduler", retry_interval_s=0.0)
+    scheduler._ns = [scheduler.client.register(desc(r)) for r in range(num_ranks)]
+    scheduler.descs = [desc(r) for r in range(num_ranks)]
+    scheduler.stats, scheduler.holds, scheduler.policy = HpkvConnectorStats(), SaveHolds(), FixedThreshold(0, BS)
+    scheduler._seq, scheduler._loading, scheduler._reqs, scheduler._pending_loads = 0, {}, {}, []
+    scheduler.block_size, scheduler.layout = BS, SimpleNamespace(hashes_per_block=1)
+    scheduler.kv_cache_manager = None
+    return scheduler
+
+
+def saved(node, scheduler, keys: list[bytes]) -> None:
+    """Every rank's worker has saved `keys`."""
+    for rank, ns in enumerate(scheduler._ns):
+        worker = node.client(f"vllm-worker-{rank}")
+        worker.register(desc(rank))
+        worker.reserve(ns, keys)
+        worker.commit(ns, keys)
+
+
+def prompt(node, scheduler, num_blocks: int, **request_kw):
+    """A request whose first `num_blocks` blocks every rank has saved (and one token more)."""
+    keys = [entry_key("prompt", i) for i in range(num_blocks)]
+    saved(node, scheduler, keys)
+    return SimpleNamespace(request_id="r", num_tokens=num_blocks * BS + 1, block_hashes=keys, **request_kw)
+
+
+def blocks(*block_ids: int):
+    return SimpleNamespace(get_block_ids=lambda: (list(block_ids),))
