@@ -1,6 +1,7 @@
 # Two entry points, each sets itself up on a fresh machine:
 #   make demo   the main job
-#   make test   the whole test suite
+#   make test   lint and type check, then the whole test suite
+# (`make test-core`: the tests that start no engine, for a quick check while working.)
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
@@ -17,14 +18,24 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test test-core lint bench
 setup: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/hpkv demo
 
-test: $(STAMP)
+test: lint
 	$(VENV)/bin/pytest -q
+
+# Configured in pyproject.toml ([tool.ruff], [tool.mypy]).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check
+	$(VENV)/bin/ruff format --check
+	$(VENV)/bin/mypy
+
+# Tests marked `engine` (tests/conftest.py) start vLLM or SGLang; these are the rest.
+test-core: $(STAMP)
+	$(VENV)/bin/pytest -q -m "not engine"
 
 bench: $(STAMP)
 	$(VENV)/bin/hpkv bench

@@ -39,3 +39,12 @@ def make_pool_config(path: Path, size_bytes: int = 64 << 20) -> PoolConfig:
 def pytest_configure(config):
     # Engine tests outside test_vllm_e2e.py carry this mark, so `-k "not vllm_e2e"` leaves them out too.
     config.addinivalue_line("markers", "vllm_e2e: starts real vLLM engines (run under flock /tmp/hpkv-engine.lock)")
+    config.addinivalue_line("markers", "engine: starts a real engine process; `make test-core` runs -m 'not engine'")
+
+
+def pytest_collection_modifyitems(config, items):
+    # Every vLLM end-to-end test is an engine test: those of test_vllm_e2e.py (its name carries
+    # the mark for -k) and those marked vllm_e2e elsewhere. `-m "not engine"` leaves them out.
+    for item in items:
+        if item.path.name == "test_vllm_e2e.py" or item.get_closest_marker("vllm_e2e") is not None:
+            item.add_marker(pytest.mark.engine)

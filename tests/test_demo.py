@@ -11,6 +11,8 @@ import pytest
 
 HPKV = Path(sys.executable).with_name("hpkv")
 
+pytestmark = pytest.mark.engine  # `hpkv demo` starts vLLM twice
+
 
 @pytest.mark.timeout(1200)
 def test_hpkv_demo_shows_a_dram_hit_and_a_storage_hit_identical_to_vllms_own(tmp_path):

@@ -72,7 +72,7 @@ class ModelIdentity:
     num_bytes_read: int = field(default=0, compare=False)
     seconds: float = field(default=0.0, compare=False)
 
-    def with_part(self, what: str, other: "ModelIdentity") -> "ModelIdentity":
+    def with_part(self, what: str, other: ModelIdentity) -> ModelIdentity:
         """This identity combined with another directory's (a config or draft model)."""
         return ModelIdentity(f"{self.id}+{what}={other.id}", f"{self.source}; {what}: {other.source}", self.shared,
                              self.location, self.revision, self.num_weight_files,
@@ -136,7 +136,7 @@ def forget() -> None:
     _content_identity.cache_clear()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _content_identity(model: str, revision: str | None, download_dir: str | None) -> ModelIdentity:
     path, snapshot_revision = locate(model, revision, download_dir)
     started = time.perf_counter()
@@ -157,12 +157,11 @@ def locate(model: str, revision: str | None, download_dir: str | None) -> tuple[
     try:
         from huggingface_hub import snapshot_download
 
-        local = snapshot_download(model, revision=revision, cache_dir=download_dir, local_files_only=True)
+        snapshot = Path(snapshot_download(model, revision=revision, cache_dir=download_dir, local_files_only=True))
     except Exception as exc:  # not cached here, no huggingface_hub, a bad id
         raise NoContentIdentity(f"{model!r} is no local path and has no local Hugging Face snapshot "
                                 f"({type(exc).__name__}: {exc})") from None
-    local = Path(local)
-    return local, _snapshot_revision(local)
+    return snapshot, _snapshot_revision(snapshot)
 
 
 def _snapshot_revision(path: Path) -> str:

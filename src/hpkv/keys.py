@@ -70,7 +70,7 @@ class NamespaceDesc:
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str) -> "NamespaceDesc":
+    def from_json(cls, text: str) -> NamespaceDesc:
         fields = json.loads(text)
         fields["extra"] = tuple(sorted(fields.get("extra", {}).items()))
         return cls(**fields)

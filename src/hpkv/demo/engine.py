@@ -119,7 +119,7 @@ class VllmServer:
     port: int = field(default_factory=free_port)
     process: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 600.0) -> "VllmServer":
+    def start(self, timeout_s: float = 600.0) -> VllmServer:
         env = {**CPU_ENV, **os.environ, "VLLM_SERVER_DEV_MODE": "1", **self.env}  # CPU_ENV: defaults
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                *documented_flags(self.model, self.port, self.served_name, self.hpkv, self.block_size,
@@ -145,7 +145,7 @@ class VllmServer:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -170,7 +170,9 @@ class VllmServer:
         request = urllib.request.Request(self.url("/v1/completions"), data=json.dumps(body).encode(),
                                          method="POST", headers={"Content-Type": "application/json"})
         started = time.perf_counter()
-        ttft, text, token_ids, logprobs, prompt_tokens = None, "", [], [], 0
+        ttft, text, prompt_tokens = None, "", 0
+        token_ids: list[int] = []
+        logprobs: list[float] = []
         with urllib.request.urlopen(request, timeout=600) as response:
             for line in response:
                 line = line.strip()
@@ -205,7 +207,7 @@ class VllmServer:
 
     def cached_tokens_by_source(self) -> dict[str, float]:
         prefix = "vllm:prompt_tokens_cached_by_source_total"
-        out = {}
+        out: dict[str, float] = {}
         for name, value in self.metrics().items():
             if name.startswith(prefix + "{"):
                 source = name.split('source="')[1].split('"')[0]

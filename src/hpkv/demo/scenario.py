@@ -15,6 +15,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,14 +39,15 @@ class DemoConfig:
     model: str | None = None  # None: build the tiny random model (CPU demo)
     prompt_words: int = 2000
     pool_size: str = "1g"
-    log: callable = print
+    log: Callable[[str], None] = print
 
 
 def has_accelerator() -> bool:
     try:
         import torch
 
-        return torch.cuda.is_available() or bool(getattr(torch, "npu", None) and torch.npu.is_available())
+        npu = getattr(torch, "npu", None)  # Ascend's torch_npu adds it
+        return torch.cuda.is_available() or bool(npu and npu.is_available())
     except Exception:
         return False
 

@@ -33,8 +33,15 @@ from pathlib import Path
 
 from .. import safefs
 from ..errors import PoolError
-from ..fsinfo import (MEMORY_FS, PSEUDO_FS, cgroup_memory_left, existing_ancestor, free_bytes, meminfo_available_bytes,
-                      mount_of)
+from ..fsinfo import (
+    MEMORY_FS,
+    PSEUDO_FS,
+    cgroup_memory_left,
+    existing_ancestor,
+    free_bytes,
+    meminfo_available_bytes,
+    mount_of,
+)
 from ..units import human_bytes
 from . import directory as pool_directory
 
@@ -72,7 +79,7 @@ class PoolRegion:
         self.identity = (st.st_dev, st.st_ino)  # the file, whatever its name says now
 
     @classmethod
-    def create(cls, directory: Path, size_bytes: int) -> "PoolRegion":
+    def create(cls, directory: Path, size_bytes: int) -> PoolRegion:
         """Create the pool file exclusively, reserve its memory and map it.
 
         Raises PoolError naming the path and the fix when the directory is unusable, the pool
@@ -112,7 +119,7 @@ class PoolRegion:
         return self._share_fd
 
     @classmethod
-    def attach(cls, fd: int, size_bytes: int, path: Path | str) -> "PoolRegion":
+    def attach(cls, fd: int, size_bytes: int, path: Path | str) -> PoolRegion:
         """Map the pool file open as `fd` (received from its owner), which must be a regular file
         of `size_bytes` (what the owner announced); `path` names it in messages. Takes `fd`:
         it is closed whatever happens."""
@@ -184,7 +191,7 @@ class PoolRegion:
         os.close(self._fd)
         self._fd = -1
 
-    def __enter__(self) -> "PoolRegion":
+    def __enter__(self) -> PoolRegion:
         return self
 
     def __exit__(self, *exc) -> None:

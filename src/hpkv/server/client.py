@@ -13,8 +13,9 @@ Every call is bounded by `timeout_s`. When the server cannot be reached, or dies
 after `retry_interval_s` the next call tries again, starting a server when `autostart` is on,
 and re-registers the namespaces it knew, so a restarted server is picked up without the caller
 doing anything. Each failure in a row doubles the wait, up to MAX_RETRY_S: a server that cannot
-start (a bad setting) must not cost the engine a Python start-up every second. Reservations and leases always name the pool mapping they were made in, so bytes
-never go to or come from the pool of another server generation.
+start (a bad setting) must not cost the engine a Python start-up every second. Reservations and
+leases always name the pool mapping they were made in, so bytes never go to or come from the pool
+of another server generation.
 
 A handle is only as good as the connection that made it: when that connection closes (a timeout,
 a server restart), the server reclaims its reservations and leases, and their slots may be
@@ -51,8 +52,10 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn, TypeVar
 
 from .. import safefs
 from ..errors import HpkvError, PoolError
@@ -66,8 +69,8 @@ from ..types import Lookup, Tier
 from . import protocol as p
 from .autostart import ServerUnavailable, check_socket, ensure_server
 
-
 _TIERS = {int(t): t for t in Tier}  # wire code -> Tier, without Enum's slow constructor
+_R = TypeVar("_R")
 
 
 class ServerError(HpkvError):
@@ -87,7 +90,10 @@ class Reservation:
     deadline: float = math.inf  # time.monotonic() past which the server may have taken the slots back
 
     def view(self, i: int) -> memoryview:
-        return self.region.view(self.offsets[i], self.entry_bytes)
+        offset = self.offsets[i]
+        if offset is None:
+            raise ValueError(f"key {i} of this reservation has no slot (held already, or no room)")
+        return self.region.view(offset, self.entry_bytes)
 
 
 @dataclass
@@ -111,7 +117,7 @@ MAX_RETRY_S = 30.0
 # the mapping lives (its file stays open), and a new server has a new pid, so a key never names
 # a mapping of another file. Prefaulted mappings are apart: a client that only looks up keys
 # (a scheduler) does not take on the page tables of a copying one.
-_regions: "weakref.WeakValueDictionary[tuple, PoolRegion]" = weakref.WeakValueDictionary()
+_regions: weakref.WeakValueDictionary[tuple, PoolRegion] = weakref.WeakValueDictionary()
 _regions_lock = threading.Lock()
 
 
@@ -177,7 +183,7 @@ class Client:
             self._retry_at = 0.0
             self._failures = 0
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -204,6 +210,7 @@ class Client:
             raise
         except OSError as exc:
             self._fail(f"cannot reach the HPKV server in {self.directory}: {exc.strerror or exc}")
+        assert self._sock is not None  # _open connected, or raised
         return self._sock
 
     def _open(self) -> None:
@@ -228,6 +235,7 @@ class Client:
             welcome = p.decode_reply(body)
             if isinstance(welcome, p.Error):
                 raise ServerError(welcome.code, welcome.message)
+            welcome = _expect(welcome, p.Welcome)
             if len(fds) != 1:
                 raise ServerUnavailable(f"the HPKV server on {socket_path} passed {len(fds)} descriptors with its "
                                         "Welcome, not its pool file; restart it (with this hpkv version)")
@@ -266,7 +274,7 @@ class Client:
                 f"it can write to (HPKV_SHARE_MEM_FILE_PATH, mode 0700), run the server as uid {os.geteuid()}, "
                 f"or, if uid {uid} is meant to share this pool, add it to HPKV_SERVER_ALLOW_UIDS")
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str) -> NoReturn:
         self._failures += 1
         self._drop(message)
         raise ServerUnavailable(message)
@@ -288,13 +296,18 @@ class Client:
             self._ensure()
             return self._roundtrip(msg, timeout_s or self.timeout_s)
 
+    def _ask(self, msg: p.Msg, reply_type: type[_R], timeout_s: float | None = None) -> _R:
+        """`_call`, for the one reply type `msg` is answered with."""
+        return _expect(self._call(msg, timeout_s), reply_type)
+
     def _roundtrip(self, msg: p.Msg, timeout_s: float) -> p.Reply:
         sock = self._sock
+        assert sock is not None  # the caller holds the lock and has connected
         try:
             sock.settimeout(timeout_s)
             sock.sendall(p.encode(msg))
             reply = p.decode_reply(p.recv_frame(sock))
-        except socket.timeout:
+        except TimeoutError:
             self._fail(f"the HPKV server did not answer {type(msg).__name__} within {timeout_s:.1f} s")
         except (OSError, EOFError, p.FrameError) as exc:
             self._fail(f"lost the HPKV server: {exc or type(exc).__name__}")
@@ -308,22 +321,22 @@ class Client:
     # -- operations ---------------------------------------------------------------------------
 
     def register(self, desc: NamespaceDesc) -> str:
-        reply = self._call(p.Register(desc.to_json()))
+        reply = self._ask(p.Register(desc.to_json()), p.Registered)
         self._namespaces[reply.ns] = (desc.to_json(), reply.entry_bytes)
         return reply.ns
 
-    def lookup(self, ns: str, keys: list[bytes]) -> Lookup:
-        return Lookup(tuple(map(_TIERS.__getitem__, self._call(p.Lookup(ns, keys)).tiers)))
+    def lookup(self, ns: str, keys: Sequence[bytes]) -> Lookup:
+        return Lookup(tuple(map(_TIERS.__getitem__, self._ask(p.Lookup(ns, _as_list(keys)), p.Hits).tiers)))
 
-    def reserve(self, ns: str, keys: list[bytes], hold: str = "") -> Reservation:
+    def reserve(self, ns: str, keys: Sequence[bytes], hold: str = "") -> Reservation:
         """With `hold`, the reservation is settled by whoever calls `settle(hold)` (this client
         neither commits nor aborts it)."""
         with self._lock:
             deadline = self._deadline()
-            offsets = self._call(p.Reserve(ns, keys, hold)).offsets
-            return Reservation(self.region, self._namespaces[ns][1], offsets, self.epoch, deadline)
+            offsets = self._ask(p.Reserve(ns, _as_list(keys), hold), p.Offsets).offsets
+            return Reservation(self._region(), self._namespaces[ns][1], offsets, self.epoch, deadline)
 
-    def commit(self, ns: str, keys: list[bytes], *, reservation: Reservation | None = None) -> int:
+    def commit(self, ns: str, keys: Sequence[bytes], *, reservation: Reservation | None = None) -> int:
         """Publish reserved keys; returns how many were. With `reservation` (the handle that
         reserved them), 0 and nothing sent unless the connection that made it is the live one
         (else a reservation of the same keys made since would be published before it is copied
@@ -331,31 +344,36 @@ class Client:
         with self._lock:
             if not self._live(reservation):
                 return 0
-            return self._roundtrip(p.Commit(ns, keys), self.timeout_s).num
+            return _expect(self._roundtrip(p.Commit(ns, _as_list(keys)), self.timeout_s), p.Count).num
 
-    def abort(self, ns: str, keys: list[bytes], hold: str = "", *, reservation: Reservation | None = None) -> None:
+    def abort(self, ns: str, keys: Sequence[bytes], hold: str = "", *, reservation: Reservation | None = None) -> None:
         """Give back reserved slots (those reserved in `hold`, with one: its owner may always
         give them back, never commit them). With `reservation`, only if the connection that made
         it is the live one: slots a newer one reserved may be being copied into."""
         with self._lock:
             if self._live(reservation):
-                self._roundtrip(p.Abort(ns, keys, hold), self.timeout_s)
+                self._roundtrip(p.Abort(ns, _as_list(keys), hold), self.timeout_s)
 
     def _live(self, reservation: Reservation | None) -> bool:
         """Connected, and (given a reservation) on the connection that made it. Caller holds the
         lock. Never connects: a new connection holds no reservation to commit or abort."""
         return self._sock is not None and (reservation is None or reservation.epoch == self.epoch)
 
-    def settle(self, hold: str, abort: list[bytes]) -> p.Settled:
+    def settle(self, hold: str, abort: Sequence[bytes]) -> p.Settled:
         """Commit every client's reservations made with `hold`, except the keys in `abort`."""
-        return self._call(p.Settle(hold, abort))
+        return self._ask(p.Settle(hold, _as_list(abort)), p.Settled)
 
-    def lease(self, ns: str, keys: list[bytes]) -> LeaseHandle:
+    def lease(self, ns: str, keys: Sequence[bytes]) -> LeaseHandle:
         with self._lock:
             deadline = self._deadline()
-            r = self._call(p.Lease(ns, keys))
-            return LeaseHandle(r.lease_id, self.region, self._namespaces[ns][1], r.offsets, r.num_ready,
+            r = self._ask(p.Lease(ns, _as_list(keys)), p.Leased)
+            return LeaseHandle(r.lease_id, self._region(), self._namespaces[ns][1], r.offsets, r.num_ready,
                                self.epoch, deadline)
+
+    def _region(self) -> PoolRegion:
+        """The pool mapping of the live connection. Caller holds the lock, after a call."""
+        assert self.region is not None  # _open maps the pool before it answers any call
+        return self.region
 
     def _deadline(self) -> float:
         """When a handle asked for now stops being held: the server's time limit counts from
@@ -369,7 +387,7 @@ class Client:
         with self._lock:
             if lease.epoch != self.epoch:
                 return 0  # the connection that held it is gone, and the lease with it
-            r = self._call(p.LeaseWait(lease.id, timeout_s), timeout_s + self.timeout_s)
+            r = self._ask(p.LeaseWait(lease.id, timeout_s), p.Leased, timeout_s + self.timeout_s)
         lease.num_ready = r.num_ready
         return r.num_ready
 
@@ -386,8 +404,20 @@ class Client:
         return handle.epoch == self.epoch and self._sock is not None and time.monotonic() < handle.deadline
 
     def clear(self, memory: bool = True, storage: bool = False, ns: str | None = None) -> p.Cleared:
-        return self._call(p.Clear(memory, storage, ns), max(self.timeout_s, 300.0))
+        return self._ask(p.Clear(memory, storage, ns), p.Cleared, max(self.timeout_s, 300.0))
 
     def stats(self) -> ServerStats:
         """The server's snapshot; `StatsMismatch` if it does not fit `hpkv.stats`."""
-        return stats_from_wire(self._call(p.Stats()).stats)
+        return stats_from_wire(self._ask(p.Stats(), p.StatsReply).stats)
+
+
+def _expect(reply: p.Reply, reply_type: type[_R]) -> _R:
+    """`reply` as the type its request is answered with; ServerError if the server sent another."""
+    if not isinstance(reply, reply_type):
+        raise ServerError("bad_reply", f"the HPKV server answered {type(reply).__name__}, not {reply_type.__name__}")
+    return reply
+
+
+def _as_list(keys: Sequence[bytes]) -> list[bytes]:
+    """Keys as the list a message holds: typed keys (`keys.Key`) are bytes; a list goes as it is."""
+    return keys if isinstance(keys, list) else list(keys)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from typing import Union
 
 import msgspec
 
@@ -107,7 +106,7 @@ class Stats(Msg):
     pass
 
 
-Request = Union[Hello, Register, Lookup, Reserve, Commit, Abort, Settle, Lease, LeaseWait, Release, Clear, Stats]
+Request = Hello | Register | Lookup | Reserve | Commit | Abort | Settle | Lease | LeaseWait | Release | Clear | Stats
 
 
 # -- replies -------------------------------------------------------------------------------------
@@ -165,7 +164,7 @@ class Error(_Stable):
     message: str
 
 
-Reply = Union[Welcome, Registered, Hits, Offsets, Count, Leased, Cleared, Settled, StatsReply, Error]
+Reply = Welcome | Registered | Hits | Offsets | Count | Leased | Cleared | Settled | StatsReply | Error
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)
@@ -180,7 +179,7 @@ class FrameError(Exception):
         self.code = code
 
 
-def encode(msg: Msg) -> bytes:
+def encode(msg: msgspec.Struct) -> bytes:
     body = _encoder.encode(msg)
     return _LENGTH.pack(len(body)) + body
 
@@ -234,7 +233,7 @@ def display_path(path: str | os.PathLike) -> str:
     return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
-def send_frame_fds(sock: socket.socket, msg: Msg, fds: list[int]) -> None:
+def send_frame_fds(sock: socket.socket, msg: msgspec.Struct, fds: list[int]) -> None:
     """Send one frame with `fds` attached to its first byte (SCM_RIGHTS)."""
     data = encode(msg)
     sent = socket.send_fds(sock, [data], fds)

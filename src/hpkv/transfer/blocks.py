@@ -121,10 +121,11 @@ class PoolTensors:
 
     def _release_dead(self) -> None:
         while self._dead:
-            tensor, pinned = self._held.pop(self._dead.pop(), (None, False))  # none: gone with `close`
-            if pinned:
-                self.pinning.unregister(tensor)  # before the tensor, the last hold on the mapping, goes
-            del tensor
+            held = self._held.pop(self._dead.pop(), None)  # none: gone with `close`
+            if held is not None and held[1]:
+                assert self.pinning is not None  # pinned: registered with it
+                self.pinning.unregister(held[0])  # before the tensor, the last hold on the mapping, goes
+            del held
 
 
 LONG_RUN = 8  # blocks; shorter runs are copied page by page on the CPU
@@ -261,4 +262,4 @@ class BlockCopier:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         elif self.device.type == "npu":
-            torch.npu.current_stream(self.device).synchronize()  # type: ignore[attr-defined]
+            torch.npu.current_stream(self.device).synchronize()

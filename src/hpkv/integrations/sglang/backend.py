@@ -29,13 +29,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, List, Optional
+from typing import Any
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolTransferResult
 
 from ...config import load_settings
 from ...errors import ConfigError, HpkvError
 from ...identity import override_identity
+from ...keys import NamespaceDesc
 from ...logutil import Throttle
 from ...server.autostart import ServerUnavailable
 from ...server.client import Client
@@ -52,7 +53,7 @@ CLEAR_WAIT_S = 5.0  # the scheduler thread serves every request: a longer clear 
 
 
 class HpkvStorage(HiCacheStorage):
-    def __init__(self, storage_config, kwargs: Optional[dict] = None) -> None:
+    def __init__(self, storage_config, kwargs: dict | None = None) -> None:
         extra = storage_config.extra_config or {}
         if not extra.get("interface_v1"):
             raise ConfigError(
@@ -68,7 +69,7 @@ class HpkvStorage(HiCacheStorage):
         self.trusted_uids = settings.server_allow_uids
         self.model_override = settings.model_id
         self.layout: lay.PageLayout | None = None
-        self.desc = None
+        self.desc: NamespaceDesc | None = None
         self.ns: str | None = None
         self.stats = BackendStats(storage_config.enable_storage_metrics)
         self._local = threading.local()
@@ -83,7 +84,7 @@ class HpkvStorage(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)
-        self.layout = lay.page_layout(mem_pool_host)
+        self.layout = layout = lay.page_layout(mem_pool_host)
         model = lay.model_id(self.model_override)
         if model is None and self.model_override:
             model = lay.ModelId(override_identity(self.model_override).id, "auto", "HPKV_MODEL_ID")
@@ -92,15 +93,15 @@ class HpkvStorage(HiCacheStorage):
                         "its served name %r only: give every model (and every fine-tune, quantization or KV dtype "
                         "of it) its own --served-model-name, or set HPKV_MODEL_ID, or HPKV may load another "
                         "model's KV", self.storage_config.model_name)
-        self.desc = lay.namespace(self.storage_config, self.layout, model)
-        self.ns = self.desc.ns
+        self.desc = desc = lay.namespace(self.storage_config, layout, model)
+        self.ns = desc.ns
         if model is not None and model.identity is not None and self.storage_config.tp_rank == 0:
             log.info("HPKV model identity: %s; model %s; namespace model %s", model.identity.describe(),
-                     model.model_path, self.desc.model)
+                     model.model_path, desc.model)
         log.info("HPKV storage for SGLang: namespace %s (%s), %d bytes per page, pool %s", self.ns,
-                 self.desc.to_json(), self.layout.entry_bytes, self.pool_dir)
+                 desc.to_json(), layout.entry_bytes, self.pool_dir)
         config = self.storage_config
-        if self.layout.layer_sharded and config.is_mla_model and config.tp_size > 1:
+        if layout.layer_sharded and config.is_mla_model and config.tp_size > 1:
             # Each TP rank holds other layers, so each has its own namespace; but SGLang treats
             # MLA KV as rank-replicated and lets only rank 0 back it up: the other ranks never
             # hit, and the hit every rank agrees on is theirs.
@@ -133,17 +134,17 @@ class HpkvStorage(HiCacheStorage):
 
     # -- the v1 interface ---------------------------------------------------------------------
 
-    def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         if not keys:
             return 0
         return self._guard("exists", 0, self._exists, keys)
 
-    def batch_get_v1(self, keys: List[str], host_indices, extra_info: Any = None) -> List[bool]:
+    def batch_get_v1(self, keys: list[str], host_indices, extra_info: Any = None) -> list[bool]:
         if not keys:
             return []
         return self._guard("load", [False] * len(keys), self._load, keys, host_indices)
 
-    def batch_set_v1(self, keys: List[str], host_indices, extra_info: Any = None) -> List[bool]:
+    def batch_set_v1(self, keys: list[str], host_indices, extra_info: Any = None) -> list[bool]:
         if not keys:
             return []
         if not self.stores_pages:
@@ -153,17 +154,19 @@ class HpkvStorage(HiCacheStorage):
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
-    def _exists(self, keys: List[str]) -> int:
+    def _exists(self, keys: list[str]) -> int:
+        ns, _ = self._registered()
         client = self._client()
-        hit = client.lookup(self.ns, lay.page_keys(keys))
+        hit = client.lookup(ns, lay.page_keys(keys))
         self.stats.looked_up(len(keys), hit.num_dram, hit.num_storage)
         return hit.num_hit
 
-    def _load(self, keys: List[str], host_indices) -> List[bool]:
+    def _load(self, keys: list[str], host_indices) -> list[bool]:
         started = time.perf_counter()
-        host_pages = pg.PageBuffers.of(self.mem_pool_host, host_indices, len(keys), self.layout)
+        ns, layout = self._registered()
+        host_pages = pg.PageBuffers.of(self.mem_pool_host, host_indices, len(keys), layout)
         client = self._client()
-        lease = client.lease(self.ns, lay.page_keys(keys))
+        lease = client.lease(ns, lay.page_keys(keys))
         try:
             num = min(self._wait(client, lease), len(keys))
             if num:
@@ -172,7 +175,7 @@ class HpkvStorage(HiCacheStorage):
                 num = 0
         finally:
             self._release(client, lease)
-        self.stats.loaded(num, len(keys) - num, num * self.layout.entry_bytes, time.perf_counter() - started)
+        self.stats.loaded(num, len(keys) - num, num * layout.entry_bytes, time.perf_counter() - started)
         return [i < num for i in range(len(keys))]
 
     def _wait(self, client: Client, lease) -> int:
@@ -184,7 +187,7 @@ class HpkvStorage(HiCacheStorage):
 
     def _abort(self, client: Client, keys, reservation) -> None:
         try:  # the reservation's own connection, or nothing: never what a newer one reserved
-            client.abort(self.ns, keys, reservation=reservation)
+            client.abort(self._registered()[0], keys, reservation=reservation)
         except HpkvError:
             pass  # a vanished server's reservations vanish with it
 
@@ -195,24 +198,26 @@ class HpkvStorage(HiCacheStorage):
         except HpkvError:
             pass  # a vanished server's leases vanish with it
 
-    def _save(self, keys: List[str], host_indices) -> List[bool]:
+    def _save(self, keys: list[str], host_indices) -> list[bool]:
         started = time.perf_counter()
-        host_pages = pg.PageBuffers.of(self.mem_pool_host, host_indices, len(keys), self.layout)
+        ns, layout = self._registered()
+        host_pages = pg.PageBuffers.of(self.mem_pool_host, host_indices, len(keys), layout)
         entry_keys = lay.page_keys(keys)
         client = self._client()
-        reservation = client.reserve(self.ns, entry_keys)
-        held = [i for i, offset in enumerate(reservation.offsets) if offset is not None]
+        reservation = client.reserve(ns, entry_keys)
+        offsets = {i: offset for i, offset in enumerate(reservation.offsets) if offset is not None}
+        held = list(offsets)
         if held:
             held_keys = [entry_keys[i] for i in held]
             try:
-                pg.save(reservation.region, [reservation.offsets[i] for i in held], host_pages, held)
+                pg.save(reservation.region, list(offsets.values()), host_pages, held)
                 if not client.holds(reservation):  # reclaimed with the connection: nothing was stored
                     return [False] * len(keys)
-                client.commit(self.ns, held_keys, reservation=reservation)
+                client.commit(ns, held_keys, reservation=reservation)
             except BaseException:
                 self._abort(client, held_keys, reservation)
                 raise
-        self.stats.saved(len(held), len(keys) - len(held), len(held) * self.layout.entry_bytes,
+        self.stats.saved(len(held), len(keys) - len(held), len(held) * layout.entry_bytes,
                          time.perf_counter() - started)
         return [True] * len(keys)
 
@@ -221,13 +226,13 @@ class HpkvStorage(HiCacheStorage):
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None):
         return None
 
-    def batch_get(self, keys: List[str], target_locations: Any = None, target_sizes: Any = None):
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None):
         return [None] * len(keys)
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return False
 
-    def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None,
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
         return False
 
@@ -280,6 +285,11 @@ class HpkvStorage(HiCacheStorage):
 
     # -- clients and faults -------------------------------------------------------------------
 
+    def _registered(self) -> tuple[str, lay.PageLayout]:
+        """This rank's namespace and page layout (SGLang calls register_mem_pool_host before any I/O)."""
+        assert self.ns is not None and self.layout is not None, "register_mem_pool_host comes first"
+        return self.ns, self.layout
+
     def _client(self) -> Client:
         """This thread's client, registered in this rank's namespace."""
         client = getattr(self._local, "client", None)
@@ -288,6 +298,7 @@ class HpkvStorage(HiCacheStorage):
             self._local.client = client
             self._local.registered = False
         if not self._local.registered:
+            assert self.desc is not None  # register_mem_pool_host comes before any I/O
             client.register(self.desc)
             self._local.registered = True
         return client

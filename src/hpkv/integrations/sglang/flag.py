@@ -143,7 +143,7 @@ def _spell_out(argv: list[str]) -> list[str]:
     """Every flag abbreviated to a unique prefix, as `--name` or `--name=V`, written in full, as
     argparse (allow_abbrev) would read it. An ambiguous or unknown one stays: argparse refuses it."""
     names = None
-    out = []
+    out: list[str] = []
     for i, arg in enumerate(argv):
         if arg == "--":  # the rest are values
             return out + argv[i:]

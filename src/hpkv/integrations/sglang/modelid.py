@@ -24,7 +24,6 @@ import uuid
 
 from ...identity import ModelIdentity, NoContentIdentity, content_identity, loader_identity, unreadable_identity
 
-
 # Loaders that read the weights from --model-path (or its hub snapshot) as given.
 LOCAL_LOAD_FORMATS = frozenset(("auto", "pt", "safetensors", "instanttensor", "npcache", "sharded_state",
                                 "presharded", "gguf", "bitsandbytes", "mistral", "layered", "fastsafetensors",
@@ -78,9 +77,10 @@ def lora_adapters(lora_paths) -> list[tuple[str, str]]:
     """(name, path) of every --lora-paths adapter, in any of the forms SGLang takes, by name."""
     if not lora_paths:
         return []
-    items = lora_paths.items() if isinstance(lora_paths, dict) else None
-    if items is None:
-        items = []
+    items: list[tuple[str, str]] = []
+    if isinstance(lora_paths, dict):
+        items.extend(lora_paths.items())
+    else:
         for entry in lora_paths:
             if isinstance(entry, str):
                 name, _, path = entry.partition("=") if "=" in entry else (entry, "", entry)

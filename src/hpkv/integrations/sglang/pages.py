@@ -28,7 +28,7 @@ class PageBuffers:
     sizes: tuple[int, ...]
 
     @classmethod
-    def of(cls, host_pool, host_indices, num_pages: int, layout: PageLayout) -> "PageBuffers":
+    def of(cls, host_pool, host_indices, num_pages: int, layout: PageLayout) -> PageBuffers:
         """ValueError if SGLang describes the pages otherwise than the layout measured at start."""
         if len(host_indices) != num_pages * layout.page_size:
             raise ValueError(f"{len(host_indices)} host indices for {num_pages} pages of {layout.page_size} tokens")

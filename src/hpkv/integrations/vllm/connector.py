@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -30,6 +30,10 @@ from ...errors import ConfigError, HpkvError
 from ...logutil import Throttle
 from . import layout as lay
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats
+
+if TYPE_CHECKING:  # each half is imported only by the process that runs it
+    from .scheduler import HpkvScheduler
+    from .worker import HpkvWorker
 
 log = logging.getLogger("hpkv.vllm")
 
@@ -47,8 +51,8 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             raise ConfigError(
                 "HpkvConnectorV1 was requested in --kv-transfer-config but HPKV is not enabled: set "
                 "VLLM_ENABLE_HPKV=1 (environment or HPKV config file), or remove the connector")
-        self._scheduler = None
-        self._worker = None
+        self._scheduler: HpkvScheduler | None = None
+        self._worker: HpkvWorker | None = None
         self._bugs = Throttle()  # by entry point
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         if role == KVConnectorRole.SCHEDULER:
@@ -73,20 +77,32 @@ class HpkvConnectorV1(KVConnectorBase_V1):
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
         return lay.REQUIRED_LAYOUT
 
+    @property
+    def _worker_side(self) -> HpkvWorker:
+        """vLLM calls the worker-side methods only on an instance made for a worker."""
+        assert self._worker is not None, "a worker-side call on the scheduler's connector"
+        return self._worker
+
+    @property
+    def _scheduler_side(self) -> HpkvScheduler:
+        """vLLM calls the scheduler-side methods only on the instance made for the scheduler."""
+        assert self._scheduler is not None, "a scheduler-side call on a worker's connector"
+        return self._scheduler
+
     # -- worker side --------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches) -> None:
-        self._worker.register_kv_caches(kv_caches)
+        self._worker_side.register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         # Before the step's loads and forward pass write into the blocks it allocated.
         if isinstance(kv_connector_metadata, HpkvConnectorMetadata) and kv_connector_metadata.allocated:
-            self._worker.fence(kv_connector_metadata.allocated)
+            self._worker_side.fence(kv_connector_metadata.allocated)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, HpkvConnectorMetadata) and meta.loads:
-            self._worker.start_load_kv(meta)
+            self._worker_side.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads complete in start_load_kv
@@ -97,7 +113,7 @@ class HpkvConnectorV1(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, HpkvConnectorMetadata) and meta.saves:
-            self._worker.wait_for_save(meta)
+            self._worker_side.wait_for_save(meta)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker else set()
@@ -133,22 +149,22 @@ class HpkvConnectorV1(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         try:
-            return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+            return self._scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
         except Exception:
-            self._bug("a lookup", lambda: self._scheduler.forget_lookup(request))
+            self._bug("a lookup", lambda: self._scheduler_side.forget_lookup(request))
             return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         try:
-            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+            self._scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
         except Exception:  # vLLM counts those tokens as loaded: the workers must report them failed
-            self._bug("a load", lambda: self._scheduler.fail_load(request, blocks, num_external_tokens))
+            self._bug("a load", lambda: self._scheduler_side.fail_load(request, blocks, num_external_tokens))
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int):
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
         try:
-            sources = self._scheduler.hit_sources(request, num_external_tokens)
+            sources = self._scheduler_side.hit_sources(request, num_external_tokens)
             return {CacheHitSource(name): count for name, count in sources.items() if count}
         except Exception:
             self._bug("the hit sources")
@@ -156,27 +172,27 @@ class HpkvConnectorV1(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         try:
-            return self._scheduler.build_connector_meta(scheduler_output)
+            return self._scheduler_side.build_connector_meta(scheduler_output)
         except Exception:
             self._bug("a step's metadata")
-            return self._scheduler.bare_meta(scheduler_output)
+            return self._scheduler_side.bare_meta(scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:
         try:
-            self._scheduler.update_connector_output(connector_output)
+            self._scheduler_side.update_connector_output(connector_output)
         except Exception:
             self._bug("a step's output")
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         try:
-            self._scheduler.request_finished(request)
+            self._scheduler_side.request_finished(request)
         except Exception:  # its leases end with the connection, at the latest
             self._bug("a finished request")
         return False, None
 
     def reset_cache(self) -> bool | None:
         try:
-            return self._scheduler.reset_cache()
+            return self._scheduler_side.reset_cache()
         except Exception:
             self._bug("a cache reset")
             return False

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 from collections import OrderedDict
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
@@ -37,7 +38,7 @@ class HpkvWorkerMeta(KVConnectorWorkerMetadata):
     seqs: set[int]
     failed: set[int] = field(default_factory=set)
 
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> "HpkvWorkerMeta":
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> HpkvWorkerMeta:
         if isinstance(other, HpkvWorkerMeta):
             self.seqs |= other.seqs
             self.failed |= other.failed
@@ -98,7 +99,7 @@ class SaveHolds:
         for req_id in req_ids:
             self._poisoned[req_id] = max(up_to_seq, self._poisoned.get(req_id, -1))
 
-    def step_done(self, seqs: set[int], failed: set[int] = frozenset()) -> list[Settle]:
+    def step_done(self, seqs: AbstractSet[int], failed: AbstractSet[int] = frozenset()) -> list[Settle]:
         """The output of steps `seqs` is back (and every earlier step's, outputs come in order):
         the holds to settle now, each with the keys to abort (those of poisoned requests, and
         all of a step in `failed`) and, for each request whose good KV a rank did not copy, the

@@ -61,12 +61,12 @@ class HpkvConnectorStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
-        self.data = {name: 0 for name in _COUNTERS}
+        self.data: dict[str, float] = dict.fromkeys(_COUNTERS, 0)  # counts and seconds
 
     def add(self, name: str, value: float) -> None:
         self.data[name] = self.data.get(name, 0) + value
 
-    def aggregate(self, other: KVConnectorStats) -> "HpkvConnectorStats":
+    def aggregate(self, other: KVConnectorStats) -> HpkvConnectorStats:
         for name, value in other.data.items():
             self.data[name] = self.data.get(name, 0) + value
         return self

@@ -21,7 +21,6 @@ import uuid
 
 from ...identity import ModelIdentity, NoContentIdentity, content_identity, loader_identity, unreadable_identity
 
-
 # Loaders that read the weights from the model directory (or hub snapshot) as given.
 LOCAL_LOAD_FORMATS = frozenset(("auto", "hf", "safetensors", "pt", "npcache", "fastsafetensors", "instanttensor",
                                 "mistral", "sharded_state", "runai_streamer", "runai_streamer_sharded", "gguf",

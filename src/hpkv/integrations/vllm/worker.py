@@ -22,6 +22,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -68,7 +69,8 @@ def block_rows(name: str, cache: torch.Tensor, num_blocks: int, page_bytes: int,
     # the row takes it along, as vLLM's own page does.
     if cache.dim() == 4 and block.is_contiguous() and block.numel() * elem <= page_bytes <= cache.stride(0) * elem:
         return torch.tensor([], dtype=torch.int8, device=cache.device).set_(
-            cache.untyped_storage(), cache.storage_offset() * elem, (num_blocks, page_bytes), (cache.stride(0) * elem, 1))
+            cache.untyped_storage(), cache.storage_offset() * elem, (num_blocks, page_bytes),
+            (cache.stride(0) * elem, 1))
     if cache.dim() != 4:
         why = (f"its blocks are split in {cache.shape[1]} kernel blocks each (the attention backend's kernel block "
                "size is below --block-size); set --block-size to the attention backend's kernel block size")
@@ -85,6 +87,7 @@ def block_rows(name: str, cache: torch.Tensor, num_blocks: int, page_bytes: int,
 class _Save:
     """One step's saves, reserved and waiting to be copied and committed."""
 
+    ns: str  # the namespace they were reserved in
     reservation: Reservation
     keys: list[bytes]
     block_ids: list[int]
@@ -118,7 +121,7 @@ class HpkvWorker:
         self._queue: deque[_Save] = deque()
         self._reading: dict[int, int] = {}  # block id -> queued saves that still read it
         self._saver: threading.Thread | None = None
-        self._side_stream = None
+        self._side_stream: Any = None  # a Stream of the device's torch module (torch.cuda, torch.npu...)
         self._closing = False
         self._releaser: ThreadPoolExecutor | None = None
 
@@ -152,14 +155,19 @@ class HpkvWorker:
         with self._stats_lock:
             self.stats.add(name, value)
 
-    def _connect(self) -> bool:
+    def _connect(self) -> str | None:
+        """Register this rank's namespace; None while the server is unavailable."""
         try:
             self.ns = self.client.register(self.desc)
-            return True
+            return self.ns
         except HpkvError as exc:
             log.warning("HPKV server unavailable for worker rank %d: %s", self.rank, exc)
             self._add("server_errors", 1)
-            return False
+            return None
+
+    def _namespace(self) -> str | None:
+        """This rank's namespace, registered on first need; None while the server is unavailable."""
+        return self.ns if self.ns is not None else self._connect()
 
     # -- loads --------------------------------------------------------------------------------
 
@@ -177,20 +185,22 @@ class HpkvWorker:
     def _load(self, job) -> int:
         """Copy the leading entries that are still there; returns how many blocks were loaded."""
         try:
-            if self.ns is None and not self._connect():
+            ns = self._namespace()
+            if ns is None:
                 return 0
             started = leased = ready = copied = time.perf_counter()
             num_ready = 0
-            lease = self.client.lease(self.ns, job.keys)
+            lease = self.client.lease(ns, job.keys)
             try:
                 leased = time.perf_counter()
                 deadline = time.monotonic() + LOAD_WAIT_S
-                num_ready = self.client.wait(lease, timeout_s=LOAD_WAIT_S)
-                while num_ready is None and time.monotonic() < deadline:
-                    num_ready = self.client.wait(lease, timeout_s=LOAD_WAIT_S)
-                num_ready = min(num_ready or 0, len(job.block_ids))
+                waited = self.client.wait(lease, timeout_s=LOAD_WAIT_S)
+                while waited is None and time.monotonic() < deadline:
+                    waited = self.client.wait(lease, timeout_s=LOAD_WAIT_S)
+                num_ready = min(waited or 0, len(job.block_ids))
                 ready = time.perf_counter()
                 if num_ready:
+                    assert self.copier is not None  # vLLM registers its KV caches before any load
                     self.copier.load(lease.region, job.block_ids[:num_ready], lease.offsets[:num_ready])
                 copied = time.perf_counter()
                 # Only bytes copied while our lease pinned them can be trusted.
@@ -253,19 +263,20 @@ class HpkvWorker:
             return
         started = time.perf_counter()
         try:
-            if self.ns is None and not self._connect():
+            ns = self._namespace()
+            if ns is None:
                 return
-            reservation = self.client.reserve(self.ns, keys, hold=meta.hold)
+            reservation = self.client.reserve(ns, keys, hold=meta.hold)
         except HpkvError as exc:
             self._add("server_errors", 1)
             log.debug("HPKV save skipped: %s", exc)
             if meta.hold:  # it may have been made on the server all the same, and nothing copied
                 self._hold_failed(meta.seq)
             return
-        held = [i for i, offset in enumerate(reservation.offsets) if offset is not None]
-        if held:
-            save = _Save(reservation, [keys[i] for i in held], [block_ids[i] for i in held],
-                         [reservation.offsets[i] for i in held])
+        offsets = {i: offset for i, offset in enumerate(reservation.offsets) if offset is not None}
+        if offsets:
+            save = _Save(ns, reservation, [keys[i] for i in offsets], [block_ids[i] for i in offsets],
+                         list(offsets.values()))
             if meta.hold:
                 # The scheduler settles the hold once this step's output is back, so the copy must
                 # be done by then: in this step, not beside the next one. Not committed here.
@@ -284,20 +295,22 @@ class HpkvWorker:
         hold they were reserved in). A copy that fails gives the slots back, held or not, and
         returns False: a hold must not commit bytes that were never copied."""
         started = time.perf_counter()
+        copier = self.copier
         try:
+            assert copier is not None  # wait_for_save queues no save without one
             if not self.client.holds(save.reservation):
                 return False  # the connection that reserved the slots is gone, and the slots with it
             if save.event is None:
-                self.copier.save(save.reservation.region, save.block_ids, save.offsets)
+                copier.save(save.reservation.region, save.block_ids, save.offsets)
             else:
-                device_mod = getattr(torch, self.copier.device.type)
+                device_mod = getattr(torch, copier.device.type)
                 if self._side_stream is None:
-                    self._side_stream = device_mod.Stream(self.copier.device)
+                    self._side_stream = device_mod.Stream(copier.device)
                 with device_mod.stream(self._side_stream):
                     self._side_stream.wait_event(save.event)
-                    self.copier.save(save.reservation.region, save.block_ids, save.offsets)
+                    copier.save(save.reservation.region, save.block_ids, save.offsets)
             if not save.hold:
-                self.client.commit(self.ns, save.keys, reservation=save.reservation)
+                self.client.commit(save.ns, save.keys, reservation=save.reservation)
         except HpkvError as exc:
             self._add("server_errors", 1)
             log.debug("HPKV save skipped: %s", exc)
@@ -315,7 +328,7 @@ class HpkvWorker:
 
     def _give_back(self, save: _Save) -> None:
         try:  # the reservation's own connection, or nothing: never what a newer one reserved
-            self.client.abort(self.ns, save.keys, hold=save.hold, reservation=save.reservation)
+            self.client.abort(save.ns, save.keys, hold=save.hold, reservation=save.reservation)
         except HpkvError:
             pass  # the connection is gone, and the reservation with it
 
