@@ -3,15 +3,12 @@
 Primitives:
 - `FixedThreshold`: the documented rule, load the whole hit iff it is at least N tokens.
 - `AffineCost`: seconds = fixed_s + units * per_unit_s, learned online (two EWMAs).
-- `CostModel`: the measured costs of one engine (prefill, DRAM load, storage read) and
-  `plan(start_token, tiers)`: how many leading hit blocks to load; `break_even()`: the smallest
-  hit worth loading, per tier.
-- `AutoThreshold`: `VLLM_HPKV_TOKEN_THRESHOLD=auto`, a `CostModel` fed by the scheduler's
-  observations of each engine step, which logs its break-even whenever it changes materially.
-
-It knows nothing of any engine, and imports nothing server-side (an engine process loads it):
-vLLM's scheduler half translates engine steps into observations (SGLang has no use for it: see
-docs/sglang.md, "Tuning").
+- `CostModel`: one engine's costs (prefill, DRAM load, storage read); `plan(start_token, tiers)`:
+  how many leading hit blocks to load; `break_even()`: the smallest hit worth loading, per tier.
+- `AutoThreshold`: `VLLM_HPKV_TOKEN_THRESHOLD=auto`, a `CostModel` fed with observations of each
+  engine step, which logs its break-even whenever it changes materially.
+Must not know: any engine (vLLM's scheduler half translates steps into observations; SGLang does
+not use it: docs/sglang.md, "Tuning"), or anything server-side (an engine process loads it).
 
 The model, for a hit of n blocks of `block_size` tokens whose first token is at position p, of
 which the first k are loaded and the rest recomputed:
@@ -22,11 +19,10 @@ which the first k are loaded and the rest recomputed:
 
 E is the entry (one block, one rank) in bytes, R the number of ranks (the server reads one file
 per rank; ranks copy in parallel), s_k the storage blocks among the first k. Recomputing is a
-marginal cost: the step runs anyway for the prompt's tail (vLLM always computes the last token),
-so its fixed part is not counted. Per token, prefill costs c for the position-independent work
-(projections, MLP) plus c * kappa * t for attention over the t tokens before it: kappa comes from
-the model's shape (`attention_kappa`), c is measured. `plan` picks the k that minimizes T, so
-a DRAM prefix can be loaded while a slower storage tail is recomputed.
+marginal cost (the step runs anyway for the prompt's tail), so its fixed part is not counted.
+Per token, prefill costs c plus c * kappa * t for attention over the t tokens before it: kappa
+comes from the model's shape (`attention_kappa`), c is learned. `plan` picks the k that minimizes
+T, so a DRAM prefix can be loaded while a slower storage tail is recomputed.
 """
 
 from __future__ import annotations

@@ -1,28 +1,19 @@
 """Model identity: what a namespace says about the model that computed its KV.
 
 The identity is a digest of the model's CONTENT, so that it changes whenever the weights that
-compute the KV could have changed, and only then: a copy of the same model at another path or on
-another node has the same identity (sharing over a shared storage tier is the point); weights
-replaced in place, or a `current -> v1` link switched to v2, give another. Never in it: paths,
-mtimes, owners, the Hugging Face revision (a snapshot copied elsewhere must still share with its
-original: the revision is reported, not hashed).
+compute the KV could have changed, and only then: a copy at another path or on another node
+shares (sharing over a shared storage tier is the point); weights replaced in place, or a
+`current -> v1` link switched to v2, do not. Never in it: paths, mtimes, owners, the Hugging Face
+revision (reported, not hashed, so a copied snapshot still shares).
 
-What is read, once per process (cached), from the model directory's top level (where engines
-load from; hidden files and subdirectories are not read):
-- config files, whole: every `*.json` but the tokenizer's and the generation config's (token ids
-  are the keys, so the tokenizer cannot change the KV of given ids; sampling defaults do not touch
-  the KV), `*.py` (remote code), `*.yaml`/`*.yml`;
-- weight files (`WEIGHT_SUFFIXES`): name and size; whole when small; otherwise the safetensors
-  header, one 4 KiB sample from the middle of every tensor, and NUM_CHUNKS chunks at fixed
-  offsets (other formats: the first 1 MiB, the last 64 KiB and the chunks). Reads are what cost
-  (the size does not): a model of many files or tensors gets fewer per file, evenly spread, so
-  that a whole model costs at most about TENSOR_SAMPLE_BUDGET + CHUNK_BUDGET reads and a header
-  per file. A change that none of these bytes sees (a few weights edited by hand) keeps the
-  identity: such deployments set HPKV_MODEL_ID.
-A model given as a Hugging Face hub id is read from its local snapshot, found the way the
-engines find it (`huggingface_hub.snapshot_download(local_files_only=True)`); one that cannot
-be found, or a weight source this module cannot read, has no content identity: the caller then
-uses a private one (never shared) and logs why.
+Read once per process (cached), from the model directory's top level only: config files whole
+(every `*.json` but the tokenizer's and the generation config's, which cannot change the KV of
+given token ids; `*.py`; `*.yaml`/`*.yml`); weight files (`WEIGHT_SUFFIXES`) by name and size,
+whole when small, else sampled (the safetensors header, a sample of every tensor, NUM_CHUNKS
+chunks): about TENSOR_SAMPLE_BUDGET + CHUNK_BUDGET reads per model, plus a header per file.
+A change none of these bytes sees keeps the identity: such deployments set HPKV_MODEL_ID.
+A hub id is read from its local snapshot, found as the engines find it; a model that cannot be
+found or read has no content identity, and the caller uses a private one (never shared).
 
 Primitives: `content_identity(model, revision, download_dir)` (cached; `forget()`), `fingerprint(path)`,
 `override_identity(value)`, `private_identity(reason, scope)`, `unreadable_identity(reason, scope, why)`,

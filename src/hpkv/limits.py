@@ -1,24 +1,18 @@
 """What each client holds in the pool, and the limits on it: a time limit on every reservation
-and lease, and a cap on the pool bytes one client holds reserved or leased at once.
+and lease, and a cap on the pool bytes one client holds reserved or leased at once. Why: a client
+that never lets go, or takes the whole pool, would otherwise starve every other engine.
 
-Without them a client that reserves or leases and never lets go (a wedged copier, a bug, another
-local process) keeps those slots from every other engine for as long as its connection lives,
-and one that takes the whole pool leaves the others none.
-
-Owns, per owner (a client connection; 0 in process): its reservations (name -> entry, oldest
-first, with when each was made), the slot bytes its reservations and leases hold, and the
-counters of keys refused at the cap and of reservations and leases taken back at the limit; the
-holds (`reserve(..., hold=)`: reservations named `Reserved(ns, key, hold)`, settled together by
-whoever settles the hold); and the quarantine: entries whose holder may still be copying, kept
-from reuse until a given time.
+Owns, per owner (a client connection; 0 in process): its reservations (oldest first, with when
+each was made), the slot bytes its reservations and leases hold, and the counters of keys refused
+at the cap and taken back at the limit; the holds (reservations named `Reserved(ns, key, hold)`,
+settled together); and the quarantine: entries whose holder may still be copying, kept from reuse
+until a given time.
 Primitives: `room(owner)`, `refused`; reservations `has`, `add`, `pop`, `pop_owner`; leases
 `leased`, `released`; `expired_reservations`, `expired_leases`; `bytes_held`, `stats`; the
 holds (`holds`: `join`, `end`, `expired`) and the quarantine (`quarantined`: `add`, `over`).
-
-The store decides what an entry becomes (aborted or unpinned) once its quarantine is over: this
-module does not know the DRAM index, the leases' contents beyond their entries, or the protocol.
-`clock` is injectable, so that tests move time instead of sleeping. Not thread-safe: the store
-calls it under its lock. A store built without limits (in process) has none: the server sets
+Must not know: the DRAM index, the leases' contents beyond their entries, the protocol (the store
+decides what an entry becomes once its quarantine is over). Not thread-safe: the store calls it
+under its lock. `clock` is injectable. A store built without limits has none; the server sets
 them from HPKV_SERVER_SLOT_TIMEOUT_S and HPKV_SERVER_MAX_SLOT_SHARE.
 """
 

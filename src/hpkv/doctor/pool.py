@@ -56,9 +56,8 @@ def check_pool_fs(pool: PoolConfig) -> Check:
 
 
 def check_pool_pages(pool: PoolConfig) -> Check:
-    """Huge pages for the pool: on 4 KiB pages, a standalone copy out of the pool after the
-    machine had been idle for a moment measured 2-3x slower than the same copy right after
-    another (64 MiB: 32-40 ms against 11-13 ms; 14-17 ms on 2 MiB pages; docs/operations.md)."""
+    """Huge pages for the pool: on 4 KiB pages a copy out of an idle pool is slower than on huge
+    pages (docs/operations.md, "Huge pages for the pool")."""
     name = "pool directory: page size"
     mount = mount_of(pool.dir)
     huge = mount.huge_pages

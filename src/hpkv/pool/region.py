@@ -1,25 +1,20 @@
 """The shared-memory region: one file in the pool directory, mapped by every process.
 
-The owner (the HPKV server, or an in-process store) creates the file with `create`; any number of
-other processes `attach` to it and copy bytes in and out of the offsets the owner hands out.
-
-Why the choices:
-- `O_CREAT|O_EXCL`: two owners of one pool would hand out the same slots. A file left by a dead
-  owner is recognised because the owner holds an exclusive `flock` on it for its lifetime; a file
-  whose lock can be taken is stale and is replaced.
-- `posix_fallocate`: on tmpfs a sparse file would fault pages in lazily and a full mount would kill
-  a writer with SIGBUS in the middle of a copy; reserving every page up front turns that into a
-  clear error at start.
-- `mlock` on tmpfs: tmpfs pages can be swapped; ramfs pages never are. Locking needs
-  `RLIMIT_MEMLOCK` (or CAP_IPC_LOCK); without it we warn and go on.
-- Handed over as a descriptor, never re-opened by name: the owner gives `share_fd()` to its
-  clients (over the server's socket) and its write-through processes, and they `attach` that
-  descriptor. A name in a directory others might write to can be swapped for another file (or a
-  link to one) at any time; a descriptor cannot. `share_fd` is a second open file description of
-  the same file (opened through /proc/self/fd), so the mappings made from it do not share the
-  owner's `flock`: a client that outlives a killed server must not make its pool look live.
+The owner (the HPKV server, or an in-process store) creates the file with `create`; other
+processes `attach` to a descriptor of it and copy bytes in and out of the offsets the owner hands
+out. Why each choice:
+- `O_CREAT|O_EXCL` and an exclusive `flock` held for the owner's lifetime: two owners would hand
+  out the same slots; a file whose lock can be taken is a dead owner's, and is replaced.
+- `posix_fallocate`: a full tmpfs would otherwise kill a writer with SIGBUS mid-copy; reserving
+  every page turns that into an error at start.
+- `mlock` on tmpfs (whose pages can be swapped); without `RLIMIT_MEMLOCK` it warns and goes on.
+- Handed over as a descriptor (`share_fd()`), never re-opened by name, which someone able to
+  write the directory could swap. `share_fd` is a second open file description (through
+  /proc/self/fd), so mappings made from it do not share the owner's `flock`: a client that
+  outlives a killed server must not make its pool look live.
 - Every open in the pool directory is O_NOFOLLOW|O_NONBLOCK and fstat-checked (`safefs`), and the
   directory itself must be trustworthy (`pool.directory`).
+Must not know: slots, entries, the protocol.
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """The HPKV Server process: the tiered store behind a Unix socket, one thread per client.
 
-Start-up: read the configuration (file > env > default) and log it with sources; make the pool
-directory (0700), and refuse one another uid could replace names in (`pool.directory`); refuse
-to start if a live server answers on the socket, remove a stale socket; create the store (pool
-file, storage tier); bind the socket with mode 0600. Each client is welcomed with the pool
-file's descriptor, never its name.
-
-Clients: every connection is one owner in the store, served on a thread of its own
-(`connection.py`: handshake and requests; `handlers.py`: the answers). When it closes, for
-whatever reason, its reservations are aborted and its leases released (the reservations of a
-client whose process lives on stay unusable for QUARANTINE_S first: it may still be copying into
-them). A reservation or lease is taken back after HPKV_SERVER_SLOT_TIMEOUT_S (its slots
-quarantined first), and one client holds at most HPKV_SERVER_MAX_SLOT_SHARE of the pool: keys
-past it are not reserved or leased (`limits.py`).
-
-Stop: SIGTERM/SIGINT, or (auto-started servers only) no client for HPKV_SERVER_IDLE_EXIT_S. The
-server stops accepting, writes the entries still waiting for storage (and stops its write-through
-processes), removes socket and pool, exits 0. A second SIGTERM/SIGINT while it writes gives those
-entries up, and so does a storage device that finishes no write for 30 s (`TieredStore.close`).
+Start-up: read the configuration and log it with sources; make the pool directory (0700) and
+refuse one another uid could replace names in (`pool.directory`); refuse to start if a live
+server answers on the socket, remove a stale one; create the store; bind the socket, mode 0600.
+Clients: each connection is one owner in the store, on a thread of its own (`connection.py`,
+`handlers.py`); when it closes its reservations are aborted (after QUARANTINE_S if its process
+lives on: it may still be copying) and its leases released; `limits.py` bounds what it holds.
+Stop: SIGTERM/SIGINT, or (auto-started servers only) no client for HPKV_SERVER_IDLE_EXIT_S:
+stop accepting, write the entries still waiting for storage, stop the write-through processes,
+remove socket and pool, exit 0; a second signal, or storage finishing no write for 30 s, gives
+those writes up (`TieredStore.close`).
+Must not know: what each request does (handlers.py), the store's parts.
 """
 
 from __future__ import annotations

@@ -3,24 +3,20 @@
 Frames: a 4-byte big-endian length, then one msgpack-encoded message (a tagged msgspec Struct).
 Only metadata crosses the socket (keys, offsets, counts); KV bytes go through the shared pool.
 Every request gets exactly one reply, in order: its result or an `Error`. A frame longer than
-`MAX_FRAME_BYTES`, undecodable, or of an unknown type is answered with an `Error`; the server
-then closes that connection (its framing can no longer be trusted) and nobody else notices.
+`MAX_FRAME_BYTES`, undecodable, or of an unknown type is answered with an `Error` and closes that
+connection only (its framing can no longer be trusted).
 
-Version rule: the first message on a connection is `Hello`; a different `PROTOCOL_VERSION` is
-refused with an error that names both versions, and the client raises it. So that this holds
-across versions, `Hello`, `Welcome` and `Error` keep their fields (a later version may only add
-fields at their end, which this one ignores); every other message may change with the version.
+Version rule: the first message is `Hello`; a different `PROTOCOL_VERSION` is refused with an
+error naming both versions. `Hello`, `Welcome` and `Error` keep their fields across versions (a
+later version may only add fields at their end), so that check holds between any two versions;
+every other message may change with the version.
 
-Holds (version 2): a reservation made with a `hold` name is not the reserving client's to
-commit. Whoever knows whether the bytes are good (vLLM's scheduler, once the step that computed
-them is known not to have read a failed load) settles the whole hold, every client's part of
-it, with `Settle`: the keys it names are aborted, the rest committed.
-
-The pool as a descriptor (version 3): the `Welcome` frame carries the pool file's descriptor
-(SCM_RIGHTS, `send_frame_fds` / `recv_frame_fds`), and the client maps that, never the file of
-that name: a name in a directory others might write to can be swapped. `Welcome.pool_path` is
-for messages only (`display_path`: any bytes, as UTF-8 with escapes), `pool_bytes` and
-`pool_inode` are what the client checks the descriptor against.
+Holds: a reservation made with a `hold` name is not the reserving client's to commit; `Settle`
+settles the whole hold, every client's part: the keys it names are aborted, the rest committed.
+The pool: the `Welcome` frame carries the pool file's descriptor (SCM_RIGHTS, `send_frame_fds` /
+`recv_frame_fds`), which the client maps instead of opening the file by name. `pool_bytes` and
+`pool_inode` are what it checks the descriptor against; `pool_path` is for messages only
+(`display_path`). Must not know: the store, the pool's contents.
 """
 
 from __future__ import annotations

@@ -12,15 +12,13 @@
     52      n     key
     52+n    pad   zeros up to a multiple of 8 (version 1) or of 4096 (version 2)
 
-All little-endian. Version 2 differs only in its padding: the payload starts at 4096, so the
-file can be written and read with `O_DIRECT` (HPKV_KV_STORAGE_DIRECT_IO) straight from and into
-pool slots. Writers use version 2 with direct I/O (for a payload that is a multiple of 4096
-bytes) and version 1 otherwise; readers take both, telling them apart by the file's size (the
-header of each version has one length for a key). A reader knows the namespace, the key and the
-payload length it expects, so it can read header and payload with one `preadv` and check every
-field; any difference (magic, version, namespace, key, length, either checksum, padding, file
-size) makes the file bad, except an HPKV file of a version newer than this reader knows
-(`newer_version`), which the storage tier leaves in place for the nodes that wrote it.
+All little-endian. Version 2 puts the payload at 4096, so it can be written and read with
+`O_DIRECT` straight from and into pool slots; it is written with direct I/O for a payload that is
+a multiple of 4096 bytes, version 1 otherwise. Readers take both, telling them apart by the file's
+size. A reader knows the namespace, key and payload length it expects, so it reads header and
+payload with one `preadv` and checks every field: any difference makes the file bad, except an
+HPKV file of a newer version (`newer_version`), which is left for the nodes that can read it.
+Must not know: paths, the index, the pool.
 """
 
 from __future__ import annotations

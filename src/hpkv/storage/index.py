@@ -2,9 +2,8 @@
 
 An index key is a namespace's 2-byte number and the engine key in one bytes object (`key`); an
 index value packs a file's size and the minute this index last knew it used in one int, shared
-by every file of that size and minute (`value_of`; read with `size_of`, `used_minute_s`). A
-large directory holds millions of files: a tuple per key, or a float per file, cost tens of
-bytes each.
+by every file of that size and minute (`value_of`; read with `size_of`, `used_minute_s`). Why
+packed: a directory may hold millions of files.
 
 Besides the order it keeps what must not become a hit again: victims an eviction popped and has
 not unlinked yet (`being_evicted`), files this tier cannot read (`UnreadableMarks`, until a time

@@ -1,15 +1,10 @@
 """Write-through processes: the server's entry files written by child processes of their own.
 
-A write-through checksums a pool slot and copies it into the page cache: CPU work that, on the
-server's own threads, competed for the GIL with its request handlers (a lookup waits behind it),
-and that could not run at a lower priority there (a descheduled thread holding the GIL stalls
-every handler). A writer is a child process (`python -m hpkv.storage.writer POOL_FD NICE`) at
-niceness `HPKV_WRITE_NICE`: it maps the pool file read-only from the descriptor the server
-passes it (`pass_fds`; never by name, which someone with write access to the pool directory
-could swap for a file of their own) and, for each job on its stdin, checksums the slot, writes
-the entry file (`write_entry_file`: temporary, then rename) and answers on its stdout. So an
-engine's threads come before the write-through on a busy CPU, and the server's handlers never
-wait for it.
+A writer (`python -m hpkv.storage.writer POOL_FD NICE`) runs at niceness `HPKV_WRITE_NICE`, maps
+the pool read-only from the descriptor the server passes it (`pass_fds`, never by name), and for
+each job on its stdin checksums the slot, writes the entry file (`write_entry_file`: temporary,
+then rename) and answers on its stdout. Why a process: the checksum and the copy would otherwise
+compete for the server's GIL with its request handlers, and could not run below the engines.
 
 Protocol: one JSON object per line. The writer first says `{"hello": "hpkv-writer", "version":
 N}`; a job is `{"ns", "key" (hex), "offset", "length", "final", "tmp", "directory", "mkdir",
@@ -17,11 +12,10 @@ N}`; a job is `{"ns", "key" (hex), "offset", "length", "final", "tmp", "director
 with O_DIRECT), answered by `{"ok": true}` or `{"errno": E, "error": "..."}`.
 
 Primitives: `WriterPool(pool_fd, num_processes, nice)` (the descriptor stays the caller's, open
-while the pool lives): `write(ns, key, offset, length, target,
-fsync, version) -> OSError | None` (one job; the caller holds the slot for its duration),
-`pids()`, `stats()`, `close()`, `kill()`. `WriterUnavailable` when no writer process can be started: the
-caller writes in process instead. Must not know: the index, capacity, eviction (the storage tier
-keeps them).
+while the pool lives): `write(ns, key, offset, length, target, fsync, version) -> OSError | None`
+(one job; the caller holds the slot for its duration), `pids()`, `stats()`, `close()`, `kill()`;
+`WriterUnavailable` when no writer process can be started (the caller then writes in process).
+Must not know: the index, capacity, eviction (the storage tier keeps them).
 """
 
 from __future__ import annotations

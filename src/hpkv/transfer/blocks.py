@@ -1,34 +1,22 @@
 """Copies whole engine blocks between the engine's paged KV cache and pool entries.
 
-The engine's cache is given as one byte view per layer, `(num_blocks, page_bytes)` int8, on
-whatever device the engine uses (CUDA, Ascend NPU, CPU): copies are plain torch `copy_`, so no
-device-specific code is needed, with one exception: on the CPU they are numpy `copyto` of the
-same memory, on the calling thread and at most one helper (below). torch's CPU `copy_` opens an
-OpenMP parallel region per call, and on a busy machine each region waits for a descheduled
-thread. Measured on 2 shared cores:
-256 scattered blocks of 28 x 32 KiB moved at 0.01 GB/s with torch, 3 GB/s with numpy; eight
-8 MiB copies took 6-75 ms with torch, 9-17 ms with numpy. On an idle many-core machine torch
-could move a large run a few ms faster; numpy's cost is bounded, torch's is not. An entry is
-the layers' pages of one block, concatenated in layer order.
+The engine's cache is one byte view per layer, `(num_blocks, page_bytes)` int8, on whatever device
+the engine uses (CUDA, Ascend NPU, CPU); an entry is the layers' pages of one block, concatenated
+in layer order. Device copies are plain torch `copy_`, so no device-specific code is needed.
+On the CPU copies are numpy `copyto` and libc `memmove` instead: torch's CPU `copy_` opens an
+OpenMP region per call, whose cost on a busy machine is unbounded.
 
 Copies are batched: block ids and pool offsets are split into runs where both advance by a
-constant step, and each long run costs one strided copy per layer instead of one copy per block.
-On the CPU, blocks outside long runs (an engine that has been running a while hands out
-scattered block ids) are copied page by page with libc `memmove` through ctypes. numpy's copies
-and ctypes calls both release the GIL, so a CPU move of more than a few MiB is a list of tasks
-(one per long run and layer, one per 64 scattered pages) shared by the calling thread and one
-helper thread; the caller takes tasks until none are left, so a descheduled helper costs
-nothing. Measured on 2 shared cores, 256 scattered blocks of 8 x 32 KiB: numpy per page
-27-35 ms, memmove 17 ms, memmove on two threads 12.5 ms; a plain 64 MiB copy takes 8 ms. One
-long run of 512 such blocks (128 MiB) out of a tmpfs pool: 21-24 ms on one thread, 11-12 ms on
-two, on an otherwise idle machine.
+constant step, and a long run costs one strided copy per layer. On the CPU, blocks outside long
+runs are copied page by page with `memmove` (ctypes), and a move of more than `SHARE_BYTES` is a list
+of tasks shared by the calling thread and one helper thread (both release the GIL; the caller
+takes tasks until none are left, so a descheduled helper costs nothing).
 
-The pool is mapped as a CPU tensor; on CUDA it is registered as pinned memory (cudaHostRegister)
-once per pool mapping, so device copies DMA straight into it, in both directions without waiting
-for each copy (the stream is synchronized once, before `save`/`load` return). A registration
-lasts as long as the mapping's `PoolRegion`: once no client or handle refers to it (a restarted
-server's old pool), it is unregistered and its tensor dropped, so the mapping, and the old pool's
-memory, go as they do on the CPU path.
+The pool is mapped as a CPU tensor; on CUDA it is registered as pinned memory once per pool
+mapping, so device copies DMA straight into it (the stream is synchronized once, before
+`save`/`load` return). The registration lasts as long as the mapping's `PoolRegion`: once no client
+or handle refers to it (a restarted server's old pool) it is unregistered and its tensor dropped.
+Must not know: the server, keys, namespaces.
 """
 
 from __future__ import annotations

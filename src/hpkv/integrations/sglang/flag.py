@@ -8,21 +8,15 @@ becomes
             "module_path": "hpkv.integrations.sglang.backend", "class_name": "HpkvStorage",
             "interface_v1": 1, "prefetch_threshold": <VLLM_HPKV_TOKEN_THRESHOLD>}'
 
-Rules, each for a reason:
-- Idempotent: both entry points (the serve backend and the `prepare_server_args` hook) may run
-  on one command line; without the flag the argv comes back unchanged.
-- A HiCache flag the user gave is never overridden (also when it comes from SGLang's `--config`
-  file). A user's inline JSON extra-config keeps every key it sets; HPKV only adds the keys it
-  lacks. A `@file` extra-config, or another storage backend, is left as it is (with a warning).
-- `--hicache-mem-layout page_first` pins SGLang's current default on GPU, so HPKV's namespaces
-  (which include the layout) stay the same across SGLang upgrades. On Ascend (`--device npu`, or
-  torch_npu installed and no `--device`) SGLang picks its own I/O backend and layout, so neither
-  is touched; nor is the layout when the user gives `--hicache-io-backend`.
-- The documented order `--model-path --enable-ct-hpkv /path/to/model` works: dropping the flag
-  leaves `--model-path /path/to/model`.
-- SGLang's parser takes unique prefixes of its flags (`--hicache-mem page_first`), so those are
-  spelled out first, the way argparse resolves them; otherwise a flag the user gave that way
-  would not count as given, and the one added here would win.
+Rules:
+- Idempotent (both entry points may run on one command line); no flag, argv unchanged.
+- A HiCache flag the user gave (on the command line or in `--config`) is never overridden; an
+  inline JSON extra-config keeps its keys and gains only those it lacks; a `@file` extra-config or
+  another storage backend is left as it is, with a warning. Flags given as unique prefixes are
+  spelled out first, as argparse resolves them, so they count as given.
+- `--hicache-mem-layout page_first` pins the layout (part of HPKV's namespaces) across SGLang
+  upgrades; on Ascend, or with `--hicache-io-backend`, the layout is SGLang's to choose.
+- `--model-path --enable-ct-hpkv /path/to/model` works: dropping the flag leaves the path.
 
 Primitives: `FLAG`, `wants_hpkv(argv)`, `rewrite_argv(argv, threshold)`, `token_threshold()`.
 Must not know: pools, servers; it imports SGLang only for its parser (`--config`, flag names).

@@ -1,21 +1,14 @@
 """Saves held until the steps they depend on are known not to have read a failed load.
 
-A step that loads KV for a request computes the rest of its prompt on the loaded bytes, in the
-same forward pass. When a load fails on any worker (its lease timed out, the server restarted
-between the scheduler's lease and the worker's), vLLM learns it from that step's output
-(`invalid_block_ids`), drops the output of the requests whose blocks failed and recomputes them.
-But the KV the step computed for them came from whatever the failed blocks held: saved, it would
-put wrong KV under the right keys, and every later hit on that prefix, from DRAM or storage,
-would give wrong tokens. With async scheduling the next step runs before that output is back, so
-it may compute on the same bad blocks too.
-
-So while the output of any step with loads is outstanding, every step's saves are reserved in a
-hold named after the step (`Client.reserve(hold=)`): the workers copy the blocks and do not
-commit them. Once a step's output is back, the scheduler settles the holds of it and of every
-step before it (`Client.settle`): the keys of requests that read a failed block are aborted, the
-rest committed, in every rank's namespace at once. Steps are told apart by a sequence number the
-metadata carries and the workers send back (`HpkvWorkerMeta`); a step whose output never comes
-back (an engine stopping) leaves its hold to the server, which aborts it after a timeout.
+A step that loads KV computes the rest of its prompts on the loaded bytes; when a load fails on a
+worker, vLLM learns it from that step's output (`invalid_block_ids`) and recomputes, but the KV
+the step computed on the failed blocks, saved, would be wrong KV under the right keys. With async
+scheduling the next step may compute on them too. So while the output of any step with loads is
+outstanding, every step's saves are reserved in a hold named after the step
+(`Client.reserve(hold=)`); once a step's output is back, the holds of it and every step before it
+are settled (`Client.settle`): keys of requests that read a failed block aborted, the rest
+committed, in every rank's namespace at once. Steps carry a sequence number the workers send back
+(`HpkvWorkerMeta`); a hold nobody settles (an engine stopping) is aborted by the server.
 
 Primitives: `SaveHolds.begin_step(seq, has_loads)` -> the hold of that step's saves ("" when
 they need none), `add(seq, req_id, keys, blocks)`, `affected(invalid_block_ids)`,

@@ -1,20 +1,17 @@
 """The worker half of HpkvConnectorV1: moves bytes between this rank's paged KV and the pool.
 
 It decides nothing: the scheduler half says which blocks to load and which to save, with their
-keys. Loads run in `start_load_kv`, before the forward pass of the step that needs them (a load's
-lease is released by a thread of its own, off the forward pass's path). Saves
-start in `wait_for_save`, after the forward pass computed the blocks: the worker reserves pool
-slots, then (with asynchronous saves) hands the copy and the commit to a saver thread and
-returns, so the next step's forward pass runs while the blocks are copied. On an accelerator that
-copy runs on a stream of its own, after an event recorded at the end of the forward pass. A
-block being copied must not be overwritten: vLLM only writes into blocks it allocated for the
-step, and every step's metadata lists them, so `fence` (from `handle_preemptions`, before the
-step's loads and forward pass) waits for the saves that still read any of those blocks. With
-synchronous saves (the default on the CPU, or `"hpkv.async_save": false`) the copy and commit
-happen inside `wait_for_save`. The server writes committed entries through to storage in its
-write-through processes (`storage/writer.py`), off this worker's path. A save that cannot
-happen (server gone, pool full) is skipped: a future miss, never an error. A load that cannot
-happen is reported as failed blocks, which vLLM recomputes.
+keys. Loads run in `start_load_kv`, before the forward pass that needs them (the lease is
+released by a thread of its own). Saves start in `wait_for_save`, after the forward pass: the
+worker reserves slots, then (asynchronous saves) hands the copy and the commit to a saver thread,
+on an accelerator on a stream of its own after an event at the end of the forward pass, so the
+next step runs meanwhile; with synchronous saves (the default on the CPU, or
+`"hpkv.async_save": false`) both happen inside `wait_for_save`. A block being copied must not be
+overwritten: vLLM writes only into blocks it allocated for the step, which the metadata lists, so
+`fence` (from `handle_preemptions`) waits for the saves that still read any of them.
+A save that cannot happen (server gone, pool full) is skipped: a future miss, never an error; a
+load that cannot happen is reported as failed blocks, which vLLM recomputes.
+Must not know: what to load or save (the scheduler half), the store.
 """
 
 from __future__ import annotations
@@ -223,9 +220,9 @@ class HpkvWorker:
             return 0
 
     def _release_later(self, lease) -> None:
-        """The copy is over (or never started): the release's round trip (0.4-6 ms measured on two
-        busy cores) runs on a thread of its own, not before the forward pass. Nothing waits for
-        it: the server unpins the entries when it arrives, or when the connection closes."""
+        """The copy is over (or never started): the release's round trip runs on a thread of its
+        own, not before the forward pass. Nothing waits for it: the server unpins the entries when
+        it arrives, or when the connection closes."""
         if self._releaser is None:
             self._releaser = ThreadPoolExecutor(1, thread_name_prefix="hpkv-release")
         self._releaser.submit(self._release, lease)
