@@ -22,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..errors import PoolError
+from ..stats import DramStats
 from .movable import MovableSlabs
 from .room import OldestFirst, RoomPolicy
 from .slots import SlotAllocator
@@ -163,17 +164,12 @@ class DramTier:
     def num_entries(self) -> int:
         return sum(len(i) for i in self._index.values())
 
-    def stats(self) -> dict[str, int]:
-        used = self._used_bytes
-        return {
-            "capacity_bytes": self.alloc.num_slabs * self.alloc.slab_bytes,
-            "used_bytes": used,
-            "num_entries": self.num_entries,
-            "free_slabs": self.alloc.num_free_slabs,
-            "evictions": self.counters.evictions,
-            "slab_moves": self.counters.slab_moves,
-            "reserve_failures": self.counters.reserve_failures,
-        }
+    def stats(self, locked_in_memory: bool = False) -> DramStats:
+        """The tier's snapshot; whether the region is locked in memory is its mapper's to say."""
+        return DramStats(capacity_bytes=self.alloc.num_slabs * self.alloc.slab_bytes, used_bytes=self._used_bytes,
+                         num_entries=self.num_entries, free_slabs=self.alloc.num_free_slabs,
+                         evictions=self.counters.evictions, slab_moves=self.counters.slab_moves,
+                         reserve_failures=self.counters.reserve_failures, locked_in_memory=locked_in_memory)
 
     def _to_lru(self, entry: DramEntry) -> None:
         entry.stamp = next(self._clock)

@@ -22,6 +22,8 @@ from ..keys import NamespaceDesc
 from ..limits import HeldSlots
 from ..pool.region import PoolRegion
 from ..pool.tier import DramEntry, DramTier
+from ..stats import StoreCounters as StoreCounterStats
+from ..stats import StoreStats
 from ..storage.root import StorageUnusable
 from ..storage.tier import StorageTier
 from ..storage.writer import WriterPool
@@ -179,16 +181,17 @@ class TieredStore:
             removed["storage"] = self.storage.remove(ns)
         return removed
 
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> StoreStats:
         with self._lock:
-            dram: dict[str, object] = {**self.dram.stats(), "locked_in_memory": self.region.locked_in_memory}
-            out: dict[str, object] = {
-                "store": dict(vars(self.counters)), "dram": dram, "namespaces": self.lookups.stats(),
-                "leases": len(self.leases), "reservations": self.held.num_reservations, "limits": self.held.stats(),
-                "quarantined": len(self.held.quarantined), "holds": len(self.held.holds),
-                "write_backlog": self.writes.stats() if self.writes is not None else None}
-        out["storage"] = self.storage.stats() if self.storage is not None else None
-        out["storage_unusable"] = self.storage_unusable
+            stats = StoreStats(store=StoreCounterStats(**vars(self.counters)),
+                               dram=self.dram.stats(self.region.locked_in_memory), namespaces=self.lookups.stats(),
+                               leases=len(self.leases), reservations=self.held.num_reservations,
+                               limits=self.held.stats(), quarantined=len(self.held.quarantined),
+                               holds=len(self.held.holds),
+                               write_backlog=self.writes.stats() if self.writes is not None else None,
+                               storage=None, storage_unusable=self.storage_unusable, writers=None)
+        # Outside the lock: the storage tier and the writers keep their own.
+        stats.storage = self.storage.stats() if self.storage is not None else None
         writers = self.writers
-        out["writers"] = writers.stats() if writers is not None else None
-        return out
+        stats.writers = writers.stats() if writers is not None else None
+        return stats
