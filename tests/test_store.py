@@ -274,7 +274,7 @@ def test_a_lease_can_answer_before_its_storage_reads_are_queued(open_store):
     lease = store.lease(ns, ks, start_reads=False)
     assert len(lease.offsets) == 4 and not lease.done
     assert store.counters.promotions == 4 and store.storage.stats().reads == 0
-    store.start_reads(lease)
+    store.leases.start_reads(lease)
     assert lease.wait(timeout=10) == 4
     size = store.entry_bytes(ns)
     assert [bytes(store.region.buf[o : o + size]) for o in lease.offsets] == [payload(k) for k in ks]
@@ -296,7 +296,7 @@ def test_a_storage_hit_leased_for_promotion_is_not_evicted_before_its_read(open_
 
     save(store, ns, more)  # its write-through needs room on storage
     assert store.flush(timeout=10)
-    store.start_reads(lease)
+    store.leases.start_reads(lease)
 
     assert lease.wait(timeout=10) == 1
     assert bytes(store.region.buf[lease.offsets[0] : lease.offsets[0] + ENTRY]) == payload(ks[0])
@@ -319,7 +319,7 @@ def test_of_a_prefix_leased_from_storage_the_last_key_is_evicted_first(open_stor
     assert store.flush(timeout=10)
 
     assert [store.storage.indexed(ns, k) for k in ks] == [True, True, True, False]
-    store.start_reads(lease)
+    store.leases.start_reads(lease)
     assert lease.wait(timeout=10) == 3
     store.release(lease.id)
 
@@ -383,7 +383,7 @@ def test_a_promotion_whose_pool_is_gone_resolves_as_a_miss(open_store):
     lease = store.lease(ns, ks, start_reads=False)
     store.region.buf.release()  # what region.close() does first
 
-    store.start_reads(lease)
+    store.leases.start_reads(lease)
 
     assert lease.wait(timeout=10) == 0
     assert lease.done and store.stats().store.promotion_failures == 2

@@ -230,7 +230,7 @@ class Server:
         with self._clients_lock:
             clients = [st.ClientStats(id=c.id, pid=c.pid, uid=c.uid, kind=c.kind,
                                       connected_s=round(time.time() - c.connected_at, 1),
-                                      leases=sum(self.store.get_lease(i) is not None for i in list(c.leases)))
+                                      leases=sum(self.store.leases.get(i) is not None for i in list(c.leases)))
                        for c in self._clients.values()]  # leases: not taken back
         server = st.ServerInfo(pid=os.getpid(), version=__version__, protocol=p.PROTOCOL_VERSION, auto=self.auto,
                                uptime_s=round(time.time() - self.started_at, 1),

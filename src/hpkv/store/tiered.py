@@ -132,12 +132,6 @@ class TieredStore:
     def lease(self, ns: str, keys: list[bytes], owner: int = 0, start_reads: bool = True) -> Lease:
         return self.leases.lease(ns, keys, owner, start_reads)
 
-    def start_reads(self, lease: Lease) -> None:
-        self.leases.start_reads(lease)
-
-    def get_lease(self, lease_id: int) -> Lease | None:
-        return self.leases.get(lease_id)
-
     def release(self, lease_id: int) -> bool:
         return self.leases.release(lease_id)
 
