@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> dict:
                 started = time.perf_counter()
                 hits = [serve(store, ns, docs[d]) for d in picks]
                 elapsed = time.perf_counter() - started
-                evictions = store.stats()["dram"]["evictions"]
+                evictions = store.stats().dram.evictions
             finally:
                 store.close()
         out["stores"][name] = {

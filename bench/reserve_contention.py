@@ -96,7 +96,7 @@ def measure(policy: StorePolicy, pool_bytes: int, rounds: int, pool_dir: str) ->
                 waits.append(_lookup_ms(store, ns_a, probe))
                 thread.join()
                 store.commit(ns_b, keys, owner=1)  # the pool stays full: the next round must find room too
-            entries = store.stats()["dram"]["num_entries"]
+            entries = store.stats().dram.num_entries
         finally:
             store.close()
     base = statistics.median(baseline)

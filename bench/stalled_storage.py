@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> dict:
                 finally:
                     throttle.stop()
                 store.flush()
-                on_storage = store.stats()["storage"]["num_entries"] - len(WARM)
+                on_storage = store.stats().storage.num_entries - len(WARM)
                 lost = store.counters.write_through_lost
             finally:
                 store.close()
@@ -124,9 +124,9 @@ def run(args: argparse.Namespace) -> dict:
             "dram_hit_rate": sum(h[0] for h in hits) / asked,
             "hit_rate": sum(h[1] for h in hits) / asked,
             "no_hit": sum(h[1] == 0 for h in hits) / args.requests,
-            "saves_skipped": stats["dram"]["reserve_failures"],
-            "backlog_entries": stats["write_backlog"]["entries"],
-            "deferred": stats["write_backlog"]["deferred"],
+            "saves_skipped": stats.dram.reserve_failures,
+            "backlog_entries": stats.write_backlog.entries,
+            "deferred": stats.write_backlog.deferred,
             "written_after": on_storage,
             "lost": lost,
             "seconds": round(elapsed, 2),

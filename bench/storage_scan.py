@@ -86,7 +86,7 @@ def scan(path: Path, probe_key: bytes, entry_bytes: int) -> dict:
     elapsed = time.perf_counter() - started
     gc.collect()
     rss_after = psutil.Process().memory_info().rss
-    indexed = tier.stats()["num_entries"]
+    indexed = tier.stats().num_entries
     tier.close()
     return {"seconds": elapsed, "files_indexed": indexed, "probe_hit": found and read,
             "probe_ms": probe_s * 1e3, "index_rss_bytes": rss_after - rss_before}

@@ -62,7 +62,7 @@ def test_a_client_that_reserves_the_whole_pool_gets_its_share_and_the_next_one_t
 
     assert sum(o is not None for o in hog) == 128 and hog[128:] == [None] * 128
     assert None not in other
-    assert store.stats()["limits"]["capped_keys"] == 128
+    assert store.stats().limits.capped_keys == 128
     assert store.commit(ns, entry_keys(256, "hog"), owner=1) == 128  # then it may take as much again
     assert sum(o is not None for o in store.reserve(ns, entry_keys(128, "hog2"), owner=1)) == 128
 
@@ -78,7 +78,7 @@ def test_a_lease_stops_at_the_clients_share_and_the_rest_is_a_miss(store):
     second = store.lease(ns, ks, owner=1)
 
     assert len(first.entries) == 24 and len(second.entries) == 8
-    assert store.stats()["limits"]["capped_keys"] == 40
+    assert store.stats().limits.capped_keys == 40
     store.release(first.id)
     assert len(store.lease(ns, ks, owner=1).entries) == 24  # what the first gave back
 
@@ -99,14 +99,14 @@ def test_a_reservation_kept_past_the_limit_is_quarantined_then_reused(store):
 
     assert during == [None] * 256  # taken back, but quarantined: the copy may still go on
     stats = store.stats()
-    assert stats["limits"]["expired_reservations"] == 256 and stats["quarantined"] == 256
-    assert stats["reservations"] == 0
+    assert stats.limits.expired_reservations == 256 and stats.quarantined == 256
+    assert stats.reservations == 0
     assert store.commit(ns, stuck, owner=1) == 0  # too late: nothing of it is published
     assert store.lookup(ns, stuck).num_hit == 0
 
     store.held.clock.now += HOLD_QUARANTINE_S
     after = store.reserve(ns, entry_keys(256, "after"), owner=2)
-    assert set(after) == slots and store.stats()["quarantined"] == 0
+    assert set(after) == slots and store.stats().quarantined == 0
 
 
 def test_a_lease_kept_past_the_limit_pins_its_entries_through_the_quarantine_then_lets_go(store):
@@ -120,7 +120,7 @@ def test_a_lease_kept_past_the_limit_pins_its_entries_through_the_quarantine_the
 
     store.held.clock.now += TIMEOUT_S
     assert store.reserve(ns, entry_keys(8, "new"), owner=2) == [None] * 8  # its reader may still copy
-    assert store.stats()["limits"]["expired_leases"] == 1 and store.stats()["leases"] == 0
+    assert store.stats().limits.expired_leases == 1 and store.stats().leases == 0
     assert not store.release(lease.id)  # taken back already
 
     store.held.clock.now += HOLD_QUARANTINE_S
@@ -134,7 +134,7 @@ def test_without_limits_a_store_in_process_holds_as_before(store):
     assert None not in store.reserve(ns, entry_keys(256, "all"), owner=1)
     store.held.clock.now += 10 * TIMEOUT_S
     assert store.reserve(ns, entry_keys(1, "more"), owner=2) == [None]
-    assert store.stats()["limits"]["expired_reservations"] == 0
+    assert store.stats().limits.expired_reservations == 0
 
 
 # -- a real server, two clients -----------------------------------------------------------------

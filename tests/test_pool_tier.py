@@ -37,7 +37,7 @@ def test_capacity_four_insert_five_the_first_is_evicted():
         put(tier, NS_A, key)
 
     assert keys_of(tier, NS_A) == {b"k2", b"k3", b"k4", b"k5"}
-    assert tier.stats()["evictions"] == 1
+    assert tier.stats().evictions == 1
 
 
 def test_the_newcomer_takes_the_slot_of_the_evicted_entry():
@@ -81,8 +81,8 @@ def test_a_key_already_present_is_not_reserved_twice():
     put(tier, NS_A, b"k1")
 
     assert tier.reserve(NS_A, b"k1") is None
-    assert tier.stats()["num_entries"] == 1
-    assert tier.stats()["reserve_failures"] == 0
+    assert tier.stats().num_entries == 1
+    assert tier.stats().reserve_failures == 0
 
 
 def test_an_uncommitted_entry_is_never_evicted():
@@ -159,7 +159,7 @@ def test_reserve_says_none_when_every_slot_is_pinned_or_reserved_and_counts_it()
 
     assert tier.reserve(NS_A, b"k4") is None
     assert tier.reserve(NS_A, b"k5") is None
-    assert tier.stats()["reserve_failures"] == 2
+    assert tier.stats().reserve_failures == 2
     assert keys_of(tier, NS_A) == {b"k1", b"k2", b"k3"}
 
 
@@ -172,7 +172,7 @@ def test_abort_frees_the_slot_and_forgets_the_key():
     assert tier.get(NS_A, b"k1") is None
     other = tier.reserve(NS_A, b"k2")
     assert other is not None and other.offset == entry.offset
-    assert tier.stats()["evictions"] == 0
+    assert tier.stats().evictions == 0
 
 
 def test_an_entry_dropped_while_pinned_keeps_its_slot_until_unpinned():
@@ -183,11 +183,11 @@ def test_an_entry_dropped_while_pinned_keeps_its_slot_until_unpinned():
     assert tier.drop(NS_A) == 1
     assert tier.get(NS_A, b"k1") is None
     assert tier.reserve(NS_A, b"k2") is None  # a reader still copies out of the slot
-    assert tier.stats()["used_bytes"] == PAGE
+    assert tier.stats().used_bytes == PAGE
 
     tier.unpin(entry)
 
-    assert tier.stats()["used_bytes"] == 0
+    assert tier.stats().used_bytes == 0
     assert tier.reserve(NS_A, b"k2") is not None
 
 
@@ -213,8 +213,8 @@ def test_a_dropped_key_can_be_written_again_while_its_old_slot_is_still_read():
 
     assert tier.get(NS_A, b"k1") is new
     assert new.offset != old.offset
-    assert tier.stats()["num_entries"] == 1
-    assert tier.stats()["used_bytes"] == PAGE
+    assert tier.stats().num_entries == 1
+    assert tier.stats().used_bytes == PAGE
 
 
 def test_drop_of_one_namespace_keeps_the_other():
@@ -251,8 +251,8 @@ def test_two_namespaces_of_different_sizes_share_one_pool():
     b = [put(tier, NS_B, b"b%d" % i) for i in range(2)]
 
     assert {tier.alloc.slab_of(e.offset) for e in a} != {tier.alloc.slab_of(e.offset) for e in b}
-    assert tier.stats()["used_bytes"] == tier.stats()["capacity_bytes"]
-    assert tier.stats()["evictions"] == 0
+    assert tier.stats().used_bytes == tier.stats().capacity_bytes
+    assert tier.stats().evictions == 0
 
 
 def test_when_the_own_class_holds_the_oldest_entry_it_is_evicted_in_place():
@@ -266,7 +266,7 @@ def test_when_the_own_class_holds_the_oldest_entry_it_is_evicted_in_place():
 
     assert keys_of(tier, NS_A) == {b"a1", b"a2", b"a3", b"a4"}
     assert keys_of(tier, NS_B) == {b"b0", b"b1"}
-    assert tier.stats()["slab_moves"] == 0
+    assert tier.stats().slab_moves == 0
 
 
 def test_a_slab_moves_from_the_class_whose_entries_are_older():
@@ -281,8 +281,8 @@ def test_a_slab_moves_from_the_class_whose_entries_are_older():
     assert keys_of(tier, NS_B) == set()
     assert keys_of(tier, NS_A) == {b"a0", b"a1", b"a2", b"a3", b"a4"}
     assert tier.alloc.slab_slot_bytes(tier.alloc.slab_of(newcomer.offset)) == PAGE
-    assert tier.stats()["slab_moves"] == 1
-    assert tier.stats()["evictions"] == 2
+    assert tier.stats().slab_moves == 1
+    assert tier.stats().evictions == 2
 
 
 def test_a_slab_with_a_pinned_entry_does_not_move():
@@ -297,7 +297,7 @@ def test_a_slab_with_a_pinned_entry_does_not_move():
 
     assert keys_of(tier, NS_B) == {b"b0", b"b1"}
     assert keys_of(tier, NS_A) == {b"a1", b"a2", b"a3", b"a4"}
-    assert tier.stats()["slab_moves"] == 0
+    assert tier.stats().slab_moves == 0
 
 
 def test_a_class_without_a_slab_takes_one_whose_entries_are_all_free():
@@ -313,7 +313,7 @@ def test_a_class_without_a_slab_takes_one_whose_entries_are_all_free():
     assert newcomer is not None
     assert tier.alloc.slab_of(newcomer.offset) == tier.alloc.slab_of(a[7].offset)
     assert keys_of(tier, NS_A) == {b"a0", b"a1", b"a2", b"a3"}
-    assert tier.stats()["slab_moves"] == 1
+    assert tier.stats().slab_moves == 1
 
 
 def test_a_class_without_a_slab_fails_when_every_slab_holds_a_pinned_entry():
@@ -323,5 +323,5 @@ def test_a_class_without_a_slab_fails_when_every_slab_holds_a_pinned_entry():
     tier.pin(a[7])
 
     assert tier.reserve(NS_B, b"b0") is None
-    assert tier.stats()["reserve_failures"] == 1
+    assert tier.stats().reserve_failures == 1
     assert len(keys_of(tier, NS_A)) == 8

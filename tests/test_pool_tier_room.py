@@ -83,7 +83,7 @@ def test_a_reserve_behind_a_pinned_entry_in_every_slab_costs_the_same_whatever_t
     for i in range(128):
         put(tier, NS_B, b"new%d" % i)  # each one evicts B's own oldest: no slab of A may move
 
-    assert tier.stats()["slab_moves"] == 0
+    assert tier.stats().slab_moves == 0
     # The walk read the stamp of every entry of A (8 x 16 or 32 x 16 of them) for every key.
     assert stamp_reads[0] <= 128 * 8, f"{stamp_reads[0]} stamp reads for 128 keys in {num_slabs} slabs"
 
@@ -98,7 +98,7 @@ def test_a_reserve_that_finds_no_room_anywhere_gives_up_at_once(stamp_reads):
 
     assert all(tier.reserve(NS_B, b"b%d" % i) is None for i in range(128))
 
-    assert tier.stats()["reserve_failures"] == 128
+    assert tier.stats().reserve_failures == 128
     assert stamp_reads[0] <= 128 * 8, f"{stamp_reads[0]} stamp reads for 128 failed keys"
 
 
@@ -116,7 +116,7 @@ def test_the_slab_that_moves_is_the_one_the_walk_would_have_moved():
 
     assert tier.alloc.slab_of(newcomer.offset) == tier.alloc.slab_of(a[16].offset)
     assert set(tier.index_of(NS_A)) == {b"a%d" % i for i in range(16)}
-    assert tier.stats()["slab_moves"] == 1
+    assert tier.stats().slab_moves == 1
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -177,4 +177,4 @@ def test_random_traffic_evicts_exactly_what_the_walk_evicts(seed):
             assert {k: e.offset for k, e in fast.index_of(ns_).items()} == \
                 {k: e.offset for k, e in walk.index_of(ns_).items()}, f"step {step}"
     assert fast.stats() == walk.stats()
-    assert fast.stats()["slab_moves"] > 0
+    assert fast.stats().slab_moves > 0

@@ -39,8 +39,8 @@ def test_an_entry_larger_than_the_capacity_is_not_written(open_tier):
     assert not write(tier, key(1))
 
     assert not os.path.exists(tier.path_of(NS, key(1)))
-    assert tier.stats()["write_failures"] == 1
-    assert tier.stats()["evictions"] == 0
+    assert tier.stats().write_failures == 1
+    assert tier.stats().evictions == 0
 
 
 def test_rewriting_an_entry_does_not_count_it_twice(open_tier):
@@ -49,8 +49,8 @@ def test_rewriting_an_entry_does_not_count_it_twice(open_tier):
 
     write(tier, key(1))
 
-    assert tier.stats()["num_entries"] == 1
-    assert tier.stats()["used_bytes"] == file_bytes()
+    assert tier.stats().num_entries == 1
+    assert tier.stats().used_bytes == file_bytes()
 
 
 # -- a full disk or a quota -------------------------------------------------------------------
@@ -64,7 +64,7 @@ def test_a_full_disk_evicts_and_later_writes_succeed(open_tier, small_disk):
     results = [tier.write_from(NS, key(i), memoryview(payload(key(i), size))) for i in range(40)]
 
     stats = tier.stats()
-    assert stats["space_errors"] > 0 and stats["evictions"] > 0
+    assert stats.space_errors > 0 and stats.evictions > 0
     assert results[-5:] == [True] * 5
     assert all(read(tier, key(i), size=size) == payload(key(i), size) for i in range(35, 40))
     assert temps(small_disk) == []
@@ -83,7 +83,7 @@ def test_a_disk_full_of_other_data_drops_the_write_without_raising(open_tier, sm
 
     assert not tier.write_from(NS, key(1), memoryview(payload(key(1), 256 << 10)))
 
-    assert tier.stats()["write_failures"] == 1
+    assert tier.stats().write_failures == 1
     assert temps(small_disk) == []
 
 
@@ -95,7 +95,7 @@ def test_an_injected_no_space_error_evicts_and_retries(open_tier, storage_dir):
 
     assert write(tier, key(1))
 
-    assert tier.stats()["space_errors"] == 1
+    assert tier.stats().space_errors == 1
     assert not os.path.exists(tier.path_of(NS, key(0)))  # evicted to make room
     assert read(tier, key(1)) == payload(key(1))
     assert temps(storage_dir) == []
@@ -114,7 +114,7 @@ def test_one_no_room_that_an_eviction_cures_does_not_shrink_the_tier(open_tier):
         assert write(tier, key(i))
 
     stats = tier.stats()
-    assert stats["capacity_bytes"] == 64 * file_bytes() and stats["space_errors"] == 5
+    assert stats.capacity_bytes == 64 * file_bytes() and stats.space_errors == 5
 
 
 def test_a_quota_met_teaches_the_tier_its_capacity_and_evicts_little(open_tier, caplog):
@@ -130,13 +130,13 @@ def test_a_quota_met_teaches_the_tier_its_capacity_and_evicts_little(open_tier, 
     assert not write(tier, key("new"))
 
     stats = tier.stats()
-    assert stats["capacity_bytes"] == 196 * file_bytes()
-    assert stats["evictions"] == 4 and stats["space_errors"] == 2 and stats["num_entries"] == 196
+    assert stats.capacity_bytes == 196 * file_bytes()
+    assert stats.evictions == 4 and stats.space_errors == 2 and stats.num_entries == 196
     assert [os.path.exists(tier.path_of(NS, key(i))) for i in range(6)] == [False] * 4 + [True] * 2
     said = [r.getMessage() for r in caplog.records if "has no room for more KV files" in r.getMessage()]
     assert len(said) == 1 and "HPKV_KV_STORAGE_SIZE" in said[0]
     assert all(write(tier, key(i)) for i in range(200, 210))  # within what it learned: evicted LRU, no error
-    assert tier.stats()["space_errors"] == 2 and tier.stats()["used_bytes"] <= 196 * file_bytes()
+    assert tier.stats().space_errors == 2 and tier.stats().used_bytes <= 196 * file_bytes()
 
 
 def a_tier_that_learned_its_room(open_tier, clock: FakeClock | None = None) -> tuple[StorageTier, FailingIO]:
@@ -157,17 +157,17 @@ def test_a_learned_capacity_goes_back_to_the_size_after_a_while_without_no_room(
     and the warning says when."""
     clock = FakeClock()
     tier, _ = a_tier_that_learned_its_room(open_tier, clock)
-    assert tier.stats()["capacity_bytes"] == 4 * file_bytes()  # what was left after a little eviction
+    assert tier.stats().capacity_bytes == 4 * file_bytes()  # what was left after a little eviction
     said = next(r.getMessage() for r in caplog.records if "has no room for more KV files" in r.getMessage())
     assert "minutes pass without such an error, when it tries that size again" in said
 
     clock.advance(CAPACITY_RECOVERY_S - 1)
-    assert write(tier, key(100)) and tier.stats()["capacity_bytes"] == 4 * file_bytes()  # not yet
+    assert write(tier, key(100)) and tier.stats().capacity_bytes == 4 * file_bytes()  # not yet
     clock.advance(1)
     assert all(write(tier, key(i)) for i in range(101, 110))
 
-    assert tier.stats()["capacity_bytes"] == 64 * file_bytes()
-    assert tier.stats()["num_entries"] == 13 and tier.stats()["evictions"] == 5
+    assert tier.stats().capacity_bytes == 64 * file_bytes()
+    assert tier.stats().num_entries == 13 and tier.stats().evictions == 5
 
 
 def test_a_no_room_that_an_eviction_cures_does_not_hold_off_the_recovery(open_tier):
@@ -175,14 +175,14 @@ def test_a_no_room_that_an_eviction_cures_does_not_hold_off_the_recovery(open_ti
     moment every few minutes, cured by the next eviction, must not keep the tier small."""
     clock = FakeClock()
     tier, io = a_tier_that_learned_its_room(open_tier, clock)
-    assert tier.stats()["capacity_bytes"] < 64 * file_bytes()
+    assert tier.stats().capacity_bytes < 64 * file_bytes()
     clock.advance(CAPACITY_RECOVERY_S / 2)
     io.no_space_writes = 1
     assert write(tier, key("cured"))  # one "no room", then room after a little eviction
 
     clock.advance(CAPACITY_RECOVERY_S / 2)
     assert write(tier, key("later"))
-    assert tier.stats()["capacity_bytes"] == 64 * file_bytes()
+    assert tier.stats().capacity_bytes == 64 * file_bytes()
 
 
 def test_a_recovery_decided_before_a_new_no_room_keeps_what_that_one_taught(open_tier):
@@ -195,7 +195,7 @@ def test_a_recovery_decided_before_a_new_no_room_keeps_what_that_one_taught(open
     tier.capacity.no_room()  # another write meets "no room" twice meanwhile
     tier.capacity.recover()  # the first write, going on past its check
 
-    assert tier.stats()["capacity_bytes"] == 4 * file_bytes()
+    assert tier.stats().capacity_bytes == 4 * file_bytes()
 
 
 def test_no_room_while_the_start_up_scan_runs_evicts_a_little_and_learns_nothing(open_tier):
@@ -212,11 +212,11 @@ def test_no_room_while_the_start_up_scan_runs_evicts_a_little_and_learns_nothing
 
     assert write(again, key(11))
 
-    assert again.stats()["space_errors"] == 1 and again.stats()["capacity_bytes"] == 64 * file_bytes()
-    assert again.stats()["evictions"] == 1  # key 10: all the index held
+    assert again.stats().space_errors == 1 and again.stats().capacity_bytes == 64 * file_bytes()
+    assert again.stats().evictions == 1  # key 10: all the index held
     HeldScan.gate.set()
     assert again.scan_done.wait(10)
-    assert again.stats()["capacity_bytes"] == 64 * file_bytes() and again.stats()["num_entries"] == 11
+    assert again.stats().capacity_bytes == 64 * file_bytes() and again.stats().num_entries == 11
     assert all(os.path.exists(again.path_of(NS, key(i))) for i in range(10))
 
 
@@ -230,8 +230,8 @@ def test_no_room_that_one_eviction_does_not_cure_drops_the_write(open_tier):
     assert not write(tier, key("new"))
 
     stats = tier.stats()
-    assert stats["evictions"] == 4 and stats["space_errors"] == 2 and stats["write_failures"] == 1
-    assert stats["num_entries"] == 16
+    assert stats.evictions == 4 and stats.space_errors == 2 and stats.write_failures == 1
+    assert stats.num_entries == 16
 
 
 # -- the automatic capacity -------------------------------------------------------------------

@@ -132,7 +132,7 @@ def test_the_file_system_here_takes_direct_io(storage_dir):
 def test_a_direct_write_and_read_bypass_the_page_cache_and_keep_the_bytes(open_tier):
     io = RecordingIO()
     tier = open_tier(io=io)
-    assert tier.direct and tier.stats()["direct_io"]
+    assert tier.direct and tier.stats().direct_io
     k = key("direct")
     assert write(tier, k)
     path = entry_path(tier, k)

@@ -57,7 +57,7 @@ def test_a_file_of_a_terabyte_or_more_is_never_indexed(open_tier):
     assert not tier.contains(NS, key(1))
     again = open_tier()
     assert again.scan_done.wait(10)
-    assert not again.indexed(NS, key(1)) and again.stats()["used_bytes"] == 0
+    assert not again.indexed(NS, key(1)) and again.stats().used_bytes == 0
 
 
 def test_a_full_set_of_unreadable_marks_drops_those_past_their_time_first():

@@ -37,14 +37,14 @@ def test_a_write_budget_refuses_writes_past_it_until_it_refills(storage_dir, cap
     try:
         assert [write(tier, key(i)) for i in range(5)] == [True, True, True, False, False]
         stats = tier.stats()
-        assert stats["over_budget"] == 2 and stats["write_failures"] == 0 and stats["writes"] == 3
-        assert stats["write_budget_bytes"] == per_day and stats["write_budget_available_bytes"] < file_bytes()
+        assert stats.over_budget == 2 and stats.write_failures == 0 and stats.writes == 3
+        assert stats.write_budget_bytes == per_day and stats.write_budget_available_bytes < file_bytes()
         assert not os.path.exists(tier.path_of(NS, key(3)))
         assert caplog.text.count("write budget (HPKV_KV_STORAGE_WRITE_BUDGET") == 1
         clock.advance(20 * 60)  # a file's worth more
         assert [write(tier, key(i)) for i in (3, 4)] == [True, False]
         assert read(tier, key(3)) == payload(key(3))  # reads are not counted
-        assert tier.stats()["over_budget"] == 3
+        assert tier.stats().over_budget == 3
     finally:
         tier.close()
 
@@ -62,10 +62,10 @@ def test_a_write_that_raises_gives_its_budget_back(storage_dir):
         raise WriterUnavailable("no write-through process")
 
     try:
-        before = tier.stats()["write_budget_available_bytes"]
+        before = tier.stats().write_budget_available_bytes
         with pytest.raises(WriterUnavailable):
             tier.publish(NS, key(1), ENTRY, fmt.VERSION, no_process)
-        assert tier.stats()["write_budget_available_bytes"] >= before
+        assert tier.stats().write_budget_available_bytes >= before
         assert [write(tier, key(i)) for i in range(4)] == [True, True, True, False]  # still three files
     finally:
         tier.close()
@@ -80,8 +80,8 @@ def test_an_io_error_on_write_is_a_dropped_write(open_tier, storage_dir):
     assert not write(tier, key(1))
 
     assert not tier.contains(NS, key(1))
-    assert tier.stats()["write_failures"] == 1
-    assert tier.stats()["used_bytes"] == 0
+    assert tier.stats().write_failures == 1
+    assert tier.stats().used_bytes == 0
     assert temps(storage_dir) == []
 
 
@@ -94,7 +94,7 @@ def test_a_namespace_directory_removed_under_the_tier_is_made_again(tier, storag
     assert write(tier, key(1))
 
     assert read(tier, key(1)) == payload(key(1))
-    assert tier.stats()["write_failures"] == 0
+    assert tier.stats().write_failures == 0
 
 
 def test_a_root_removed_and_made_again_under_the_tier_is_read_again(tier, storage_dir):
@@ -123,8 +123,8 @@ def test_a_write_reported_failed_after_its_rename_is_indexed(open_tier):
 
     assert tier.publish(NS, k, ENTRY, fmt.VERSION, killed_after_rename)
 
-    assert tier.indexed(NS, k) and tier.stats()["used_bytes"] == file_bytes()
-    assert tier.stats()["write_failures"] == 0
+    assert tier.indexed(NS, k) and tier.stats().used_bytes == file_bytes()
+    assert tier.stats().write_failures == 0
     assert read(tier, k) == payload(k)
 
 
@@ -144,7 +144,7 @@ def test_writes_that_always_stop_short_are_dropped_and_leave_nothing(open_tier, 
 
     assert not os.path.exists(tier.path_of(NS, key(1)))
     assert temps(storage_dir) == []
-    assert tier.stats()["write_failures"] == 1
+    assert tier.stats().write_failures == 1
 
 
 # -- durability -------------------------------------------------------------------------------

@@ -82,26 +82,26 @@ def test_a_damaged_or_foreign_file_is_a_miss_and_is_removed(tier, storage_dir, d
     tier.write_from(OTHER_NS, k, memoryview(b"x" * ENTRY))  # same size, other bytes
     path = Path(tier.path_of(NS, k))
     damage(path, storage_dir)
-    entries_before = tier.stats()["num_entries"]
+    entries_before = tier.stats().num_entries
 
     assert read(tier, k) is None
 
     assert not path.exists()
     assert not tier.contains(NS, k)
-    assert tier.stats()["bad_files"] == 1
-    assert tier.stats()["num_entries"] == entries_before - 1
+    assert tier.stats().bad_files == 1
+    assert tier.stats().num_entries == entries_before - 1
     assert read(tier, key(2)) == payload(key(2))  # its neighbour is fine
 
 
 def test_a_removed_bad_file_frees_its_capacity(tier):
     k = key(1)
     write(tier, k)
-    used = tier.stats()["used_bytes"]
+    used = tier.stats().used_bytes
     random_bytes(Path(tier.path_of(NS, k)), tier.root)
 
     read(tier, k)
 
-    assert tier.stats()["used_bytes"] == used - file_bytes(k)
+    assert tier.stats().used_bytes == used - file_bytes(k)
 
 
 def test_a_read_with_the_wrong_entry_size_is_a_miss(tier):
@@ -109,7 +109,7 @@ def test_a_read_with_the_wrong_entry_size_is_a_miss(tier):
     write(tier, k)
 
     assert read(tier, k, size=ENTRY - 8) is None
-    assert tier.stats()["bad_files"] == 1
+    assert tier.stats().bad_files == 1
 
 
 def test_reading_an_old_file_refreshes_its_age_on_disk(tier):
@@ -159,7 +159,7 @@ def test_reads_that_return_short_go_on_to_the_whole_file(open_tier):
     write(tier, key(1))
 
     assert read(tier, key(1)) == payload(key(1))
-    assert tier.stats()["bad_files"] == 0 and tier.stats()["reads"] == 1
+    assert tier.stats().bad_files == 0 and tier.stats().reads == 1
 
 
 def test_a_read_that_ends_short_is_a_miss_and_keeps_the_file(open_tier, caplog):
@@ -172,7 +172,7 @@ def test_a_read_that_ends_short_is_a_miss_and_keeps_the_file(open_tier, caplog):
     assert read(tier, key(1)) is None and read(tier, key(1)) is None
 
     assert os.path.exists(tier.path_of(NS, key(1))) and tier.indexed(NS, key(1))
-    assert tier.stats()["bad_files"] == 0 and tier.stats()["read_misses"] == 2
+    assert tier.stats().bad_files == 0 and tier.stats().read_misses == 2
     assert caplog.text.count("cannot read KV files") == 1
     io.ended = False
     assert read(tier, key(1)) == payload(key(1))
@@ -194,7 +194,7 @@ def test_read_errors_are_said_again_after_a_while_not_once_for_good(open_tier, c
     assert read(tier, key(1)) is None
 
     assert caplog.text.count("cannot read KV files") == 2
-    assert tier.stats()["read_misses"] == 4
+    assert tier.stats().read_misses == 4
 
 
 @pytest.mark.parametrize("refusal", [errno.EACCES, errno.EPERM, errno.ENAMETOOLONG])
@@ -212,7 +212,7 @@ def test_a_file_this_tier_may_not_open_is_no_longer_a_hit(open_tier, caplog, ref
 
     assert not tier.indexed(NS, key(1)) and not tier.contains(NS, key(1)) and not tier.contains(NS, key(2))
     assert os.path.exists(tier.path_of(NS, key(1)))  # not this tier's to delete
-    assert tier.stats()["used_bytes"] == 0 and tier.stats()["bad_files"] == 0
+    assert tier.stats().used_bytes == 0 and tier.stats().bad_files == 0
     assert caplog.text.count("cannot read KV files") == 1
     io.errno = 0
     assert write(tier, key(1)) and tier.contains(NS, key(1))
@@ -232,7 +232,7 @@ def test_a_failed_rewrite_does_not_adopt_the_file_this_tier_could_not_read(open_
     assert not tier.publish(NS, key(1), ENTRY, fmt.VERSION, lambda target: OSError(errno.EIO, "injected"))
 
     assert not tier.indexed(NS, key(1)) and not tier.contains(NS, key(1))
-    assert tier.stats()["write_failures"] == 1
+    assert tier.stats().write_failures == 1
 
 
 def two_files_the_device_fails_to_read(open_tier, clock: FakeClock | None = None) -> tuple[StorageTier, FailingIO]:
@@ -263,7 +263,7 @@ def test_a_device_error_passes_and_the_file_is_found_again(open_tier):
     meanwhile ends the while at once."""
     clock = FakeClock()
     tier, io = two_files_the_device_fails_to_read(open_tier, clock)
-    assert not tier.contains(NS, key(1)) and tier.stats()["used_bytes"] == 0
+    assert not tier.contains(NS, key(1)) and tier.stats().used_bytes == 0
     io.read_errno = 0
 
     assert read(tier, key(2)) == payload(key(2))  # a promotion queued before the error, say
@@ -273,5 +273,5 @@ def test_a_device_error_passes_and_the_file_is_found_again(open_tier):
     clock.advance(1)
     assert tier.contains(NS, key(1))
 
-    assert tier.stats()["used_bytes"] == 2 * file_bytes() and tier.stats()["num_entries"] == 2
+    assert tier.stats().used_bytes == 2 * file_bytes() and tier.stats().num_entries == 2
     assert read(tier, key(1)) == payload(key(1))

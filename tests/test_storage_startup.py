@@ -29,9 +29,9 @@ def test_a_restarted_tier_finds_its_entries_again(open_tier, storage_dir):
     again = open_tier()
     assert again.scan_done.wait(10)
 
-    assert again.stats()["files_scanned"] == 3
-    assert again.stats()["num_entries"] == 3
-    assert again.stats()["used_bytes"] == 3 * file_bytes()
+    assert again.stats().files_scanned == 3
+    assert again.stats().num_entries == 3
+    assert again.stats().used_bytes == 3 * file_bytes()
     assert all(read(again, key(i)) == payload(key(i)) for i in range(3))
 
 
@@ -63,9 +63,9 @@ def test_a_restart_with_a_smaller_capacity_evicts_the_oldest_files(open_tier):
     again = open_tier(capacity=3 * file_bytes())
     assert again.scan_done.wait(10)
 
-    assert eventually(lambda: again.stats()["evictions"] == 2)
+    assert eventually(lambda: again.stats().evictions == 2)
     assert [os.path.exists(again.path_of(NS, key(i))) for i in range(5)] == [False, False, True, True, True]
-    assert again.stats()["used_bytes"] == 3 * file_bytes()
+    assert again.stats().used_bytes == 3 * file_bytes()
 
 
 def test_the_start_up_index_merged_in_slices_keeps_the_files_in_age_order(open_tier, monkeypatch):
@@ -81,7 +81,7 @@ def test_the_start_up_index_merged_in_slices_keeps_the_files_in_age_order(open_t
 
     again = open_tier(capacity=len(ages) * file_bytes())
     assert again.scan_done.wait(10)
-    assert again.stats()["num_entries"] == len(ages)
+    assert again.stats().num_entries == len(ages)
     oldest_first = sorted(range(len(ages)), key=lambda i: -ages[i])
     for n, i in enumerate(oldest_first[:4]):
         write(again, key(100 + n))  # each new file evicts the oldest one left
@@ -97,7 +97,7 @@ def test_a_one_byte_key_survives_a_restart_and_a_remove(open_tier):
 
     again = open_tier()
     assert again.scan_done.wait(10)
-    assert again.stats()["files_scanned"] == 1
+    assert again.stats().files_scanned == 1
 
     assert again.remove(NS) == 1
     assert not os.path.exists(again.path_of(NS, short))
@@ -120,8 +120,8 @@ def test_lookups_work_while_the_start_up_scan_is_still_running(open_tier):
 
     HeldScan.gate.set()
     assert again.scan_done.wait(10)
-    assert again.stats()["num_entries"] == 1
-    assert again.stats()["used_bytes"] == file_bytes()  # the scan did not count it twice
+    assert again.stats().num_entries == 1
+    assert again.stats().used_bytes == file_bytes()  # the scan did not count it twice
 
 
 def make_temp(tier: StorageTier, k: bytes, node: str, pid: int, age_s: float = 0.0) -> Path:
@@ -152,8 +152,8 @@ def test_temporaries_of_dead_writers_are_removed_at_start_and_live_ones_kept(ope
     assert live_mine.exists()
     assert fresh_elsewhere.exists()
     assert not old_elsewhere.exists()
-    assert again.stats()["temps_removed"] == 2
-    assert again.stats()["num_entries"] == 0  # a temporary is never an entry
+    assert again.stats().temps_removed == 2
+    assert again.stats().num_entries == 0  # a temporary is never an entry
 
 
 def test_entries_removed_while_the_start_up_scan_runs_do_not_come_back(open_tier, monkeypatch):
@@ -186,4 +186,4 @@ def test_entries_removed_while_the_start_up_scan_runs_do_not_come_back(open_tier
 
     assert [again.contains(NS, key(i)) for i in range(4)] == [True, True, False, True]
     assert not any(again.contains(OTHER_NS, key(i)) for i in range(4))
-    assert again.stats()["used_bytes"] == 3 * file_bytes()
+    assert again.stats().used_bytes == 3 * file_bytes()

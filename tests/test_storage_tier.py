@@ -32,7 +32,7 @@ def test_an_entry_written_reads_back_identical(tier):
 
     assert tier.contains(NS, k)
     assert read(tier, k) == payload(k)
-    assert tier.stats()["reads"] == 1 and tier.stats()["writes"] == 1
+    assert tier.stats().reads == 1 and tier.stats().writes == 1
 
 
 def test_an_entry_lives_in_its_fanned_out_file_and_leaves_no_temporary(tier, storage_dir):
@@ -49,7 +49,7 @@ def test_an_entry_lives_in_its_fanned_out_file_and_leaves_no_temporary(tier, sto
 def test_a_key_never_written_is_a_miss(tier):
     assert not tier.contains(NS, key(1))
     assert read(tier, key(1)) is None
-    assert tier.stats()["read_misses"] == 1
+    assert tier.stats().read_misses == 1
 
 
 def test_the_same_key_in_two_namespaces_is_two_entries(tier):
@@ -82,9 +82,9 @@ def test_a_tier_adopts_an_entry_another_tier_wrote(open_tier):
 
     write(a, key(1))
 
-    assert b.stats()["num_entries"] == 0
+    assert b.stats().num_entries == 0
     assert b.contains(NS, key(1))
-    assert b.stats()["num_entries"] == 1
+    assert b.stats().num_entries == 1
     assert read(b, key(1)) == payload(key(1))
 
 
@@ -97,7 +97,7 @@ def test_an_entry_another_tier_evicted_is_a_miss_and_is_forgotten(open_tier):
 
     assert read(b, key(1)) is None
     assert not b.contains(NS, key(1))
-    assert b.stats()["bad_files"] == 0
+    assert b.stats().bad_files == 0
 
 
 class HeldWrites(FileIO):
@@ -180,7 +180,7 @@ def test_a_reader_racing_an_evictor_gets_a_miss_or_the_right_bytes(open_tier):
 
     assert wrong == 0
     assert hits > 0 and misses > 0, (hits, misses)
-    assert reader.stats()["bad_files"] == 0  # a lost race is never mistaken for a bad file
+    assert reader.stats().bad_files == 0  # a lost race is never mistaken for a bad file
 
 
 # -- the storage root -------------------------------------------------------------------------
@@ -273,8 +273,8 @@ def test_remove_of_one_namespace_deletes_only_its_files(tier, storage_dir):
     assert len(list((storage_dir / OTHER_NS).rglob("*.kv"))) == 3
     assert read(tier, key(0), NS) is None
     assert read(tier, key(0), OTHER_NS) == payload(key(0))
-    assert tier.stats()["num_entries"] == 3
-    assert tier.stats()["used_bytes"] == 3 * file_bytes()
+    assert tier.stats().num_entries == 3
+    assert tier.stats().used_bytes == 3 * file_bytes()
 
 
 def test_remove_deletes_files_another_tier_wrote(open_tier, storage_dir):

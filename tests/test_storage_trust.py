@@ -145,8 +145,8 @@ def test_a_fifo_read_with_direct_io_is_a_miss_and_leaves_direct_io_on(storage_di
             os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
             reader.join(5)
         assert done == [False]
-        assert tier.direct and tier.stats()["direct_io"]
-        assert tier.stats()["untrusted_files"] == 1
+        assert tier.direct and tier.stats().direct_io
+        assert tier.stats().untrusted_files == 1
     finally:
         tier.close()
 
@@ -182,9 +182,9 @@ def test_the_start_up_scan_neither_removes_nor_indexes_through_a_linked_director
 
     assert dead_temp.exists() and old_temp.exists()
     assert (fan(other, "", k) / f".{k.hex()}.{NODE}.999999999.2.tmp").exists()
-    assert not tier.indexed(NS, k) and tier.stats()["num_entries"] == 0
-    assert tier.stats()["untrusted_files"] == 2  # the two links
-    assert tier.stats()["temps_removed"] == 0
+    assert not tier.indexed(NS, k) and tier.stats().num_entries == 0
+    assert tier.stats().untrusted_files == 2  # the two links
+    assert tier.stats().temps_removed == 0
     said = next(r.getMessage() for r in caplog.records if "storage scan skipped" in r.getMessage())
     assert str(storage_dir) in said and "symbolic link" in said
 
@@ -242,14 +242,14 @@ def test_eviction_and_a_bad_file_remove_nothing_through_a_linked_directory(open_
     victim.write_bytes(b"not an HPKV file: removed as bad, were it read")
 
     assert read(tier, k) is None
-    assert victim.exists() and tier.stats()["bad_files"] == 0 and tier.stats()["untrusted_files"] == 1
+    assert victim.exists() and tier.stats().bad_files == 0 and tier.stats().untrusted_files == 1
 
     tier2 = open_tier(capacity=2 * (ENTRY + 4096))  # k indexed again by a tier that has not read it
     assert tier2.scan_done.wait(10)
     tier2._remember(NS, k, ENTRY + 4096)
     for other in keys_in_other_fans(k, 3):
         assert tier2.write_from(NS, other, memoryview(payload(other)))
-    assert tier2.stats()["evictions"] >= 1 and not tier2.indexed(NS, k)
+    assert tier2.stats().evictions >= 1 and not tier2.indexed(NS, k)
     assert victim.exists()
 
 
@@ -269,7 +269,7 @@ def test_writes_go_through_no_planted_directory_link(open_tier, storage_dir, els
         assert not tier.write_from(OTHER_NS, k, memoryview(payload(k)))
 
     assert list(elsewhere.rglob("*")) == []
-    assert tier.stats()["write_failures"] == 2 and tier.stats()["untrusted_files"] == 2
+    assert tier.stats().write_failures == 2 and tier.stats().untrusted_files == 2
     assert "symbolic link" in caplog.text and "not followed" in caplog.text
     other = keys_in_other_fans(k, 1)[0]
     assert tier.write_from(NS, other, memoryview(payload(other)))  # the rest of the tree works
@@ -361,12 +361,12 @@ def test_a_non_regular_entry_is_never_a_hit_nor_a_wedged_read(open_tier, storage
     plant(kind, fan(storage_dir, NS, at_scan) / f"{at_scan.hex()}.kv", elsewhere, at_scan)
     tier = open_tier()
     assert tier.scan_done.wait(10)
-    assert not tier.indexed(NS, at_scan) and tier.stats()["untrusted_files"] == 1
+    assert not tier.indexed(NS, at_scan) and tier.stats().untrusted_files == 1
     assert not tier.contains(NS, at_scan)
 
     plant(kind, fan(storage_dir, NS, at_lookup) / f"{at_lookup.hex()}.kv", elsewhere, at_lookup)
     assert not tier.contains(NS, at_lookup) and not tier.contains(NS, at_lookup)
-    assert tier.stats()["untrusted_files"] == 3 and tier.stats()["num_entries"] == 0
+    assert tier.stats().untrusted_files == 3 and tier.stats().num_entries == 0
 
     assert tier.write_from(NS, swapped, memoryview(payload(swapped)))
     path = fan(storage_dir, NS, swapped) / f"{swapped.hex()}.kv"
@@ -374,7 +374,7 @@ def test_a_non_regular_entry_is_never_a_hit_nor_a_wedged_read(open_tier, storage
     plant(kind, path, elsewhere, swapped)
     assert read_bounded(tier, swapped, fifo=path if kind == "fifo" else None) is None
     assert not tier.indexed(NS, swapped) and not tier.contains(NS, swapped)
-    assert tier.stats()["untrusted_files"] == 4 and tier.stats()["bad_files"] == 0
+    assert tier.stats().untrusted_files == 4 and tier.stats().bad_files == 0
     assert path.exists() or path.is_symlink()  # not ours to remove: only skipped
 
 

@@ -20,6 +20,7 @@ import pytest
 from helpers.config import make_storage_config
 from helpers.processes import stop
 from hpkv.config import StorageConfig
+from hpkv.stats import WriteBacklogStats
 from hpkv.storage.tier import StorageTier
 from hpkv.storage.writer import PROTOCOL_VERSION, WriterPool, WriterProcess, WriterUnavailable
 from hpkv.store import TieredStore, write_threads
@@ -62,7 +63,7 @@ def test_write_throughs_are_written_by_child_processes_at_the_configured_nicenes
     for pid in pids:
         assert parent_of(pid) == os.getpid() and pid != os.getpid()
         assert nice_of(pid) == max(7, os.getpriority(os.PRIO_PROCESS, 0))
-    assert store.stats()["writers"]["processes"] == len(pids)
+    assert store.stats().writers.processes == len(pids)
     store.close()
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists()  # closed and reaped with the store
@@ -79,9 +80,9 @@ def test_a_writer_that_dies_costs_its_jobs_storage_copy_and_another_takes_over(o
     save(store, ns, ks)
     assert store.flush(timeout=20)
     stats = store.stats()
-    num_died = stats["writers"]["died"]
+    num_died = stats.writers.died
     assert 1 <= num_died <= write_threads(store.storage.config.io_threads)
-    assert stats["storage"]["write_failures"] == num_died  # one failed job per dead writer
+    assert stats.storage.write_failures == num_died  # one failed job per dead writer
     on_disk = read_back(storage_dir, ns, ks)
     assert sum(got is None for got in on_disk) == num_died
     assert all(got in (None, payload(k)) for k, got in zip(ks, on_disk))
@@ -91,7 +92,7 @@ def test_a_writer_that_dies_costs_its_jobs_storage_copy_and_another_takes_over(o
     save(store, ns, later)
     assert store.flush(timeout=20)
     assert read_back(storage_dir, ns, later) == [payload(k) for k in later]
-    assert store.stats()["writers"]["started"] == store.stats()["writers"]["died"] + len(store.writers.pids())
+    assert store.stats().writers.started == store.stats().writers.died + len(store.writers.pids())
 
 
 def test_a_writer_killed_mid_job_leaves_no_temporary_behind(shm_dir, storage_dir):
@@ -123,7 +124,7 @@ def test_a_writer_killed_mid_job_leaves_no_temporary_behind(shm_dir, storage_dir
                 break
         assert errors[0] is not None, "every job finished before the test could kill its writer"
         assert not os.path.exists(target.tmp) and not os.path.exists(target.final)
-        assert writers.stats()["died"] == 1
+        assert writers.stats().died == 1
     finally:
         writers.close()
         os.close(pool_fd)
@@ -160,7 +161,7 @@ def test_a_file_in_the_way_of_a_directory_is_a_failed_write_not_a_crash(open_sto
     (storage_dir / ns / k.hex()[:2]).write_bytes(b"not a directory")
     save(store, ns, [k])
     assert store.flush(timeout=20)
-    assert store.stats()["storage"]["write_failures"] == 1
+    assert store.stats().storage.write_failures == 1
     assert store.writers is not None and store.writers.pids()  # the writer is fine
     assert load(store, ns, [k]) == [payload(k)]  # from DRAM
 
@@ -173,12 +174,12 @@ def test_when_no_writer_can_start_the_server_writes_in_process(open_store, stora
     ks = keys(threads + 3)
     save(store, ns, ks)
     assert store.flush(timeout=20)
-    writers = store.stats()["writers"]
+    writers = store.stats().writers
     # Each write thread may have tried once at the same moment; none tries again for a minute.
-    assert writers["processes"] == 0 and 1 <= writers["start_failures"] <= threads < len(ks)
-    assert "exited" in writers["unavailable"]
+    assert writers.processes == 0 and 1 <= writers.start_failures <= threads < len(ks)
+    assert "exited" in writers.unavailable
     said = [r.getMessage() for r in caplog.records if "run in the server process" in r.getMessage()]
-    assert len(said) == writers["start_failures"] and "another start is tried in 60 s" in said[0]
+    assert len(said) == writers.start_failures and "another start is tried in 60 s" in said[0]
     assert read_back(storage_dir, ns, ks) == [payload(k) for k in ks]
 
 
@@ -193,7 +194,7 @@ def test_writers_that_could_not_start_are_tried_again_later(open_store, storage_
     first = keys(3)
     save(store, ns, first)
     assert store.flush(timeout=20)
-    assert store.stats()["writers"]["processes"] == 0
+    assert store.stats().writers.processes == 0
 
     monkeypatch.setattr(sys, "executable", python)
     time.sleep(0.6)
@@ -201,8 +202,8 @@ def test_writers_that_could_not_start_are_tried_again_later(open_store, storage_
     save(store, ns, later)
     assert store.flush(timeout=20)
 
-    writers = store.stats()["writers"]
-    assert writers["processes"] >= 1 and writers["unavailable"] is None
+    writers = store.stats().writers
+    assert writers.processes >= 1 and writers.unavailable is None
     assert store.writers.pids()
     assert read_back(storage_dir, ns, first + later) == [payload(k) for k in first + later]
 
@@ -266,7 +267,7 @@ def test_entries_waiting_for_their_write_through_are_counted_until_written(open_
     ns = store.register(desc())
     save(store, ns, keys(write_threads(store.storage.config.io_threads) * 2, "warm"))  # starts every writer
     assert store.flush(timeout=20)
-    assert store.stats()["write_backlog"] == {"entries": 0, "bytes": 0, "limit_bytes": 8 << 20, "deferred": 0}
+    assert store.stats().write_backlog == WriteBacklogStats(entries=0, bytes=0, limit_bytes=8 << 20, deferred=0)
     pids = store.writers.pids()
     assert len(pids) == write_threads(store.storage.config.io_threads)  # no place left to start another
     for pid in pids:
@@ -275,13 +276,14 @@ def test_entries_waiting_for_their_write_through_are_counted_until_written(open_
         ks = keys(6)
         save(store, ns, ks)
         assert not store.flush(timeout=0.5)
-        backlog = store.stats()["write_backlog"]
-        assert backlog == {"entries": 6, "bytes": 6 * store.entry_bytes(ns), "limit_bytes": 8 << 20, "deferred": 0}
+        backlog = store.stats().write_backlog
+        assert backlog == WriteBacklogStats(entries=6, bytes=6 * store.entry_bytes(ns), limit_bytes=8 << 20,
+                                            deferred=0)
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
     assert store.flush(timeout=20)
-    assert store.stats()["write_backlog"]["entries"] == 0
+    assert store.stats().write_backlog.entries == 0
     assert read_back(storage_dir, ns, ks) == [payload(k) for k in ks]
 
 
@@ -300,27 +302,27 @@ def test_a_storage_device_that_falls_behind_pins_at_most_half_the_pool(open_stor
     try:
         first = keys(200, "first")
         assert save(store, ns, first) == 200
-        backlog = store.stats()["write_backlog"]
-        assert backlog["limit_bytes"] == 8 << 20
-        assert backlog["entries"] == 128 and backlog["bytes"] == 128 * entry and backlog["deferred"] == 72
+        backlog = store.stats().write_backlog
+        assert backlog.limit_bytes == 8 << 20
+        assert backlog.entries == 128 and backlog.bytes == 128 * entry and backlog.deferred == 72
         later = keys(100, "later")  # more than the unpinned rest of the pool
         assert save(store, ns, later) == 100  # 56 before the limit: the rest found every slot pinned
         assert store.dram.counters.reserve_failures == 0
-        assert store.stats()["write_backlog"]["entries"] == 128
+        assert store.stats().write_backlog.entries == 128
         assert not store.flush(timeout=0.3)
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
     assert store.flush(timeout=60)
     stats = store.stats()
-    assert stats["write_backlog"] == {"entries": 0, "bytes": 0, "limit_bytes": 8 << 20, "deferred": 0}
+    assert stats.write_backlog == WriteBacklogStats(entries=0, bytes=0, limit_bytes=8 << 20, deferred=0)
     on_storage = read_back(storage_dir, ns, first + later)
     in_dram = [k in store.dram.index_of(ns) for k in first + later]
     for k, stored, held in zip(first + later, on_storage, in_dram):
         assert stored == payload(k) or (stored is None and not held)  # nothing the pool holds is unwritten
     lost = on_storage.count(None)
-    assert stats["store"]["write_through_deferred"] == 72 + 100
-    assert stats["store"]["write_through_lost"] == lost > 0  # deferred entries evicted before their turn
+    assert stats.store.write_through_deferred == 72 + 100
+    assert stats.store.write_through_lost == lost > 0  # deferred entries evicted before their turn
     # Commits go last first: the pinned 128 are the tail of the first prefix, all written.
     assert on_storage[72:200] == [payload(k) for k in first[72:]]
 
@@ -363,7 +365,7 @@ def test_entries_cleared_while_deferred_are_not_written(open_store, storage_dir)
     try:
         ks = keys(150)
         assert save(store, ns, ks) == 150
-        assert store.stats()["write_backlog"]["deferred"] == 22
+        assert store.stats().write_backlog.deferred == 22
         store.clear(memory=True)
     finally:
         for pid in pids:
@@ -373,7 +375,7 @@ def test_entries_cleared_while_deferred_are_not_written(open_store, storage_dir)
     assert on_storage[:22] == [None] * 22  # the deferred ones (commits go last first)
     assert on_storage[22:] == [payload(k) for k in ks[22:]]  # pinned when cleared: written, then freed
     assert store.counters.write_through_lost == 22
-    assert store.stats()["dram"]["num_entries"] == 0
+    assert store.stats().dram.num_entries == 0
 
 
 def test_a_store_closing_while_an_engine_still_commits_writes_what_was_queued_and_stops(open_store, storage_dir):

@@ -118,7 +118,7 @@ def test_uncommitted_entries_are_invisible_to_lookups_and_leases(open_store):
     assert lease.wait() == 0
     store.release(lease.id)
     store.abort(ns, ks)
-    assert store.stats()["dram"]["num_entries"] == 0
+    assert store.stats().dram.num_entries == 0
 
 
 def test_nothing_is_saved_twice(open_store):
@@ -170,7 +170,7 @@ def test_a_hold_is_committed_by_its_settler_for_every_owner_but_the_keys_it_abor
         assert store.reserve(ns, bad, owner=1) != [None]  # aborted: free to be saved again
         store.abort(ns, bad, owner=1)
     assert store.settle("step-7", abort=[]) == (0, 0)  # once only
-    assert store.stats()["holds"] == 0
+    assert store.stats().holds == 0
 
 
 def test_an_owner_gives_back_what_it_reserved_in_a_hold_and_the_settle_cannot_publish_it(open_store):
@@ -201,16 +201,16 @@ def test_a_hold_nobody_settles_is_aborted_after_the_timeout(open_store):
     store.reserve(ns, keys(1, "later"), owner=2, hold="late")  # ends holds past their time, but this one
 
     stats = store.stats()
-    assert stats["holds"] == 1 and stats["quarantined"] == 3  # "late" is kept: an owner joins it now
+    assert stats.holds == 1 and stats.quarantined == 3  # "late" is kept: an owner joins it now
     assert store.settle("forgotten", abort=[]) == (0, 0)
     assert store.lookup(ns, ks).num_hit == 0
     assert store.settle("late", abort=None) == (0, 2)
     clock.now += HOLD_QUARANTINE_S - 1
     store.reserve(ns, [], owner=3)
-    assert store.stats()["quarantined"] == 3
+    assert store.stats().quarantined == 3
     clock.now += 1
     store.reserve(ns, [], owner=3)
-    assert store.stats()["quarantined"] == 0 and store.reserve(ns, ks, owner=3) != [None] * 3
+    assert store.stats().quarantined == 0 and store.reserve(ns, ks, owner=3) != [None] * 3
 
 
 def test_a_hold_whose_owner_is_gone_settles_nothing_of_it(open_store):
@@ -222,7 +222,7 @@ def test_a_hold_whose_owner_is_gone_settles_nothing_of_it(open_store):
 
     assert store.settle("h", abort=[]) == (0, 0)
     assert store.lookup(ns, ks).num_hit == 0
-    assert store.stats()["dram"]["used_bytes"] == 0
+    assert store.stats().dram.used_bytes == 0
 
 
 def test_a_key_cleared_while_reserved_keeps_its_slot_until_the_owner_lets_go(open_store):
@@ -252,7 +252,7 @@ def test_a_key_cleared_while_reserved_in_a_hold_is_not_reserved_twice_in_it(open
 
     assert store.settle("h", abort=[]) == (0, 0)  # dropped by the clear: not published, slot freed
     store.drop_owner(1)
-    assert store.stats()["dram"]["used_bytes"] == 0
+    assert store.stats().dram.used_bytes == 0
 
 
 def test_commits_are_written_through_and_survive_a_dram_clear(open_store):
@@ -273,8 +273,8 @@ def test_a_lease_can_answer_before_its_storage_reads_are_queued(open_store):
     only_in_storage(store, ns, ks)
     lease = store.lease(ns, ks, start_reads=False)
     assert len(lease.offsets) == 4 and not lease.done
-    assert store.counters.promotions == 4 and store.storage.stats()["reads"] == 0
-    store.start_reads(lease)
+    assert store.counters.promotions == 4 and store.storage.stats().reads == 0
+    store.leases.start_reads(lease)
     assert lease.wait(timeout=10) == 4
     size = store.entry_bytes(ns)
     assert [bytes(store.region.buf[o : o + size]) for o in lease.offsets] == [payload(k) for k in ks]
@@ -296,12 +296,12 @@ def test_a_storage_hit_leased_for_promotion_is_not_evicted_before_its_read(open_
 
     save(store, ns, more)  # its write-through needs room on storage
     assert store.flush(timeout=10)
-    store.start_reads(lease)
+    store.leases.start_reads(lease)
 
     assert lease.wait(timeout=10) == 1
     assert bytes(store.region.buf[lease.offsets[0] : lease.offsets[0] + ENTRY]) == payload(ks[0])
     store.release(lease.id)
-    assert store.storage.stats()["evictions"] == 1 and not store.storage.indexed(ns, ks[1])
+    assert store.storage.stats().evictions == 1 and not store.storage.indexed(ns, ks[1])
 
 
 def test_of_a_prefix_leased_from_storage_the_last_key_is_evicted_first(open_store):
@@ -319,7 +319,7 @@ def test_of_a_prefix_leased_from_storage_the_last_key_is_evicted_first(open_stor
     assert store.flush(timeout=10)
 
     assert [store.storage.indexed(ns, k) for k in ks] == [True, True, True, False]
-    store.start_reads(lease)
+    store.leases.start_reads(lease)
     assert lease.wait(timeout=10) == 3
     store.release(lease.id)
 
@@ -370,7 +370,7 @@ def test_a_lease_waiting_for_the_storage_index_does_not_hold_up_lookups(open_sto
     leasing.join(10)
 
     assert answered
-    assert store.stats()["leases"] == 1
+    assert store.stats().leases == 1
 
 
 def test_a_promotion_whose_pool_is_gone_resolves_as_a_miss(open_store):
@@ -383,10 +383,10 @@ def test_a_promotion_whose_pool_is_gone_resolves_as_a_miss(open_store):
     lease = store.lease(ns, ks, start_reads=False)
     store.region.buf.release()  # what region.close() does first
 
-    store.start_reads(lease)
+    store.leases.start_reads(lease)
 
     assert lease.wait(timeout=10) == 0
-    assert lease.done and store.stats()["store"]["promotion_failures"] == 2
+    assert lease.done and store.stats().store.promotion_failures == 2
     store.storage.close()
 
 
@@ -580,7 +580,7 @@ def test_a_corrupted_file_ends_the_loaded_prefix_and_is_removed(open_store, stor
     assert load(store, ns, ks) == [payload(k) for k in ks[:2]]
     assert not os.path.exists(bad)
     assert store.lookup(ns, ks).num_hit == 2
-    assert store.stats()["store"]["promotion_failures"] == 1
+    assert store.stats().store.promotion_failures == 1
 
 
 def test_the_same_key_in_another_namespace_is_another_entry(open_store):
@@ -603,7 +603,7 @@ def test_a_lease_keeps_its_entries_through_pressure(open_store):
         save(store, ns, keys(16, f"pressure-{round_}"))
         store.flush(timeout=10)  # written through, so no longer pinned by the writer
     assert [bytes(store.region.buf[o : o + ENTRY]) for o in lease.offsets] == [payload(k) for k in first]
-    assert store.stats()["dram"]["evictions"] > 0
+    assert store.stats().dram.evictions > 0
     store.release(lease.id)
 
 
@@ -627,7 +627,7 @@ def test_of_a_prefix_that_fills_the_pool_the_last_entries_are_evicted_first(open
 
     save(store, ns, keys(8, "other"))
 
-    assert store.stats()["dram"]["evictions"] == 8
+    assert store.stats().dram.evictions == 8
     assert dram_prefix(store, ns, chain) == 56
 
 
@@ -669,10 +669,10 @@ def test_a_vanished_owner_loses_its_reservations_and_leases(open_store):
     save(store, ns, saved)
     store.reserve(ns, pending, owner=7)
     store.lease(ns, saved, owner=7)
-    assert store.stats()["reservations"] == 3 and store.stats()["leases"] == 1
+    assert store.stats().reservations == 3 and store.stats().leases == 1
     store.drop_owner(7)
     stats = store.stats()
-    assert stats["reservations"] == 0 and stats["leases"] == 0
+    assert stats.reservations == 0 and stats.leases == 0
     assert store.commit(ns, pending, owner=7) == 0
     assert store.lookup(ns, pending).num_hit == 0
 
@@ -684,12 +684,12 @@ def test_the_slots_of_a_dropped_live_writer_stay_unusable_for_the_quarantine(ope
     store.reserve(ns, pending, owner=7)
     store.drop_owner(7, quarantine_s=0.3)
     stats = store.stats()
-    assert stats["reservations"] == 0 and stats["quarantined"] == 3
+    assert stats.reservations == 0 and stats.quarantined == 3
     assert store.reserve(ns, pending, owner=8) == [None] * 3  # its late bytes may still land there
     assert store.commit(ns, pending, owner=7) == 0
     time.sleep(0.35)
     assert None not in store.reserve(ns, pending, owner=8)
-    assert store.stats()["quarantined"] == 0
+    assert store.stats().quarantined == 0
 
 
 def test_commit_only_publishes_what_the_owner_reserved(open_store):
@@ -746,10 +746,10 @@ def test_counters_follow_what_happened(open_store):
     store.flush(timeout=10)
     store.lookup(ns, ks)
     stats = store.stats()
-    assert stats["store"]["commits"] == 4
-    assert stats["store"]["hit_keys_dram"] == 4
-    assert stats["storage"]["writes"] == 4
-    assert stats["storage"]["write_bytes"] == 4 * ENTRY
+    assert stats.store.commits == 4
+    assert stats.store.hit_keys_dram == 4
+    assert stats.storage.writes == 4
+    assert stats.storage.write_bytes == 4 * ENTRY
 
 
 def test_the_namespace_is_described_in_plain_text_beside_its_files(open_store, storage_dir):
@@ -843,5 +843,5 @@ def test_the_prefix_order_given_to_a_store_decides_which_end_of_a_prefix_is_evic
 
 def test_the_backlog_limit_is_a_share_of_the_pool_given_to_the_store(open_store):
     store = open_store(pool_bytes=16 << 20, policy=StorePolicy(backlog_share=math.inf))  # a baseline: no limit
-    assert store.stats()["write_backlog"]["limit_bytes"] == math.inf
+    assert store.stats().write_backlog.limit_bytes == math.inf
     assert StorePolicy().backlog_limit(16 << 20) == 8 << 20  # the store's own: half the pool

@@ -211,7 +211,7 @@ def test_loads_only_ever_return_committed_bytes(shm_dir, storage_dir, tmp_path):
     assert sum(r["verified"] for r in results) > 200
     assert mine["dram_hits"] > 0 and mine["storage_hits"] > 0
     assert io.faults > 0 and all(r.get("faults", 1) > 0 for r in results)
-    assert stats["storage"]["bad_files"] > 0  # flipped bits were caught, not served
-    assert stats["dram"]["evictions"] > 0 and stats["storage"]["evictions"] > 0
+    assert stats.storage.bad_files > 0  # flipped bits were caught, not served
+    assert stats.dram.evictions > 0 and stats.storage.evictions > 0
     # Transient full disks never taught the tier a smaller capacity.
-    assert stats["storage"]["capacity_bytes"] == 1200 << 10
+    assert stats.storage.capacity_bytes == 1200 << 10

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
 from .logutil import Throttle
+from .stats import LimitStats
 
 log = logging.getLogger(__name__)
 
@@ -209,9 +210,10 @@ class HeldSlots(Generic[SlotT]):
         else:
             self._bytes.pop(owner, None)
 
-    def stats(self) -> dict[str, object]:
-        return {"slot_timeout_s": self.timeout_s, "max_slot_bytes": self.max_bytes,
-                "max_held_bytes": max(self._bytes.values(), default=0), **vars(self.counters)}
+    def stats(self) -> LimitStats:
+        timeout_s = float(self.timeout_s) if self.timeout_s is not None else None
+        return LimitStats(slot_timeout_s=timeout_s, max_slot_bytes=self.max_bytes,
+                          max_held_bytes=max(self._bytes.values(), default=0), **vars(self.counters))
 
 
 class Holds:

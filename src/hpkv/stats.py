@@ -2,8 +2,9 @@
 
 Owns: one msgspec Struct per component (`StoreCounters`, `DramStats`, `StorageStats`,
 `WriteBacklogStats`, `WriterStats`, `LimitStats`, `NamespaceStats`, `ClientStats`,
-`ServerInfo`) and the whole `ServerStats`; `from_parts` (the server's strict conversion of its
-components' dicts) and `from_wire` (the client's). Field names are the wire's: the snapshot
+`ServerInfo`), each returned by its component's `stats()`; `StoreStats` (the store's) and the
+whole `ServerStats` (the store's and the server's); `from_wire` (the client's conversion) and
+`from_parts` (the strict one: a field the schema lacks fails too). Field names are the wire's: the snapshot
 crosses the socket as a plain map, so a struct is renamed only with the protocol version.
 
 Engine processes read stats through `Client.stats()`, so this module imports nothing server-side.
@@ -42,6 +43,8 @@ class StoreCounters(msgspec.Struct):
 
 
 class DramStats(msgspec.Struct):
+    """The DRAM tier's."""
+
     capacity_bytes: int
     used_bytes: int
     num_entries: int
@@ -53,6 +56,8 @@ class DramStats(msgspec.Struct):
 
 
 class StorageStats(msgspec.Struct):
+    """The storage tier's."""
+
     capacity_bytes: int
     used_bytes: int
     num_entries: int
@@ -134,7 +139,9 @@ class ServerInfo(msgspec.Struct):
     storage_path: str
 
 
-class ServerStats(msgspec.Struct):
+class StoreStats(msgspec.Struct):
+    """The store's: its parts' snapshots, taken together."""
+
     store: StoreCounters
     dram: DramStats
     namespaces: dict[str, NamespaceStats]  # by namespace id
@@ -147,6 +154,11 @@ class ServerStats(msgspec.Struct):
     storage: StorageStats | None  # None: no storage tier, or it is unusable
     storage_unusable: str | None  # why the storage tier is off though enabled
     writers: WriterStats | None  # None: writes in threads
+
+
+class ServerStats(StoreStats):
+    """The whole snapshot: the store's fields first, then the server's (the wire's order)."""
+
     server: ServerInfo
     clients: list[ClientStats]
 
@@ -161,8 +173,8 @@ def from_wire(raw: Any) -> ServerStats:
 
 
 def from_parts(raw: Mapping[str, Any]) -> ServerStats:
-    """The snapshot of the components' dicts; a field this schema lacks is an error too, so a
-    producer and the schema cannot drift apart unnoticed."""
+    """The snapshot `raw` strictly: a field this schema lacks is an error too (what a test uses
+    to check that a snapshot loses nothing on the way)."""
     stats = from_wire(raw)
     unknown = next(_unknown(raw, msgspec.to_builtins(stats), "$"), None)
     if unknown is not None:

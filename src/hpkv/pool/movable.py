@@ -4,9 +4,9 @@ one costs O(log slabs) under the store's lock, whatever the pool holds.
 Owns: per slab, its evictable entries in LRU order (stamp order); per size class, a heap of
 (stamp of the oldest entry, slab) of its slabs whose entries were all evictable when pushed (an
 item is stale once its slab's oldest entry has another stamp, and is skipped when met), and the
-stamp each slab was offered with. The tier keeps them from the time a second size class appears.
-Primitives, told by the tier: `start`, `added`, `removed`, `touched`, `freed`, `drain`; asked by
-room policies through the tier: `oldest_movable`.
+stamp each slab was offered with, kept from the time a second size class appears.
+Primitives, told by the evictable entries (`lru.py`): `start`, `added`, `removed`, `touched`,
+`freed`, `drain`; asked by room policies through them: `oldest_movable`.
 Must not know: the index, pins beyond "evictable", or which policy asks.
 """
 

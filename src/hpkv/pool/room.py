@@ -4,8 +4,8 @@ Owns: `RoomPolicy` (what a policy is), `OldestFirst` (the tier's own: the oldest
 goes, or, when another size class holds older ones, that class's movable slab with the oldest
 entry moves over) and `WalkOldest` (the same choice made by walking entries oldest first: the
 reference the fast one must match, for tests and `bench/reserve_contention.py`).
-Primitives, all the tier's (`DramTier`): `evictable_by_class()`, `oldest_movable_slab(slot_bytes)`,
-`slab_entries(slab)`, `move_slab(slab, slot_bytes)`, `evict_for(entry, slot_bytes)`.
+Primitives, the tier's (`DramTier`) and its evictable entries' (`tier.lru`, `pool/lru.py`):
+`lru.by_class()`, `lru.oldest_movable(slot_bytes)`, `slab_entries(slab)`, `move_slab(slab, slot_bytes)`, `evict_for(entry, slot_bytes)`.
 Must not know: the store, leases, reservations, or what an entry holds. Runs under the caller's
 lock: its cost is what every other client of the store waits for.
 """
@@ -26,7 +26,7 @@ class RoomPolicy(Protocol):
 
 def oldest(tier: DramTier, slot_bytes: int) -> DramEntry | None:
     """The class's least recently used evictable entry."""
-    own = tier.evictable_by_class().get(slot_bytes)
+    own = tier.lru.by_class().get(slot_bytes)
     return next(iter(own)) if own else None
 
 
@@ -35,7 +35,7 @@ class OldestFirst:
 
     def make_room(self, tier: DramTier, slot_bytes: int) -> int | None:
         own_oldest = oldest(tier, slot_bytes)
-        best = tier.oldest_movable_slab(slot_bytes)
+        best = tier.lru.oldest_movable(slot_bytes)
         if best is not None and (own_oldest is None or best[0] < own_oldest.stamp):
             return tier.move_slab(best[1], slot_bytes)
         if own_oldest is None:
@@ -50,7 +50,7 @@ class WalkOldest:
 
     def make_room(self, tier: DramTier, slot_bytes: int) -> int | None:
         own_oldest = oldest(tier, slot_bytes)
-        lrus = [lru for size, lru in tier.evictable_by_class().items() if size != slot_bytes and lru]
+        lrus = [lru for size, lru in tier.lru.by_class().items() if size != slot_bytes and lru]
         tried: set[int] = set()
         for other in heapq.merge(*lrus, key=lambda e: e.stamp):
             if own_oldest is not None and own_oldest.stamp < other.stamp:

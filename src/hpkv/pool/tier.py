@@ -6,23 +6,21 @@ is never evicted and its slot never reused. Eviction is LRU among committed, unp
 within the size class that needs a slot, or, when another class holds the least recently used
 entries, by draining that class's slab and giving the slab over (memcached-style slab moves).
 Which entry or slab goes is the room policy's (`pool/room.py`, given to the tier), decided from
-each class's LRU and the books of slabs that could move (`pool/movable.py`, kept from the time a
-second size class appears: a pool of one size class never moves a slab).
+the evictable entries (`lru`, `pool/lru.py`: each class's LRU and the books of slabs that could
+move, kept from the time a second size class appears: a pool of one size class never moves a slab).
 
 Primitives: `add_namespace`, `get`, `reserve`, `commit`, `abort`, `pin`, `unpin`, `touch`, `drop`;
-for room policies: `evictable_by_class`, `oldest_movable_slab`, `slab_entries`, `move_slab`,
-`evict_for`. Owns no memory: offsets refer to a `PoolRegion` someone else maps. Not thread-safe:
-the store serialises calls.
+for room policies: `lru`, `slab_entries`, `move_slab`, `evict_for`. Owns no memory: offsets
+refer to a `PoolRegion` someone else maps. Not thread-safe: the store serialises calls.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..errors import PoolError
-from .movable import MovableSlabs
+from ..stats import DramStats
+from .lru import EvictableEntries
 from .room import OldestFirst, RoomPolicy
 from .slots import SlotAllocator
 
@@ -62,9 +60,7 @@ class DramTier:
         self._index: dict[str, dict[bytes, DramEntry]] = {}
         self._by_offset: dict[int, DramEntry] = {}
         self._used_bytes = 0  # slot bytes of the entries in _by_offset (stats are asked for often)
-        self._lru: dict[int, OrderedDict[DramEntry, None]] = {}  # slot_bytes -> evictable entries, oldest first
-        self._slabs: MovableSlabs | None = None  # kept from the second size class on
-        self._clock = itertools.count(1)
+        self.lru = EvictableEntries()  # what may be evicted, for the room policy
 
     def add_namespace(self, ns: str, entry_bytes: int) -> None:
         if not self.alloc.fits(entry_bytes):
@@ -73,8 +69,8 @@ class DramTier:
                 f"bytes (1/32 of the pool); raise HPKV_KV_MEM_POOL_SIZE to at least {entry_bytes * 32} bytes")
         self._entry_bytes[ns] = entry_bytes
         self._index.setdefault(ns, {})
-        if self._slabs is None and len({self.alloc.slot_bytes_for(b) for b in self._entry_bytes.values()}) > 1:
-            self._slabs = MovableSlabs(self.alloc, self._lru.values())
+        if len({self.alloc.slot_bytes_for(b) for b in self._entry_bytes.values()}) > 1:
+            self.lru.track_slabs(self.alloc)
 
     def entry_bytes(self, ns: str) -> int:
         return self._entry_bytes[ns]
@@ -116,7 +112,7 @@ class DramTier:
             return False
         entry.ready = True
         if entry.refs == 0:
-            self._to_lru(entry)
+            self.lru.add(entry)
         return True
 
     def abort(self, entry: DramEntry) -> None:
@@ -128,9 +124,7 @@ class DramTier:
 
     def pin(self, entry: DramEntry) -> None:
         if entry.evictable:
-            self._lru[entry.slot_bytes].pop(entry, None)
-            if self._slabs is not None:
-                self._slabs.removed(entry)
+            self.lru.unlist(entry)
         entry.refs += 1
 
     def unpin(self, entry: DramEntry) -> None:
@@ -140,22 +134,24 @@ class DramTier:
         if entry.dead:
             self._free_if_unheld(entry)
         elif entry.ready:
-            self._to_lru(entry)
+            self.lru.add(entry)
 
     def touch(self, entry: DramEntry) -> None:
         if entry.evictable:
-            self._lru[entry.slot_bytes].move_to_end(entry)
-            entry.stamp = next(self._clock)
-            if self._slabs is not None:
-                self._slabs.touched(entry)
+            self.lru.touch(entry)
 
     def drop(self, ns: str | None = None) -> int:
         """Remove every entry (of one namespace): free ones go now, pinned or reserved ones are
         freed when their holder lets go. Returns the number removed."""
         num = 0
         for name in [ns] if ns is not None else list(self._index):
-            for entry in list(self._index.get(name, {}).values()):
-                self._remove(entry)
+            index = self._index.get(name, {})
+            for entry in list(index.values()):
+                del index[entry.key]
+                if entry.evictable:
+                    self._free(entry)
+                else:
+                    entry.dead = True  # freed when its holder lets go
                 num += 1
         return num
 
@@ -163,33 +159,12 @@ class DramTier:
     def num_entries(self) -> int:
         return sum(len(i) for i in self._index.values())
 
-    def stats(self) -> dict[str, int]:
-        used = self._used_bytes
-        return {
-            "capacity_bytes": self.alloc.num_slabs * self.alloc.slab_bytes,
-            "used_bytes": used,
-            "num_entries": self.num_entries,
-            "free_slabs": self.alloc.num_free_slabs,
-            "evictions": self.counters.evictions,
-            "slab_moves": self.counters.slab_moves,
-            "reserve_failures": self.counters.reserve_failures,
-        }
-
-    def _to_lru(self, entry: DramEntry) -> None:
-        entry.stamp = next(self._clock)
-        # Each LRU stays in stamp order, which the room policies rely on.
-        lru = self._lru.setdefault(entry.slot_bytes, OrderedDict())
-        lru[entry] = None
-        lru.move_to_end(entry)
-        if self._slabs is not None:
-            self._slabs.added(entry)
-
-    def _remove(self, entry: DramEntry) -> None:
-        del self._index[entry.ns][entry.key]
-        if entry.evictable:
-            self._free(entry)
-        else:
-            entry.dead = True
+    def stats(self, locked_in_memory: bool = False) -> DramStats:
+        """The tier's snapshot; whether the region is locked in memory is its mapper's to say."""
+        return DramStats(capacity_bytes=self.alloc.num_slabs * self.alloc.slab_bytes, used_bytes=self._used_bytes,
+                         num_entries=self.num_entries, free_slabs=self.alloc.num_free_slabs,
+                         evictions=self.counters.evictions, slab_moves=self.counters.slab_moves,
+                         reserve_failures=self.counters.reserve_failures, locked_in_memory=locked_in_memory)
 
     def _free_if_unheld(self, entry: DramEntry) -> None:
         if entry.refs == 0 and not entry.reserved and self._by_offset.get(entry.offset) is entry:
@@ -197,25 +172,12 @@ class DramTier:
 
     def _free(self, entry: DramEntry) -> None:
         entry.dead = True
-        lru = self._lru.get(entry.slot_bytes)
-        if lru is not None:
-            lru.pop(entry, None)
         del self._by_offset[entry.offset]
         self._used_bytes -= entry.slot_bytes
         self.alloc.free(entry.offset)
-        if self._slabs is not None:
-            self._slabs.freed(entry)
+        self.lru.freed(entry)
 
     # -- for room policies (`pool/room.py`) ---------------------------------------------------
-
-    def oldest_movable_slab(self, slot_bytes: int) -> tuple[int, int] | None:
-        """(stamp of its oldest entry, slab) of the slab of another class whose entries are all
-        evictable and whose oldest entry is the oldest of such slabs; O(log slabs)."""
-        return self._slabs.oldest_movable(slot_bytes) if self._slabs is not None else None
-
-    def evictable_by_class(self) -> dict[int, OrderedDict[DramEntry, None]]:
-        """slot_bytes -> that class's evictable entries, oldest first (read-only for callers)."""
-        return self._lru
 
     def slab_entries(self, slab: int) -> list[DramEntry]:
         return [self._by_offset[o] for o in self.alloc.used_in_slab(slab)]
@@ -224,10 +186,9 @@ class DramTier:
         """Evict every entry of a slab whose entries are all evictable (in bulk: a slab of small
         entries holds thousands, and this runs under the store's lock); a slot of the freed slab,
         which moves to the class of `slot_bytes`."""
-        assert self._slabs is not None  # a slab moves only between two size classes
-        entries = self._slabs.drain(slab)
+        entries = self.lru.drain(slab)
         their_bytes = next(iter(entries)).slot_bytes  # a slab that moves holds entries, all of one class
-        lru, by_offset, index = self._lru[their_bytes], self._by_offset, self._index
+        lru, by_offset, index = self.lru.by_class()[their_bytes], self._by_offset, self._index
         for entry in entries:
             entry.dead = True
             del index[entry.ns][entry.key]

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from .. import __version__, safefs
 from .. import stats as st
 from ..config import Settings, load_settings
@@ -170,8 +172,8 @@ class Server:
     def _shutdown(self) -> None:
         waiting = 0
         if self.store is not None and self.store.storage is not None:
-            backlog = self.store.stats()["write_backlog"]
-            waiting = backlog["entries"] + backlog["deferred"]
+            backlog = self.store.stats().write_backlog
+            waiting = backlog.entries + backlog.deferred if backlog is not None else 0
         if waiting:
             log.info("HPKV server stopping: writing %d entries still waiting for storage (stop it again, with "
                      "SIGTERM or Ctrl-C, to leave them unwritten)", waiting)
@@ -216,20 +218,19 @@ class Server:
                 self._last_client_left = time.monotonic()
 
     def stats(self) -> st.ServerStats:
-        """The store's components' snapshots and this server's, checked against `hpkv.stats`."""
-        out = self.store.stats()
+        """The store's snapshot and this server's."""
+        store = self.store.stats()
         with self._clients_lock:
-            clients = [{"id": c.id, "pid": c.pid, "uid": c.uid, "kind": c.kind,
-                        "connected_s": round(time.time() - c.connected_at, 1),
-                        "leases": sum(self.store.get_lease(i) is not None for i in list(c.leases))}  # not taken back
-                       for c in self._clients.values()]
-        out["server"] = {"pid": os.getpid(), "version": __version__, "protocol": p.PROTOCOL_VERSION,
-                         "auto": self.auto, "uptime_s": round(time.time() - self.started_at, 1),
-                         "socket": p.display_path(self.socket_path),
-                         "pool_path": p.display_path(self.store.region.path),
-                         "storage_path": p.display_path(self.settings.storage.path)}
-        out["clients"] = clients
-        return st.from_parts(out)
+            clients = [st.ClientStats(id=c.id, pid=c.pid, uid=c.uid, kind=c.kind,
+                                      connected_s=round(time.time() - c.connected_at, 1),
+                                      leases=sum(self.store.leases.get(i) is not None for i in list(c.leases)))
+                       for c in self._clients.values()]  # leases: not taken back
+        server = st.ServerInfo(pid=os.getpid(), version=__version__, protocol=p.PROTOCOL_VERSION, auto=self.auto,
+                               uptime_s=round(time.time() - self.started_at, 1),
+                               socket=p.display_path(self.socket_path),
+                               pool_path=p.display_path(self.store.region.path),
+                               storage_path=p.display_path(self.settings.storage.path))
+        return st.ServerStats(**msgspec.structs.asdict(store), server=server, clients=clients)
 
 
 def max_slot_bytes(store: TieredStore, settings: Settings) -> int | None:

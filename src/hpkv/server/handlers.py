@@ -105,12 +105,12 @@ class Handlers:
         lease = self.store.lease(r.ns, r.keys, owner=client.id, start_reads=False)
         client.leases.add(lease.id)
         if lease.reads:
-            client.after_reply = lambda: self.store.start_reads(lease)
+            client.after_reply = lambda: self.store.leases.start_reads(lease)
             return p.Leased(lease.id, lease.offsets, None)
         return p.Leased(lease.id, lease.offsets, lease.wait() if lease.done else None)
 
     def _on_LeaseWait(self, r: p.LeaseWait, client: ClientInfo) -> p.Reply:
-        lease = self.store.get_lease(r.lease_id) if r.lease_id in client.leases else None
+        lease = self.store.leases.get(r.lease_id) if r.lease_id in client.leases else None
         if lease is None:
             return p.Error("bad_request", f"lease {r.lease_id} is not held by this client (released, or held "
                            f"past HPKV_SERVER_SLOT_TIMEOUT_S={self.settings.server_slot_timeout_s:g} s)")

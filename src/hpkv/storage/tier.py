@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ..config import StorageConfig
+from ..stats import StorageStats
 from . import root as storage_root
 from . import scan, startup, tree
 from .budget import WriteBudget
@@ -165,17 +166,11 @@ class StorageTier:
         self.index.remove(ns)
         return scan.remove_entries(self.root, ns)
 
-    def stats(self) -> dict[str, int | bool | None]:
-        return {
-            "capacity_bytes": self.capacity.capacity_bytes,
-            "used_bytes": self.index.used_bytes,
-            "num_entries": len(self.index),
-            "index_ready": self.scan_done.is_set(),
-            "direct_io": self.reader.direct,
-            "write_budget_bytes": self.config.write_budget_bytes,
-            "write_budget_available_bytes": self.budget.available(),
-            **vars(self.counters),
-        }
+    def stats(self) -> StorageStats:
+        return StorageStats(capacity_bytes=self.capacity.capacity_bytes, used_bytes=self.index.used_bytes,
+                            num_entries=len(self.index), index_ready=self.scan_done.is_set(),
+                            direct_io=self.reader.direct, write_budget_bytes=self.config.write_budget_bytes,
+                            write_budget_available_bytes=self.budget.available(), **vars(self.counters))
 
     # -- views of the parts, and seams for tests and benchmarks ---------------------------------
 

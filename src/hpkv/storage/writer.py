@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from ..errors import HpkvError
+from ..stats import WriterStats
 from . import format as fmt
 from .fileio import FileIO, FileTarget, remove_temp, write_entry_file
 
@@ -220,10 +221,10 @@ class WriterPool:
         with self._lock:
             return sorted(p.pid for p in self._procs)
 
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> WriterStats:
         with self._lock:
-            return {"processes": len(self._procs), "started": self.num_started, "died": self.num_died,
-                    "start_failures": self.num_start_failures, "unavailable": self._unavailable, "nice": self.nice}
+            return WriterStats(processes=len(self._procs), started=self.num_started, died=self.num_died,
+                               start_failures=self.num_start_failures, unavailable=self._unavailable, nice=self.nice)
 
     def kill(self) -> None:
         """Kill every process now: a job in hand fails (EIO), and no other starts."""

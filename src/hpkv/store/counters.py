@@ -1,7 +1,7 @@
 """The store's counters: plain dataclasses the store's parts bump under the store's lock.
 
-Owns: `StoreCounters` (the whole store's: `stats()["store"]`) and `NamespaceHits` (one per
-namespace: `stats()["namespaces"][ns]`, beside its description). Field names are stats keys.
+Owns: `StoreCounters` (the whole store's: `StoreStats.store`) and `NamespaceHits` (one per
+namespace: `StoreStats.namespaces[ns]`, beside its description). Field names are stats keys.
 Must not know: the lock, the tiers, or who reads the stats.
 """
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from ..keys import NamespaceDesc
 from ..pool.tier import DramTier
+from ..stats import NamespaceStats
 from ..storage.tier import StorageTier
 from ..types import Lookup, Tier
 from .counters import NamespaceHits, StoreCounters
@@ -98,6 +99,6 @@ class Lookups:
             return False  # the walk stopped for another reason (an entry still being written, say)
         return self._storage.contains(ns, key)
 
-    def stats(self) -> dict[str, dict[str, object]]:
+    def stats(self) -> dict[str, NamespaceStats]:
         """Per namespace: its description and hit counters. Caller holds the lock."""
-        return {ns: {"desc": desc.to_json(), **vars(self._hits[ns])} for ns, desc in self._descs.items()}
+        return {ns: NamespaceStats(desc=desc.to_json(), **vars(self._hits[ns])) for ns, desc in self._descs.items()}

@@ -22,6 +22,8 @@ from ..keys import NamespaceDesc
 from ..limits import HeldSlots
 from ..pool.region import PoolRegion
 from ..pool.tier import DramEntry, DramTier
+from ..stats import StoreCounters as StoreCounterStats
+from ..stats import StoreStats
 from ..storage.root import StorageUnusable
 from ..storage.tier import StorageTier
 from ..storage.writer import WriterPool
@@ -130,12 +132,6 @@ class TieredStore:
     def lease(self, ns: str, keys: list[bytes], owner: int = 0, start_reads: bool = True) -> Lease:
         return self.leases.lease(ns, keys, owner, start_reads)
 
-    def start_reads(self, lease: Lease) -> None:
-        self.leases.start_reads(lease)
-
-    def get_lease(self, lease_id: int) -> Lease | None:
-        return self.leases.get(lease_id)
-
     def release(self, lease_id: int) -> bool:
         return self.leases.release(lease_id)
 
@@ -179,16 +175,17 @@ class TieredStore:
             removed["storage"] = self.storage.remove(ns)
         return removed
 
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> StoreStats:
         with self._lock:
-            dram: dict[str, object] = {**self.dram.stats(), "locked_in_memory": self.region.locked_in_memory}
-            out: dict[str, object] = {
-                "store": dict(vars(self.counters)), "dram": dram, "namespaces": self.lookups.stats(),
-                "leases": len(self.leases), "reservations": self.held.num_reservations, "limits": self.held.stats(),
-                "quarantined": len(self.held.quarantined), "holds": len(self.held.holds),
-                "write_backlog": self.writes.stats() if self.writes is not None else None}
-        out["storage"] = self.storage.stats() if self.storage is not None else None
-        out["storage_unusable"] = self.storage_unusable
+            stats = StoreStats(store=StoreCounterStats(**vars(self.counters)),
+                               dram=self.dram.stats(self.region.locked_in_memory), namespaces=self.lookups.stats(),
+                               leases=len(self.leases), reservations=self.held.num_reservations,
+                               limits=self.held.stats(), quarantined=len(self.held.quarantined),
+                               holds=len(self.held.holds),
+                               write_backlog=self.writes.stats() if self.writes is not None else None,
+                               storage=None, storage_unusable=self.storage_unusable, writers=None)
+        # Outside the lock: the storage tier and the writers keep their own.
+        stats.storage = self.storage.stats() if self.storage is not None else None
         writers = self.writers
-        out["writers"] = writers.stats() if writers is not None else None
-        return out
+        stats.writers = writers.stats() if writers is not None else None
+        return stats

@@ -19,9 +19,11 @@ import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
+from typing import cast
 
 from ..pool.region import PoolRegion
 from ..pool.tier import DramEntry, DramTier
+from ..stats import WriteBacklogStats
 from ..storage.tier import StorageTier
 from ..storage.writer import WriterPool, WriterUnavailable
 from .counters import StoreCounters
@@ -210,7 +212,8 @@ class WriteThrough:
         log.warning("%s: stopping without writing the %d entries still waiting for storage (they are lost with "
                     "the pool)", why, waiting)
 
-    def stats(self) -> dict[str, float]:
-        """`stats()["write_backlog"]`. Caller holds the lock."""
-        return {"entries": self.num_entries, "bytes": self.num_bytes, "limit_bytes": self.limit_bytes,
-                "deferred": len(self._deferred)}
+    def stats(self) -> WriteBacklogStats:
+        """`stats().write_backlog`. Caller holds the lock."""
+        # The limit is a whole number of bytes, or inf where a benchmark's policy lifts it.
+        return WriteBacklogStats(entries=self.num_entries, bytes=self.num_bytes,
+                                 limit_bytes=cast(int, self.limit_bytes), deferred=len(self._deferred))
