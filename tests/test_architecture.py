@@ -7,9 +7,10 @@ import sys
 ENGINE_MODULES = [
     "hpkv.integrations.vllm.plugin", "hpkv.integrations.vllm.connector",
     "hpkv.integrations.vllm.scheduler", "hpkv.integrations.vllm.worker",
-    "hpkv.integrations.sglang.plugin", "hpkv.integrations.sglang.backend",
+    "hpkv.integrations.sglang.plugin", "hpkv.integrations.sglang.backend", "hpkv.costmodel",
 ]
-SERVER_SIDE = ("hpkv.store", "hpkv.storage", "hpkv.server.daemon", "hpkv.pool.tier", "hpkv.limits")
+SERVER_SIDE = ("hpkv.store", "hpkv.storage", "hpkv.server.daemon", "hpkv.server.handlers", "hpkv.server.connection",
+               "hpkv.pool.tier", "hpkv.limits")
 
 
 def test_an_engine_process_imports_nothing_from_the_store_or_the_storage_tier():

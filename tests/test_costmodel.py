@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from hpkv.integrations.vllm.costmodel import (
+from hpkv.costmodel import (
     AffineCost,
     AutoThreshold,
     CostModel,

@@ -167,6 +167,7 @@ def test_hpkv_status_shows_each_namespace_identity_and_where_it_came_from():
 
     from hpkv.keys import NamespaceDesc
     from hpkv.status import _namespaces_table
+    from test_stats import stats_from
 
     source = "content of 2 config files and 4 weight files (16.0 GiB; headers and sampled chunks)"
     described = NamespaceDesc(engine="vllm", model="content:0123abcd+quantization=fp8", dtype="bfloat16",
@@ -175,7 +176,8 @@ def test_hpkv_status_shows_each_namespace_identity_and_where_it_came_from():
     older = NamespaceDesc(engine="vllm", model="/models/m@main", dtype="bfloat16", layout="LBHNC", block_size=32,
                           num_layers=2, entry_bytes=8192)
     counts = {"lookups": 1, "lookup_keys": 4, "hit_keys_dram": 2, "hit_keys_storage": 1}
-    stats = {"store": dict(counts), "namespaces": {d.ns: {"desc": d.to_json(), **counts} for d in (described, older)}}
+    stats = stats_from({"store": dict(counts),
+                        "namespaces": {d.ns: {"desc": d.to_json(), **counts} for d in (described, older)}})
     console = Console(record=True, width=400)
 
     console.print(_namespaces_table(stats))

@@ -413,3 +413,35 @@ def test_a_server_out_of_file_descriptors_keeps_serving_its_clients_and_accepts_
     assert late.register(desc()) == ns
     assert proc.poll() is None
     assert "cannot accept a connection" in node.foreground_log(proc)
+
+
+def test_a_key_error_inside_the_store_is_an_internal_error_not_an_unknown_namespace(node):
+    """Only a namespace nobody registered is `unknown_namespace`; a KeyError raised by a bug in
+    the store, for a namespace that is registered, is reported (and logged) as the bug it is."""
+    import threading
+
+    from serverutil import _answers
+    from hpkv.server.client import ServerError
+
+    server = daemon.Server(load_settings(node.env))
+    thread = threading.Thread(target=server.run, name="hpkv-server", daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: _answers(node.socket_path), what="the server answers")
+        client = node.client("keyerror", retry_interval_s=0.0)
+        with pytest.raises(ServerError) as unknown:
+            client.lookup("0" * 32, [entry_key("k", 0)])
+        assert unknown.value.code == "unknown_namespace"
+        ns = client.register(desc(0, SMALL))
+
+        def broken_lookup(ns: str, keys: list[bytes]):
+            raise KeyError("slot 7")
+
+        server.store.lookup = broken_lookup
+        with pytest.raises(ServerError) as bug:
+            client.lookup(ns, [entry_key("k", 0)])
+        assert bug.value.code == "internal" and "slot 7" in str(bug.value)
+        client.close()
+    finally:
+        server.stop()
+        thread.join(timeout=30)

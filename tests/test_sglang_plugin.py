@@ -130,6 +130,13 @@ def test_hpkv_token_threshold_from_the_config_file_becomes_sglangs_prefetch_thre
     assert extra_config(parse(su.GPU_ARGV))["prefetch_threshold"] == 512
 
 
+def test_auto_is_the_documented_threshold_under_sglang_and_the_log_says_why(monkeypatch, caplog):
+    monkeypatch.setenv("VLLM_HPKV_TOKEN_THRESHOLD", "auto")
+    with caplog.at_level("WARNING", logger="hpkv.sglang"):
+        assert extra_config(parse(su.GPU_ARGV))["prefetch_threshold"] == flag.DOCUMENTED_THRESHOLD
+    assert "auto has no cost model under SGLang" in caplog.text
+
+
 def test_a_bad_hpkv_config_is_a_command_line_error(monkeypatch, capsys):
     from hpkv.integrations.sglang import plugin
 

@@ -96,10 +96,11 @@ def test_the_scheduler_settles_a_step_on_every_rank_and_rewinds_the_requests_tha
     and the lease the step loaded under is released."""
     from vllm.v1.outputs import KVConnectorOutput
 
-    from hpkv.integrations.vllm.costmodel import FixedThreshold
+    from hpkv.costmodel import FixedThreshold
     from hpkv.integrations.vllm.holds import HpkvWorkerMeta, SaveHolds
     from hpkv.integrations.vllm.metadata import HpkvConnectorStats
-    from hpkv.integrations.vllm.scheduler import NEVER, HpkvScheduler, _Req
+    from hpkv.integrations.vllm.requests import NEVER, RequestState as _Req
+    from hpkv.integrations.vllm.scheduler import HpkvScheduler
     from serverutil import Node, desc, entry_key, payload
 
     node = Node(shm_dir, tmp_path)

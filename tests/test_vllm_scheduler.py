@@ -28,7 +28,7 @@ def node(shm_dir, tmp_path):
 
 def scheduler_half(node, num_ranks: int):
     """The half as vLLM's engine core holds it, loading every hit (threshold 0)."""
-    from hpkv.integrations.vllm.costmodel import FixedThreshold
+    from hpkv.costmodel import FixedThreshold
     from hpkv.integrations.vllm.holds import SaveHolds
     from hpkv.integrations.vllm.metadata import HpkvConnectorStats
     from hpkv.integrations.vllm.scheduler import HpkvScheduler
@@ -62,7 +62,7 @@ def test_a_lease_whose_connection_was_dropped_while_it_promoted_is_a_miss(node, 
     the scheduler's connection dropped (a timeout) and a later call opened a new one. The lease
     pinned nothing once its connection was gone: the next ask is a miss, neither "ask again"
     (the request would never run) nor an exception (vLLM's engine core would die)."""
-    from hpkv.integrations.vllm.scheduler import _Req
+    from hpkv.integrations.vllm.requests import RequestState as _Req
     from serverutil import entry_key
 
     scheduler = scheduler_half(node, num_ranks)
@@ -120,9 +120,10 @@ def test_a_hit_vllm_trims_to_nothing_is_unpinned(node):
 
 def connector_over(scheduler):
     from hpkv.integrations.vllm.connector import HpkvConnectorV1
+    from hpkv.logutil import Throttle
 
     connector = HpkvConnectorV1.__new__(HpkvConnectorV1)
-    connector._scheduler, connector._worker, connector._bugs = scheduler, None, {}
+    connector._scheduler, connector._worker, connector._bugs = scheduler, None, Throttle()
     return connector
 
 
@@ -142,7 +143,7 @@ def test_a_bug_in_a_lookup_is_a_miss_logged_once_a_minute(node, monkeypatch, cap
 
     assert answers == [(0, False)] * 3
     assert caplog.text.count("HPKV bug in a lookup") == 1 and "ZeroDivisionError" in caplog.text
-    assert connector._bugs["a lookup"][1] == 2
+    assert connector._bugs.num_refused("a lookup") == 2
     assert scheduler.client.stats().leases == 0
 
 
@@ -151,7 +152,7 @@ def test_a_bug_after_vllm_allocated_a_load_makes_the_workers_fail_it(node, monke
     the load fails: the workers get a load of no entries into those 2 blocks, which they report
     failed, and vLLM recomputes them rather than read whatever the blocks held."""
     from hpkv.integrations.vllm import scheduler as sched
-    from hpkv.integrations.vllm.scheduler import _Req
+    from hpkv.integrations.vllm.requests import RequestState as _Req
 
     scheduler = scheduler_half(node, 2)
     connector = connector_over(scheduler)
@@ -192,7 +193,7 @@ def test_a_block_that_failed_to_load_is_no_prefix_hit_for_later_prompts(node):
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from hpkv.integrations.vllm.scheduler import _Req
+    from hpkv.integrations.vllm.requests import RequestState as _Req
 
     cache, hasher = vllm_cache()
     scheduler = scheduler_half(node, 1)

@@ -20,6 +20,7 @@ from rich.text import Text
 from hpkv import __version__
 from hpkv.config import KEYS, Setting, Settings, load_settings, parse_size
 from hpkv.errors import HpkvError
+from hpkv.units import exact_bytes
 
 # Exit status for a problem the user must fix (bad config, paths, space); click uses 2 for
 # usage errors, which are the same kind of thing.
@@ -49,13 +50,6 @@ _KIND = {spec.name: spec.kind for spec in KEYS}
 _DOC = {spec.name: spec.doc for spec in KEYS}
 
 
-def _human_bytes(size_bytes: int) -> str:
-    for unit, power in (("TiB", 4), ("GiB", 3), ("MiB", 2), ("KiB", 1)):
-        if size_bytes >= 1024 ** power:
-            return f"{size_bytes / 1024 ** power:g} {unit}"
-    return f"{size_bytes} B"
-
-
 _NONE_WORDS = {"HPKV_KV_STORAGE_WRITE_BUDGET": "unlimited"}  # what None means for a key; "auto" elsewhere
 
 
@@ -66,7 +60,7 @@ def _show(setting: Setting) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if _KIND[setting.key] == "size":
-        return f"{_human_bytes(value)} ({value} bytes)"
+        return f"{exact_bytes(value)} ({value} bytes)"
     return str(value)
 
 

@@ -42,6 +42,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .units import human_bytes
+
 log = logging.getLogger("hpkv.identity")
 
 FORMAT = b"hpkv-model-fingerprint-1"
@@ -193,7 +195,7 @@ class Fingerprint:
         """What the digest covers, the same for every copy of the model."""
         num_config, num_weights = self.num_config_files, self.num_weight_files
         return (f"content of {num_config} config file{'s' * (num_config != 1)} and {num_weights} weight "
-                f"file{'s' * (num_weights != 1)} ({_human(self.weight_bytes)}; headers and sampled chunks)")
+                f"file{'s' * (num_weights != 1)} ({human_bytes(self.weight_bytes)}; headers and sampled chunks)")
 
 
 def fingerprint(path: Path) -> Fingerprint:
@@ -313,10 +315,3 @@ def _spans(tensors: list[tuple[bytes, bytes]], data_start: int, size: int) -> li
         if data_start <= start < end <= size:
             spans.append((start, end))
     return spans
-
-
-def _human(num_bytes: int) -> str:
-    for unit, power in (("TiB", 4), ("GiB", 3), ("MiB", 2), ("KiB", 1)):
-        if num_bytes >= 1024 ** power:
-            return f"{num_bytes / 1024 ** power:.1f} {unit}"
-    return f"{num_bytes} B"

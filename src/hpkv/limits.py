@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
+from .logutil import Throttle
+
 log = logging.getLogger(__name__)
 
 CAP_LOG_INTERVAL_S = 60.0  # a client at its cap is named in the log at most this often
@@ -99,7 +101,7 @@ class HeldSlots(Generic[SlotT]):
         self._bytes: dict[int, int] = {}  # owner -> slot bytes reserved or leased
         self.holds = Holds(lambda: self.clock())  # `clock` is the one tests may replace
         self.quarantined: Quarantine[SlotT] = Quarantine(lambda: self.clock())
-        self._cap_logged_at = -math.inf
+        self._cap_log = Throttle()
 
     def configure(self, timeout_s: float | None, max_bytes: int | None) -> None:
         self.timeout_s = timeout_s
@@ -114,9 +116,7 @@ class HeldSlots(Generic[SlotT]):
         if not num_keys:
             return
         self.counters.capped_keys += num_keys
-        now = self.clock()
-        if now - self._cap_logged_at >= CAP_LOG_INTERVAL_S:
-            self._cap_logged_at = now
+        if self._cap_log.allows(self.clock(), CAP_LOG_INTERVAL_S):
             log.warning("client %d holds its share of the pool (%d bytes, HPKV_SERVER_MAX_SLOT_SHARE) in "
                         "reservations and leases: %d key(s) not %s, a miss (counted in the stats' limits, "
                         "logged once a minute)", owner, self.max_bytes, num_keys, what)

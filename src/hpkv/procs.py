@@ -1,8 +1,10 @@
-"""Is a process (by pid) still there?"""
+"""Processes by pid: is one still there, and which one is at the other end of a Unix socket."""
 
 from __future__ import annotations
 
 import os
+import socket
+import struct
 from pathlib import Path
 
 
@@ -25,3 +27,13 @@ def pid_running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
+
+
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+def peer_ids(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process that connected a Unix socket (SO_PEERCRED), as the kernel
+    recorded them at connect time: the peer cannot forge them."""
+    pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return pid, uid, gid

@@ -15,15 +15,9 @@ from rich.text import Text
 
 from .fsinfo import mount_of
 from .stats import DramStats, ServerStats, StorageStats
+from .units import human_bytes
 
 NS_PREFIX_CHARS = 12
-
-
-def human_bytes(num_bytes: float) -> str:
-    for unit, power in (("TiB", 4), ("GiB", 3), ("MiB", 2), ("KiB", 1)):
-        if num_bytes >= 1024 ** power:
-            return f"{num_bytes / 1024 ** power:.1f} {unit}"
-    return f"{int(num_bytes)} B"
 
 
 def human_duration(seconds: float) -> str:

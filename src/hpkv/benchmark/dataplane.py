@@ -37,6 +37,7 @@ from ..keys import Key, NamespaceDesc
 from ..pool.slots import SLABS_PER_POOL, SLOT_ALIGN
 from ..storage.tier import StorageTier
 from ..store import TieredStore
+from ..units import whole_unit_bytes as human_bytes  # the name report.py and storage_peers.py import
 from . import lookup, machine
 
 GB = 1e9
@@ -365,11 +366,3 @@ def lookup_rows(pool_dir: Path, storage_dir: Path, config: BenchConfig) -> list[
             times.miss_floor.median_s * 1e3, p99=times.miss.p99_s * 1e3,
             detail=f"{held}; {times.num_miss_hit:,} hit, then a miss"),
     ]
-
-
-def human_bytes(num_bytes: int) -> str:
-    """64 KiB, 1 MiB; sizes that are not whole units in bytes."""
-    for unit, power in (("GiB", 3), ("MiB", 2), ("KiB", 1)):
-        if num_bytes >= 1024 ** power and num_bytes % 1024 ** power == 0:
-            return f"{num_bytes // 1024 ** power} {unit}"
-    return f"{num_bytes} B"

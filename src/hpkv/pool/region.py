@@ -47,6 +47,7 @@ from ..fsinfo import (
     meminfo_available_bytes,
     mount_of,
 )
+from ..units import human_bytes
 from . import directory as pool_directory
 
 log = logging.getLogger(__name__)
@@ -54,15 +55,6 @@ log = logging.getLogger(__name__)
 POOL_FILE_NAME = "hpkv.pool"
 MIN_POOL_BYTES = 1 << 20
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
-
-
-def _human(num_bytes: int) -> str:
-    value: float = num_bytes
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.1f} {unit}" if unit != "B" else f"{num_bytes} B"
-        value /= 1024
-    raise AssertionError
 
 
 class PoolRegion:
@@ -220,11 +212,11 @@ class PoolRegion:
         del address
         if result != 0:
             soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-            limit = "unlimited" if soft == resource.RLIM_INFINITY else _human(soft)
+            limit = "unlimited" if soft == resource.RLIM_INFINITY else human_bytes(soft)
             log.warning(
                 "cannot lock the %s pool in memory (%s; RLIMIT_MEMLOCK is %s): it may be swapped. "
                 "Fix: raise the memlock limit (ulimit -l unlimited, LimitMEMLOCK=infinity) or mount ramfs",
-                _human(self.size_bytes), os.strerror(ctypes.get_errno()), limit)
+                human_bytes(self.size_bytes), os.strerror(ctypes.get_errno()), limit)
             return
         self.locked_in_memory = True
 
@@ -272,8 +264,8 @@ def _check_space(directory: Path, size_bytes: int) -> None:
     available = meminfo_available_bytes() if mount.fs_type == "ramfs" else free_bytes(directory)
     if size_bytes > available:
         raise PoolError(
-            f"the DRAM pool does not fit: HPKV_KV_MEM_POOL_SIZE asks for {_human(size_bytes)} in "
-            f"{directory} ({mount.fs_type} at {mount.mount_point}) but only {_human(available)} is free; "
+            f"the DRAM pool does not fit: HPKV_KV_MEM_POOL_SIZE asks for {human_bytes(size_bytes)} in "
+            f"{directory} ({mount.fs_type} at {mount.mount_point}) but only {human_bytes(available)} is free; "
             "lower HPKV_KV_MEM_POOL_SIZE or enlarge the mount")
     # A container's limit only warns: what its cgroup has left moves with its page cache and
     # other processes, and refusing on an estimate stopped pools that fitted.
@@ -282,7 +274,7 @@ def _check_space(directory: Path, size_bytes: int) -> None:
         log.warning("the DRAM pool (HPKV_KV_MEM_POOL_SIZE=%s) is more than this container's memory limit leaves "
                     "(%s under the memory.max of its cgroup): the pool's pages count against that limit, and the "
                     "kernel may kill the server as they fill. Lower HPKV_KV_MEM_POOL_SIZE or raise the container's "
-                    "memory limit", _human(size_bytes), _human(left))
+                    "memory limit", human_bytes(size_bytes), human_bytes(left))
 
 
 def _create_exclusive(path: Path) -> int:
@@ -379,5 +371,5 @@ def _reserve(fd: int, path: Path, size_bytes: int) -> None:
             os.ftruncate(fd, size_bytes)  # ramfs has no fallocate; its pages are allocated on touch
             return
         raise PoolError(
-            f"cannot reserve {_human(size_bytes)} for the pool file {path}: {exc.strerror}; lower "
+            f"cannot reserve {human_bytes(size_bytes)} for the pool file {path}: {exc.strerror}; lower "
             "HPKV_KV_MEM_POOL_SIZE or free space on that mount") from None

@@ -49,7 +49,6 @@ from __future__ import annotations
 import math
 import os
 import socket
-import struct
 import threading
 import time
 import weakref
@@ -63,6 +62,7 @@ from ..errors import HpkvError, PoolError
 from ..keys import NamespaceDesc
 from ..pool import directory as pool_directory
 from ..pool.region import POOL_FILE_NAME, PoolRegion
+from ..procs import peer_ids
 from ..stats import ServerStats
 from ..stats import from_wire as stats_from_wire
 from ..types import Lookup, Tier
@@ -111,7 +111,6 @@ class LeaseHandle:
 
 
 MAX_RETRY_S = 30.0
-_PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 # (server pid, device, inode, prefaulted) -> the mapping this process's clients share. Weak:
 # the last client or handle to let go of a mapping unmaps it. The inode cannot be reused while
@@ -267,7 +266,7 @@ class Client:
         """Refuse a server that runs as neither this uid nor root: in a pool directory others may
         write to (a shared ramfs), anyone could listen on the socket and be handed the KV
         cache, or hand out bytes of their own."""
-        _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        _, uid, _ = peer_ids(sock)
         if uid not in (os.geteuid(), 0, *self.trusted_uids):
             raise ServerUnavailable(
                 f"refusing the HPKV server on {socket_path}: it runs as uid {uid}, not as this user (uid "

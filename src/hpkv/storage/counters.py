@@ -8,10 +8,11 @@ Must not know: files, the index, capacity.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from ..logutil import Throttle
 
 log = logging.getLogger("hpkv.storage.tier")
 
@@ -41,13 +42,11 @@ class ErrorLog:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._said_at: dict[tuple[str, int | None], float] = {}  # (what failed, errno) -> when last said
+        self._said = Throttle()  # by (what failed, errno)
 
     def warn(self, exc: OSError | None, what: str, then: str = "the entry stays in DRAM only") -> None:
         code = exc.errno if exc else 0
-        now = self._clock()
-        if now - self._said_at.get((what, code), -math.inf) < WARN_EVERY_S:
+        if not self._said.allows(self._clock(), WARN_EVERY_S, (what, code)):
             return
-        self._said_at[(what, code)] = now
         log.warning("%s: %s; %s (errors of this kind are counted, and said at most every %.0f minutes)", what,
                     exc.strerror if exc else "no room within HPKV_KV_STORAGE_SIZE", then, WARN_EVERY_S / 60)

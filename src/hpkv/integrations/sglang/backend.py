@@ -37,6 +37,7 @@ from ...config import load_settings
 from ...errors import ConfigError, HpkvError
 from ...identity import override_identity
 from ...keys import NamespaceDesc
+from ...logutil import Throttle
 from ...server.autostart import ServerUnavailable
 from ...server.client import Client
 from . import layout as lay
@@ -75,7 +76,7 @@ class HpkvStorage(HiCacheStorage):
         self._clients: dict[threading.Thread, Client] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._next_fault_log = {False: 0.0, True: 0.0}  # by kind: HPKV faults, unexpected errors
+        self._fault_log = Throttle()  # by kind: HPKV faults (False), unexpected errors (True)
         self.stores_pages = True  # False where no page stored could ever be a hit (see _store_nothing)
         self._pools_registered = False
 
@@ -333,11 +334,9 @@ class HpkvStorage(HiCacheStorage):
         """One record per FAULT_LOG_INTERVAL_S for each kind (HPKV faults; bugs, with their
         traceback), the rest at debug: a fault repeats on every call of three threads."""
         self.stats.fault()
-        now = time.monotonic()
-        if now < self._next_fault_log[unexpected]:
+        if not self._fault_log.allows(time.monotonic(), FAULT_LOG_INTERVAL_S, unexpected):
             log.debug("HPKV %s failed: %s", what, exc, exc_info=unexpected)
             return
-        self._next_fault_log[unexpected] = now + FAULT_LOG_INTERVAL_S
         if unexpected:
             log.error("HPKV %s failed unexpectedly, SGLang recomputes (next %.0f s of such failures logged at "
                       "debug)", what, FAULT_LOG_INTERVAL_S, exc_info=exc)

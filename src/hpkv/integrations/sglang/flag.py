@@ -91,7 +91,13 @@ def token_threshold() -> int:
     from ...config import load_settings
 
     threshold = load_settings().token_threshold
-    return DOCUMENTED_THRESHOLD if threshold is None else threshold
+    if threshold is None:
+        log.warning("VLLM_HPKV_TOKEN_THRESHOLD=auto has no cost model under SGLang (SGLang loads HPKV's pages "
+                    "while a request waits, not on the step that computes it, and HPKV sees no step to learn "
+                    "from): SGLang's prefetch_threshold is %d tokens; set a number to tune it (docs/sglang.md, "
+                    "Tuning)", DOCUMENTED_THRESHOLD)
+        return DOCUMENTED_THRESHOLD
+    return threshold
 
 
 def _set_extra_config(argv: list[str], threshold: int) -> None:

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ...config import load_settings
 from ...errors import ConfigError, HpkvError
+from ...logutil import Throttle
 from . import layout as lay
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats
 
@@ -52,7 +53,7 @@ class HpkvConnectorV1(KVConnectorBase_V1):
                 "VLLM_ENABLE_HPKV=1 (environment or HPKV config file), or remove the connector")
         self._scheduler: HpkvScheduler | None = None
         self._worker: HpkvWorker | None = None
-        self._bugs: dict[str, tuple[float, int]] = {}  # entry point -> (last logged, not logged since)
+        self._bugs = Throttle()  # by entry point
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         if role == KVConnectorRole.SCHEDULER:
             if not extra.get("hpkv.fail_on_load_error", False):
@@ -200,13 +201,9 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         """Called inside an `except`: log the exception with its traceback (the first of each
         kind, then at most one a minute: a bug on every step would flood the log), then run the
         `recover` steps, each as best it can."""
-        now = time.monotonic()
-        last, missed = self._bugs.get(what, (float("-inf"), 0))
-        if now - last >= _BUG_LOG_INTERVAL_S:
+        missed = self._bugs.num_refused(what)
+        if self._bugs.allows(time.monotonic(), _BUG_LOG_INTERVAL_S, what):
             log.exception("HPKV bug in %s (%d more since the last report); vLLM recomputes instead", what, missed)
-            self._bugs[what] = (now, 0)
-        else:
-            self._bugs[what] = (last, missed + 1)
         for step in recover:
             try:
                 step()

@@ -3,8 +3,9 @@ first decisions rest on this machine's figures before the engine's own steps ref
 
 Primitives: `round_trip_s` (one RPC to the HPKV server), `copy_cost` (a memory copy the size of
 a large load), `storage_read_cost` (a file read back from the storage directory with its pages
-dropped from the page cache), `kappa_of` (the model's attention share, from its config).
-Each returns None or a default when it cannot measure; none raises for the engine to see.
+dropped from the page cache), `kappa_of` (the model's attention share, from its config), and
+`auto_threshold`, the cost model they seed. Each returns None or a default when it cannot
+measure; none raises for the engine to see.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ from pathlib import Path
 
 import numpy as np
 
+from ...config import StorageConfig
+from ...costmodel import AffineCost, AutoThreshold, CostModel, attention_kappa
 from ...errors import HpkvError
-from .costmodel import AffineCost, attention_kappa
 
 log = logging.getLogger("hpkv.vllm.probes")
 
 COPY_BYTES = 32 << 20
 PROBE_BYTES = 8 << 20
 SMALL_BYTES = 4096
+DEFAULT_THRESHOLD = 1204  # VLLM_HPKV_TOKEN_THRESHOLD's documented default: prefill's seed under auto
 
 
 def round_trip_s(call, num: int = 5, default_s: float = 1e-3) -> float:
@@ -102,3 +105,22 @@ def kappa_of(hf_text_config) -> float:
                                head_dim, int(c.intermediate_size))
     except (AttributeError, TypeError, ValueError, ZeroDivisionError):
         return 0.0
+
+
+def auto_threshold(storage: StorageConfig, model_config, block_size: int, entry_bytes: int, num_ranks: int,
+                   empty_lookup) -> AutoThreshold:
+    """VLLM_HPKV_TOKEN_THRESHOLD=auto for one engine, seeded by this machine's figures;
+    `empty_lookup()` is one round trip to the server."""
+    rtt_s = round_trip_s(empty_lookup)
+    storage_cost = None
+    if storage.enabled:  # a promotion: the lease, a poll, then one read per block and rank
+        storage_cost = storage_read_cost(storage.path, 2 * rtt_s)
+    model = CostModel(block_size, entry_bytes, num_ranks, kappa_of(model_config.hf_text_config),
+                      prefill=AffineCost(0.0, 0.0), storage=storage_cost,
+                      # on a load's critical path: the scheduler's lease, the worker's lease and release
+                      dram=copy_cost(3 * rtt_s))
+    model.seed_prefill(DEFAULT_THRESHOLD)
+    return AutoThreshold(model, model_config.max_model_len,
+                         f"start-up estimates: server round trip {rtt_s * 1e3:.2f} ms, a host copy, a "
+                         f"storage read; prefill set to break even at the documented {DEFAULT_THRESHOLD} "
+                         f"tokens until the engine has computed a prompt")

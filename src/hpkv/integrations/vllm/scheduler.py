@@ -13,7 +13,8 @@ held until it has (holds.py), so KV computed on a load that failed is never publ
 `auto` it also times each engine step and each promotion, which teaches the cost model this
 engine's prefill, copy and storage speeds.
 
-HPKV faults (server gone, timeouts) make a lookup a miss: the engine recomputes.
+HPKV faults (server gone, timeouts) make a lookup a miss: the engine recomputes. A request's own
+state and transitions live in `requests.py`, the start-up estimates for `auto` in `probes.py`.
 """
 
 from __future__ import annotations
@@ -21,40 +22,22 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 
 from ...config import Settings
+from ...costmodel import AutoThreshold, FixedThreshold
 from ...errors import HpkvError
-from ...server.client import Client, LeaseHandle
+from ...server.client import Client
 from ...types import HOLD_TIMEOUT_S, Tier
 from . import layout as lay
 from . import modelid, probes
-from .costmodel import AffineCost, AutoThreshold, CostModel, FixedThreshold
 from .holds import HpkvWorkerMeta, SaveHolds
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats, LoadJob, SaveJob
+from .requests import RequestState, unhash_failed
 
 log = logging.getLogger("hpkv.vllm.scheduler")
 
-DEFAULT_THRESHOLD = 1204
 PROMOTION_DEADLINE_S = 30.0
 _POLL_S = 0.002
-NEVER = 1 << 62  # saved_blocks of a request whose KV may rest on a block that failed to load
-
-
-@dataclass
-class _Req:
-    request: object
-    block_ids: list[int] = field(default_factory=list)
-    saved_blocks: int = 0
-    lease_start: int = -1
-    leases: dict[int, LeaseHandle] = field(default_factory=dict)
-    tiers: tuple[Tier, ...] = ()
-    leased_at: float = 0.0
-    num_load_blocks: int = 0
-    num_promoting: int = 0  # storage blocks of the lease, until their promotion has been timed
-    asked_at: float = 0.0  # perf_counter before the lease
-    polled_at: float = 0.0  # perf_counter of the last poll that saw promotions running
-    uncached: bool = False  # neither looked up nor saved (a LoRA request)
 
 
 class HpkvScheduler:
@@ -73,7 +56,7 @@ class HpkvScheduler:
         self.stats = HpkvConnectorStats()
         self._ns: list[str] | None = None
         self.policy = self._load_policy(settings, vllm_config)
-        self._reqs: dict[str, _Req] = {}
+        self._reqs: dict[str, RequestState] = {}
         self._pending_loads: list[LoadJob] = []
         self._seq = 0  # steps built
         # step -> (request, its leases, the blocks loaded) it loads for, until its output is back
@@ -87,20 +70,9 @@ class HpkvScheduler:
         if settings.token_threshold is not None:
             log.info("HPKV loads hits of at least %d tokens (VLLM_HPKV_TOKEN_THRESHOLD)", settings.token_threshold)
             return FixedThreshold(settings.token_threshold, self.block_size)
-        rtt_s = probes.round_trip_s(lambda: self.client.lookup(self._namespaces()[0], []))
-        storage = None
-        if settings.storage.enabled:  # a promotion: the lease, a poll, then one read per block and rank
-            storage = probes.storage_read_cost(settings.storage.path, 2 * rtt_s)
-        model = CostModel(self.block_size, self.layout.entry_bytes, len(self.descs),
-                          probes.kappa_of(vllm_config.model_config.hf_text_config),
-                          prefill=AffineCost(0.0, 0.0), storage=storage,
-                          # on a load's critical path: the scheduler's lease, the worker's lease and release
-                          dram=probes.copy_cost(3 * rtt_s))
-        model.seed_prefill(DEFAULT_THRESHOLD)
-        return AutoThreshold(model, vllm_config.model_config.max_model_len,
-                             f"start-up estimates: server round trip {rtt_s * 1e3:.2f} ms, a host copy, a "
-                             f"storage read; prefill set to break even at the documented {DEFAULT_THRESHOLD} "
-                             f"tokens until the engine has computed a prompt")
+        return probes.auto_threshold(settings.storage, vllm_config.model_config, self.block_size,
+                                     self.layout.entry_bytes, len(self.descs),
+                                     lambda: self.client.lookup(self._namespaces()[0], []))
 
     def _namespaces(self) -> list[str]:
         if self._ns is None:
@@ -112,16 +84,16 @@ class HpkvScheduler:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._reqs.get(request.request_id)
         if state is None:
-            state = self._reqs[request.request_id] = _Req(request)
+            state = self._reqs[request.request_id] = RequestState(request)
         if self._uncached(request, state):  # first: a LoRA request is not saved either
             return 0, False
         if getattr(request, "skip_reading_prefix_cache", False):  # e.g. prompt logprobs: vLLM drops any hit
-            self._release(state)
+            state.release(self.client)
             return 0, False
         start = num_computed_tokens // self.block_size
         stop = (request.num_tokens - 1) // self.block_size  # vLLM computes at least the last token
         if stop - start <= 0 or not self.policy.may_pay(start * self.block_size, stop - start):
-            self._release(state)
+            state.release(self.client)
             return 0, False
         try:
             if state.leases and state.lease_start == start:
@@ -136,12 +108,12 @@ class HpkvScheduler:
         num_load = ready if self.policy.may_pay(start * self.block_size, ready) else 0  # all in DRAM now
         self._count_skipped(state, ready, num_load)
         if not num_load:
-            self._release(state)
+            state.release(self.client)
             return 0, False
         state.num_load_blocks = num_load
         return num_load * self.block_size, False
 
-    def _uncached(self, request, state: _Req) -> bool:
+    def _uncached(self, request, state: RequestState) -> bool:
         """LoRA requests are neither looked up nor saved: vLLM's block hashes name the adapter by
         name and path, not by content, so an adapter changed at its path (or another one of the
         same name and path on another node) would be served the old one's KV."""
@@ -154,8 +126,8 @@ class HpkvScheduler:
                      "and path, not its content): they are computed by vLLM alone")
         return True
 
-    def _lease(self, state: _Req, start: int, stop: int) -> int | None:
-        self._release(state)
+    def _lease(self, state: RequestState, start: int, stop: int) -> int | None:
+        state.release(self.client)
         keys = lay.block_keys(state.request.block_hashes, self.layout, start, stop)
         namespaces = self._namespaces()
         hits = [self.client.lookup(ns, keys) for ns in namespaces]
@@ -178,7 +150,7 @@ class HpkvScheduler:
         state.leased_at = time.monotonic()
         return self._ready(state)
 
-    def _count_skipped(self, state: _Req, num_hit: int, num_load: int) -> None:
+    def _count_skipped(self, state: RequestState, num_hit: int, num_load: int) -> None:
         if num_load < num_hit:
             self.stats.add("skipped_below_threshold", 1)
             self.stats.add("skipped_tokens", (num_hit - num_load) * self.block_size)
@@ -186,44 +158,35 @@ class HpkvScheduler:
                       state.request.request_id, num_hit * self.block_size, num_load * self.block_size,
                       self.policy.describe())
 
-    def _ready(self, state: _Req) -> int | None:
+    def _ready(self, state: RequestState) -> int | None:
         """Leading entries ready on every rank, or None while promotions run. A lease whose
         connection has been dropped (and maybe opened again) pins nothing any more: a miss,
         and the rest of the request's leases go with it."""
         counts = []
         for lease in state.leases.values():
             if not self.client.holds(lease):
-                self._release(state)
+                state.release(self.client)
                 return 0
             counts.append(self.client.wait(lease, timeout_s=_POLL_S))
         if time.monotonic() - state.leased_at > PROMOTION_DEADLINE_S and None in counts:
             log.warning("HPKV promotions for request %s took over %.0f s; recomputing",
                         state.request.request_id, PROMOTION_DEADLINE_S)
-            self._release(state)
+            state.release(self.client)
             return 0
         if None in counts:
             state.polled_at = time.perf_counter()
             return None
-        if state.num_promoting:
-            self._time_promotions(state)
+        timed = state.take_promotion_time(_POLL_S) if state.num_promoting else None
+        if timed is not None:  # (storage blocks, seconds)
+            self.policy.promoted(timed[0] * self.layout.entry_bytes * len(self.descs), timed[1])
         return min(counts)
-
-    def _time_promotions(self, state: _Req) -> None:
-        """The promotions took from the lease until now, give or take the time since the last
-        poll that saw them running: kept only when that gap is small (a busy engine polls once
-        per step, and a step can take seconds)."""
-        now = time.perf_counter()
-        elapsed, gap = now - state.asked_at, now - state.polled_at
-        if state.polled_at == state.asked_at or gap <= max(0.25 * elapsed, 2 * _POLL_S):
-            self.policy.promoted(state.num_promoting * self.layout.entry_bytes * len(self.descs), elapsed)
-        state.num_promoting = 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         state = self._reqs.get(request.request_id)
         if state is None:
-            state = self._reqs[request.request_id] = _Req(request)
+            state = self._reqs[request.request_id] = RequestState(request)
         if num_external_tokens <= 0:  # vLLM loads nothing after all (it may trim a hit): unpin it
-            self._release(state)
+            state.release(self.client)
             return
         num_blocks = num_external_tokens // self.block_size
         block_ids = blocks.get_block_ids()[0][state.lease_start : state.lease_start + num_blocks]
@@ -241,7 +204,7 @@ class HpkvScheduler:
         """vLLM got no answer for `request` (a bug): what it leased is not needed."""
         state = self._reqs.get(request.request_id)
         if state is not None:
-            self._release(state)
+            state.release(self.client)
 
     def fail_load(self, request, blocks, num_external_tokens: int) -> None:
         """vLLM counts `num_external_tokens` as loaded, but no load was planned for them (a bug):
@@ -319,7 +282,7 @@ class HpkvScheduler:
         load_s, save_s = data.get("load_time_s", 0) / ranks, data.get("save_wait_s", 0) / ranks
         self.policy.step_done(load_s + save_s, load_s, data.get("loaded_bytes", 0) / ranks)
 
-    def _add_saves(self, meta: HpkvConnectorMetadata, req_id: str, state: _Req, num_tokens: int) -> None:
+    def _add_saves(self, meta: HpkvConnectorMetadata, req_id: str, state: RequestState, num_tokens: int) -> None:
         if state.uncached:
             return
         full = min(num_tokens // self.block_size, len(state.block_ids))
@@ -344,8 +307,9 @@ class HpkvScheduler:
             for req_id in failed:
                 state = self._reqs.get(req_id)
                 if state is not None:
-                    self._after_failed_load(state, invalid)
-            self._unhash(invalid, failed)  # last: a vLLM that raises in it must not keep the poison from its saves
+                    state.after_failed_load(invalid, self.block_size)
+            # last: a vLLM that raises in it must not keep the poison from its saves
+            unhash_failed(self.kv_cache_manager, self._reqs, invalid, failed)
         meta = connector_output.kv_connector_worker_meta
         seqs, failed = (meta.seqs, meta.failed) if isinstance(meta, HpkvWorkerMeta) else (set(), set())
         if seqs:
@@ -356,7 +320,7 @@ class HpkvScheduler:
                 for req_id, leases, _ in self._loading.pop(seq):
                     state = self._reqs.get(req_id)
                     if state is not None and state.leases is leases:  # not a lease taken since
-                        self._release(state)
+                        state.release(self.client)
         for settle in self.holds.step_done(seqs, failed):
             try:
                 self.client.settle(settle.hold, settle.abort)
@@ -371,48 +335,18 @@ class HpkvScheduler:
                 log.warning("HPKV: %d saved blocks were not published: computed on KV that failed to load, or not "
                             "copied in full", len(settle.abort))
 
-    def _unhash(self, invalid: set[int], req_ids: set[str]) -> None:
-        """Under kv_load_failure_policy=recompute vLLM leaves a block that failed to load in its
-        prefix cache (hashed when it was allocated) for the request that recomputes it; were that
-        request preempted or aborted first, a later prompt would hit the garbage in it, and HPKV
-        would save KV computed on it. So the failed blocks leave the prefix cache, with every
-        block after them (computed on them: a lookup stops at the failed block's hash, unless
-        another block holds that hash too). The requests holding them keep them; vLLM does not
-        hash them again once recomputed, HPKV saves them again instead."""
-        if self.kv_cache_manager is None:
-            return
-        blocks = set(invalid)
-        for req_id in req_ids:
-            block_ids = self._reqs[req_id].block_ids if req_id in self._reqs else []
-            first = _first_failed(block_ids, invalid)
-            blocks.update(block_ids[first:] if first is not None else ())
-        self.kv_cache_manager.evict_blocks(blocks)
-
-    def _after_failed_load(self, state: _Req, invalid: set[int]) -> None:
-        """vLLM has just rolled back the requests reading a failed block (update_from_output runs
-        before this): one of those that hold it recomputes from it, and HPKV saves its blocks
-        again as it does; the others (sharing the block through vLLM's prefix cache) keep
-        theirs as computed and rely on that recompute, which need not have happened when they
-        next compute: nothing more of theirs is saved."""
-        first = _first_failed(state.block_ids, invalid)
-        recomputes_from = getattr(state.request, "num_computed_tokens", None)
-        if first is not None and recomputes_from is not None and recomputes_from <= first * self.block_size:
-            state.saved_blocks = min(state.saved_blocks, recomputes_from // self.block_size)
-        else:
-            state.saved_blocks = NEVER
-
     # -- end of requests, resets, faults ------------------------------------------------------
 
     def request_finished(self, request) -> None:
         state = self._reqs.pop(request.request_id, None)
         if state is not None:
-            self._release(state)
+            state.release(self.client)
 
     def reset_cache(self) -> bool:
         """Clear this engine's entries from the DRAM tier (storage stays), as vLLM's
         /reset_prefix_cache?reset_external=true asks."""
         for state in self._reqs.values():
-            self._release(state)
+            state.release(self.client)
         try:
             for ns in self._namespaces():
                 self.client.clear(memory=True, storage=False, ns=ns)
@@ -420,18 +354,10 @@ class HpkvScheduler:
             log.warning("HPKV reset: the server is not reachable (%s); its DRAM tier is gone with it", exc)
         return True
 
-    def _release(self, state: _Req) -> None:
-        leases, state.leases, state.lease_start = state.leases, {}, -1
-        for lease in leases.values():
-            try:
-                self.client.release(lease)
-            except HpkvError:
-                pass  # a vanished server's leases vanish with it
-
-    def _fault(self, state: _Req, exc: HpkvError) -> None:
+    def _fault(self, state: RequestState, exc: HpkvError) -> None:
         self.stats.add("server_errors", 1)
         log.warning("HPKV lookup failed, recomputing: %s", exc)
-        self._release(state)  # the leases of the ranks before the one that failed
+        state.release(self.client)  # the leases of the ranks before the one that failed
 
     def take_stats(self) -> HpkvConnectorStats | None:
         if self.stats.is_empty():
@@ -442,7 +368,7 @@ class HpkvScheduler:
     def shutdown(self) -> None:
         self.policy.close()
         for state in self._reqs.values():
-            self._release(state)
+            state.release(self.client)
         for settle in self.holds.abandon():  # not left pinned until the server's timeout
             try:
                 self.client.settle(settle.hold, settle.abort)
@@ -478,8 +404,3 @@ def _warn_if_hashes_unstable(vllm_config) -> None:
         log.warning("--prefix-caching-hash-algo %s without PYTHONHASHSEED makes vLLM's block hashes random per "
                     "process: KV saved by HPKV will never hit after a restart or from another engine. Fix: "
                     "export PYTHONHASHSEED=<one value for every engine> or use sha256", algo)
-
-
-def _first_failed(block_ids: list[int], invalid: set[int]) -> int | None:
-    """The index of a request's first block that failed to load, or None."""
-    return next((i for i, block in enumerate(block_ids) if block in invalid), None)

@@ -9,7 +9,9 @@ Primitives:
 - `AutoThreshold`: `VLLM_HPKV_TOKEN_THRESHOLD=auto`, a `CostModel` fed by the scheduler's
   observations of each engine step, which logs its break-even whenever it changes materially.
 
-It knows nothing of vLLM: the scheduler half translates engine steps into observations.
+It knows nothing of any engine, and imports nothing server-side (an engine process loads it):
+vLLM's scheduler half translates engine steps into observations (SGLang has no use for it: see
+docs/sglang.md, "Tuning").
 
 The model, for a hit of n blocks of `block_size` tokens whose first token is at position p, of
 which the first k are loaded and the rest recomputed:
@@ -33,12 +35,12 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
-from ...types import Tier
+from .types import Tier
 
-log = logging.getLogger("hpkv.vllm.costmodel")
+log = logging.getLogger("hpkv.vllm.costmodel")  # the name docs/vllm.md tells users to read: vLLM runs it
 
 EWMA_ALPHA = 0.2  # weight of a new observation: the estimate follows about the last 5-10
 MATERIAL_CHANGE = 0.25  # a break-even that moves by more than this fraction (and a block) is logged again
@@ -282,7 +284,8 @@ class AutoThreshold:
                 return
             # Break-evens are whole blocks: a move of one block near the bottom (32 <-> 64 tokens,
             # as the measured prefill rate wanders) is noise, not news.
-            if old is not None and abs(tokens - old) > max(MATERIAL_CHANGE * old, self.model.block_size):
+            if (old is not None and tokens is not None
+                    and abs(tokens - old) > max(MATERIAL_CHANGE * old, self.model.block_size)):
                 self._log("measured")
                 return
 

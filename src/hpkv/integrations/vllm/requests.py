@@ -1,0 +1,91 @@
+"""A request as the scheduler half of HpkvConnectorV1 tracks it: its leases, its promotions, its saves.
+
+Owns `RequestState` (one per vLLM request the scheduler half has seen) and the transitions that
+touch only that request: releasing its leases, timing its promotions, where to save from after a
+load it rests on failed; and `unhash_failed`, which takes failed blocks out of vLLM's prefix
+cache. Must not decide what to load or save (`scheduler.py`) nor talk to the server beyond
+releasing what the request holds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ...errors import HpkvError
+from ...server.client import Client, LeaseHandle
+from ...types import Tier
+
+NEVER = 1 << 62  # saved_blocks of a request whose KV may rest on a block that failed to load
+
+
+@dataclass
+class RequestState:
+    request: object
+    block_ids: list[int] = field(default_factory=list)
+    saved_blocks: int = 0
+    lease_start: int = -1
+    leases: dict[int, LeaseHandle] = field(default_factory=dict)
+    tiers: tuple[Tier, ...] = ()
+    leased_at: float = 0.0
+    num_load_blocks: int = 0
+    num_promoting: int = 0  # storage blocks of the lease, until their promotion has been timed
+    asked_at: float = 0.0  # perf_counter before the lease
+    polled_at: float = 0.0  # perf_counter of the last poll that saw promotions running
+    uncached: bool = False  # neither looked up nor saved (a LoRA request)
+
+    def release(self, client: Client) -> None:
+        leases, self.leases, self.lease_start = self.leases, {}, -1
+        for lease in leases.values():
+            try:
+                client.release(lease)
+            except HpkvError:
+                pass  # a vanished server's leases vanish with it
+
+    def take_promotion_time(self, poll_s: float) -> tuple[int, float] | None:
+        """(storage blocks promoted, seconds they took) once they are done, or None when the
+        timing is too loose to learn from. The promotions took from the lease until now, give or
+        take the time since the last poll that saw them running: kept only when that gap is small
+        (a busy engine polls once per step, and a step can take seconds)."""
+        now = time.perf_counter()
+        elapsed, gap = now - self.asked_at, now - self.polled_at
+        num, self.num_promoting = self.num_promoting, 0
+        if self.polled_at == self.asked_at or gap <= max(0.25 * elapsed, 2 * poll_s):
+            return num, elapsed
+        return None
+
+    def after_failed_load(self, invalid: set[int], block_size: int) -> None:
+        """vLLM has just rolled back the requests reading a failed block (update_from_output runs
+        before this): one of those that hold it recomputes from it, and HPKV saves its blocks
+        again as it does; the others (sharing the block through vLLM's prefix cache) keep
+        theirs as computed and rely on that recompute, which need not have happened when they
+        next compute: nothing more of theirs is saved."""
+        first = first_failed(self.block_ids, invalid)
+        recomputes_from = getattr(self.request, "num_computed_tokens", None)
+        if first is not None and recomputes_from is not None and recomputes_from <= first * block_size:
+            self.saved_blocks = min(self.saved_blocks, recomputes_from // block_size)
+        else:
+            self.saved_blocks = NEVER
+
+
+def unhash_failed(kv_cache_manager, reqs: dict[str, RequestState], invalid: set[int], req_ids: set[str]) -> None:
+    """Under kv_load_failure_policy=recompute vLLM leaves a block that failed to load in its
+    prefix cache (hashed when it was allocated) for the request that recomputes it; were that
+    request preempted or aborted first, a later prompt would hit the garbage in it, and HPKV
+    would save KV computed on it. So the failed blocks leave the prefix cache, with every
+    block after them (computed on them: a lookup stops at the failed block's hash, unless
+    another block holds that hash too). The requests holding them keep them; vLLM does not
+    hash them again once recomputed, HPKV saves them again instead."""
+    if kv_cache_manager is None:
+        return
+    blocks = set(invalid)
+    for req_id in req_ids:
+        block_ids = reqs[req_id].block_ids if req_id in reqs else []
+        first = first_failed(block_ids, invalid)
+        blocks.update(block_ids[first:] if first is not None else ())
+    kv_cache_manager.evict_blocks(blocks)
+
+
+def first_failed(block_ids: list[int], invalid: set[int]) -> int | None:
+    """The index of a request's first block that failed to load, or None."""
+    return next((i for i, block in enumerate(block_ids) if block in invalid), None)
