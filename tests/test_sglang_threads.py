@@ -103,7 +103,7 @@ def test_the_threads_clients_share_one_mapping_of_the_pool(node):
 
         def call() -> None:
             storage.batch_exists(keys)
-            clients.append(storage._client())  # this thread's own
+            clients.append(storage.io.client())  # this thread's own
             together.wait(timeout=30)
 
         threads = [threading.Thread(target=call, name=f"sglang-{n}") for n in range(3)]
@@ -114,7 +114,7 @@ def test_the_threads_clients_share_one_mapping_of_the_pool(node):
         assert len(clients) == 3
         return clients
 
-    clients = storage_threads() + [storage._client()]  # and this thread's, which stored the pages
+    clients = storage_threads() + [storage.io.client()]  # and this thread's, which stored the pages
     old_inode = node.pool_path.stat().st_ino
     assert len({id(client.region) for client in clients}) == 1
     assert inode_mappings(old_inode) == 1
@@ -130,7 +130,7 @@ def test_the_threads_clients_share_one_mapping_of_the_pool(node):
     assert new_inode != old_inode
 
     wait_for(lambda: storage.batch_exists(keys) == 4, 10, what="this thread's client back")  # on storage
-    clients = storage_threads() + [storage._client()]  # new threads, new clients
+    clients = storage_threads() + [storage.io.client()]  # new threads, new clients
     assert {client.region.inode for client in clients} == {new_inode}
     assert len({id(client.region) for client in clients}) == 1
     assert inode_mappings(new_inode) == 1

@@ -73,10 +73,10 @@ def test_a_hit_vllm_trims_to_nothing_is_unpinned(node):
 
 def connector_over(scheduler):
     from hpkv.integrations.vllm.connector import HpkvConnectorV1
-    from hpkv.logutil import Throttle
+    from hpkv.integrations.vllm.guard import GuardedScheduler
 
     connector = HpkvConnectorV1.__new__(HpkvConnectorV1)
-    connector._scheduler, connector._worker, connector._bugs = scheduler, None, Throttle()
+    connector._scheduler, connector._worker = GuardedScheduler(scheduler), None
     return connector
 
 
@@ -96,7 +96,7 @@ def test_a_bug_in_a_lookup_is_a_miss_logged_once_a_minute(node, monkeypatch, cap
 
     assert answers == [(0, False)] * 3
     assert caplog.text.count("HPKV bug in a lookup") == 1 and "ZeroDivisionError" in caplog.text
-    assert connector._bugs.num_refused("a lookup") == 2
+    assert connector._scheduler.bugs.num_refused("a lookup") == 2
     assert scheduler.client.stats().leases == 0
 
 

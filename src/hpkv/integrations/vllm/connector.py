@@ -2,22 +2,18 @@
 
     --kv-transfer-config '{"kv_connector":"HpkvConnectorV1", "kv_role":"kv_both"}'
 
-with VLLM_ENABLE_HPKV=1. The scheduler-side instance (engine core) runs `HpkvScheduler`; each
-worker's instance runs `HpkvWorker`. Loads are synchronous (before the forward pass of the step
-that needs them, from entries already pinned in DRAM); saves start after the forward pass and,
-on accelerators, copy beside the next one (`"hpkv.async_save"` in kv_connector_extra_config
-overrides: true or false), except those a step after a load holds until the load is known good
-(holds.py), which are copied in the step.
-HPKV is a cache: a block it cannot load is recomputed, so the connector switches vLLM's
-kv_load_failure_policy to "recompute" unless `"hpkv.fail_on_load_error": true` is given in
-kv_connector_extra_config.
+with VLLM_ENABLE_HPKV=1. Owns only the choice of half: the engine core's instance runs
+`HpkvScheduler` (behind `guard.GuardedScheduler`: a bug there is a miss, not a stopped engine),
+each worker's runs `HpkvWorker`. Extra config: `"hpkv.async_save"` (true/false; default:
+asynchronous saves on accelerators) and `"hpkv.fail_on_load_error"` (default false: HPKV is a
+cache, so vLLM's kv_load_failure_policy is set to "recompute"). Knows nothing of keys, leases
+or copies.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -27,20 +23,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ...config import load_settings
 from ...errors import ConfigError, HpkvError
-from ...logutil import Throttle
 from . import layout as lay
+from .guard import GuardedScheduler
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats
 
 if TYPE_CHECKING:  # each half is imported only by the process that runs it
-    from .scheduler import HpkvScheduler
     from .worker import HpkvWorker
 
 log = logging.getLogger("hpkv.vllm")
 
-_BUG_LOG_INTERVAL_S = 60.0
+_H = TypeVar("_H")
 
 
 class HpkvConnectorV1(KVConnectorBase_V1):
+    # Every method is KVConnectorBase_V1's (vLLM calls each): each delegates to a half.
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         settings = load_settings()
@@ -51,9 +47,8 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             raise ConfigError(
                 "HpkvConnectorV1 was requested in --kv-transfer-config but HPKV is not enabled: set "
                 "VLLM_ENABLE_HPKV=1 (environment or HPKV config file), or remove the connector")
-        self._scheduler: HpkvScheduler | None = None
+        self._scheduler: GuardedScheduler | None = None
         self._worker: HpkvWorker | None = None
-        self._bugs = Throttle()  # by entry point
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         if role == KVConnectorRole.SCHEDULER:
             if not extra.get("hpkv.fail_on_load_error", False):
@@ -61,7 +56,7 @@ class HpkvConnectorV1(KVConnectorBase_V1):
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
             from .scheduler import HpkvScheduler
 
-            self._scheduler = HpkvScheduler(vllm_config, kv_cache_config, settings)
+            self._scheduler = GuardedScheduler(HpkvScheduler(vllm_config, kv_cache_config, settings))
         else:
             from .worker import HpkvWorker
 
@@ -77,32 +72,20 @@ class HpkvConnectorV1(KVConnectorBase_V1):
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
         return lay.REQUIRED_LAYOUT
 
-    @property
-    def _worker_side(self) -> HpkvWorker:
-        """vLLM calls the worker-side methods only on an instance made for a worker."""
-        assert self._worker is not None, "a worker-side call on the scheduler's connector"
-        return self._worker
-
-    @property
-    def _scheduler_side(self) -> HpkvScheduler:
-        """vLLM calls the scheduler-side methods only on the instance made for the scheduler."""
-        assert self._scheduler is not None, "a scheduler-side call on a worker's connector"
-        return self._scheduler
-
     # -- worker side --------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches) -> None:
-        self._worker_side.register_kv_caches(kv_caches)
+        _side(self._worker, "worker").register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         # Before the step's loads and forward pass write into the blocks it allocated.
         if isinstance(kv_connector_metadata, HpkvConnectorMetadata) and kv_connector_metadata.allocated:
-            self._worker_side.fence(kv_connector_metadata.allocated)
+            _side(self._worker, "worker").fence(kv_connector_metadata.allocated)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, HpkvConnectorMetadata) and meta.loads:
-            self._worker_side.start_load_kv(meta)
+            _side(self._worker, "worker").start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads complete in start_load_kv
@@ -113,7 +96,7 @@ class HpkvConnectorV1(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, HpkvConnectorMetadata) and meta.saves:
-            self._worker_side.wait_for_save(meta)
+            _side(self._worker, "worker").wait_for_save(meta)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker else set()
@@ -126,89 +109,45 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         return None
 
     def get_kv_connector_stats(self) -> HpkvConnectorStats | None:
-        half = self._worker or self._scheduler
+        half = self._worker or (self._scheduler.scheduler if self._scheduler else None)
         return half.take_stats() if half else None
 
     def shutdown(self) -> None:
-        for half in (self._worker, self._scheduler):
+        for half in (self._worker, self._scheduler.scheduler if self._scheduler else None):
             if half is not None:
                 try:
                     half.shutdown()
                 except HpkvError:
                     pass
 
-    # -- scheduler side -----------------------------------------------------------------------
-    # vLLM's scheduler calls these from its engine core's loop: an exception escaping one of them
-    # (a bug here, a vLLM that changed under us) would stop the engine. Each degrades instead,
-    # as on a miss: vLLM recomputes what HPKV would have supplied.
+    # -- scheduler side: guarded (guard.py) ---------------------------------------------------
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         if self._scheduler is not None:
-            self._scheduler.kv_cache_manager = kv_cache_manager
+            self._scheduler.scheduler.kv_cache_manager = kv_cache_manager
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        try:
-            return self._scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
-        except Exception:
-            self._bug("a lookup", lambda: self._scheduler_side.forget_lookup(request))
-            return 0, False
+        return _side(self._scheduler, "scheduler").get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        try:
-            self._scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
-        except Exception:  # vLLM counts those tokens as loaded: the workers must report them failed
-            self._bug("a load", lambda: self._scheduler_side.fail_load(request, blocks, num_external_tokens))
+        _side(self._scheduler, "scheduler").update_state_after_alloc(request, blocks, num_external_tokens)
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int):
-        from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
-        try:
-            sources = self._scheduler_side.hit_sources(request, num_external_tokens)
-            return {CacheHitSource(name): count for name, count in sources.items() if count}
-        except Exception:
-            self._bug("the hit sources")
-            return {}
+        return _side(self._scheduler, "scheduler").hit_sources(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        try:
-            return self._scheduler_side.build_connector_meta(scheduler_output)
-        except Exception:
-            self._bug("a step's metadata")
-            return self._scheduler_side.bare_meta(scheduler_output)
+        return _side(self._scheduler, "scheduler").build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:
-        try:
-            self._scheduler_side.update_connector_output(connector_output)
-        except Exception:
-            self._bug("a step's output")
+        _side(self._scheduler, "scheduler").update_connector_output(connector_output)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        try:
-            self._scheduler_side.request_finished(request)
-        except Exception:  # its leases end with the connection, at the latest
-            self._bug("a finished request")
+        _side(self._scheduler, "scheduler").request_finished(request)
         return False, None
 
     def reset_cache(self) -> bool | None:
-        try:
-            return self._scheduler_side.reset_cache()
-        except Exception:
-            self._bug("a cache reset")
-            return False
-
-    def _bug(self, what: str, *recover) -> None:
-        """Called inside an `except`: log the exception with its traceback (the first of each
-        kind, then at most one a minute: a bug on every step would flood the log), then run the
-        `recover` steps, each as best it can."""
-        missed = self._bugs.num_refused(what)
-        if self._bugs.allows(time.monotonic(), _BUG_LOG_INTERVAL_S, what):
-            log.exception("HPKV bug in %s (%d more since the last report); vLLM recomputes instead", what, missed)
-        for step in recover:
-            try:
-                step()
-            except Exception:  # already degrading: the traceback above is the one to read
-                log.debug("HPKV could not recover from the bug in %s", what, exc_info=True)
+        return _side(self._scheduler, "scheduler").reset_cache()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HpkvConnectorStats | None:
@@ -226,3 +165,9 @@ def _this_rank(vllm_config) -> int:
 
     tp_size = vllm_config.parallel_config.tensor_parallel_size
     return get_pp_group().rank_in_group * tp_size + get_tensor_model_parallel_rank()
+
+
+def _side(half: _H | None, name: str) -> _H:
+    """vLLM calls a side's methods only on the instance made for that side."""
+    assert half is not None, f"a {name}-side call on the other side's connector"
+    return half

@@ -3,9 +3,9 @@ first decisions rest on this machine's figures before the engine's own steps ref
 
 Primitives: `round_trip_s` (one RPC to the HPKV server), `copy_cost` (a memory copy the size of
 a large load), `storage_read_cost` (a file read back from the storage directory with its pages
-dropped from the page cache), `kappa_of` (the model's attention share, from its config), and
-`auto_threshold`, the cost model they seed. Each returns None or a default when it cannot
-measure; none raises for the engine to see.
+dropped from the page cache), `kappa_of` (the model's attention share, from its config),
+`auto_threshold`, the cost model they seed, and `load_policy`, which picks it or a fixed
+threshold. Each returns None or a default when it cannot measure; none raises for the engine to see.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ...config import StorageConfig
-from ...costmodel import AffineCost, AutoThreshold, CostModel, attention_kappa
+from ...config import Settings, StorageConfig
+from ...costmodel import AffineCost, AutoThreshold, CostModel, FixedThreshold, attention_kappa
 from ...errors import HpkvError
 
 log = logging.getLogger("hpkv.vllm.probes")
@@ -124,3 +124,11 @@ def auto_threshold(storage: StorageConfig, model_config, block_size: int, entry_
                          f"start-up estimates: server round trip {rtt_s * 1e3:.2f} ms, a host copy, a "
                          f"storage read; prefill set to break even at the documented {DEFAULT_THRESHOLD} "
                          f"tokens until the engine has computed a prompt")
+
+
+def load_policy(settings: Settings, model_config, layout, num_ranks: int, lookup) -> FixedThreshold | AutoThreshold:
+    """The load decision: VLLM_HPKV_TOKEN_THRESHOLD if set, else `auto` from start-up estimates."""
+    if settings.token_threshold is not None:
+        log.info("HPKV loads hits of at least %d tokens (VLLM_HPKV_TOKEN_THRESHOLD)", settings.token_threshold)
+        return FixedThreshold(settings.token_threshold, layout.block_size)
+    return auto_threshold(settings.storage, model_config, layout.block_size, layout.entry_bytes, num_ranks, lookup)

@@ -1,20 +1,12 @@
 """The scheduler half of HpkvConnectorV1: decides what to load and what to save.
 
-For a new request it looks up the blocks past vLLM's own prefix-cache hit in every rank's
-namespace (device > DRAM > storage: vLLM has already taken its own hits), asks the load policy
-how many of the hit blocks to load (VLLM_HPKV_TOKEN_THRESHOLD: a fixed threshold, or `auto`, the
-measured costs of `costmodel`), and leases those entries, which pins them in the shared pool and
-promotes storage hits into DRAM. Only once every promotion is done does it tell vLLM how many
-tokens HPKV supplies, so a load it announces cannot fail: the worker copies from pinned memory.
-While promotions run it answers None ("ask again"), which keeps the request waiting without
-stalling the engine. Every full block the engine computes (prompt and generated tokens) is
-sent to the workers for saving, once; while a step that loads has not reported back, saves are
-held until it has (holds.py), so KV computed on a load that failed is never published. Under
-`auto` it also times each engine step and each promotion, which teaches the cost model this
-engine's prefill, copy and storage speeds.
-
-HPKV faults (server gone, timeouts) make a lookup a miss: the engine recomputes. A request's own
-state and transitions live in `requests.py`, the start-up estimates for `auto` in `probes.py`.
+Owns each request's lookup and leases (`requests.RequestState`), the load decision (the
+policy from `probes.load_policy`: a fixed threshold or `auto`) and the save jobs of every
+step; reading a step's output and settling its held saves is in `outputs.py`.
+Primitives: `Client.lookup/lease/wait/settle`. A load is announced only once every promotion
+is done (None, "ask again", until then), so the worker copies from pinned memory and a load
+cannot fail for want of an entry. HPKV faults make a lookup a miss: the engine recomputes.
+Knows nothing of the worker's copies or of the server's store.
 """
 
 from __future__ import annotations
@@ -24,15 +16,14 @@ import os
 import time
 
 from ...config import Settings
-from ...costmodel import AutoThreshold, FixedThreshold
 from ...errors import HpkvError
 from ...server.client import Client
 from ...types import HOLD_TIMEOUT_S, Tier
 from . import layout as lay
-from . import modelid, probes
-from .holds import HpkvWorkerMeta, SaveHolds
+from . import modelid, outputs, probes
+from .holds import SaveHolds
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats, LoadJob, SaveJob
-from .requests import RequestState, unhash_failed
+from .requests import RequestState
 
 log = logging.getLogger("hpkv.vllm.scheduler")
 
@@ -55,7 +46,8 @@ class HpkvScheduler:
         self.client = Client(settings.pool.dir, kind="vllm-scheduler", trusted_uids=settings.server_allow_uids)
         self.stats = HpkvConnectorStats()
         self._ns: list[str] | None = None
-        self.policy = self._load_policy(settings, vllm_config)
+        self.policy = probes.load_policy(settings, vllm_config.model_config, self.layout, len(self.descs),
+                                         lambda: self.client.lookup(self._namespaces()[0], []))
         self._reqs: dict[str, RequestState] = {}
         self._pending_loads: list[LoadJob] = []
         self._seq = 0  # steps built
@@ -65,14 +57,6 @@ class HpkvScheduler:
         self.kv_cache_manager = None  # vLLM's, once bound: to un-hash blocks that failed to load
         self.holds = SaveHolds()
         _warn_if_hashes_unstable(vllm_config)
-
-    def _load_policy(self, settings: Settings, vllm_config) -> FixedThreshold | AutoThreshold:
-        if settings.token_threshold is not None:
-            log.info("HPKV loads hits of at least %d tokens (VLLM_HPKV_TOKEN_THRESHOLD)", settings.token_threshold)
-            return FixedThreshold(settings.token_threshold, self.block_size)
-        return probes.auto_threshold(settings.storage, vllm_config.model_config, self.block_size,
-                                     self.layout.entry_bytes, len(self.descs),
-                                     lambda: self.client.lookup(self._namespaces()[0], []))
 
     def _namespaces(self) -> list[str]:
         if self._ns is None:
@@ -106,7 +90,7 @@ class HpkvScheduler:
         if ready is None:
             return None, False  # promotions from storage still running: ask again next step
         num_load = ready if self.policy.may_pay(start * self.block_size, ready) else 0  # all in DRAM now
-        self._count_skipped(state, ready, num_load)
+        _count_skipped(self, state, ready, num_load)
         if not num_load:
             state.release(self.client)
             return 0, False
@@ -138,7 +122,7 @@ class HpkvScheduler:
             log.debug("request %s: no HPKV hit: block %d (of %d looked up) is in no tier (never saved with "
                       "these settings, or evicted)", state.request.request_id, start, stop - start)
         num_load = self.policy.plan(start * self.block_size, tiers)
-        self._count_skipped(state, num_hit, num_load)
+        _count_skipped(self, state, num_hit, num_load)
         if not num_load:
             return 0
         state.tiers = tiers[:num_load]
@@ -149,14 +133,6 @@ class HpkvScheduler:
         state.lease_start = start
         state.leased_at = time.monotonic()
         return self._ready(state)
-
-    def _count_skipped(self, state: RequestState, num_hit: int, num_load: int) -> None:
-        if num_load < num_hit:
-            self.stats.add("skipped_below_threshold", 1)
-            self.stats.add("skipped_tokens", (num_hit - num_load) * self.block_size)
-            log.debug("request %s: HPKV hit of %d tokens, loading %d under %s; recomputing the rest",
-                      state.request.request_id, num_hit * self.block_size, num_load * self.block_size,
-                      self.policy.describe())
 
     def _ready(self, state: RequestState) -> int | None:
         """Leading entries ready on every rank, or None while promotions run. A lease whose
@@ -230,7 +206,7 @@ class HpkvScheduler:
     def build_connector_meta(self, scheduler_output) -> HpkvConnectorMetadata:
         self._seq += 1
         self._step_loads, self._pending_loads = self._pending_loads, []
-        meta = HpkvConnectorMetadata(loads=self._step_loads, allocated=_allocated_blocks(scheduler_output),
+        meta = HpkvConnectorMetadata(loads=self._step_loads, allocated=outputs.allocated_blocks(scheduler_output),
                                      seq=self._seq, hold=self.holds.begin_step(self._seq, bool(self._step_loads)))
         if meta.loads:
             self._loading[self._seq] = [(job.req_id, self._reqs[job.req_id].leases, job.block_ids)
@@ -255,7 +231,7 @@ class HpkvScheduler:
                 state.block_ids.extend(new_ids[0])
             self._add_saves(meta, req_id, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         if self.policy.learns:
-            self.policy.step_built(_chunks(scheduler_output), len(meta.loads))
+            self.policy.step_built(outputs.chunks(scheduler_output), len(meta.loads))
         return meta
 
     def bare_meta(self, scheduler_output) -> HpkvConnectorMetadata:
@@ -263,14 +239,14 @@ class HpkvScheduler:
         on still run, nothing is saved. What the step allocated is still needed: without it the
         workers cannot fence an earlier step's save, which could publish a block being
         overwritten; a vLLM whose step this cannot read is better stopped."""
-        return HpkvConnectorMetadata(loads=self._step_loads, allocated=_allocated_blocks(scheduler_output),
+        return HpkvConnectorMetadata(loads=self._step_loads, allocated=outputs.allocated_blocks(scheduler_output),
                                      seq=self._seq)
 
     def update_connector_output(self, connector_output) -> None:
         """A step's output is back, with the workers' stats of that step (summed over ranks):
         settle the holds it decides, and learn from its timings."""
         try:
-            self._settle(connector_output)
+            outputs.settle(self, connector_output)
         except Exception:  # a bug here must not stop the engine: the holds time out on the server
             log.exception("HPKV could not settle this step's held saves; the server aborts them after %.0f s",
                           HOLD_TIMEOUT_S)
@@ -293,47 +269,6 @@ class HpkvScheduler:
             if meta.hold:
                 self.holds.add(meta.seq, req_id, keys, state.block_ids[:stop], state.saved_blocks)
             state.saved_blocks = stop
-
-    def _settle(self, connector_output) -> None:
-        """Requests whose blocks failed to load (as vLLM finds them: any of their blocks in
-        `invalid_block_ids`) lose the saves held on top of that load and save again from the
-        first failed block, which vLLM recomputes; then the holds of the steps this output
-        covers are settled."""
-        invalid = set(connector_output.invalid_block_ids or ())
-        if invalid:
-            failed = self.holds.affected(invalid)
-            failed.update(req_id for req_id, state in self._reqs.items() if not invalid.isdisjoint(state.block_ids))
-            self.holds.poison(failed, self._seq)
-            for req_id in failed:
-                state = self._reqs.get(req_id)
-                if state is not None:
-                    state.after_failed_load(invalid, self.block_size)
-            # last: a vLLM that raises in it must not keep the poison from its saves
-            unhash_failed(self.kv_cache_manager, self._reqs, invalid, failed)
-        meta = connector_output.kv_connector_worker_meta
-        seqs, failed = (meta.seqs, meta.failed) if isinstance(meta, HpkvWorkerMeta) else (set(), set())
-        if seqs:
-            # The workers have copied what those steps loaded (under leases of their own): the
-            # scheduler's leases need not pin those entries for the rest of the requests' lives.
-            top = max(seqs)
-            for seq in [seq for seq in self._loading if seq <= top]:
-                for req_id, leases, _ in self._loading.pop(seq):
-                    state = self._reqs.get(req_id)
-                    if state is not None and state.leases is leases:  # not a lease taken since
-                        state.release(self.client)
-        for settle in self.holds.step_done(seqs, failed):
-            try:
-                self.client.settle(settle.hold, settle.abort)
-            except HpkvError as exc:  # the server, and the reservations with it, are gone
-                log.debug("HPKV hold %s not settled: %s", settle.hold, exc)
-            for req_id, first in settle.resave.items():  # saved again once recomputed
-                state = self._reqs.get(req_id)
-                if state is not None:
-                    state.saved_blocks = min(state.saved_blocks, first)
-            if settle.abort:
-                self.stats.add("held_saves_aborted", len(settle.abort))
-                log.warning("HPKV: %d saved blocks were not published: computed on KV that failed to load, or not "
-                            "copied in full", len(settle.abort))
 
     # -- end of requests, resets, faults ------------------------------------------------------
 
@@ -377,30 +312,18 @@ class HpkvScheduler:
         self.client.close()
 
 
-def _allocated_blocks(scheduler_output) -> list[int]:
-    """Every block given to a request in this step (new, resumed or grown), tracked or not."""
-    blocks: list[int] = []
-    for new in scheduler_output.scheduled_new_reqs:
-        if new.block_ids:
-            blocks.extend(new.block_ids[0])
-    for new_ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
-        if new_ids:
-            blocks.extend(new_ids[0])
-    return blocks
-
-
-def _chunks(scheduler_output) -> list[tuple[int, int]]:
-    """(first position, number of tokens) of what the step computes for each request."""
-    scheduled = scheduler_output.num_scheduled_tokens
-    chunks = [(new.num_computed_tokens, scheduled.get(new.req_id, 0)) for new in scheduler_output.scheduled_new_reqs]
-    cached = scheduler_output.scheduled_cached_reqs
-    chunks += [(cached.num_computed_tokens[i], scheduled.get(req_id, 0)) for i, req_id in enumerate(cached.req_ids)]
-    return chunks
-
-
 def _warn_if_hashes_unstable(vllm_config) -> None:
     algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
     if algo.startswith("xxhash") and os.environ.get("PYTHONHASHSEED") is None:
         log.warning("--prefix-caching-hash-algo %s without PYTHONHASHSEED makes vLLM's block hashes random per "
                     "process: KV saved by HPKV will never hit after a restart or from another engine. Fix: "
                     "export PYTHONHASHSEED=<one value for every engine> or use sha256", algo)
+
+
+def _count_skipped(sched: HpkvScheduler, state: RequestState, num_hit: int, num_load: int) -> None:
+    if num_load < num_hit:
+        sched.stats.add("skipped_below_threshold", 1)
+        sched.stats.add("skipped_tokens", (num_hit - num_load) * sched.block_size)
+        log.debug("request %s: HPKV hit of %d tokens, loading %d under %s; recomputing the rest",
+                  state.request.request_id, num_hit * sched.block_size, num_load * sched.block_size,
+                  sched.policy.describe())

@@ -1,0 +1,91 @@
+"""Reading a vLLM step: the blocks and chunks of a scheduler output, and the settling of a
+connector output (failed loads, finished loads, held saves) for `HpkvScheduler`.
+
+Primitives: `SaveHolds.affected/poison/step_done`, `Client.settle`. Knows nothing of lookups
+or of the load policy.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from ...errors import HpkvError
+from .holds import HpkvWorkerMeta
+from .requests import unhash_failed
+
+if TYPE_CHECKING:
+    from .scheduler import HpkvScheduler
+
+log = logging.getLogger("hpkv.vllm.scheduler")
+
+
+def settle(sched: HpkvScheduler, connector_output) -> None:
+    """Requests whose blocks failed to load (as vLLM finds them: any of their blocks in
+    `invalid_block_ids`) lose the saves held on top of that load and save again from the
+    first failed block, which vLLM recomputes; then the holds of the steps this output
+    covers are settled."""
+    invalid = set(connector_output.invalid_block_ids or ())
+    if invalid:
+        _fail_loads(sched, invalid)
+    meta = connector_output.kv_connector_worker_meta
+    seqs, failed = (meta.seqs, meta.failed) if isinstance(meta, HpkvWorkerMeta) else (set(), set())
+    _settle_holds(sched, seqs, failed)
+
+
+def _fail_loads(sched: HpkvScheduler, invalid: set[int]) -> None:
+    failed = sched.holds.affected(invalid)
+    failed.update(req_id for req_id, state in sched._reqs.items() if not invalid.isdisjoint(state.block_ids))
+    sched.holds.poison(failed, sched._seq)
+    for req_id in failed:
+        state = sched._reqs.get(req_id)
+        if state is not None:
+            state.after_failed_load(invalid, sched.block_size)
+    # last: a vLLM that raises in it must not keep the poison from its saves
+    unhash_failed(sched.kv_cache_manager, sched._reqs, invalid, failed)
+
+
+def _settle_holds(sched: HpkvScheduler, seqs: set[int], failed: set[int]) -> None:
+    if seqs:
+        # The workers have copied what those steps loaded (under leases of their own): the
+        # scheduler's leases need not pin those entries for the rest of the requests' lives.
+        top = max(seqs)
+        for seq in [seq for seq in sched._loading if seq <= top]:
+            for req_id, leases, _ in sched._loading.pop(seq):
+                state = sched._reqs.get(req_id)
+                if state is not None and state.leases is leases:  # not a lease taken since
+                    state.release(sched.client)
+    for settle in sched.holds.step_done(seqs, failed):
+        try:
+            sched.client.settle(settle.hold, settle.abort)
+        except HpkvError as exc:  # the server, and the reservations with it, are gone
+            log.debug("HPKV hold %s not settled: %s", settle.hold, exc)
+        for req_id, first in settle.resave.items():  # saved again once recomputed
+            state = sched._reqs.get(req_id)
+            if state is not None:
+                state.saved_blocks = min(state.saved_blocks, first)
+        if settle.abort:
+            sched.stats.add("held_saves_aborted", len(settle.abort))
+            log.warning("HPKV: %d saved blocks were not published: computed on KV that failed to load, or not "
+                        "copied in full", len(settle.abort))
+
+
+def allocated_blocks(scheduler_output) -> list[int]:
+    """Every block given to a request in this step (new, resumed or grown), tracked or not."""
+    blocks: list[int] = []
+    for new in scheduler_output.scheduled_new_reqs:
+        if new.block_ids:
+            blocks.extend(new.block_ids[0])
+    for new_ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
+        if new_ids:
+            blocks.extend(new_ids[0])
+    return blocks
+
+
+def chunks(scheduler_output) -> list[tuple[int, int]]:
+    """(first position, number of tokens) of what the step computes for each request."""
+    scheduled = scheduler_output.num_scheduled_tokens
+    chunks = [(new.num_computed_tokens, scheduled.get(new.req_id, 0)) for new in scheduler_output.scheduled_new_reqs]
+    cached = scheduler_output.scheduled_cached_reqs
+    chunks += [(cached.num_computed_tokens[i], scheduled.get(req_id, 0)) for i, req_id in enumerate(cached.req_ids)]
+    return chunks
