@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import threading
 import time
-from collections import deque
 from types import SimpleNamespace
 
 import pytest
@@ -27,6 +26,7 @@ ENTRY = LAYERS * PAGE
 @pytest.fixture
 def worker(shm_dir, tmp_path):
     from hpkv.integrations.vllm.metadata import HpkvConnectorStats
+    from hpkv.integrations.vllm.savequeue import SaveQueue
     from hpkv.integrations.vllm.worker import HpkvWorker
     from hpkv.server.client import Client
     from hpkv.transfer.blocks import BlockCopier
@@ -40,8 +40,8 @@ def worker(shm_dir, tmp_path):
     w.desc = desc(0, ENTRY)
     w.client = Client(shm_dir, kind="vllm-worker-0", autostart=False)
     w.stats, w._failed_blocks, w._failed_holds, w._meta_out = HpkvConnectorStats(), set(), set(), None
-    w._stats_lock, w._cond = threading.Lock(), threading.Condition()
-    w._queue, w._reading, w._saver, w._side_stream, w._closing = deque(), {}, None, None, False
+    w._stats_lock, w._side_stream = threading.Lock(), None
+    w.saves = SaveQueue(w._save)
     w._releaser = None
     w.layers = [torch.randint(-128, 128, (NUM_BLOCKS, PAGE), dtype=torch.int8) for _ in range(LAYERS)]
     w.copier = BlockCopier(w.layers, (0, PAGE))
@@ -154,7 +154,7 @@ def test_a_held_save_is_copied_in_its_step_and_published_only_when_its_hold_is_s
     blocks = [4, 6, 8]
     expected = [_entry(w, b) for b in blocks]
     w.wait_for_save(HpkvConnectorMetadata(saves=[SaveJob("req", keys, blocks)], seq=7, hold="engine.7"))
-    assert w._queue == deque() and w._saver is None  # nothing left for the saver thread
+    assert w.saves.idle  # nothing left for the saver thread
     reader = node.client("reader")
     reader.register(w.desc)
     time.sleep(0.2)

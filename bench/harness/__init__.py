@@ -1,6 +1,7 @@
 """What the benchmarks share: keys and namespaces (`keys`), store and tier configurations with
 the benchmarks' defaults (`configs`), a real HPKV server process (`server`), timing and verdicts
-(`report`), and vLLM engines with the counters a benchmark reads (`engine`).
+(`report`), vLLM engines with the counters a benchmark reads (`engine`), and code run inside an
+engine's processes at start (`shim`, which the tests' engines use too).
 
 Nothing here measures anything by itself; each benchmark module says what it measures.
 """

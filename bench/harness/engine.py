@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpkv.benchmark.shim import after_import, install
+from bench.harness.shim import after_import, install
 from hpkv.demo.engine import Completion, VllmServer
 from hpkv.demo.model import prompt_text
 from hpkv.pool.region import POOL_FILE_NAME

@@ -19,7 +19,7 @@ from pathlib import Path
 from helpers.env import HPKV_ENV_PREFIXES
 from helpers.server import kill_server, server_pid
 from helpers.waiting import wait_for
-from hpkv.benchmark.shim import after_import, install
+from bench.harness.shim import after_import, install
 from hpkv.demo.engine import Completion, VllmServer
 
 BLOCK_SIZE = 32

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +33,7 @@ from . import layout as lay
 from . import modelid
 from .holds import HpkvWorkerMeta
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats
+from .savequeue import SaveQueue
 
 log = logging.getLogger("hpkv.vllm.worker")
 
@@ -117,12 +117,8 @@ class HpkvWorker:
         self._meta_out: tuple[int, HpkvWorkerMeta] | None = None
         self.async_saves = async_saves  # None: decided in register_kv_caches, by device
         self._stats_lock = threading.Lock()
-        self._cond = threading.Condition()
-        self._queue: deque[_Save] = deque()
-        self._reading: dict[int, int] = {}  # block id -> queued saves that still read it
-        self._saver: threading.Thread | None = None
+        self.saves: SaveQueue[_Save] = SaveQueue(self._save)
         self._side_stream: Any = None  # a Stream of the device's torch module (torch.cuda, torch.npu...)
-        self._closing = False
         self._releaser: ThreadPoolExecutor | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -285,7 +281,7 @@ class HpkvWorker:
                     self._hold_failed(meta.seq)
             elif self.async_saves:
                 save.event = self._forward_done_event()
-                self._enqueue(save)
+                self.saves.put(save)
             else:
                 self._save(save)
         self._add("save_wait_s", time.perf_counter() - started)
@@ -342,46 +338,12 @@ class HpkvWorker:
         event.record(device_mod.current_stream(self.copier.device))
         return event
 
-    def _enqueue(self, save: _Save) -> None:
-        with self._cond:
-            for block in save.block_ids:
-                self._reading[block] = self._reading.get(block, 0) + 1
-            self._queue.append(save)
-            self._cond.notify_all()
-            if self._saver is None:
-                self._saver = threading.Thread(target=self._saver_loop, name="hpkv-saver", daemon=True)
-                self._saver.start()
-
-    def _saver_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closing:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                save = self._queue.popleft()
-            try:
-                self._save(save)
-            finally:
-                with self._cond:
-                    for block in save.block_ids:
-                        left = self._reading[block] - 1
-                        if left:
-                            self._reading[block] = left
-                        else:
-                            del self._reading[block]
-                    self._cond.notify_all()
-
     def fence(self, block_ids: list[int]) -> None:
         """Return once no queued save still reads any of `block_ids` (blocks this step writes)."""
-        with self._cond:
-            if not self._reading or not any(block in self._reading for block in block_ids):
-                return
-            started = time.perf_counter()
-            while any(block in self._reading for block in block_ids):
-                self._cond.wait()
-        self._add("save_fences", 1)
-        self._add("save_wait_s", time.perf_counter() - started)
+        waited = self.saves.fence(block_ids)
+        if waited is not None:
+            self._add("save_fences", 1)
+            self._add("save_wait_s", waited)
 
     def take_stats(self) -> HpkvConnectorStats | None:
         with self._stats_lock:
@@ -391,11 +353,7 @@ class HpkvWorker:
         return stats
 
     def shutdown(self) -> None:
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        if self._saver is not None:
-            self._saver.join(SAVER_JOIN_S)
+        self.saves.close(SAVER_JOIN_S)
         if self._releaser is not None:
             self._releaser.shutdown(wait=True)
         self.client.close()
