@@ -250,9 +250,9 @@ def pool_mappings(directory: Path) -> int:
 def restart_check(opts: Options) -> dict:
     """Step 5: save and load through a live client in every server generation; after the
     restarts, one pool registered and mapped."""
-    import hpkv
     import torch
 
+    import hpkv
     from hpkv.keys import NamespaceDesc, make_key
     from hpkv.server.autostart import ServerUnavailable
     from hpkv.server.client import Client

@@ -25,9 +25,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 
@@ -109,7 +109,7 @@ class _Buffers:
     plain: np.ndarray
 
     @classmethod
-    def allocate(cls, total_bytes: int) -> "_Buffers":
+    def allocate(cls, total_bytes: int) -> _Buffers:
         src = np.frombuffer(np.random.default_rng(0).bytes(total_bytes), dtype=np.uint8)
         dst, plain = np.ones(total_bytes, dtype=np.uint8), np.ones(total_bytes, dtype=np.uint8)
         return cls(src, dst, plain)
