@@ -242,7 +242,8 @@ def test_on_ramfs_beside_the_pool_a_server_starting_now_leaves_the_pool_its_memo
     from helpers.machine import GIB, pretend
 
     point = tmp_path / "ram"
-    pretend(monkeypatch, tmp_path, 64 * GIB, ramfs=(point,), cgroup="/ctr", limits={"/ctr": (str(10 * GIB), 2 * GIB, 0)})
+    pretend(monkeypatch, tmp_path, 64 * GIB, ramfs=(point,), cgroup="/ctr",
+            limits={"/ctr": (str(10 * GIB), 2 * GIB, 0)})
     storage = StorageConfig(path=point / "storage", enabled=True, capacity_bytes=None, fsync="off", io_threads=1)
     pool = PoolConfig(dir=point / "pool", size_bytes=2 * GIB)
 

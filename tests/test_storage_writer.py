@@ -111,7 +111,7 @@ def test_a_writer_killed_mid_job_leaves_no_temporary_behind(shm_dir, storage_dir
             target = FileTarget(str(storage_dir / f"{attempt}.kv"), str(storage_dir / f".{attempt}.tmp"),
                                 str(storage_dir), mkdir=False)
             errors: list[OSError | None] = []
-            job = threading.Thread(target=lambda: errors.append(
+            job = threading.Thread(target=lambda errors=errors, target=target: errors.append(
                 writers.write("ab" * 16, b"key", 0, size, target, "off")))
             job.start()
             deadline = time.monotonic() + 20

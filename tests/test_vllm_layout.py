@@ -96,7 +96,8 @@ def _config(num_layers: int, pp_size: int, tp_size: int = 1):
                             dtype="float16", get_total_num_hidden_layers=lambda: num_layers)
     parallel = SimpleNamespace(tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size,
                                prefill_context_parallel_size=1, decode_context_parallel_size=1)
-    return SimpleNamespace(model_config=model, parallel_config=parallel, cache_config=SimpleNamespace(cache_dtype="auto"))
+    return SimpleNamespace(model_config=model, parallel_config=parallel,
+                           cache_config=SimpleNamespace(cache_dtype="auto"))
 
 
 def _stage(num_layers: int, page: int = 4096):

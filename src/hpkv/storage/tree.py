@@ -14,8 +14,8 @@ or a directory planted anywhere in the tree is never followed, never blocks a th
 outside the tree is read, written or removed with the server's rights. What is found in place of
 a directory or a file is `Untrusted` (an OSError naming it): callers skip it and count it.
 
-Primitives: `Untrusted`, `Root` (the root held open), `open_dir`, `opened_dir` (the same as a context manager), `open_beneath`
-(one `openat2` where the kernel has it), `check_regular`, `is_regular`, `kind_of`, `raise_untrusted`,
+Primitives: `Untrusted`, `Root` (the root held open), `open_dir`, `opened_dir` (the same as a context manager),
+`open_beneath` (one `openat2` where the kernel has it), `check_regular`, `is_regular`, `kind_of`, `raise_untrusted`,
 `parts_below`, `write_description`.
 Must not know: the entry format, the index, the pool.
 """
