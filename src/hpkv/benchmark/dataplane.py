@@ -94,7 +94,7 @@ class Row:
 @dataclass(frozen=True)
 class Report:
     config: BenchConfig
-    machine: dict[str, object]
+    machine: machine.Machine
     rows: tuple[Row, ...]
     elapsed_s: float
 
@@ -274,7 +274,7 @@ def storage_rows(storage_dir: Path, entry_bytes: int, buffers: _Buffers, config:
     tier.start()
     desc = _desc(entry_bytes)
     tier.add_namespace(desc.ns, desc.to_json())
-    src, dst = memoryview(buffers.src)[:num_bytes], memoryview(buffers.dst)[:num_bytes]
+    src, dst = buffers.src.data[:num_bytes], buffers.dst.data[:num_bytes]  # memoryviews of the arrays
     times: dict[str, list[float]] = {"write": [], "read": [], "limit write": [], "limit read": []}
     # The same keys every round: the warm-up round creates their fan-out directories, as a tier
     # that has run for a while has them (a fresh tier pays a mkdir or two per entry at first).
