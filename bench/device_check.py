@@ -176,8 +176,8 @@ def copier_rows(opts: Options, copier, region, slot_bytes: int, sync, gen) -> tu
     }
     for pattern, ids in patterns.items():
         src, dst = ids[: opts.num_moved], ids[opts.num_moved :]
-        save_s = timed(lambda: copier.save(region, src, offsets), opts.reps, sync)
-        load_s = timed(lambda: copier.load(region, dst, offsets), opts.reps, sync)
+        save_s = timed(lambda src=src: copier.save(region, src, offsets), opts.reps, sync)
+        load_s = timed(lambda dst=dst: copier.load(region, dst, offsets), opts.reps, sync)
         checks[f"{pattern}: loaded blocks equal the saved blocks"] = all(
             torch.equal(v[dst], v[src]) for v in copier.layer_views)
         rows.append(Row("save: device -> pool (BlockCopier)", pattern, gbps(moved, save_s), None))
@@ -250,9 +250,9 @@ def pool_mappings(directory: Path) -> int:
 def restart_check(opts: Options) -> dict:
     """Step 5: save and load through a live client in every server generation; after the
     restarts, one pool registered and mapped."""
-    import hpkv
     import torch
 
+    import hpkv
     from hpkv.keys import NamespaceDesc, make_key
     from hpkv.server.autostart import ServerUnavailable
     from hpkv.server.client import Client

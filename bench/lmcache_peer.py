@@ -53,7 +53,7 @@ class LMCacheServer:
                            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
                                                          "lmcache.mp.port": self.port}})
 
-    def start(self, timeout_s: float = 120.0) -> "LMCacheServer":
+    def start(self, timeout_s: float = 120.0) -> LMCacheServer:
         self.l2_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         # Its own session, so stop() can end the server and every helper it forks at once.

@@ -16,8 +16,8 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from hpkv.demo.model import prompt_text
 

@@ -212,8 +212,8 @@ def print_report(summary: dict, head: dict) -> None:
     for col in ("measure", "tokens", "median", "p90", "n", "cached dev/host/disk/ext", "HPKV copy", "from tier",
                 "same ids"):
         table.add_column(col, justify="left" if col == "measure" else "right")
-    for row, by_len in summary["ttft"].items():
-        for n, r in sorted(by_len.items()):
+    for by_len in summary["ttft"].values():
+        for _n, r in sorted(by_len.items()):
             cached = "/".join(f"{r['cached_tokens'][k]:.0f}" for k in ("device", "host", "disk", "external"))
             table.add_row(r["measure"], str(r["prompt_tokens"]), f"{r['median_ms']:.0f} ms", f"{r['p90_ms']:.0f} ms",
                           str(r["n"]), cached, f"{r['hpkv_load_ms']:.0f} ms" if r["hpkv_load_ms"] else "",

@@ -83,13 +83,13 @@ def measure(policy: StorePolicy, pool_bytes: int, rounds: int, pool_dir: str) ->
                 keys = _keys(NUM_RESERVE, f"new{r}-")
                 started = threading.Event()
 
-                def reserve() -> None:
+                def reserve(keys: list[bytes], started: threading.Event) -> None:
                     started.set()
                     t0 = time.perf_counter()
                     store.reserve(ns_b, keys, owner=1)
                     reserves.append((time.perf_counter() - t0) * 1e3)
 
-                thread = threading.Thread(target=reserve)
+                thread = threading.Thread(target=reserve, args=(keys, started))
                 thread.start()
                 started.wait()
                 time.sleep(0.0005)  # the reserve has the lock by now

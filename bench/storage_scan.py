@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         if r is None:
             print(f"{name:5} skipped: --no-cold, or not root (dropping the kernel's caches needs root)")
             continue
-        print(f"{name:5} index of {r['files_indexed']} files in {r['seconds']:.1f} s ({r['seconds'] * per_million:.1f} s "
-              f"per million); a lookup and read of an unindexed file during it: "
+        print(f"{name:5} index of {r['files_indexed']} files in {r['seconds']:.1f} s "
+              f"({r['seconds'] * per_million:.1f} s per million); a lookup and read of an unindexed file during it: "
               f"{'hit' if r['probe_hit'] else 'MISS'} in {r['probe_ms']:.1f} ms; index memory "
               f"{r['index_rss_bytes'] * per_million / 2**20:.0f} MiB per million files")
     return 0

@@ -25,8 +25,8 @@ time). Each send waits until the storage writes so far are on disk (`os.sync`), 
 after the previous engine's request, so that engine's idle threads have stopped spinning on the
 two cores (vLLM's shared-memory message queues busy-wait for 1 s after their last message:
 `SpinCondition(busy_loop_s=1)` in vllm/distributed/device_communicators/shm_broadcast.py), and
-follows an untimed tiny request to its own engine, as in bench.vllm_ttft. The check, per request: auto's TTFT is not more than
-10% over the slower of the two fixed policies (PASS), i.e. auto is never worse than both.
+follows an untimed tiny request to its own engine, as in bench.vllm_ttft. The check, per request: auto's TTFT
+is not more than 10% over the slower of the two fixed policies (PASS), i.e. auto is never worse than both.
 Printed, never asserted. Progress on stderr, the table (or --json) on stdout.
 """
 

@@ -68,7 +68,6 @@ def server(env, tmp_path):
 def model():
     """The vLLM engine tests' tiny random Qwen2 (`helpers.vllm.MODEL_DIR`)."""
     from helpers.vllm import MODEL_DIR
-
     from hpkv.demo.model import build_model
 
     return build_model(MODEL_DIR)

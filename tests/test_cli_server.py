@@ -14,12 +14,13 @@ from pathlib import Path
 import psutil
 from click.testing import CliRunner
 
+from helpers.cli import DESC, ENTRY_BYTES, ServerProcess, free_port, hpkv, hpkv_env, wait_for_storage, write_entries
+from helpers.processes import stop
 from hpkv.cli import main
 from hpkv.keys import NamespaceDesc
 from hpkv.status import human_bytes
 from hpkv.types import Tier
-from helpers.cli import DESC, ENTRY_BYTES, ServerProcess, free_port, hpkv, hpkv_env, wait_for_storage, write_entries
-from helpers.processes import stop
+
 
 def kv_files(storage_dir: Path) -> list[Path]:
     return sorted(storage_dir.rglob("*.kv"))

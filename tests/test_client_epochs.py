@@ -11,9 +11,9 @@ import pytest
 from helpers.keys import desc, entry_key, payload
 from helpers.server import Node
 from helpers.waiting import wait_for
-from hpkv.server.autostart import answers
 from hpkv.config import load_settings
 from hpkv.server import daemon
+from hpkv.server.autostart import answers
 from hpkv.types import Tier
 
 ENTRY = 64 << 10

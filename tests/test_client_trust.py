@@ -15,7 +15,6 @@ from hpkv.server import protocol as p
 from hpkv.server.autostart import LOG_NAME, ServerUnavailable, ensure_server
 
 
-
 def impostor(directory, welcome: p.Welcome, fds: list[int] = ()) -> threading.Thread:
     """A server of sorts on `directory`'s socket: it answers one Hello with `welcome`, passing
     `fds` with it."""

@@ -11,13 +11,27 @@ from pathlib import Path
 
 import pytest
 
-from hpkv.config import PoolConfig, StorageConfig
-from hpkv.doctor import (Check, ServerProbe, Verdict, check_hash_seed, check_memlock, check_pool_fs,
-                         check_pool_pages, check_pool_permissions, check_pool_space, check_socket_path, check_storage,
-                         check_storage_permissions, check_storage_space, check_write_backlog, run_checks)
-from hpkv.fsinfo import mount_of
 from helpers.cli import hpkv, hpkv_env
 from helpers.stats import stats_from
+from hpkv.config import PoolConfig, StorageConfig
+from hpkv.doctor import (
+    Check,
+    ServerProbe,
+    Verdict,
+    check_hash_seed,
+    check_memlock,
+    check_pool_fs,
+    check_pool_pages,
+    check_pool_permissions,
+    check_pool_space,
+    check_socket_path,
+    check_storage,
+    check_storage_permissions,
+    check_storage_space,
+    check_write_backlog,
+    run_checks,
+)
+from hpkv.fsinfo import mount_of
 
 
 def by_name(checks: list[dict]) -> dict[str, dict]:
@@ -228,7 +242,8 @@ def test_on_ramfs_beside_the_pool_a_server_starting_now_leaves_the_pool_its_memo
     from helpers.machine import GIB, pretend
 
     point = tmp_path / "ram"
-    pretend(monkeypatch, tmp_path, 64 * GIB, ramfs=(point,), cgroup="/ctr", limits={"/ctr": (str(10 * GIB), 2 * GIB, 0)})
+    pretend(monkeypatch, tmp_path, 64 * GIB, ramfs=(point,), cgroup="/ctr",
+            limits={"/ctr": (str(10 * GIB), 2 * GIB, 0)})
     storage = StorageConfig(path=point / "storage", enabled=True, capacity_bytes=None, fsync="off", io_threads=1)
     pool = PoolConfig(dir=point / "pool", size_bytes=2 * GIB)
 
@@ -326,8 +341,8 @@ def test_doctor_names_the_setting_that_keeps_two_engines_from_sharing_kv(server,
 
 
 def test_namespaces_that_find_their_keys_are_fine():
-    from hpkv.doctor import check_namespaces
     from helpers.cli import DESC
+    from hpkv.doctor import check_namespaces
 
     def ns_stats(desc, lookup_keys, hits):
         return {"desc": desc.to_json(), "lookups": 1, "lookup_keys": lookup_keys, "hit_keys_dram": hits,
@@ -367,8 +382,8 @@ def test_storage_on_ramfs_leaves_out_a_pool_on_tmpfs_too_less_what_its_file_alre
                                                                                           shm_dir):
     """As the server: the pages a pool on any memory file system has yet to take are left out
     of the room, and those a pool file already there holds are not left out twice."""
-    from hpkv.pool.region import POOL_FILE_NAME
     from helpers.machine import GIB, pretend
+    from hpkv.pool.region import POOL_FILE_NAME
 
     point = tmp_path / "ram"
     pretend(monkeypatch, tmp_path, 8 * GIB, ramfs=(point,))

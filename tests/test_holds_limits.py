@@ -15,10 +15,10 @@ from helpers.config import make_pool_config, make_storage_config
 from helpers.keys import desc, entry_key, entry_keys, payload
 from helpers.server import Node
 from helpers.waiting import wait_for
-from hpkv.server.autostart import answers
 from hpkv.config import load_settings
 from hpkv.keys import NamespaceDesc
 from hpkv.server import daemon
+from hpkv.server.autostart import answers
 from hpkv.store import HOLD_QUARANTINE_S, TieredStore
 
 ENTRY = 64 << 10

@@ -165,9 +165,9 @@ def test_the_override_and_private_identities():
 def test_hpkv_status_shows_each_namespace_identity_and_where_it_came_from():
     from rich.console import Console
 
+    from helpers.stats import stats_from
     from hpkv.keys import NamespaceDesc
     from hpkv.status import _namespaces_table
-    from helpers.stats import stats_from
 
     source = "content of 2 config files and 4 weight files (16.0 GiB; headers and sampled chunks)"
     described = NamespaceDesc(engine="vllm", model="content:0123abcd+quantization=fp8", dtype="bfloat16",

@@ -19,8 +19,8 @@ from helpers.mappings import pool_mappings
 from helpers.server import Node
 from helpers.users import NOBODY, as_other_uid
 from helpers.waiting import wait_for
-from hpkv.doctor import Verdict, check_pool_permissions
 from hpkv.config import PoolConfig
+from hpkv.doctor import Verdict, check_pool_permissions
 from hpkv.errors import PoolError
 from hpkv.pool.region import PoolRegion
 from hpkv.server import protocol as p

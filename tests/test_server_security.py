@@ -44,7 +44,7 @@ def talk(node: Node, *requests: p.Msg) -> dict:
             closed = sock.recv(1) == b""
         except ConnectionResetError:
             closed = True
-        except socket.timeout:
+        except TimeoutError:
             pass
     sock.close()
     return {"uid": os.getuid(), "replies": [[type(r).__name__, getattr(r, "code", None)] for r in replies],

@@ -10,10 +10,10 @@ import os
 import subprocess
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from helpers import sglang as su
 from hpkv.integrations.sglang import flag

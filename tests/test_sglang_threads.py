@@ -15,9 +15,9 @@ import time
 import pytest
 
 from helpers import sglang as su
-from hpkv.keys import make_key
 from helpers.mappings import inode_mappings
 from helpers.waiting import wait_for
+from hpkv.keys import make_key
 
 NUM_KEYS = 24
 READ_PAGES = 8  # each thread reads into its own pages, as SGLang gives each prefetch its own slots

@@ -8,11 +8,12 @@ import copy
 import msgspec
 import pytest
 
-from hpkv import stats
-from hpkv.server import protocol as p
 from helpers.keys import desc, entry_key
 from helpers.server import raw_connect
 from helpers.stats import ZERO_STATS, stats_from
+from hpkv import stats
+from hpkv.server import protocol as p
+
 
 def test_a_real_servers_stats_fit_the_schema_and_lose_no_field(node):
     node.start_server()

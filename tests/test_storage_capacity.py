@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from helpers import storage_stories as stories
 from helpers.config import make_storage_config
 from helpers.storage_stories import (
@@ -25,7 +26,6 @@ from helpers.storage_stories import (
     temps,
     write,
 )
-
 from hpkv.storage import capacity as capacity_module
 from hpkv.storage.capacity import AUTO_CAPACITY_FRACTION, CAPACITY_RECOVERY_S, auto_capacity_bytes, little_room
 from hpkv.storage.tier import StorageTier

@@ -7,6 +7,7 @@ import errno
 import os
 
 import pytest
+
 from helpers import storage_stories as stories
 from helpers.storage_stories import (
     NS,
@@ -22,7 +23,6 @@ from helpers.storage_stories import (
     see_sharing,
     write,
 )
-
 from hpkv.storage.fileio import FileIO
 from hpkv.storage.tier import StorageTier
 

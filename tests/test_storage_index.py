@@ -9,9 +9,9 @@ import threading
 from pathlib import Path
 
 import pytest
+
 from helpers import storage_stories as stories
 from helpers.storage_stories import NS, OTHER_NS, FakeClock, age, file_bytes, key, write
-
 from hpkv.storage.index import MAX_FILE_BYTES, FileIndex, UnreadableMarks, size_of, used_minute_s
 
 open_tier = stories.open_tier

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from helpers import storage_stories as stories
 from helpers.storage_stories import (
     ENTRY,
@@ -24,7 +25,6 @@ from helpers.storage_stories import (
     read,
     write,
 )
-
 from hpkv.storage import format as fmt
 from hpkv.storage.counters import WARN_EVERY_S
 from hpkv.storage.fileio import FileIO

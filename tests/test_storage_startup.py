@@ -11,7 +11,6 @@ from pathlib import Path
 
 from helpers import storage_stories as stories
 from helpers.storage_stories import NS, OTHER_NS, eventually, file_bytes, held_scan, key, payload, read, write
-
 from hpkv.keys import make_key
 from hpkv.storage import startup
 from hpkv.storage.scan import STALE_TEMP_S

@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
+
 from helpers import storage_stories as stories
 from helpers.config import make_storage_config
 from helpers.storage_stories import ENTRY, NS, OTHER_NS, file_bytes, key, mount_tmpfs, payload, read, temps, write
-
 from hpkv.errors import StorageError
 from hpkv.storage.fileio import FileIO
 from hpkv.storage.root import StorageUnusable

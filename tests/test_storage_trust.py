@@ -22,14 +22,15 @@ from pathlib import Path
 import pytest
 
 from helpers.config import make_pool_config, make_storage_config
+from helpers.keys import desc, entry_key, fill
+from helpers.keys import payload as server_payload
+from helpers.server import Node
+from helpers.waiting import wait_for
 from hpkv.doctor import Verdict, run_checks
 from hpkv.errors import PoolError
 from hpkv.storage import layout as layout_module
 from hpkv.storage.tier import StorageTier
 from hpkv.store import TieredStore
-from helpers.keys import desc, entry_key, fill, payload as server_payload
-from helpers.server import Node
-from helpers.waiting import wait_for
 
 NS = "0123456789abcdef" * 2
 OTHER_NS = "fedcba9876543210" * 2

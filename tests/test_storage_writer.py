@@ -23,7 +23,7 @@ from hpkv.config import StorageConfig
 from hpkv.stats import WriteBacklogStats
 from hpkv.storage.tier import StorageTier
 from hpkv.storage.writer import PROTOCOL_VERSION, WriterPool, WriterProcess, WriterUnavailable
-from hpkv.store import TieredStore, write_threads
+from hpkv.store import write_threads
 from hpkv.types import Tier
 from test_store import desc, keys, load, open_store, payload, save  # noqa: F401 (a fixture)
 
@@ -111,7 +111,7 @@ def test_a_writer_killed_mid_job_leaves_no_temporary_behind(shm_dir, storage_dir
             target = FileTarget(str(storage_dir / f"{attempt}.kv"), str(storage_dir / f".{attempt}.tmp"),
                                 str(storage_dir), mkdir=False)
             errors: list[OSError | None] = []
-            job = threading.Thread(target=lambda: errors.append(
+            job = threading.Thread(target=lambda errors=errors, target=target: errors.append(
                 writers.write("ab" * 16, b"key", 0, size, target, "off")))
             job.start()
             deadline = time.monotonic() + 20

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hpkv.demo.model import prompt_text
 from helpers.vllm import Engine, same_output, serving
+from hpkv.demo.model import prompt_text
 
 pytestmark = [
     pytest.mark.vllm_e2e,

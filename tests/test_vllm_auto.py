@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from hpkv.demo.model import prompt_text
 from helpers.server import kill_server, server_pid
 from helpers.storage import settled_files
 from helpers.vllm import Engine, num_saved_blocks, same_output, serving
+from hpkv.demo.model import prompt_text
 
 pytestmark = [
     pytest.mark.vllm_e2e,  # an engine test: `-k "not vllm_e2e"` leaves it out with the others

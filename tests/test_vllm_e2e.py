@@ -29,9 +29,6 @@ from pathlib import Path
 
 import pytest
 
-from hpkv.demo.model import prompt_text
-from hpkv.server import protocol
-from hpkv.server.autostart import answers
 from helpers.processes import wait_gone
 from helpers.server import kill_server, server_pid, server_stats
 from helpers.storage import flip_middle_bytes, kv_files, settled_files
@@ -45,6 +42,9 @@ from helpers.vllm import (
     without_hpkv_environ,
 )
 from helpers.waiting import wait_for
+from hpkv.demo.model import prompt_text
+from hpkv.server import protocol
+from hpkv.server.autostart import answers
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install ct-hpkv[engines])"),

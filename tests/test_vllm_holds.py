@@ -96,13 +96,14 @@ def test_the_scheduler_settles_a_step_on_every_rank_and_rewinds_the_requests_tha
     and the lease the step loaded under is released."""
     from vllm.v1.outputs import KVConnectorOutput
 
+    from helpers.keys import desc, entry_key, payload
+    from helpers.server import Node
     from hpkv.costmodel import FixedThreshold
     from hpkv.integrations.vllm.holds import HpkvWorkerMeta, SaveHolds
     from hpkv.integrations.vllm.metadata import HpkvConnectorStats
-    from hpkv.integrations.vllm.requests import NEVER, RequestState as _Req
+    from hpkv.integrations.vllm.requests import NEVER
+    from hpkv.integrations.vllm.requests import RequestState as _Req
     from hpkv.integrations.vllm.scheduler import HpkvScheduler
-    from helpers.keys import desc, entry_key, payload
-    from helpers.server import Node
 
     node = Node(shm_dir, tmp_path)
     node.start_server()

@@ -44,6 +44,7 @@ def _layer_cache(layout_name: str, kernel_block_size: int | None = None):
 @pytest.mark.parametrize("layout_name", ["LBHNC", "BLHNC"])
 def test_a_block_whose_heads_tokens_and_content_are_one_run_is_one_row(layout_name):
     import torch
+
     from hpkv.integrations.vllm.worker import block_rows
 
     cache, page = _layer_cache(layout_name)
@@ -95,7 +96,8 @@ def _config(num_layers: int, pp_size: int, tp_size: int = 1):
                             dtype="float16", get_total_num_hidden_layers=lambda: num_layers)
     parallel = SimpleNamespace(tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size,
                                prefill_context_parallel_size=1, decode_context_parallel_size=1)
-    return SimpleNamespace(model_config=model, parallel_config=parallel, cache_config=SimpleNamespace(cache_dtype="auto"))
+    return SimpleNamespace(model_config=model, parallel_config=parallel,
+                           cache_config=SimpleNamespace(cache_dtype="auto"))
 
 
 def _stage(num_layers: int, page: int = 4096):
@@ -135,6 +137,7 @@ def test_a_padded_page_is_one_row_with_its_padding_after_the_block():
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
     from vllm.v1.kv_cache_layout import KVCacheLayout
+
     from hpkv.integrations.vllm.worker import block_rows
 
     plain = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.float16)
@@ -156,13 +159,12 @@ def test_a_padded_page_is_one_row_with_its_padding_after_the_block():
 def test_saves_are_synchronous_where_vllm_writes_reused_blocks_before_the_fence():
     """Mixed KV precisions make vLLM zero reused blocks; hash blocks smaller than a block make it
     copy into them; either happens before HPKV's fence in vLLM's V2 model runner, after it in V1."""
+    import dataclasses
     from types import SimpleNamespace
 
-    import dataclasses
-
     import torch
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
-                                            UniformTypeKVCacheSpecs)
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, UniformTypeKVCacheSpecs
+
     from hpkv.integrations.vllm.worker import writes_reused_blocks_early
 
     def config(*dtypes):

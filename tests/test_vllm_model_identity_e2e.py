@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from hpkv.demo.model import prompt_text
 from helpers.processes import wait_gone
 from helpers.server import kill_server, server_pid, server_stats
 from helpers.storage import settled_files
 from helpers.vllm import Engine, num_saved_blocks, reseed, same_output, start_all, without_hpkv_environ
 from helpers.waiting import wait_for
+from hpkv.demo.model import prompt_text
 
 pytestmark = [
     pytest.mark.vllm_e2e,

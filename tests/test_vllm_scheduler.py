@@ -28,8 +28,8 @@ def test_a_lease_whose_connection_was_dropped_while_it_promoted_is_a_miss(node, 
     the scheduler's connection dropped (a timeout) and a later call opened a new one. The lease
     pinned nothing once its connection was gone: the next ask is a miss, neither "ask again"
     (the request would never run) nor an exception (vLLM's engine core would die)."""
-    from hpkv.integrations.vllm.requests import RequestState as _Req
     from helpers.keys import entry_key
+    from hpkv.integrations.vllm.requests import RequestState as _Req
 
     scheduler = scheduler_half(node, num_ranks)
     keys = [entry_key("prompt", i) for i in range(4)]

@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hpkv.server import protocol
 from helpers.keys import desc, entry_key
 from helpers.server import Node
 from helpers.waiting import wait_for
+from hpkv.server import protocol
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
 

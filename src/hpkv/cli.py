@@ -60,6 +60,7 @@ def _show(setting: Setting) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if _KIND[setting.key] == "size":
+        assert isinstance(value, int)  # what a "size" key parses to
         return f"{exact_bytes(value)} ({value} bytes)"
     return str(value)
 

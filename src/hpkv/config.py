@@ -229,6 +229,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Resolve every key: config file > environment > default. Raises ConfigError."""
     env = os.environ if env is None else env
     file_setting, explicit = _config_file(env)
+    assert isinstance(file_setting.value, Path)  # a "path" key, with a default
     entries, warnings = _read_file(file_setting.value, explicit)
     resolved = [file_setting] + [_resolve(spec, entries, env)
                                  for spec in KEYS if spec.name != CONFIG_FILE_KEY]

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.config import make_storage_config
 
+from helpers.config import make_storage_config
 from hpkv.keys import make_key
 from hpkv.storage import format as fmt
 from hpkv.storage.fileio import FileIO

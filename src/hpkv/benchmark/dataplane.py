@@ -25,9 +25,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 
@@ -94,7 +94,7 @@ class Row:
 @dataclass(frozen=True)
 class Report:
     config: BenchConfig
-    machine: dict[str, object]
+    machine: machine.Machine
     rows: tuple[Row, ...]
     elapsed_s: float
 
@@ -109,7 +109,7 @@ class _Buffers:
     plain: np.ndarray
 
     @classmethod
-    def allocate(cls, total_bytes: int) -> "_Buffers":
+    def allocate(cls, total_bytes: int) -> _Buffers:
         src = np.frombuffer(np.random.default_rng(0).bytes(total_bytes), dtype=np.uint8)
         dst, plain = np.ones(total_bytes, dtype=np.uint8), np.ones(total_bytes, dtype=np.uint8)
         return cls(src, dst, plain)
@@ -274,7 +274,7 @@ def storage_rows(storage_dir: Path, entry_bytes: int, buffers: _Buffers, config:
     tier.start()
     desc = _desc(entry_bytes)
     tier.add_namespace(desc.ns, desc.to_json())
-    src, dst = memoryview(buffers.src)[:num_bytes], memoryview(buffers.dst)[:num_bytes]
+    src, dst = buffers.src.data[:num_bytes], buffers.dst.data[:num_bytes]  # memoryviews of the arrays
     times: dict[str, list[float]] = {"write": [], "read": [], "limit write": [], "limit read": []}
     # The same keys every round: the warm-up round creates their fan-out directories, as a tier
     # that has run for a while has them (a fresh tier pays a mkdir or two per entry at first).

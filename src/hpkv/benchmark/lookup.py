@@ -1,8 +1,8 @@
 """The lookup benchmark: `store.lookup` of one request's prefix in a store that indexes many keys.
 
 What the store holds: `num_keys` keys of 32 random bytes (the shape of vLLM's sha256 block
-hashes). Every key is in the storage tier's index, entered as the tier's start-up scan enters the
-files it finds (`_remember`) but without writing 16 KiB files a million times:
+hashes). Every key is in the storage tier's index, entered directly (`FileIndex.remember`, as
+if just written) without writing 16 KiB files a million times:
 a lookup that finds a key in the index never touches its file, so the files would change nothing
 measured. The first `NUM_DRAM_KEYS` keys of the measured prefix are also committed DRAM entries
 (their bytes are never read). The measured prefix is `PREFIX_KEYS` keys: 1,024 DRAM hits, then
@@ -87,10 +87,11 @@ def measure(pool_dir: Path, storage_dir: Path, num_keys: int, rounds: int = 200)
 
 def _fill(store: TieredStore, ns: str, keys: list[Key], dram_keys: list[Key]) -> None:
     tier = store.storage
+    assert tier is not None  # measure() opens the store with storage enabled
     tier.scan_done.wait()  # the scan of the empty directory must not race the entries below
     file_bytes = fmt.header_bytes(len(keys[0])) + ENTRY_BYTES
     for key in keys:
-        tier._remember(ns, key, file_bytes)
+        tier.index.remember(tier.index.key(ns, key), file_bytes)
     store.reserve(ns, dram_keys)
     num_published = store.commit(ns, dram_keys)
     # Each commit queues a write-through that finds the key already on storage and skips it;

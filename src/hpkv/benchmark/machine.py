@@ -8,13 +8,37 @@ from __future__ import annotations
 import os
 import platform
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 
 from ..fsinfo import mount_of
 
 
-def describe(pool_dir: Path, storage_dir: Path) -> dict[str, object]:
+class _PathInfo(TypedDict):
+    path: str
+    fs_type: str
+    mount_point: str
+    source: str
+
+
+class PathInfo(_PathInfo, total=False):
+    huge_pages: str  # a tmpfs's huge=, where it has one
+
+
+class Machine(TypedDict):
+    cpus: int | None
+    cpu_model: str
+    memory_bytes: int
+    kernel: str
+    python: str
+    numpy: str
+    load_avg_1m: float
+    pool_dir: PathInfo
+    storage_dir: PathInfo
+
+
+def describe(pool_dir: Path, storage_dir: Path) -> Machine:
     return {
         "cpus": os.cpu_count(),
         "cpu_model": _cpu_model(),
@@ -29,9 +53,9 @@ def describe(pool_dir: Path, storage_dir: Path) -> dict[str, object]:
     }
 
 
-def _path_info(path: Path) -> dict[str, str]:
+def _path_info(path: Path) -> PathInfo:
     mount = mount_of(path)
-    info = {"path": str(path), "fs_type": mount.fs_type, "mount_point": mount.mount_point,
+    info: PathInfo = {"path": str(path), "fs_type": mount.fs_type, "mount_point": mount.mount_point,
             "source": mount.source}
     if mount.huge_pages is not None:
         info["huge_pages"] = mount.huge_pages  # a tmpfs's huge= (docs/operations.md, "Huge pages")

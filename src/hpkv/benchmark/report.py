@@ -6,12 +6,13 @@ import dataclasses
 import json
 from pathlib import Path
 
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.table import Table
 from rich.text import Text
 
 from .dataplane import Report, Row, human_bytes
 from .lookup import PREFIX_KEYS
+from .machine import Machine
 
 
 def to_json(report: Report) -> str:
@@ -24,9 +25,10 @@ def to_json(report: Report) -> str:
 
 def print_table(report: Report, console: Console) -> None:
     table = Table(title=Text(f"HPKV data plane ({_machine_line(report.machine)})"))
-    for name, justify in (("measure", "left"), ("entry", "right"), ("HPKV", "right"),
-                          ("limit", "right"), ("ratio", "right"), ("target", "left"),
-                          ("result", "left")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("measure", "left"), ("entry", "right"), ("HPKV", "right"), ("limit", "right"),
+        ("ratio", "right"), ("target", "left"), ("result", "left"))
+    for name, justify in columns:
         table.add_column(name, justify=justify, no_wrap=True)
     for row in report.rows:
         table.add_row(*_cells(row))
@@ -53,6 +55,6 @@ def _cells(row: Row) -> list[Text]:
             Text(row.target), result]
 
 
-def _machine_line(machine: dict[str, object]) -> str:
+def _machine_line(machine: Machine) -> str:
     return (f"{machine['cpus']} CPUs, {machine['memory_bytes'] / 2**30:.0f} GiB, "
             f"load {machine['load_avg_1m']}")

@@ -15,8 +15,8 @@ from ..fsinfo import MEMORY_FS, PSEUDO_FS, existing_ancestor, mount_of, room_byt
 from ..stats import ServerStats
 from ..status import human_bytes
 from ..storage import root as storage_root
-from ..storage.fileio import direct_supported
 from ..storage.capacity import AUTO_CAPACITY_FRACTION, auto_capacity_bytes, little_room
+from ..storage.fileio import direct_supported
 from .check import Check, ServerProbe, Verdict
 from .pool import pool_file_bytes
 

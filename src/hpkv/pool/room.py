@@ -5,7 +5,8 @@ goes, or, when another size class holds older ones, that class's movable slab wi
 entry moves over) and `WalkOldest` (the same choice made by walking entries oldest first: the
 reference the fast one must match, for tests and `bench/reserve_contention.py`).
 Primitives, the tier's (`DramTier`) and its evictable entries' (`tier.lru`, `pool/lru.py`):
-`lru.by_class()`, `lru.oldest_movable(slot_bytes)`, `slab_entries(slab)`, `move_slab(slab, slot_bytes)`, `evict_for(entry, slot_bytes)`.
+`lru.by_class()`, `lru.oldest_movable(slot_bytes)`, `slab_entries(slab)`, `move_slab(slab, slot_bytes)`,
+`evict_for(entry, slot_bytes)`.
 Must not know: the store, leases, reservations, or what an entry holds. Runs under the caller's
 lock: its cost is what every other client of the store waits for.
 """

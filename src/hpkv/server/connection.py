@@ -103,5 +103,5 @@ def lives_on(pid: int, grace_s: float = 0.5) -> bool:
     return False
 
 
-def send(conn: socket.socket, msg: p.Msg) -> None:
+def send(conn: socket.socket, msg: p.Reply) -> None:
     conn.sendall(p.encode(msg))

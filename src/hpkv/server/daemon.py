@@ -129,9 +129,11 @@ class Server:
                  self.store.region.path, self.store.region.size_bytes)
 
     def _accept_loop(self) -> None:
+        listener = self._listener
+        assert listener is not None  # _open ran
         while not self._stop.is_set():
             try:
-                conn, _ = self._listener.accept()
+                conn, _ = listener.accept()
             except TimeoutError:
                 if self._idle_expired():
                     log.info("no client for %.1f s: the auto-started server exits",
@@ -198,39 +200,43 @@ class Server:
     # -- one client ---------------------------------------------------------------------------
 
     def _serve(self, conn: socket.socket) -> None:
+        store, handlers = self.store, self.handlers
+        assert store is not None and handlers is not None  # _open ran before the first client
         pid, uid, _ = peer_ids(conn)
         with self._clients_lock:
             client = ClientInfo(self._next_id, pid, uid)
             self._next_id += 1
             self._clients[client.id] = client
         try:
-            if connection.admit(conn, client, self.store, self.settings):
-                connection.dialogue(conn, client, self.handlers, self.settings, self.metrics)
+            if connection.admit(conn, client, store, self.settings):
+                connection.dialogue(conn, client, handlers, self.settings, self.metrics)
         except (TimeoutError, EOFError, ConnectionError, OSError):
             pass  # the client went away; what it held is reclaimed below
         finally:
             conn.close()
             # A live client lost its connection (its call timed out): it may still be copying.
-            copying = self.store.holds_reservations(client.id) and connection.lives_on(client.pid)
-            self.store.drop_owner(client.id, quarantine_s=QUARANTINE_S if copying else 0.0)
+            copying = store.holds_reservations(client.id) and connection.lives_on(client.pid)
+            store.drop_owner(client.id, quarantine_s=QUARANTINE_S if copying else 0.0)
             with self._clients_lock:
                 del self._clients[client.id]
                 self._last_client_left = time.monotonic()
 
     def stats(self) -> st.ServerStats:
         """The store's snapshot and this server's."""
-        store = self.store.stats()
+        store = self.store
+        assert store is not None  # asked for by handlers and metrics, made once the store is open
+        snapshot = store.stats()
         with self._clients_lock:
             clients = [st.ClientStats(id=c.id, pid=c.pid, uid=c.uid, kind=c.kind,
                                       connected_s=round(time.time() - c.connected_at, 1),
-                                      leases=sum(self.store.leases.get(i) is not None for i in list(c.leases)))
+                                      leases=sum(store.leases.get(i) is not None for i in list(c.leases)))
                        for c in self._clients.values()]  # leases: not taken back
         server = st.ServerInfo(pid=os.getpid(), version=__version__, protocol=p.PROTOCOL_VERSION, auto=self.auto,
                                uptime_s=round(time.time() - self.started_at, 1),
                                socket=p.display_path(self.socket_path),
-                               pool_path=p.display_path(self.store.region.path),
+                               pool_path=p.display_path(store.region.path),
                                storage_path=p.display_path(self.settings.storage.path))
-        return st.ServerStats(**msgspec.structs.asdict(store), server=server, clients=clients)
+        return st.ServerStats(**msgspec.structs.asdict(snapshot), server=server, clients=clients)
 
 
 def max_slot_bytes(store: TieredStore, settings: Settings) -> int | None:

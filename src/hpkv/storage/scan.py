@@ -19,9 +19,9 @@ import os
 import stat
 import time
 from array import array
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 from ..errors import StorageError
 from ..procs import pid_alive

@@ -14,8 +14,8 @@ or a directory planted anywhere in the tree is never followed, never blocks a th
 outside the tree is read, written or removed with the server's rights. What is found in place of
 a directory or a file is `Untrusted` (an OSError naming it): callers skip it and count it.
 
-Primitives: `Untrusted`, `Root` (the root held open), `open_dir`, `opened_dir` (the same as a context manager), `open_beneath`
-(one `openat2` where the kernel has it), `check_regular`, `is_regular`, `kind_of`, `raise_untrusted`,
+Primitives: `Untrusted`, `Root` (the root held open), `open_dir`, `opened_dir` (the same as a context manager),
+`open_beneath` (one `openat2` where the kernel has it), `check_regular`, `is_regular`, `kind_of`, `raise_untrusted`,
 `parts_below`, `write_description`.
 Must not know: the entry format, the index, the pool.
 """
@@ -28,12 +28,15 @@ import errno
 import os
 import stat
 import threading
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK  # added to every open of a file in the tree
 CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _SYS_OPENAT2 = 437  # one number on every Linux architecture (5.6 and later)
 _RESOLVE = 0x04 | 0x08  # RESOLVE_NO_SYMLINKS | RESOLVE_BENEATH
+_T = TypeVar("_T")
 
 
 class _OpenHow(ctypes.Structure):
@@ -213,7 +216,12 @@ class Root:
                 fd = self._fd
         return fd
 
-    def open(self, relpath: str, flags: int, opener=None) -> int:
+    @overload
+    def open(self, relpath: str, flags: int) -> int: ...
+    @overload
+    def open(self, relpath: str, flags: int, opener: Callable[..., _T]) -> _T: ...
+
+    def open(self, relpath: str, flags: int, opener: Callable[..., Any] | None = None) -> Any:
         """`opener(relpath, flags, dir_fd=)` (`open_beneath` by default) from the root's descriptor."""
         opener = opener or (lambda path, flags_, dir_fd: open_beneath(dir_fd, path, flags_, base=self.path))
         try:

@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import IO
 
 from ..errors import HpkvError
 from ..stats import WriterStats
@@ -76,10 +77,20 @@ class WriterProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    @property
+    def _stdin(self) -> IO[bytes]:
+        assert self.proc.stdin is not None  # started with stdin=PIPE
+        return self.proc.stdin
+
+    @property
+    def _stdout(self) -> IO[bytes]:
+        assert self.proc.stdout is not None  # started with stdout=PIPE
+        return self.proc.stdout
+
     def write(self, job: dict) -> OSError | None:
         try:
-            self.proc.stdin.write(json.dumps(job).encode() + b"\n")
-            self.proc.stdin.flush()
+            self._stdin.write(json.dumps(job).encode() + b"\n")
+            self._stdin.flush()
             reply = self._read_reply()
         except (OSError, ValueError):  # it died, or the pool closed it (ValueError: closed pipe)
             reply = {"errno": errno.EIO, "error": f"the write-through process {self.proc.pid} is gone"}
@@ -91,7 +102,7 @@ class WriterProcess:
         return OSError(reply["errno"], reply.get("error", "write-through process failed"))
 
     def _read_reply(self) -> dict:
-        line = self.proc.stdout.readline()  # blocks without the GIL
+        line = self._stdout.readline()  # blocks without the GIL
         if not line:
             code = self.proc.wait()
             return {"errno": errno.EIO, "error": f"the write-through process {self.proc.pid} exited ({code})"}
@@ -114,19 +125,19 @@ class WriterProcess:
     def close(self, timeout_s: float = 10.0) -> None:
         """End of input: it finishes the job in hand and exits."""
         try:
-            self.proc.stdin.close()
+            self._stdin.close()
         except OSError:
             pass
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
-        self.proc.stdout.close()
+        self._stdout.close()
 
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
+        for pipe in (self._stdin, self._stdout):
             try:
                 pipe.close()
             except OSError:

@@ -18,7 +18,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -101,7 +101,7 @@ class Leases:
         assert self._storage is not None
         return self._storage
 
-    def lease(self, ns: str, keys: list[bytes], owner: int = 0, start_reads: bool = True) -> Lease:
+    def lease(self, ns: str, keys: Sequence[bytes], owner: int = 0, start_reads: bool = True) -> Lease:
         """Pin the leading hits; storage hits are read into DRAM slots in the background. With
         `start_reads=False` those reads wait for `start_reads(lease)`: a server answers first, so
         the I/O threads do not hold up the reply the caller (a scheduler) is waiting for."""
@@ -134,7 +134,7 @@ class Leases:
             self.start_reads(lease)
         return lease
 
-    def _pin_round(self, ns: str, keys: list[bytes], owner: int, probe: Probe, pinned: _Pinned,
+    def _pin_round(self, ns: str, keys: Sequence[bytes], owner: int, probe: Probe, pinned: _Pinned,
                    slot_bytes: int) -> int:
         """Pin the next keys up to a miss; the number of keys left past the owner's cap."""
         with self._lock:

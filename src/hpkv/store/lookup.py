@@ -11,7 +11,7 @@ Must not know: leases, reservations, write-throughs.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ..keys import NamespaceDesc
 from ..pool.tier import DramTier
@@ -61,7 +61,7 @@ class Lookups:
     def probe(self, ns: str) -> Probe:
         return self._storage.index_probe(ns) if self._storage is not None else NOWHERE
 
-    def lookup(self, ns: str, keys: list[bytes]) -> Lookup:
+    def lookup(self, ns: str, keys: Sequence[bytes]) -> Lookup:
         tiers: list[Tier] = []
         index = self._dram.index_of(ns)
         prefix, on_storage = self.probe(ns)
@@ -87,7 +87,7 @@ class Lookups:
             self._hits[ns].count(len(keys), num_dram, len(tiers) - num_dram)
         return Lookup(tuple(tiers))
 
-    def found_elsewhere(self, ns: str, keys: list[bytes], i: int) -> bool:
+    def found_elsewhere(self, ns: str, keys: Sequence[bytes], i: int) -> bool:
         """Whether keys[i], where a walk of the indexes stopped, has a file on storage after all
         (another node wrote it, or the start-up scan has not reached it): the tier adopts it, and
         the walk goes on from there. Called without the lock: a `stat` on a network file system

@@ -15,7 +15,7 @@ beyond their entries. Called without the store's lock, except `reclaim` (caller 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from ..limits import HeldSlots, Reserved
 from ..pool.tier import DramEntry, DramTier
@@ -39,7 +39,7 @@ class Reservations:
         self._order = order
         self._leases = leases  # whose expired leases `reclaim` takes back
 
-    def reserve(self, ns: str, keys: list[bytes], owner: int = 0, hold: str = "") -> list[int | None]:
+    def reserve(self, ns: str, keys: Sequence[bytes], owner: int = 0, hold: str = "") -> list[int | None]:
         """Slots to copy each key's bytes into; None where the key is present (nothing is saved
         twice), the owner holds it reserved already (even if a clear dropped the entry since: it
         may still be copying into the first slot), the owner is at its cap, or the pool has no
@@ -71,7 +71,7 @@ class Reservations:
             self._held.refused(owner, num_capped, "reserved")
         return offsets
 
-    def commit(self, ns: str, keys: list[bytes], owner: int = 0) -> int:
+    def commit(self, ns: str, keys: Sequence[bytes], owner: int = 0) -> int:
         """Publish keys `owner` reserved (not in a hold; others are ignored) and queue their
         write-through; the number published."""
         with self._lock:
@@ -104,7 +104,7 @@ class Reservations:
         self._submit(writes)
         return num_published, num_aborted
 
-    def abort(self, ns: str, keys: list[bytes], owner: int = 0, hold: str = "") -> int:
+    def abort(self, ns: str, keys: Sequence[bytes], owner: int = 0, hold: str = "") -> int:
         """Give back the slots of keys `owner` reserved (in `hold`, with one: an owner may give
         back what it reserved in a hold, never commit it); returns how many it held."""
         num = 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 
 from ..config import PoolConfig, StorageConfig
 from ..fsinfo import MEMORY_FS, mount_of
@@ -125,26 +126,26 @@ class TieredStore:
     def entry_bytes(self, ns: str) -> int:
         return self.dram.entry_bytes(ns)
 
-    def lookup(self, ns: str, keys: list[bytes]) -> Lookup:
+    def lookup(self, ns: str, keys: Sequence[bytes]) -> Lookup:
         """The tier of each leading hit (DRAM before storage), up to the first miss."""
         return self.lookups.lookup(ns, keys)
 
-    def lease(self, ns: str, keys: list[bytes], owner: int = 0, start_reads: bool = True) -> Lease:
+    def lease(self, ns: str, keys: Sequence[bytes], owner: int = 0, start_reads: bool = True) -> Lease:
         return self.leases.lease(ns, keys, owner, start_reads)
 
     def release(self, lease_id: int) -> bool:
         return self.leases.release(lease_id)
 
-    def reserve(self, ns: str, keys: list[bytes], owner: int = 0, hold: str = "") -> list[int | None]:
+    def reserve(self, ns: str, keys: Sequence[bytes], owner: int = 0, hold: str = "") -> list[int | None]:
         return self.reservations.reserve(ns, keys, owner, hold)
 
-    def commit(self, ns: str, keys: list[bytes], owner: int = 0) -> int:
+    def commit(self, ns: str, keys: Sequence[bytes], owner: int = 0) -> int:
         return self.reservations.commit(ns, keys, owner)
 
     def settle(self, hold: str, abort: set[bytes] | list[bytes] | None) -> tuple[int, int]:
         return self.reservations.settle(hold, abort)
 
-    def abort(self, ns: str, keys: list[bytes], owner: int = 0, hold: str = "") -> int:
+    def abort(self, ns: str, keys: Sequence[bytes], owner: int = 0, hold: str = "") -> int:
         return self.reservations.abort(ns, keys, owner, hold)
 
     def flush(self, timeout: float | None = None) -> bool:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 from prometheus_client import Counter
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
 _COUNTERS = {
     "hit_tokens_dram": "Prompt tokens loaded from HPKV's DRAM pool",
