@@ -63,6 +63,12 @@ class FixedThreshold:
     def promoted(self, num_bytes: int, seconds: float) -> None:
         pass
 
+    def step_built(self, chunks: Sequence[tuple[int, int]], num_load_jobs: int) -> None:
+        pass  # a fixed threshold learns nothing from a step (`learns` is False: never called)
+
+    def step_done(self, connector_s: float, load_s: float, load_bytes: float) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -16,10 +16,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.harness.shim import after_import, install
 from helpers.env import HPKV_ENV_PREFIXES
 from helpers.server import kill_server, server_pid
 from helpers.waiting import wait_for
-from bench.harness.shim import after_import, install
 from hpkv.demo.engine import Completion, VllmServer
 
 BLOCK_SIZE = 32

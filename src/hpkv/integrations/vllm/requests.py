@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ...errors import HpkvError
 from ...server.client import Client, LeaseHandle
@@ -21,7 +22,7 @@ NEVER = 1 << 62  # saved_blocks of a request whose KV may rest on a block that f
 
 @dataclass
 class RequestState:
-    request: object
+    request: Any  # vLLM's Request
     block_ids: list[int] = field(default_factory=list)
     saved_blocks: int = 0
     lease_start: int = -1

@@ -11,7 +11,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Callable, Generic, Protocol, TypeVar
+from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
 
 
 class _Reads(Protocol):

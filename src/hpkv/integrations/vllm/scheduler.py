@@ -138,7 +138,7 @@ class HpkvScheduler:
         """Leading entries ready on every rank, or None while promotions run. A lease whose
         connection has been dropped (and maybe opened again) pins nothing any more: a miss,
         and the rest of the request's leases go with it."""
-        counts = []
+        counts: list[int | None] = []
         for lease in state.leases.values():
             if not self.client.holds(lease):
                 state.release(self.client)
@@ -155,7 +155,7 @@ class HpkvScheduler:
         timed = state.take_promotion_time(_POLL_S) if state.num_promoting else None
         if timed is not None:  # (storage blocks, seconds)
             self.policy.promoted(timed[0] * self.layout.entry_bytes * len(self.descs), timed[1])
-        return min(counts)
+        return min(c for c in counts if c is not None)  # none is None by now
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         state = self._reqs.get(request.request_id)
