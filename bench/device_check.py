@@ -93,8 +93,18 @@ def parse_args(argv: list[str]) -> Options:
     p.add_argument("--restarts", type=int, default=2, help="server restarts under a running worker (0: skip)")
     p.add_argument("--restart-only", action="store_true", help="only the restart check")
     a = p.parse_args(argv)
-    return Options(a.device, int(a.pool_gib * 2**30), a.layers, a.page_bytes, a.kv_blocks,
-                   min(a.blocks, a.kv_blocks // 2), a.reps, a.json, a.restarts, a.restart_only)
+    return Options(
+        a.device,
+        int(a.pool_gib * 2**30),
+        a.layers,
+        a.page_bytes,
+        a.kv_blocks,
+        min(a.blocks, a.kv_blocks // 2),
+        a.reps,
+        a.json,
+        a.restarts,
+        a.restart_only,
+    )
 
 
 def pool_size(opts: Options, slot_bytes: int) -> int:
@@ -103,8 +113,10 @@ def pool_size(opts: Options, slot_bytes: int) -> int:
     size = min(opts.pool_bytes, free // 2)
     size -= size % (1 << 20)
     if size < opts.num_moved * slot_bytes:
-        raise SystemExit(f"/dev/shm has {free / 2**20:.0f} MiB free: too little for {opts.num_moved} entries of "
-                         f"{slot_bytes / 2**10:.0f} KiB; use --blocks or --layers to shrink the check")
+        raise SystemExit(
+            f"/dev/shm has {free / 2**20:.0f} MiB free: too little for {opts.num_moved} entries of "
+            f"{slot_bytes / 2**10:.0f} KiB; use --blocks or --layers to shrink the check"
+        )
     return size
 
 
@@ -141,8 +153,12 @@ def run(opts: Options) -> dict:
         region = PoolRegion.create(pool_dir, size)
         gen = torch.Generator(device="cpu").manual_seed(0)  # block ids
         fill = torch.Generator(device=device).manual_seed(0)  # cache bytes, made where they live
-        views = [torch.randint(-128, 128, (opts.num_blocks, opts.page_bytes), dtype=torch.int8, device=device,
-                               generator=fill) for _ in range(opts.num_layers)]
+        views = [
+            torch.randint(
+                -128, 128, (opts.num_blocks, opts.page_bytes), dtype=torch.int8, device=device, generator=fill
+            )
+            for _ in range(opts.num_layers)
+        ]
         copier = BlockCopier(views, tuple(i * opts.page_bytes for i in range(opts.num_layers)))
         started = time.perf_counter()
         copier.pools.get(region)  # maps the pool and registers it, as the worker's first copy does
@@ -153,8 +169,14 @@ def run(opts: Options) -> dict:
         copier.pools.close()  # unpinned before the pool is unmapped: no registration of dead pages
         del copier, views
         gc.collect()  # the pool's tensor views must be gone before it is unmapped
-        return {"pool_bytes": size, "pool_pinned": pinned, "register_s": register_s,
-                "entry_bytes": entry_bytes, "rows": rows, "checks": checks}
+        return {
+            "pool_bytes": size,
+            "pool_pinned": pinned,
+            "register_s": register_s,
+            "entry_bytes": entry_bytes,
+            "rows": rows,
+            "checks": checks,
+        }
     finally:
         if region is not None:
             try:
@@ -179,7 +201,8 @@ def copier_rows(opts: Options, copier, region, slot_bytes: int, sync, gen) -> tu
         save_s = timed(lambda src=src: copier.save(region, src, offsets), opts.reps, sync)
         load_s = timed(lambda dst=dst: copier.load(region, dst, offsets), opts.reps, sync)
         checks[f"{pattern}: loaded blocks equal the saved blocks"] = all(
-            torch.equal(v[dst], v[src]) for v in copier.layer_views)
+            torch.equal(v[dst], v[src]) for v in copier.layer_views
+        )
         rows.append(Row("save: device -> pool (BlockCopier)", pattern, gbps(moved, save_s), None))
         rows.append(Row("load: pool -> device (BlockCopier)", pattern, gbps(moved, load_s), None))
     return rows, checks
@@ -194,8 +217,10 @@ def limit_rows(opts: Options, views, slot_bytes: int, sync, gen) -> list[Row]:
     pin = views[0].device.type == "cuda"
     host = torch.empty(opts.num_moved * slot_bytes, dtype=torch.int8, pin_memory=pin)
     device = torch.empty(num_bytes, dtype=torch.int8, device=views[0].device)
-    limit = {"save": gbps(num_bytes, timed(lambda: host[:num_bytes].copy_(device, non_blocking=pin), opts.reps, sync)),
-             "load": gbps(num_bytes, timed(lambda: device.copy_(host[:num_bytes], non_blocking=pin), opts.reps, sync))}
+    limit = {
+        "save": gbps(num_bytes, timed(lambda: host[:num_bytes].copy_(device, non_blocking=pin), opts.reps, sync)),
+        "load": gbps(num_bytes, timed(lambda: device.copy_(host[:num_bytes], non_blocking=pin), opts.reps, sync)),
+    }
     ids = torch.randperm(opts.num_blocks, generator=gen)[: opts.num_moved].tolist()
     rows_host = host.as_strided((opts.num_moved, slot_bytes), (slot_bytes, 1))
 
@@ -209,12 +234,14 @@ def limit_rows(opts: Options, views, slot_bytes: int, sync, gen) -> list[Row]:
                 else:
                     view[block].copy_(pool_page, non_blocking=pin)
 
-    per_page = {"save": gbps(num_bytes, timed(lambda: pages(True), opts.reps, sync)),
-                "load": gbps(num_bytes, timed(lambda: pages(False), opts.reps, sync))}
+    per_page = {
+        "save": gbps(num_bytes, timed(lambda: pages(True), opts.reps, sync)),
+        "load": gbps(num_bytes, timed(lambda: pages(False), opts.reps, sync)),
+    }
     kind = "pinned" if pin else "plain"
-    return [Row(f"{d}: one {kind} copy_ of the same bytes (limit)", "contiguous", limit[d], None) for d in limit] + \
-           [Row(f"{d}: per-page copy_, non_blocking, torch {kind} buffer", "random", per_page[d], None)
-            for d in per_page]
+    return [Row(f"{d}: one {kind} copy_ of the same bytes (limit)", "contiguous", limit[d], None) for d in limit] + [
+        Row(f"{d}: per-page copy_, non_blocking, torch {kind} buffer", "random", per_page[d], None) for d in per_page
+    ]
 
 
 def attach_limits(rows: list[Row]) -> None:
@@ -265,13 +292,19 @@ def restart_check(opts: Options) -> dict:
     pool_dir = Path(tempfile.mkdtemp(prefix="hpkv-device-restart-", dir=SHM))
     src_root = str(Path(hpkv.__file__).resolve().parents[1])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPKV_", "VLLM_HPKV"))}
-    env.update(HPKV_SHARE_MEM_FILE_PATH=str(pool_dir), HPKV_KV_MEM_POOL_SIZE=str(pool_bytes),
-               HPKV_KV_STORAGE_ENABLE="false", HPKV_CONFIG_FILE_PATH=str(pool_dir / "no-config.ini"),
-               PYTHONPATH=os.pathsep.join(filter(None, [src_root, os.environ.get("PYTHONPATH")])))
+    env.update(
+        HPKV_SHARE_MEM_FILE_PATH=str(pool_dir),
+        HPKV_KV_MEM_POOL_SIZE=str(pool_bytes),
+        HPKV_KV_STORAGE_ENABLE="false",
+        HPKV_CONFIG_FILE_PATH=str(pool_dir / "no-config.ini"),
+        PYTHONPATH=os.pathsep.join(filter(None, [src_root, os.environ.get("PYTHONPATH")])),
+    )
     gen = torch.Generator(device="cpu").manual_seed(1)
     fill = torch.Generator(device=device).manual_seed(1)
-    views = [torch.randint(-128, 128, (opts.num_blocks, opts.page_bytes), dtype=torch.int8, device=device,
-                           generator=fill) for _ in range(opts.num_layers)]
+    views = [
+        torch.randint(-128, 128, (opts.num_blocks, opts.page_bytes), dtype=torch.int8, device=device, generator=fill)
+        for _ in range(opts.num_layers)
+    ]
     pinning = CountingPinning(CudaPinning() if device.type == "cuda" else None)
     copier = BlockCopier(views, tuple(i * opts.page_bytes for i in range(opts.num_layers)), pinning=pinning)
     log_path = pool_dir / "servers.log"
@@ -279,8 +312,17 @@ def restart_check(opts: Options) -> dict:
     client = Client(pool_dir, "device-check", autostart=False, prefault=True, retry_interval_s=0.05)
     same, restart_s = True, []
     try:
-        ns = client.register(NamespaceDesc(engine="device-check", model="fake", dtype="int8", layout="blocks",
-                                           block_size=32, num_layers=opts.num_layers, entry_bytes=entry_bytes))
+        ns = client.register(
+            NamespaceDesc(
+                engine="device-check",
+                model="fake",
+                dtype="int8",
+                layout="blocks",
+                block_size=32,
+                num_layers=opts.num_layers,
+                entry_bytes=entry_bytes,
+            )
+        )
         for generation in range(opts.restarts + 1):
             if generation:
                 started = time.perf_counter()
@@ -318,20 +360,30 @@ def restart_check(opts: Options) -> dict:
         gc.collect()
         shutil.rmtree(pool_dir, ignore_errors=True)
     restarts = opts.restarts
-    return {"restart_s": restart_s, "registered": registered, "unregistered": unregistered,
-            "checks": {
-                f"restart: loaded blocks equal the saved ones in each of {restarts + 1} server generations": same,
-                f"restart: {restarts + 1} pools registered, {restarts} unregistered, 1 held after {restarts} "
-                f"restarts (got {registered}, {unregistered}, {held})":
-                    (registered, unregistered, held) == (restarts + 1, restarts, 1),
-                f"restart: 1 pool mapped after {restarts} restarts (got {mapped})": mapped == 1}}
+    return {
+        "restart_s": restart_s,
+        "registered": registered,
+        "unregistered": unregistered,
+        "checks": {
+            f"restart: loaded blocks equal the saved ones in each of {restarts + 1} server generations": same,
+            f"restart: {restarts + 1} pools registered, {restarts} unregistered, 1 held after {restarts} "
+            f"restarts (got {registered}, {unregistered}, {held})": (registered, unregistered, held)
+            == (restarts + 1, restarts, 1),
+            f"restart: 1 pool mapped after {restarts} restarts (got {mapped})": mapped == 1,
+        },
+    }
 
 
 def machine(opts: Options) -> dict:
     import torch
 
-    out = {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
-           "torch": torch.__version__, "shm_free_bytes": shutil.disk_usage(SHM).free}
+    out = {
+        "cpus": os.cpu_count(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "shm_free_bytes": shutil.disk_usage(SHM).free,
+    }
     if opts.device == "cuda":
         props = torch.cuda.get_device_properties(0)
         out.update(gpu=props.name, gpu_memory_bytes=props.total_memory, cuda=torch.version.cuda)
@@ -344,10 +396,12 @@ def print_report(head: dict, result: dict) -> None:
     if "rows" not in result:  # --restart-only
         print_restart(result)
         return
-    print(f"pool: {result['pool_bytes'] / 2**30:.2f} GiB on /dev/shm; pinned (cudaHostRegister): "
-          f"{'yes' if result['pool_pinned'] else 'no' if head['options']['device'] == 'cuda' else 'n/a (cpu)'}"
-          f" in {result['register_s'] * 1e3:.0f} ms; entry {result['entry_bytes'] / 2**10:.0f} KiB, "
-          f"{head['options']['num_moved']} blocks per copy")
+    print(
+        f"pool: {result['pool_bytes'] / 2**30:.2f} GiB on /dev/shm; pinned (cudaHostRegister): "
+        f"{'yes' if result['pool_pinned'] else 'no' if head['options']['device'] == 'cuda' else 'n/a (cpu)'}"
+        f" in {result['register_s'] * 1e3:.0f} ms; entry {result['entry_bytes'] / 2**10:.0f} KiB, "
+        f"{head['options']['num_moved']} blocks per copy"
+    )
     print(f"{'measure':<58} {'blocks':<12} {'GB/s':>8} {'limit':>8} {'ratio':>6}")
     for row in result["rows"]:
         limit = f"{row['limit_gbps']:.2f}" if row["limit_gbps"] else "-"
@@ -358,8 +412,10 @@ def print_report(head: dict, result: dict) -> None:
 
 def print_restart(result: dict) -> None:
     if result.get("restart_s"):
-        print(f"server restarts under a running worker: {len(result['restart_s'])}, each "
-              f"{statistics.median(result['restart_s']):.1f} s (median) until the client was back")
+        print(
+            f"server restarts under a running worker: {len(result['restart_s'])}, each "
+            f"{statistics.median(result['restart_s']):.1f} s (median) until the client was back"
+        )
     for label, ok in result["checks"].items():
         print(f"check: {label}: {'yes' if ok else 'NO'}")
 
@@ -374,8 +430,11 @@ def main(argv: list[str] | None = None) -> int:
     if opts.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: skipped")
         return 0
-    head = {"command": shlex.join([sys.executable, *sys.argv]), "machine": machine(opts),
-            "options": {k: getattr(opts, k) for k in opts.__dataclass_fields__}}
+    head = {
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "machine": machine(opts),
+        "options": {k: getattr(opts, k) for k in opts.__dataclass_fields__},
+    }
     result = {"checks": {}} if opts.restart_only else run(opts)
     if not opts.restart_only:
         attach_limits(result["rows"])

@@ -94,8 +94,7 @@ class Side:
         c1, w1 = own_cpu(), writers_cpu(store)
         os.sync()
         t2, m2 = time.perf_counter(), machine_cpu()
-        row = {"write_s": t1 - t0, "sync_s": t2 - t1, "store_cpu_s": (c1 - c0) + (w1 - w0),
-               "machine_cpu_s": m2 - m0}
+        row = {"write_s": t1 - t0, "sync_s": t2 - t1, "store_cpu_s": (c1 - c0) + (w1 - w0), "machine_cpu_s": m2 - m0}
         row["hot_read_s"], row["hot_read_cpu_s"] = self.promote(keys)
         self.drop_page_cache(keys)
         row["cold_read_s"], row["cold_read_cpu_s"] = self.promote(keys)
@@ -136,7 +135,7 @@ def run(rounds: int, entries: int, storage_parent: Path) -> dict:
     rows: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
     try:
         for index in range(rounds + 1):  # round 0 is a warm-up: writers start, directories appear
-            for mode in (MODES if index % 2 == 0 else MODES[::-1]):
+            for mode in MODES if index % 2 == 0 else MODES[::-1]:
                 row = sides[mode].round(index, entries)
                 if index:
                     rows[mode].append(row)
@@ -144,25 +143,39 @@ def run(rounds: int, entries: int, storage_parent: Path) -> dict:
         for side in sides.values():
             side.close()
     medians = {mode: {k: statistics.median(r[k] for r in rows[mode]) for k in rows[mode][0]} for mode in MODES}
-    return {"entries": entries, "entry_bytes": ENTRY, "rounds": rounds, "storage_parent": str(storage_parent),
-            "cpus": os.cpu_count(), "rows": rows, "medians": medians,
-            "ratios": {k: medians["direct"][k] / medians["page cache"][k] for k in medians["direct"]
-                       if medians["page cache"][k] > 0}}
+    return {
+        "entries": entries,
+        "entry_bytes": ENTRY,
+        "rounds": rounds,
+        "storage_parent": str(storage_parent),
+        "cpus": os.cpu_count(),
+        "rows": rows,
+        "medians": medians,
+        "ratios": {
+            k: medians["direct"][k] / medians["page cache"][k]
+            for k in medians["direct"]
+            if medians["page cache"][k] > 0
+        },
+    }
 
 
 def print_table(result: dict) -> None:
     mib = result["entries"] * result["entry_bytes"] / 2**20
-    print(f"{result['entries']} entries of {result['entry_bytes'] >> 10} KiB ({mib:.0f} MiB) per round, "
-          f"{result['rounds']} rounds per setting, alternating; storage under {result['storage_parent']}; "
-          f"{result['cpus']} CPUs; medians")
-    labels = [("write_s", "write-through (until the files are there)", "s"),
-              ("sync_s", "then os.sync (writeback left to the kernel)", "s"),
-              ("store_cpu_s", "CPU: store process + writer processes", "s"),
-              ("machine_cpu_s", "CPU: whole machine, commit to end of sync", "s"),
-              ("hot_read_s", "storage hit right after the write", "s"),
-              ("hot_read_cpu_s", "  its CPU, whole machine", "s"),
-              ("cold_read_s", "storage hit, page cache dropped", "s"),
-              ("cold_read_cpu_s", "  its CPU, whole machine", "s")]
+    print(
+        f"{result['entries']} entries of {result['entry_bytes'] >> 10} KiB ({mib:.0f} MiB) per round, "
+        f"{result['rounds']} rounds per setting, alternating; storage under {result['storage_parent']}; "
+        f"{result['cpus']} CPUs; medians"
+    )
+    labels = [
+        ("write_s", "write-through (until the files are there)", "s"),
+        ("sync_s", "then os.sync (writeback left to the kernel)", "s"),
+        ("store_cpu_s", "CPU: store process + writer processes", "s"),
+        ("machine_cpu_s", "CPU: whole machine, commit to end of sync", "s"),
+        ("hot_read_s", "storage hit right after the write", "s"),
+        ("hot_read_cpu_s", "  its CPU, whole machine", "s"),
+        ("cold_read_s", "storage hit, page cache dropped", "s"),
+        ("cold_read_cpu_s", "  its CPU, whole machine", "s"),
+    ]
     print(f"{'':46} {'page cache':>11} {'direct':>9} {'direct/page cache':>18}")
     for key, label, _ in labels:
         a, b = result["medians"]["page cache"][key], result["medians"]["direct"][key]
@@ -174,8 +187,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--entries", type=int, default=384)
-    parser.add_argument("--storage-dir", type=Path, default=Path.cwd(),
-                        help="parent of the storage temporaries (on disk, not /dev/shm)")
+    parser.add_argument(
+        "--storage-dir", type=Path, default=Path.cwd(), help="parent of the storage temporaries (on disk, not /dev/shm)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     result = run(args.rounds, args.entries, args.storage_dir)

@@ -35,7 +35,7 @@ from hpkv.demo.scenario import documented_env
 
 MIN_STEP_S = 0.005  # a step that runs the model takes over 15 ms on this CPU; an empty one under 1 ms
 
-SHIM = '''\
+SHIM = """\
 import functools, importlib.abc, importlib.util, os, sys, time
 _OUT = open(os.path.join({trace_dir!r}, f"trace-{{os.getpid()}}.log"), "a", buffering=1)
 TARGETS = {{
@@ -71,7 +71,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         spec.loader.exec_module = exec_module
         return spec
 sys.meta_path.insert(0, _Finder())
-'''
+"""
 
 
 @dataclass
@@ -139,8 +139,10 @@ def summarize(hits: list[Hit]) -> dict:
     for kind in ("dram", "in-engine"):
         rows = [h for h in hits if h.kind == kind]
         fields = ("ttft_ms", "scheduler_lease_ms", "worker_load_ms", "copy_ms", "step_ms", "forward_ms")
-        out[kind] = {f: statistics.median(v) if (v := [getattr(h, f) for h in rows if getattr(h, f) is not None])
-                     else None for f in fields}
+        out[kind] = {
+            f: statistics.median(v) if (v := [getattr(h, f) for h in rows if getattr(h, f) is not None]) else None
+            for f in fields
+        }
     return out
 
 
@@ -150,8 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-words", type=int, default=8192)
     p.add_argument("--hits", type=int, default=12, help="DRAM hits (and as many in-engine hits)")
     p.add_argument("--pool-size", default="2g")
-    p.add_argument("--pool-parent", type=Path, default=Path("/dev/shm"),
-                   help="where the pool's directory is made (a tmpfs; see docs/operations.md on huge pages)")
+    p.add_argument(
+        "--pool-parent",
+        type=Path,
+        default=Path("/dev/shm"),
+        help="where the pool's directory is made (a tmpfs; see docs/operations.md on huge pages)",
+    )
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     a.workdir.mkdir(parents=True, exist_ok=True)
@@ -163,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     storage = Path(tempfile.mkdtemp(prefix="storage-", dir=a.workdir))
     env = {**engine_env(), **documented_env(a.pool_size, pool_dir, storage, a.workdir)}
     (a.workdir / "logs").mkdir(exist_ok=True)
-    engine = Engine("hpkv", model, env, hpkv=True, log_dir=a.workdir / "logs",
-                    shim=SHIM.format(trace_dir=str(trace_dir)))
+    engine = Engine(
+        "hpkv", model, env, hpkv=True, log_dir=a.workdir / "logs", shim=SHIM.format(trace_dir=str(trace_dir))
+    )
     sends: list = []
     try:
         engine.start()
@@ -184,8 +191,12 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(storage, ignore_errors=True)
     spans = read_traces(trace_dir)
     hits = [breakdown(spans, kind, i, sent, ttft_s, sources) for kind, i, sent, ttft_s, sources in sends]
-    report = {"command": " ".join([sys.executable, *sys.argv]), "prompt_words": a.prompt_words,
-              "hits": [asdict(h) for h in hits], "medians": summarize(hits)}
+    report = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "prompt_words": a.prompt_words,
+        "hits": [asdict(h) for h in hits],
+        "medians": summarize(hits),
+    }
     if a.json:
         print(json.dumps(report, indent=2))
     else:
@@ -200,8 +211,10 @@ def print_report(hits: list[Hit], medians: dict) -> None:
     print(f"{'hit':<12}{'TTFT':>8}{'sched lease':>13}{'worker load':>13}{'copy':>8}{'step':>8}{'forward':>9}  cached")
     for h in hits:
         cached = "/".join(f"{h.sources.get(k, 0):.0f}" for k in ("device", "host", "disk"))
-        print(f"{h.kind + ' ' + str(h.index):<12}{f(h.ttft_ms):>8}{f(h.scheduler_lease_ms):>13}"
-              f"{f(h.worker_load_ms):>13}{f(h.copy_ms):>8}{f(h.step_ms):>8}{f(h.forward_ms):>9}  {cached}")
+        print(
+            f"{h.kind + ' ' + str(h.index):<12}{f(h.ttft_ms):>8}{f(h.scheduler_lease_ms):>13}"
+            f"{f(h.worker_load_ms):>13}{f(h.copy_ms):>8}{f(h.step_ms):>8}{f(h.forward_ms):>9}  {cached}"
+        )
     for kind, m in medians.items():
         print(f"median {kind}: " + ", ".join(f"{k} {f(v)} ms" for k, v in m.items()))
 

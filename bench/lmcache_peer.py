@@ -41,24 +41,51 @@ class LMCacheServer:
 
     def command(self) -> list[str]:
         lmcache = str(Path(sys.executable).with_name("lmcache"))
-        return [lmcache, "server", "--host", "127.0.0.1", "--port", str(self.port),
-                "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
-                "--l1-size-gb", str(self.l1_size_gb), "--eviction-policy", "LRU",
-                "--l2-adapter", json.dumps({"type": "fs", "base_path": str(self.l2_dir)}),
-                "--supported-transfer-mode", "engine_driven", "--shm-name", self.shm_name,
-                "--disable-observability", "--disable-metrics"]
+        return [
+            lmcache,
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            str(self.http_port),
+            "--l1-size-gb",
+            str(self.l1_size_gb),
+            "--eviction-policy",
+            "LRU",
+            "--l2-adapter",
+            json.dumps({"type": "fs", "base_path": str(self.l2_dir)}),
+            "--supported-transfer-mode",
+            "engine_driven",
+            "--shm-name",
+            self.shm_name,
+            "--disable-observability",
+            "--disable-metrics",
+        ]
 
     def kv_transfer_config(self) -> str:
-        return json.dumps({"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-                           "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
-                                                         "lmcache.mp.port": self.port}})
+        return json.dumps(
+            {
+                "kv_connector": "LMCacheMPConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": self.port},
+            }
+        )
 
     def start(self, timeout_s: float = 120.0) -> LMCacheServer:
         self.l2_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         # Its own session, so stop() can end the server and every helper it forks at once.
-        self.process = subprocess.Popen(self.command(), env={**os.environ, **QUIET_ENV}, stdout=log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            self.command(),
+            env={**os.environ, **QUIET_ENV},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         log.close()
         try:
             wait_until_answers(self.process, self.url("/healthcheck"), timeout_s, "lmcache server", self.log_path, 0.5)

@@ -32,26 +32,41 @@ from pathlib import Path
 from hpkv import identity
 
 BUDGET_S = 1.0
-TENSORS_PER_LAYER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                     "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                     "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight")
+TENSORS_PER_LAYER = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+)
 
 
 def build(directory: Path, total_bytes: int, num_shards: int, num_layers: int, num_experts: int = 0) -> list[Path]:
     """A sparse checkpoint: every shard's header is real, its data a hole."""
     names = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
     names += [f"model.layers.{i}.{t}" for i in range(num_layers) for t in TENSORS_PER_LAYER]
-    names += [f"model.layers.{i}.mlp.experts.{e}.{t}_proj.weight" for i in range(num_layers)
-              for e in range(num_experts) for t in ("gate", "up", "down")]
+    names += [
+        f"model.layers.{i}.mlp.experts.{e}.{t}_proj.weight"
+        for i in range(num_layers)
+        for e in range(num_experts)
+        for t in ("gate", "up", "down")
+    ]
     files = []
     for shard in range(num_shards):
-        shard_names = names[shard * len(names) // num_shards:(shard + 1) * len(names) // num_shards]
+        shard_names = names[shard * len(names) // num_shards : (shard + 1) * len(names) // num_shards]
         data_bytes = total_bytes // num_shards
         tensor_bytes = data_bytes // len(shard_names) // 2 * 2
         header, offset = {"__metadata__": {"format": "pt"}}, 0
         for name in shard_names:
-            header[name] = {"dtype": "BF16", "shape": [tensor_bytes // 2],
-                            "data_offsets": [offset, offset + tensor_bytes]}
+            header[name] = {
+                "dtype": "BF16",
+                "shape": [tensor_bytes // 2],
+                "data_offsets": [offset, offset + tensor_bytes],
+            }
             offset += tensor_bytes
         text = json.dumps(header).encode()
         path = directory / f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
@@ -59,8 +74,9 @@ def build(directory: Path, total_bytes: int, num_shards: int, num_layers: int, n
             f.write(struct.pack("<Q", len(text)) + text)
             f.truncate(8 + len(text) + offset)
         files.append(path)
-    (directory / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
-                                                       "num_hidden_layers": num_layers, "hidden_size": 8192}))
+    (directory / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": num_layers, "hidden_size": 8192})
+    )
     return files
 
 
@@ -118,36 +134,60 @@ def main() -> int:
 
     if args.model_dir:
         times, _, found = time_fingerprint(Path(args.model_dir), args.repeat)
-        result = {"model_dir": args.model_dir, "fingerprint_s": times, "bytes_read": found.num_bytes_read,
-                  "source": found.source}
-        print(json.dumps(result) if args.json else
-              f"{found.source}: {statistics.median(times) * 1e3:.1f} ms median, {max(times) * 1e3:.1f} ms max "
-              f"(first {times[0] * 1e3:.1f} ms), {found.num_bytes_read / 2 ** 20:.1f} MiB read; budget "
-              f"{BUDGET_S:.0f} s")
+        result = {
+            "model_dir": args.model_dir,
+            "fingerprint_s": times,
+            "bytes_read": found.num_bytes_read,
+            "source": found.source,
+        }
+        print(
+            json.dumps(result)
+            if args.json
+            else f"{found.source}: {statistics.median(times) * 1e3:.1f} ms median, {max(times) * 1e3:.1f} ms max "
+            f"(first {times[0] * 1e3:.1f} ms), {found.num_bytes_read / 2**20:.1f} MiB read; budget "
+            f"{BUDGET_S:.0f} s"
+        )
         return 0
     directory = Path(tempfile.mkdtemp(prefix="hpkv-fingerprint-", dir=args.dir))
     try:
-        files = build(directory, int(args.gib * 2 ** 30), args.shards, args.layers, args.experts)
+        files = build(directory, int(args.gib * 2**30), args.shards, args.layers, args.experts)
         baseline_s = time_baseline(files, args.baseline_mib << 20)
         times, cpu, found = time_fingerprint(directory, args.repeat)
-        result = {"gib": args.gib, "shards": args.shards, "tensors": 3 + (9 + 3 * args.experts) * args.layers,
-                  "fingerprint_s": times, "median_s": statistics.median(times), "max_s": max(times),
-                  "cpu_s": cpu, "cpu_median_s": statistics.median(cpu),
-                  "budget_s": BUDGET_S, "bytes_read": found.num_bytes_read, "reads": num_reads(files),
-                  "baseline_mib": args.baseline_mib, "baseline_s": baseline_s, "source": found.source}
+        result = {
+            "gib": args.gib,
+            "shards": args.shards,
+            "tensors": 3 + (9 + 3 * args.experts) * args.layers,
+            "fingerprint_s": times,
+            "median_s": statistics.median(times),
+            "max_s": max(times),
+            "cpu_s": cpu,
+            "cpu_median_s": statistics.median(cpu),
+            "budget_s": BUDGET_S,
+            "bytes_read": found.num_bytes_read,
+            "reads": num_reads(files),
+            "baseline_mib": args.baseline_mib,
+            "baseline_s": baseline_s,
+            "source": found.source,
+        }
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     if args.json:
         print(json.dumps(result))
         return 0
     median, worst = result["median_s"], result["max_s"]
-    print(f"model: {args.gib:g} GiB in {args.shards} sparse safetensors file(s), {result['tensors']} tensors, "
-          f"and a config.json")
-    print(f"fingerprint: {median * 1e3:.1f} ms median, {worst * 1e3:.1f} ms max of {args.repeat} "
-          f"({worst / BUDGET_S:.1%} of the {BUDGET_S:.0f} s budget); CPU {result['cpu_median_s'] * 1e3:.1f} ms "
-          f"median; {result['reads']} reads, {result['bytes_read'] / 2 ** 20:.2f} MiB")
-    print(f"baseline: reading {args.baseline_mib} MiB of the same files sequentially: {baseline_s * 1e3:.1f} ms "
-          f"(the fingerprint costs {median / baseline_s:.2f}x that)")
+    print(
+        f"model: {args.gib:g} GiB in {args.shards} sparse safetensors file(s), {result['tensors']} tensors, "
+        f"and a config.json"
+    )
+    print(
+        f"fingerprint: {median * 1e3:.1f} ms median, {worst * 1e3:.1f} ms max of {args.repeat} "
+        f"({worst / BUDGET_S:.1%} of the {BUDGET_S:.0f} s budget); CPU {result['cpu_median_s'] * 1e3:.1f} ms "
+        f"median; {result['reads']} reads, {result['bytes_read'] / 2**20:.2f} MiB"
+    )
+    print(
+        f"baseline: reading {args.baseline_mib} MiB of the same files sequentially: {baseline_s * 1e3:.1f} ms "
+        f"(the fingerprint costs {median / baseline_s:.2f}x that)"
+    )
     print(f"identity source: {result['source']}")
     return 0 if worst <= BUDGET_S else 1
 

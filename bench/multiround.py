@@ -65,8 +65,9 @@ class Outcome:
     token_ids: list[int] | None
 
 
-def drive(requests: list[tuple[int, int, str]], complete: Callable, num_users: int,
-          max_tokens: int) -> tuple[list[Outcome], float]:
+def drive(
+    requests: list[tuple[int, int, str]], complete: Callable, num_users: int, max_tokens: int
+) -> tuple[list[Outcome], float]:
     """Users take the next request from one shared queue as soon as their last one is answered,
     so `num_users` requests are in flight until the queue runs dry. Returns (outcomes in the
     order of `requests`, wall seconds)."""

@@ -58,7 +58,6 @@ BLOCK_SIZE = 32  # the documented --block-size
 WORKLOADS = ("ttft", "noreuse", "multiround")
 
 
-
 @dataclass(frozen=True)
 class Options:
     model: str | None
@@ -92,7 +91,8 @@ class Results:
     noreuse_cpu: dict[str, list[dict[str, float]]] = field(default_factory=lambda: {s: [] for s in SYSTEMS})
     # per round, each request's (time to first token, time after it), in seconds
     noreuse_requests: dict[str, list[list[tuple[float, float]]]] = field(
-        default_factory=lambda: {s: [] for s in SYSTEMS})
+        default_factory=lambda: {s: [] for s in SYSTEMS}
+    )
     multiround: dict[str, dict] = field(default_factory=dict)
     notes: dict[str, object] = field(default_factory=dict)
 
@@ -103,12 +103,14 @@ class Results:
 class PeerEngine(Engine):
     """The harness's Engine with extra vLLM flags (the KV cache size, LMCache's connector)."""
 
-    def __init__(self, name: str, kind: str, model: str, env: dict[str, str], flags: tuple[str, ...],
-                 log_dir: Path) -> None:
+    def __init__(
+        self, name: str, kind: str, model: str, env: dict[str, str], flags: tuple[str, ...], log_dir: Path
+    ) -> None:
         super().__init__(name, model, env, hpkv=kind == "hpkv", log_dir=log_dir)
         self.kind = kind
-        self.server = VllmServer(model, self.env, hpkv=kind == "hpkv", extra_flags=flags,
-                                 log_path=log_dir / f"vllm-{name}.log")
+        self.server = VllmServer(
+            model, self.env, hpkv=kind == "hpkv", extra_flags=flags, log_path=log_dir / f"vllm-{name}.log"
+        )
 
     def sources(self) -> dict[str, float]:
         c = self.counters()
@@ -179,8 +181,10 @@ class Systems:
         engines["lmcache"].stop()
         files, num_bytes = self.lmcache_servers[-1].wait_l2_settled()
         self.lmcache_servers[-1].stop()
-        log(f"LMCache server stopped, L2 holds {files} chunks ({num_bytes / 2**20:.0f} MiB); "
-            f"HPKV server exited after {wait_for_hpkv_server_exit(self.pool_dir):.1f} s")
+        log(
+            f"LMCache server stopped, L2 holds {files} chunks ({num_bytes / 2**20:.0f} MiB); "
+            f"HPKV server exited after {wait_for_hpkv_server_exit(self.pool_dir):.1f} s"
+        )
         self.life += 1
         server = self.lmcache_server()
         restarted = {"off": engines["off"], "hpkv": self.engine("hpkv"), "lmcache": self.engine("lmcache", server)}
@@ -250,21 +254,26 @@ def ttft_hits_in_dram(opts: Options, results: Results, engines: dict[str, PeerEn
                 settle()
                 completion, sample = engine.measure_all(prompt, opts.max_tokens)
                 add(results, row, n, compare(sample, completion, reference))
-            log(f"{n} words, repeat {r}: cold {ms(cold)}, in-engine {ms(hit)}, HPKV DRAM "
-                f"{ms(results.ttft['hpkv_dram'][n][-1])}, LMCache L1 {ms(results.ttft['lmcache_l1'][n][-1])}")
+            log(
+                f"{n} words, repeat {r}: cold {ms(cold)}, in-engine {ms(hit)}, HPKV DRAM "
+                f"{ms(results.ttft['hpkv_dram'][n][-1])}, LMCache L1 {ms(results.ttft['lmcache_l1'][n][-1])}"
+            )
     return references
 
 
-def ttft_hits_in_storage(opts: Options, results: Results, engines: dict[str, PeerEngine], references: dict,
-                         settle) -> None:
+def ttft_hits_in_storage(
+    opts: Options, results: Results, engines: dict[str, PeerEngine], references: dict, settle
+) -> None:
     for n, prompts in ttft_prompts(opts).items():
         for r, prompt in enumerate(prompts):
             for kind, row in (("hpkv", "hpkv_storage"), ("lmcache", "lmcache_l2")):
                 settle()
                 completion, sample = engines[kind].measure_all(prompt, opts.max_tokens)
                 add(results, row, n, compare(sample, completion, references[prompt]))
-            log(f"{n} words, repeat {r}: HPKV storage {ms(results.ttft['hpkv_storage'][n][-1])}, "
-                f"LMCache L2 {ms(results.ttft['lmcache_l2'][n][-1])}")
+            log(
+                f"{n} words, repeat {r}: HPKV storage {ms(results.ttft['hpkv_storage'][n][-1])}, "
+                f"LMCache L2 {ms(results.ttft['lmcache_l2'][n][-1])}"
+            )
 
 
 def noreuse(opts: Options, results: Results, engines: dict[str, PeerEngine], systems: Systems) -> None:
@@ -281,8 +290,9 @@ def noreuse(opts: Options, results: Results, engines: dict[str, PeerEngine], sys
     systems.settle()
     orders = list(itertools.permutations(SYSTEMS))
     for round_index in range(opts.tput_rounds):
-        prompts = [prompt_text(opts.tput_words, seed=-100_000 * (round_index + 1) - i)
-                   for i in range(opts.tput_prompts)]
+        prompts = [
+            prompt_text(opts.tput_words, seed=-100_000 * (round_index + 1) - i) for i in range(opts.tput_prompts)
+        ]
         for kind in orders[round_index % len(orders)]:
             before = round_costs(engines[kind], systems)
             started = time.time()
@@ -297,22 +307,32 @@ def noreuse(opts: Options, results: Results, engines: dict[str, PeerEngine], sys
             # Where a slow round lost its time: waiting for the first token, or decoding after it.
             requests = [(round(c.ttft_s, 3), round(c.total_s - c.ttft_s, 3)) for c in completions]
             results.noreuse_requests[kind].append(requests)
-            log(f"no-reuse round {round_index}, {kind}: {len(prompts) / elapsed:.2f} req/s (answered in "
+            log(
+                f"no-reuse round {round_index}, {kind}: {len(prompts) / elapsed:.2f} req/s (answered in "
                 f"{answered - started:.2f} s, files until {max(written - started, 0):.2f} s, sync {sync_s:.2f} s); "
                 f"longest wait for a first token {max(t for t, _ in requests):.2f} s, longest decode "
-                f"{max(d for _, d in requests):.2f} s; CPU s (round and settle): {costs}")
+                f"{max(d for _, d in requests):.2f} s; CPU s (round and settle): {costs}"
+            )
 
 
 def round_costs(engine: PeerEngine, systems: Systems) -> dict[str, float]:
     """CPU seconds so far of the engine's processes, of the HPKV and LMCache servers, of the
     whole machine; and, on an HPKV engine, the worker's save counters. Taken around a no-reuse
     round, they say what each system spent on it, and where."""
-    out = {"engine": process_tree_cpu(engine.server.process.pid),
-           "hpkv_server": sum(process_tree_cpu(p.pid) for p in psutil.process_iter(["cmdline"])
-                              if "hpkv.server.daemon" in (p.info["cmdline"] or [])),
-           "lmcache_server": sum(process_tree_cpu(s.process.pid) for s in systems.lmcache_servers
-                                 if s.process is not None and s.process.poll() is None),
-           "machine": sum(getattr(psutil.cpu_times(), f) for f in ("user", "system", "nice", "irq", "softirq"))}
+    out = {
+        "engine": process_tree_cpu(engine.server.process.pid),
+        "hpkv_server": sum(
+            process_tree_cpu(p.pid)
+            for p in psutil.process_iter(["cmdline"])
+            if "hpkv.server.daemon" in (p.info["cmdline"] or [])
+        ),
+        "lmcache_server": sum(
+            process_tree_cpu(s.process.pid)
+            for s in systems.lmcache_servers
+            if s.process is not None and s.process.poll() is None
+        ),
+        "machine": sum(getattr(psutil.cpu_times(), f) for f in ("user", "system", "nice", "irq", "softirq")),
+    }
     if engine.kind == "hpkv":
         c = engine.counters()
         out.update({k: c.get(k, 0.0) for k in ("hpkv_save_time_s", "hpkv_save_wait_s", "hpkv_saved_blocks")})
@@ -351,8 +371,10 @@ def multiround(opts: Options, results: Results, engines: dict[str, PeerEngine]) 
         delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if k != "finished"}
         results.multiround[kind] = {"outcomes": outcomes, "wall_s": wall_s, "counters": delta}
         ttfts = [o.ttft_s for o in outcomes]
-        log(f"multi-round, {kind}: {len(outcomes)} requests in {wall_s:.1f} s "
-            f"({len(outcomes) / wall_s:.2f} req/s), TTFT median {np.median(ttfts) * 1e3:.0f} ms")
+        log(
+            f"multi-round, {kind}: {len(outcomes)} requests in {wall_s:.1f} s "
+            f"({len(outcomes) / wall_s:.2f} req/s), TTFT median {np.median(ttfts) * 1e3:.0f} ms"
+        )
 
 
 def run(opts: Options, results: Results, pool_dir: Path, storage_dir: Path, l2_dir: Path) -> None:
@@ -436,18 +458,33 @@ def parse_args(argv: list[str]) -> Options:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="a model directory (default: build the BENCH random model)")
     p.add_argument("--tiny", action="store_true", help="build the TINY model instead (quick checks)")
-    p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "hpkv-peers",
-                   help="model cache, logs, storage and L2 temporaries (on disk, not /dev/shm)")
-    p.add_argument("--plots-dir", default=str(Path(__file__).resolve().parent.parent / "docs" / "img"),
-                   help="where peers_*.png go ('' for none)")
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "hpkv-peers",
+        help="model cache, logs, storage and L2 temporaries (on disk, not /dev/shm)",
+    )
+    p.add_argument(
+        "--plots-dir",
+        default=str(Path(__file__).resolve().parent.parent / "docs" / "img"),
+        help="where peers_*.png go ('' for none)",
+    )
     p.add_argument("--lengths", default="2048,8192,16384", help="words per TTFT prompt (~1 token each)")
     p.add_argument("--repeats", type=int, default=5, help="TTFT prompts per length")
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--kv-cache-tokens", type=int, default=49_152,
-                   help="vLLM's own KV cache, every engine (at least the model's 32,768-token context)")
+    p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=49_152,
+        help="vLLM's own KV cache, every engine (at least the model's 32,768-token context)",
+    )
     p.add_argument("--pool-size", default="2g", help="HPKV_KV_MEM_POOL_SIZE")
-    p.add_argument("--pool-parent", type=Path, default=Path("/dev/shm"),
-                   help="where HPKV's pool directory is made (a tmpfs; see docs/operations.md on huge pages)")
+    p.add_argument(
+        "--pool-parent",
+        type=Path,
+        default=Path("/dev/shm"),
+        help="where HPKV's pool directory is made (a tmpfs; see docs/operations.md on huge pages)",
+    )
     p.add_argument("--l1-size-gb", type=float, default=2.0, help="LMCache's L1 (DRAM), like the HPKV pool")
     p.add_argument("--documents", type=int, default=24)
     p.add_argument("--document-words", type=int, default=4000)
@@ -459,8 +496,11 @@ def parse_args(argv: list[str]) -> Options:
     p.add_argument("--tput-concurrency", type=int, default=4)
     p.add_argument("--tput-max-tokens", type=int, default=16)
     p.add_argument("--tput-rounds", type=int, default=6, help="no-reuse rounds (6: every order of the 3)")
-    p.add_argument("--workloads", default=",".join(WORKLOADS),
-                   help="which of (a) ttft, (c) noreuse, (b) multiround to run, comma-separated")
+    p.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help="which of (a) ttft, (c) noreuse, (b) multiround to run, comma-separated",
+    )
     p.add_argument("--json", action="store_true", help="JSON on stdout")
     p.add_argument("--json-out", type=Path, help="also write the JSON to this file")
     a = p.parse_args(argv)
@@ -469,11 +509,30 @@ def parse_args(argv: list[str]) -> Options:
     unknown = set(workloads) - set(WORKLOADS)
     if unknown or not workloads:
         p.error(f"--workloads: {', '.join(sorted(unknown)) or 'none given'}; choose from {', '.join(WORKLOADS)}")
-    return Options(a.model, a.tiny, a.workdir, Path(a.plots_dir) if a.plots_dir else None,
-                   tuple(int(x) for x in a.lengths.split(",")), a.repeats, a.max_tokens, a.kv_cache_tokens,
-                   a.pool_size, a.l1_size_gb, workload, a.users, a.answer_tokens, a.tput_prompts, a.tput_words,
-                   a.tput_concurrency, a.tput_max_tokens, a.tput_rounds, a.json, a.json_out, workloads,
-                   a.pool_parent)
+    return Options(
+        a.model,
+        a.tiny,
+        a.workdir,
+        Path(a.plots_dir) if a.plots_dir else None,
+        tuple(int(x) for x in a.lengths.split(",")),
+        a.repeats,
+        a.max_tokens,
+        a.kv_cache_tokens,
+        a.pool_size,
+        a.l1_size_gb,
+        workload,
+        a.users,
+        a.answer_tokens,
+        a.tput_prompts,
+        a.tput_words,
+        a.tput_concurrency,
+        a.tput_max_tokens,
+        a.tput_rounds,
+        a.json,
+        a.json_out,
+        workloads,
+        a.pool_parent,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

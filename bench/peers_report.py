@@ -40,18 +40,27 @@ LABELS = {"off": "no connector", "hpkv": "HPKV", "lmcache": "LMCache", "off_agai
 
 
 def summarize(results) -> dict:
-    ttft = {row: {n: ttft_row(row, samples) for n, samples in by_len.items()}
-            for row, by_len in results.ttft.items() if by_len}
+    ttft = {
+        row: {n: ttft_row(row, samples) for n, samples in by_len.items()}
+        for row, by_len in results.ttft.items()
+        if by_len
+    }
     ratios = {}
     for label, (num, den, bound) in TTFT_TARGETS.items():
         for n in sorted(ttft.get(num, {})):
             if n in ttft.get(den, {}):
                 value = ttft[num][n]["median_ms"] / ttft[den][n]["median_ms"]
                 ratios.setdefault(label, {})[n] = {"value": value, "target": f"<= {bound}", "passed": value <= bound}
-    out = {"ttft": ttft, "ttft_ratios": ratios,
-           "noreuse": {**summarize_noreuse(results.noreuse), "cpu_per_round": summarize_costs(results.noreuse_cpu),
-                       "requests_per_round": results.noreuse_requests},
-           "multiround": summarize_multiround(results.multiround)}
+    out = {
+        "ttft": ttft,
+        "ttft_ratios": ratios,
+        "noreuse": {
+            **summarize_noreuse(results.noreuse),
+            "cpu_per_round": summarize_costs(results.noreuse_cpu),
+            "requests_per_round": results.noreuse_requests,
+        },
+        "multiround": summarize_multiround(results.multiround),
+    }
     out["notes"] = results.notes
     out["checks"] = checks(out)
     return out
@@ -60,14 +69,21 @@ def summarize(results) -> dict:
 def ttft_row(row: str, samples) -> dict:
     ttfts = [s.ttft_s for s in samples]
     tier = ROWS[row][1]
-    cached = {k: float(np.median([s.sources.get(k, 0.0) for s in samples]))
-              for k in ("device", "host", "disk", "external")}
+    cached = {
+        k: float(np.median([s.sources.get(k, 0.0) for s in samples])) for k in ("device", "host", "disk", "external")
+    }
     return {
-        "measure": ROWS[row][0], "n": len(ttfts), "prompt_tokens": samples[0].prompt_tokens,
-        "median_ms": float(np.median(ttfts)) * 1e3, "p90_ms": float(np.percentile(ttfts, 90)) * 1e3,
+        "measure": ROWS[row][0],
+        "n": len(ttfts),
+        "prompt_tokens": samples[0].prompt_tokens,
+        "median_ms": float(np.median(ttfts)) * 1e3,
+        "p90_ms": float(np.percentile(ttfts, 90)) * 1e3,
         "cached_tokens": cached,
-        "hpkv_load_ms": (float(np.median([s.sources["hpkv_load_time_s"] for s in samples])) * 1e3
-                         if "hpkv_load_time_s" in samples[0].sources and row.startswith("hpkv_") else None),
+        "hpkv_load_ms": (
+            float(np.median([s.sources["hpkv_load_time_s"] for s in samples])) * 1e3
+            if "hpkv_load_time_s" in samples[0].sources and row.startswith("hpkv_")
+            else None
+        ),
         "tier": tier,
         "from_tier": None if tier is None else all(tier_ok(tier, s.sources) for s in samples),
         "same_token_ids": None if samples[0].same_ids is None else all(s.same_ids for s in samples),
@@ -87,16 +103,21 @@ def summarize_noreuse(runs: dict[str, list[tuple[int, float]]]) -> dict:
     out = {}
     for kind, rounds in runs.items():
         if rounds:
-            out[kind] = {"req_per_s": sum(n for n, _ in rounds) / sum(t for _, t in rounds),
-                         "rounds_req_per_s": [round(n / t, 3) for n, t in rounds]}
+            out[kind] = {
+                "req_per_s": sum(n for n, _ in rounds) / sum(t for _, t in rounds),
+                "rounds_req_per_s": [round(n / t, 3) for n, t in rounds],
+            }
     if "off" in out:
         for kind in ("hpkv", "lmcache"):
             if kind in out:
                 value = out[kind]["req_per_s"] / out["off"]["req_per_s"]
                 per_round = [a / b for a, b in zip(out[kind]["rounds_req_per_s"], out["off"]["rounds_req_per_s"])]
-                out[f"{kind} / off"] = {"value": value, "target": f">= {NOREUSE_TARGET}" if kind == "hpkv" else "",
-                                        "passed": value >= NOREUSE_TARGET if kind == "hpkv" else None,
-                                        "median_of_rounds": float(np.median(per_round)) if per_round else None}
+                out[f"{kind} / off"] = {
+                    "value": value,
+                    "target": f">= {NOREUSE_TARGET}" if kind == "hpkv" else "",
+                    "passed": value >= NOREUSE_TARGET if kind == "hpkv" else None,
+                    "median_of_rounds": float(np.median(per_round)) if per_round else None,
+                }
     if "hpkv" in out and "lmcache" in out:
         out["hpkv / lmcache"] = {"value": out["hpkv"]["req_per_s"] / out["lmcache"]["req_per_s"]}
     return out
@@ -104,8 +125,11 @@ def summarize_noreuse(runs: dict[str, list[tuple[int, float]]]) -> dict:
 
 def summarize_costs(rounds: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
     """Per system, the median over its no-reuse rounds of each CPU or save counter."""
-    return {kind: {key: float(np.median([r[key] for r in costs])) for key in costs[0]}
-            for kind, costs in rounds.items() if costs}
+    return {
+        kind: {key: float(np.median([r[key] for r in costs])) for key in costs[0]}
+        for kind, costs in rounds.items()
+        if costs
+    }
 
 
 def summarize_multiround(runs: dict[str, dict]) -> dict:
@@ -119,12 +143,18 @@ def summarize_multiround(runs: dict[str, dict]) -> dict:
         same = [o.token_ids == reference.get((o.doc, o.round_index)) for o in outcomes if reference]
         # Where a differing answer first departs from the connector-off one: the first token
         # rests on the loaded KV alone, later ones also on how the engine batched the decode.
-        departs = [common_prefix(o.token_ids, reference.get((o.doc, o.round_index)))
-                   for o in outcomes if reference and o.token_ids != reference.get((o.doc, o.round_index))]
+        departs = [
+            common_prefix(o.token_ids, reference.get((o.doc, o.round_index)))
+            for o in outcomes
+            if reference and o.token_ids != reference.get((o.doc, o.round_index))
+        ]
         c = run["counters"]
         out[kind] = {
-            "requests": len(outcomes), "wall_s": run["wall_s"], "req_per_s": len(outcomes) / run["wall_s"],
-            "ttft_median_ms": float(np.median(ttfts)), "ttft_p90_ms": float(np.percentile(ttfts, 90)),
+            "requests": len(outcomes),
+            "wall_s": run["wall_s"],
+            "req_per_s": len(outcomes) / run["wall_s"],
+            "ttft_median_ms": float(np.median(ttfts)),
+            "ttft_p90_ms": float(np.percentile(ttfts, 90)),
             "ttft_round0_median_ms": float(np.median(first)) if len(first) else None,
             "ttft_later_median_ms": float(np.median(later)) if len(later) else None,
             "prompt_tokens": int(sum(o.prompt_tokens for o in outcomes)),
@@ -136,14 +166,22 @@ def summarize_multiround(runs: dict[str, dict]) -> dict:
     if "hpkv" in out and "lmcache" in out:
         h, p = out["hpkv"], out["lmcache"]
         out["targets"] = {
-            "throughput HPKV / LMCache": {"value": h["req_per_s"] / p["req_per_s"], "target": "> 1",
-                                          "passed": h["req_per_s"] > p["req_per_s"]},
-            "median TTFT HPKV / LMCache": {"value": h["ttft_median_ms"] / p["ttft_median_ms"], "target": "< 1",
-                                           "passed": h["ttft_median_ms"] < p["ttft_median_ms"]},
+            "throughput HPKV / LMCache": {
+                "value": h["req_per_s"] / p["req_per_s"],
+                "target": "> 1",
+                "passed": h["req_per_s"] > p["req_per_s"],
+            },
+            "median TTFT HPKV / LMCache": {
+                "value": h["ttft_median_ms"] / p["ttft_median_ms"],
+                "target": "< 1",
+                "passed": h["ttft_median_ms"] < p["ttft_median_ms"],
+            },
         }
     if "hpkv" in out and "off" in out:
-        out["hpkv / off"] = {"throughput": out["hpkv"]["req_per_s"] / out["off"]["req_per_s"],
-                             "median TTFT": out["hpkv"]["ttft_median_ms"] / out["off"]["ttft_median_ms"]}
+        out["hpkv / off"] = {
+            "throughput": out["hpkv"]["req_per_s"] / out["off"]["req_per_s"],
+            "median TTFT": out["hpkv"]["ttft_median_ms"] / out["off"]["ttft_median_ms"],
+        }
     return out
 
 
@@ -189,8 +227,12 @@ def header(opts, pool_dir: Path, storage_dir: Path) -> dict:
     return {
         "command": shlex.join([sys.executable, *sys.argv]),
         "machine": describe(pool_dir, storage_dir),
-        "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version(),
-                     "lmcache": getattr(lmcache, "__version__", "?")},
+        "versions": {
+            "vllm": vllm.__version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "lmcache": getattr(lmcache, "__version__", "?"),
+        },
         "options": options,
     }
 
@@ -205,19 +247,38 @@ def print_report(summary: dict, head: dict) -> None:
     console = Console(width=max(Console().width, 140))
     m = head["machine"]
     console.print(f"command: {head['command']}")
-    console.print(f"machine: {m['cpus']} CPUs ({m['cpu_model']}), {m['memory_bytes'] / 2**30:.0f} GiB, load "
-                  f"{m['load_avg_1m']} at start; vllm {head['versions']['vllm']}, torch {head['versions']['torch']}, "
-                  f"lmcache {head['versions']['lmcache']}")
+    console.print(
+        f"machine: {m['cpus']} CPUs ({m['cpu_model']}), {m['memory_bytes'] / 2**30:.0f} GiB, load "
+        f"{m['load_avg_1m']} at start; vllm {head['versions']['vllm']}, torch {head['versions']['torch']}, "
+        f"lmcache {head['versions']['lmcache']}"
+    )
     table = Table(title="(a) time to first token, by prompt length")
-    for col in ("measure", "tokens", "median", "p90", "n", "cached dev/host/disk/ext", "HPKV copy", "from tier",
-                "same ids"):
+    for col in (
+        "measure",
+        "tokens",
+        "median",
+        "p90",
+        "n",
+        "cached dev/host/disk/ext",
+        "HPKV copy",
+        "from tier",
+        "same ids",
+    ):
         table.add_column(col, justify="left" if col == "measure" else "right")
     for by_len in summary["ttft"].values():
         for _n, r in sorted(by_len.items()):
             cached = "/".join(f"{r['cached_tokens'][k]:.0f}" for k in ("device", "host", "disk", "external"))
-            table.add_row(r["measure"], str(r["prompt_tokens"]), f"{r['median_ms']:.0f} ms", f"{r['p90_ms']:.0f} ms",
-                          str(r["n"]), cached, f"{r['hpkv_load_ms']:.0f} ms" if r["hpkv_load_ms"] else "",
-                          yes_no(r["from_tier"]), yes_no(r["same_token_ids"]))
+            table.add_row(
+                r["measure"],
+                str(r["prompt_tokens"]),
+                f"{r['median_ms']:.0f} ms",
+                f"{r['p90_ms']:.0f} ms",
+                str(r["n"]),
+                cached,
+                f"{r['hpkv_load_ms']:.0f} ms" if r["hpkv_load_ms"] else "",
+                yes_no(r["from_tier"]),
+                yes_no(r["same_token_ids"]),
+            )
     console.print(table)
     ratios = Table(title="(a) ratios of median TTFT")
     for col in ("ratio", "prompt words", "value", "target", "result"):
@@ -237,35 +298,56 @@ def print_multiround(console, mr: dict) -> None:
     from rich.table import Table
 
     table = Table(title="(b) multi-round long-document QA")
-    for col in ("system", "requests", "req/s", "TTFT median", "p90", "round 0 median", "later rounds median",
-                "cached tokens", "same ids as off"):
+    for col in (
+        "system",
+        "requests",
+        "req/s",
+        "TTFT median",
+        "p90",
+        "round 0 median",
+        "later rounds median",
+        "cached tokens",
+        "same ids as off",
+    ):
         table.add_column(col, justify="left" if col in ("system", "cached tokens") else "right")
     for kind in (*SYSTEMS, "off_again"):
         if kind in mr:
             r = mr[kind]
             cached = ", ".join(f"{k} {v / 1e3:.0f}K" for k, v in r["cached_tokens"].items()) or "-"
-            table.add_row(LABELS[kind], str(r["requests"]), f"{r['req_per_s']:.3f}", f"{r['ttft_median_ms']:.0f} ms",
-                          f"{r['ttft_p90_ms']:.0f} ms", f"{r['ttft_round0_median_ms']:.0f} ms",
-                          f"{r['ttft_later_median_ms']:.0f} ms" if r["ttft_later_median_ms"] else "-",
-                          f"{cached} of {r['prompt_tokens'] / 1e3:.0f}K", r["same_token_ids_as_off"] or "(reference)")
+            table.add_row(
+                LABELS[kind],
+                str(r["requests"]),
+                f"{r['req_per_s']:.3f}",
+                f"{r['ttft_median_ms']:.0f} ms",
+                f"{r['ttft_p90_ms']:.0f} ms",
+                f"{r['ttft_round0_median_ms']:.0f} ms",
+                f"{r['ttft_later_median_ms']:.0f} ms" if r["ttft_later_median_ms"] else "-",
+                f"{cached} of {r['prompt_tokens'] / 1e3:.0f}K",
+                r["same_token_ids_as_off"] or "(reference)",
+            )
     console.print(table)
     for kind in ("hpkv", "lmcache", "off_again"):
         if mr.get(kind, {}).get("differing_answers_depart_at_token"):
-            console.print(f"(b) {LABELS[kind]}: answers that differ from no connector's depart at token "
-                          f"{mr[kind]['differing_answers_depart_at_token']}")
+            console.print(
+                f"(b) {LABELS[kind]}: answers that differ from no connector's depart at token "
+                f"{mr[kind]['differing_answers_depart_at_token']}"
+            )
     for label, t in mr.get("targets", {}).items():
         console.print(f"(b) {label}: {t['value']:.2f} (target {t['target']}): {pass_miss(t['passed'])}")
     if "hpkv / off" in mr:
         r = mr["hpkv / off"]
-        console.print(f"(b) HPKV / no connector: throughput {r['throughput']:.2f}x, "
-                      f"median TTFT {r['median TTFT']:.2f}x")
+        console.print(
+            f"(b) HPKV / no connector: throughput {r['throughput']:.2f}x, median TTFT {r['median TTFT']:.2f}x"
+        )
 
 
 def print_noreuse(console, nr: dict) -> None:
     for kind in SYSTEMS:
         if kind in nr:
-            console.print(f"(c) no reuse, {LABELS[kind]}: {nr[kind]['req_per_s']:.3f} req/s "
-                          f"(rounds {nr[kind]['rounds_req_per_s']})")
+            console.print(
+                f"(c) no reuse, {LABELS[kind]}: {nr[kind]['req_per_s']:.3f} req/s "
+                f"(rounds {nr[kind]['rounds_req_per_s']})"
+            )
     for kind, costs in nr.get("cpu_per_round", {}).items():
         console.print(f"(c) {LABELS[kind]}, medians per round: " + ", ".join(f"{k} {v:.3f}" for k, v in costs.items()))
     for label in ("hpkv / off", "lmcache / off", "hpkv / lmcache"):
@@ -296,8 +378,11 @@ def plot(summary: dict, out_dir: Path) -> list[str]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    rows = [r for r in ("engine_hit", "hpkv_dram", "lmcache_l1", "hpkv_storage", "lmcache_l2", "cold")
-            if r in summary["ttft"]]
+    rows = [
+        r
+        for r in ("engine_hit", "hpkv_dram", "lmcache_l1", "hpkv_storage", "lmcache_l2", "cold")
+        if r in summary["ttft"]
+    ]
     if rows:
         lengths = sorted({n for r in rows for n in summary["ttft"][r]})
         fig, ax = plt.subplots(figsize=(9, 5.6))
@@ -307,8 +392,15 @@ def plot(summary: dict, out_dir: Path) -> list[str]:
             p90 = [summary["ttft"][row].get(n, {}).get("p90_ms", np.nan) for n in lengths]
             x = np.arange(len(lengths)) + (i - (len(rows) - 1) / 2) * width
             ax.bar(x, med, width, label=ROWS[row][0])
-            ax.errorbar(x, med, yerr=[np.zeros(len(med)), np.subtract(p90, med)], fmt="none", ecolor="black",
-                        capsize=2, linewidth=0.8)
+            ax.errorbar(
+                x,
+                med,
+                yerr=[np.zeros(len(med)), np.subtract(p90, med)],
+                fmt="none",
+                ecolor="black",
+                capsize=2,
+                linewidth=0.8,
+            )
         ax.set_xticks(np.arange(len(lengths)), [f"{n // 1024}K tokens" for n in lengths])
         ax.set_yscale("log")
         ax.set_ylabel("TTFT, ms (median; whisker to p90)")

@@ -76,12 +76,20 @@ def run(args: argparse.Namespace) -> dict:
     storage_off = configs.storage_off()
     desc = namespace("prefix-eviction", ENTRY)
     total = sum(lengths)
-    out: dict = {"pool_entries": entries, "documents": num_docs, "doc_blocks": args.doc_blocks, "all_blocks": total,
-                 "requests": args.requests, "zipf": args.zipf, "stores": {}}
+    out: dict = {
+        "pool_entries": entries,
+        "documents": num_docs,
+        "doc_blocks": args.doc_blocks,
+        "all_blocks": total,
+        "requests": args.requests,
+        "zipf": args.zipf,
+        "stores": {},
+    }
     for name, policy in (("HPKV (last entries first)", StorePolicy()), ("plain LRU (prefix order)", PREFIX_ORDER)):
         with tempfile.TemporaryDirectory(dir=args.pool_dir, prefix="hpkv-bench-") as pool_dir:
-            store = TieredStore.open(PoolConfig(dir=Path(pool_dir), size_bytes=args.pool_bytes), storage_off,
-                                     policy=policy)
+            store = TieredStore.open(
+                PoolConfig(dir=Path(pool_dir), size_bytes=args.pool_bytes), storage_off, policy=policy
+            )
             try:
                 ns = store.register(desc)
                 started = time.perf_counter()
@@ -108,8 +116,12 @@ def workload_arguments(description: str, requests: int, working_set: float) -> a
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--requests", type=int, default=requests)
     p.add_argument("--pool-bytes", type=int, default=32 << 20, help="each store's pool (entries of 16 KiB)")
-    p.add_argument("--doc-blocks", type=int, default=256,
-                   help="mean entries per document (its prefix; 256: 8K tokens in blocks of 32)")
+    p.add_argument(
+        "--doc-blocks",
+        type=int,
+        default=256,
+        help="mean entries per document (its prefix; 256: 8K tokens in blocks of 32)",
+    )
     p.add_argument("--working-set", type=float, default=working_set, help="all documents, in pools")
     p.add_argument("--zipf", type=float, default=1.0, help="exponent of the documents' popularity")
     p.add_argument("--seed", type=int, default=0)
@@ -124,9 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"pool of {out['pool_entries']} entries; {out['documents']} documents of {out['doc_blocks'] // 4} to "
-          f"{out['doc_blocks'] * 7 // 4} entries ({out['all_blocks'] / out['pool_entries']:.1f}x the pool), "
-          f"{out['requests']} requests, Zipf {out['zipf']}")
+    print(
+        f"pool of {out['pool_entries']} entries; {out['documents']} documents of {out['doc_blocks'] // 4} to "
+        f"{out['doc_blocks'] * 7 // 4} entries ({out['all_blocks'] / out['pool_entries']:.1f}x the pool), "
+        f"{out['requests']} requests, Zipf {out['zipf']}"
+    )
     print(f"{'eviction order':28} {'DRAM hit rate':>14} {'full hits':>10} {'no hit':>8} {'evictions':>10}")
     for name, r in out["stores"].items():
         print(f"{name:28} {r['hit_rate']:>13.1%} {r['full_hits']:>10.1%} {r['no_hit']:>8.1%} {r['evictions']:>10}")

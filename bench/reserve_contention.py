@@ -52,8 +52,8 @@ def _fill(store: TieredStore) -> tuple[str, str, list[bytes]]:
     b = _keys((alloc.num_slabs - half) * (alloc.slab_bytes // LARGE), "b")
     for ns, ks in ((ns_a, a), (ns_b, b)):
         for i in range(0, len(ks), 4096):
-            assert None not in store.reserve(ns, ks[i:i + 4096])
-            store.commit(ns, ks[i:i + 4096])
+            assert None not in store.reserve(ns, ks[i : i + 4096])
+            store.commit(ns, ks[i : i + 4096])
     assert alloc.num_free_slabs == 0
     first_of_slab: dict[int, tuple[str, bytes]] = {}
     for ns, ks in ((ns_a, a), (ns_b, b)):
@@ -100,11 +100,13 @@ def measure(policy: StorePolicy, pool_bytes: int, rounds: int, pool_dir: str) ->
         finally:
             store.close()
     base = statistics.median(baseline)
-    return {"entries": entries, "baseline_lookup_ms": round(base, 4),
-            "reserve_128_ms": round(statistics.median(reserves), 3),
-            "lookup_wait_ms": {"median": round(statistics.median(waits), 3), "max": round(max(waits), 3)},
-            "lookup_wait_ratio": {"median": round(statistics.median(waits) / base, 1),
-                                  "max": round(max(waits) / base, 1)}}
+    return {
+        "entries": entries,
+        "baseline_lookup_ms": round(base, 4),
+        "reserve_128_ms": round(statistics.median(reserves), 3),
+        "lookup_wait_ms": {"median": round(statistics.median(waits), 3), "max": round(max(waits), 3)},
+        "lookup_wait_ratio": {"median": round(statistics.median(waits) / base, 1), "max": round(max(waits) / base, 1)},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,20 +116,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool-dir", default="/dev/shm", help="parent of the pool temporaries (tmpfs)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    out = {"pool_bytes": args.pool_bytes, "reserve_keys": NUM_RESERVE,
-           "walk (before)": measure(WALK, args.pool_bytes, args.rounds, args.pool_dir),
-           "store (now)": measure(StorePolicy(), args.pool_bytes, args.rounds, args.pool_dir)}
+    out = {
+        "pool_bytes": args.pool_bytes,
+        "reserve_keys": NUM_RESERVE,
+        "walk (before)": measure(WALK, args.pool_bytes, args.rounds, args.pool_dir),
+        "store (now)": measure(StorePolicy(), args.pool_bytes, args.rounds, args.pool_dir),
+    }
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"pool {args.pool_bytes >> 20} MiB, two entry sizes, one pinned entry in every slab; "
-          f"a {NUM_RESERVE}-key reserve of the large size, a 16-key lookup of the small one behind it")
+    print(
+        f"pool {args.pool_bytes >> 20} MiB, two entry sizes, one pinned entry in every slab; "
+        f"a {NUM_RESERVE}-key reserve of the large size, a 16-key lookup of the small one behind it"
+    )
     for name in ("walk (before)", "store (now)"):
         m = out[name]
-        print(f"  {name:14s} {m['entries']:7d} entries  reserve {m['reserve_128_ms']:9.3f} ms  lookup waits "
-              f"{m['lookup_wait_ms']['median']:9.3f} ms median, {m['lookup_wait_ms']['max']:9.3f} ms max  "
-              f"({m['lookup_wait_ratio']['median']:.1f}x / {m['lookup_wait_ratio']['max']:.1f}x its baseline of "
-              f"{m['baseline_lookup_ms']:.4f} ms)")
+        print(
+            f"  {name:14s} {m['entries']:7d} entries  reserve {m['reserve_128_ms']:9.3f} ms  lookup waits "
+            f"{m['lookup_wait_ms']['median']:9.3f} ms median, {m['lookup_wait_ms']['max']:9.3f} ms max  "
+            f"({m['lookup_wait_ratio']['median']:.1f}x / {m['lookup_wait_ratio']['max']:.1f}x its baseline of "
+            f"{m['baseline_lookup_ms']:.4f} ms)"
+        )
     return 0
 
 

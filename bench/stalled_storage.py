@@ -77,10 +77,10 @@ def serve(store: TieredStore, ns: str, doc: list) -> tuple[int, int]:
     """One request as an engine makes it; (blocks that hit in DRAM, blocks that hit in all)."""
     hit = store.lookup(ns, doc)
     if hit.num_hit:
-        lease = store.lease(ns, doc[:hit.num_hit])
+        lease = store.lease(ns, doc[: hit.num_hit])
         lease.wait(timeout=30)
         store.release(lease.id)
-    rest = doc[hit.num_hit:]
+    rest = doc[hit.num_hit :]
     if rest:
         store.reserve(ns, rest)
         store.commit(ns, rest)
@@ -95,11 +95,20 @@ def run(args: argparse.Namespace) -> dict:
     picks = (picks + (np.arange(args.requests) * args.drift * len(docs) // args.requests).astype(int)) % len(docs)
     desc = namespace("stalled-storage", ENTRY)
     asked = sum(lengths[d] for d in picks)
-    out: dict = {"pool_entries": entries, "documents": len(docs), "all_blocks": sum(lengths),
-                 "requests": args.requests, "stalled": args.stalled, "drift": args.drift, "stores": {}}
+    out: dict = {
+        "pool_entries": entries,
+        "documents": len(docs),
+        "all_blocks": sum(lengths),
+        "requests": args.requests,
+        "stalled": args.stalled,
+        "drift": args.drift,
+        "stores": {},
+    }
     for name, policy in (("HPKV (half the pool at most)", StorePolicy()), ("no limit (all pinned)", UNLIMITED_BACKLOG)):
-        with tempfile.TemporaryDirectory(dir=args.pool_dir, prefix="hpkv-bench-") as pool_dir, \
-                tempfile.TemporaryDirectory(dir=args.storage_dir, prefix="hpkv-bench-") as storage_dir:
+        with (
+            tempfile.TemporaryDirectory(dir=args.pool_dir, prefix="hpkv-bench-") as pool_dir,
+            tempfile.TemporaryDirectory(dir=args.storage_dir, prefix="hpkv-bench-") as storage_dir,
+        ):
             storage = configs.storage(Path(storage_dir))
             store = TieredStore.open(PoolConfig(dir=Path(pool_dir), size_bytes=args.pool_bytes), storage, policy=policy)
             try:
@@ -139,8 +148,12 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = workload_arguments(__doc__.split("\n\n")[0], requests=3000, working_set=4.0)
     p.add_argument("--stalled", type=float, default=1.0, help="share of the time the writers are stopped")
-    p.add_argument("--drift", type=float, default=1.0,
-                   help="times the popular documents change over the run (0: the same ones throughout)")
+    p.add_argument(
+        "--drift",
+        type=float,
+        default=1.0,
+        help="times the popular documents change over the run (0: the same ones throughout)",
+    )
     p.add_argument("--storage-dir", default=".", help="parent of the storage temporaries")
     args = p.parse_args(argv)
     if not 0.0 <= args.stalled <= 1.0:
@@ -149,15 +162,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"pool of {out['pool_entries']} entries; {out['documents']} documents "
-          f"({out['all_blocks'] / out['pool_entries']:.1f}x the pool), {out['requests']} requests, popularity "
-          f"turning over {out['drift']:g} times; writers stopped {out['stalled']:.0%} of the time")
-    print(f"{'write backlog':30} {'hit rate':>9} {'DRAM':>7} {'no hit':>7} {'saves skipped':>14} "
-          f"{'pinned':>7} {'deferred':>9} {'on storage':>11} {'lost':>6}")
+    print(
+        f"pool of {out['pool_entries']} entries; {out['documents']} documents "
+        f"({out['all_blocks'] / out['pool_entries']:.1f}x the pool), {out['requests']} requests, popularity "
+        f"turning over {out['drift']:g} times; writers stopped {out['stalled']:.0%} of the time"
+    )
+    print(
+        f"{'write backlog':30} {'hit rate':>9} {'DRAM':>7} {'no hit':>7} {'saves skipped':>14} "
+        f"{'pinned':>7} {'deferred':>9} {'on storage':>11} {'lost':>6}"
+    )
     for name, r in out["stores"].items():
-        print(f"{name:30} {r['hit_rate']:>8.1%} {r['dram_hit_rate']:>7.1%} {r['no_hit']:>7.1%} "
-              f"{r['saves_skipped']:>14} {r['backlog_entries']:>7} {r['deferred']:>9} {r['written_after']:>11} "
-              f"{r['lost']:>6}")
+        print(
+            f"{name:30} {r['hit_rate']:>8.1%} {r['dram_hit_rate']:>7.1%} {r['no_hit']:>7.1%} "
+            f"{r['saves_skipped']:>14} {r['backlog_entries']:>7} {r['deferred']:>9} {r['written_after']:>11} "
+            f"{r['lost']:>6}"
+        )
     print(f"hit rate, HPKV / no limit: {out['ratio']:.2f}x")
     return 0
 

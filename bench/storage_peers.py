@@ -83,8 +83,10 @@ class PeerConfig:
             raise ValueError("rounds and in_flight must be at least 1")
         for size in self.entry_sizes:
             if size % 1024 or self.round_bytes % (size * self.in_flight):
-                raise ValueError(f"each entry size must be whole KiB and divide the round "
-                                 f"({self.round_bytes} bytes) into {self.in_flight} equal submits")
+                raise ValueError(
+                    f"each entry size must be whole KiB and divide the round "
+                    f"({self.round_bytes} bytes) into {self.in_flight} equal submits"
+                )
 
     def keys_per_submit(self, entry_bytes: int) -> int:
         return self.round_bytes // entry_bytes // self.in_flight
@@ -151,8 +153,15 @@ def run(config: PeerConfig, progress: Callable[[str], None] = lambda message: No
             shutil.rmtree(root / f"hpkv-{entry_bytes}", ignore_errors=True)
             num_bytes = config.round_bytes
             for i, direction in enumerate(("write", "read")):
-                rows.append(PeerRow(entry_bytes, direction, _gbps(num_bytes, hpkv[i]),
-                                    _gbps(num_bytes, peer[i]), _gbps(num_bytes, limit[i])))
+                rows.append(
+                    PeerRow(
+                        entry_bytes,
+                        direction,
+                        _gbps(num_bytes, hpkv[i]),
+                        _gbps(num_bytes, peer[i]),
+                        _gbps(num_bytes, limit[i]),
+                    )
+                )
     return PeerReport(config, where, tuple(rows), time.monotonic() - started, costs)
 
 
@@ -175,8 +184,13 @@ def file_costs(root: Path, num_files: int = 500) -> dict[str, float]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     per_file = [((b[0] - a[0]) / num_files * 1e6, (b[1] - a[1]) / num_files * 1e6) for a, b in pairwise(times)]
-    return {"create_us": per_file[0][0], "create_system_us": per_file[0][1],
-            "unlink_us": per_file[1][0], "unlink_system_us": per_file[1][1], "files": num_files}
+    return {
+        "create_us": per_file[0][0],
+        "create_system_us": per_file[0][1],
+        "unlink_us": per_file[1][0],
+        "unlink_system_us": per_file[1][1],
+        "files": num_files,
+    }
 
 
 def _system_s() -> float:
@@ -195,15 +209,18 @@ def drop_page_cache() -> None:
 
 # -- the disk limit --------------------------------------------------------------------------
 
-def measure_limit(root: Path, src: memoryview, dst: memoryview, entry_bytes: int,
-                  config: PeerConfig) -> tuple[float, float]:
+
+def measure_limit(
+    root: Path, src: memoryview, dst: memoryview, entry_bytes: int, config: PeerConfig
+) -> tuple[float, float]:
     """Best (write_s, read_s) of `rounds` timed rounds after a warm-up, as `dataplane` measures it.
     Cold: the page cache is synced and dropped between the write and the read."""
     writes, reads = [], []
     os.sync()
     for round_ in range(config.rounds + 1):
-        write_s, read_s = disk_limit(root / "limit.bin", src, dst, entry_bytes, "off",
-                                     between=drop_page_cache if config.cold else None)
+        write_s, read_s = disk_limit(
+            root / "limit.bin", src, dst, entry_bytes, "off", between=drop_page_cache if config.cold else None
+        )
         if round_:
             writes.append(write_s)
             reads.append(read_s)
@@ -212,23 +229,42 @@ def measure_limit(root: Path, src: memoryview, dst: memoryview, entry_bytes: int
 
 # -- LMCache ---------------------------------------------------------------------------------
 
-def lmcache_command(base_path: Path, entry_bytes: int, config: PeerConfig, only: str | None,
-                    output: Path) -> list[str]:
+
+def lmcache_command(base_path: Path, entry_bytes: int, config: PeerConfig, only: str | None, output: Path) -> list[str]:
     adapter = json.dumps({"type": "fs", "base_path": str(base_path)})
-    command = [config.lmcache, "bench", "l2", "--l2-adapter", adapter,
-               "--data-size-kb", str(entry_bytes // 1024),
-               "--num-keys", str(config.keys_per_submit(entry_bytes)),
-               "--in-flight", str(config.in_flight),
-               "--rounds", str(config.rounds), "--warmup-rounds", "1",
-               "--no-skip-verify", "--format", "json", "--output", str(output), "-q"]
+    command = [
+        config.lmcache,
+        "bench",
+        "l2",
+        "--l2-adapter",
+        adapter,
+        "--data-size-kb",
+        str(entry_bytes // 1024),
+        "--num-keys",
+        str(config.keys_per_submit(entry_bytes)),
+        "--in-flight",
+        str(config.in_flight),
+        "--rounds",
+        str(config.rounds),
+        "--warmup-rounds",
+        "1",
+        "--no-skip-verify",
+        "--format",
+        "json",
+        "--output",
+        str(output),
+        "-q",
+    ]
     return command + (["--only", only] if only else [])
 
 
 def measure_lmcache(base_path: Path, entry_bytes: int, config: PeerConfig) -> tuple[float, float]:
     """Best (store_s, load_s) round of `lmcache bench l2` with the fs adapter."""
     if not Path(config.lmcache).exists():
-        raise HpkvError(f"{config.lmcache} not found: install lmcache (and aiofiles) in this "
-                        "environment, or name its `lmcache` command with --lmcache")
+        raise HpkvError(
+            f"{config.lmcache} not found: install lmcache (and aiofiles) in this "
+            "environment, or name its `lmcache` command with --lmcache"
+        )
     os.sync()
     if not config.cold:
         ops = _run_lmcache(base_path, entry_bytes, config, None)
@@ -253,22 +289,27 @@ def _run_lmcache(base_path: Path, entry_bytes: int, config: PeerConfig, only: st
         name = section.get("operation") if isinstance(section, dict) else None
         if name in ("Store", "Load"):
             if section["total_success"] != section["total_keys"] or section["rounds_timed_out"]:
-                raise HpkvError(f"lmcache bench l2: {name} moved {section['total_success']} of "
-                                f"{section['total_keys']} keys ({section['rounds_timed_out']} rounds timed out)")
+                raise HpkvError(
+                    f"lmcache bench l2: {name} moved {section['total_success']} of "
+                    f"{section['total_keys']} keys ({section['rounds_timed_out']} rounds timed out)"
+                )
             best[name] = section["duration_min_ms"] / 1e3
     return best
 
 
 # -- HPKV ------------------------------------------------------------------------------------
 
-def measure_hpkv(path: Path, src: np.ndarray, dst: np.ndarray, entry_bytes: int,
-                 config: PeerConfig) -> tuple[float, float]:
+
+def measure_hpkv(
+    path: Path, src: np.ndarray, dst: np.ndarray, entry_bytes: int, config: PeerConfig
+) -> tuple[float, float]:
     """Best (write_s, read_s) round of the storage tier, driven as `lmcache bench l2` drives its
     adapter: new keys every round, all writes first, then the reads in the same order."""
     num = config.round_bytes // entry_bytes
     total_rounds = config.rounds + 1
-    tier = StorageTier(configs.storage(path, capacity_bytes=2 * total_rounds * num * (entry_bytes + 4096),
-                                       io_threads=config.in_flight))
+    tier = StorageTier(
+        configs.storage(path, capacity_bytes=2 * total_rounds * num * (entry_bytes + 4096), io_threads=config.in_flight)
+    )
     tier.start()
     tier.scan_done.wait()
     desc = namespace("storage-peers", entry_bytes, dtype="bfloat16", block_size=16, num_layers=1)
@@ -277,8 +318,7 @@ def measure_hpkv(path: Path, src: np.ndarray, dst: np.ndarray, entry_bytes: int,
     rounds = [lookup.new_keys(num) for _ in range(total_rounds)]
     try:
         os.sync()
-        writes = [_timed_round(tier.write_from, tier, desc.ns, keys, src_view, entry_bytes)
-                  for keys in rounds]
+        writes = [_timed_round(tier.write_from, tier, desc.ns, keys, src_view, entry_bytes) for keys in rounds]
         if config.cold:
             drop_page_cache()
         reads = []
@@ -304,29 +344,47 @@ def _timed_round(op, tier: StorageTier, ns: str, keys: list[Key], buf: memoryvie
 
 # -- the command line ---------------------------------------------------------------------
 
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="64k,256k,1m,4m", help="entry sizes, comma-separated")
     parser.add_argument("--round", default="256m", help="bytes moved per round and entry size")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up); the best counts")
-    parser.add_argument("--in-flight", type=int, default=8,
-                        help="LMCache's --in-flight and HPKV's I/O threads (HPKV_IO_THREADS)")
-    parser.add_argument("--storage-dir", type=Path, default=None,
-                        help="parent of the temporaries of both sides (default: the current directory)")
-    parser.add_argument("--cold", action="store_true",
-                        help="sync and drop the page cache between writes and reads (root only)")
+    parser.add_argument(
+        "--in-flight", type=int, default=8, help="LMCache's --in-flight and HPKV's I/O threads (HPKV_IO_THREADS)"
+    )
+    parser.add_argument(
+        "--storage-dir",
+        type=Path,
+        default=None,
+        help="parent of the temporaries of both sides (default: the current directory)",
+    )
+    parser.add_argument(
+        "--cold", action="store_true", help="sync and drop the page cache between writes and reads (root only)"
+    )
     parser.add_argument("--lmcache", default=None, help="the lmcache command (default: beside this python)")
     parser.add_argument("--json", action="store_true", help="JSON on stdout")
-    parser.add_argument("--table-from", type=Path, default=None, metavar="JSON",
-                        help="print the table of a run saved with --json, and measure nothing")
+    parser.add_argument(
+        "--table-from",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="print the table of a run saved with --json, and measure nothing",
+    )
     args = parser.parse_args(argv)
     if args.table_from:
         print_table(from_json(args.table_from.read_text()), Console(width=160))
         return 0
     extra = {"lmcache": args.lmcache} if args.lmcache else {}
-    config = PeerConfig(entry_sizes=tuple(parse_size(s) for s in args.sizes.split(",")),
-                        round_bytes=parse_size(args.round), rounds=args.rounds, in_flight=args.in_flight,
-                        storage_parent=args.storage_dir, cold=args.cold, **extra)
+    config = PeerConfig(
+        entry_sizes=tuple(parse_size(s) for s in args.sizes.split(",")),
+        round_bytes=parse_size(args.round),
+        rounds=args.rounds,
+        in_flight=args.in_flight,
+        storage_parent=args.storage_dir,
+        cold=args.cold,
+        **extra,
+    )
     err = Console(stderr=True)
     report = run(config, lambda message: err.print(f"measuring {message}..."))
     if args.json:
@@ -338,10 +396,26 @@ def main(argv: list[str] | None = None) -> int:
 
 def to_json(report: PeerReport) -> str:
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(report.config).items()}
-    rows = [{**dataclasses.asdict(row), "vs_peer": row.vs_peer, "vs_limit": row.vs_limit,
-             "target": row.target, "passed": row.passed} for row in report.rows]
-    return json.dumps({"config": config, "machine": report.machine, "rows": rows,
-                       "elapsed_s": round(report.elapsed_s, 1), "file_costs": report.file_costs}, indent=2)
+    rows = [
+        {
+            **dataclasses.asdict(row),
+            "vs_peer": row.vs_peer,
+            "vs_limit": row.vs_limit,
+            "target": row.target,
+            "passed": row.passed,
+        }
+        for row in report.rows
+    ]
+    return json.dumps(
+        {
+            "config": config,
+            "machine": report.machine,
+            "rows": rows,
+            "elapsed_s": round(report.elapsed_s, 1),
+            "file_costs": report.file_costs,
+        },
+        indent=2,
+    )
 
 
 def from_json(text: str) -> PeerReport:
@@ -356,32 +430,43 @@ def from_json(text: str) -> PeerReport:
 
 def print_table(report: PeerReport, console: Console) -> None:
     m = report.machine
-    table = Table(title=Text(f"HPKV storage tier vs LMCache fs adapter ({m['cpus']} CPUs, "
-                             f"load {m['load_avg_1m']})"))
-    for name in ("entry", "op", "HPKV", "LMCache fs", "disk limit", "HPKV/LMCache", "HPKV/limit",
-                 "target", "result"):
-        table.add_column(name, justify="left" if name in ("op", "target", "result") else "right",
-                         no_wrap=True)
+    table = Table(title=Text(f"HPKV storage tier vs LMCache fs adapter ({m['cpus']} CPUs, load {m['load_avg_1m']})"))
+    for name in ("entry", "op", "HPKV", "LMCache fs", "disk limit", "HPKV/LMCache", "HPKV/limit", "target", "result"):
+        table.add_column(name, justify="left" if name in ("op", "target", "result") else "right", no_wrap=True)
     for row in report.rows:
         result = Text(verdict(row.passed), style="green" if row.passed else "bold red")
-        table.add_row(human_bytes(row.entry_bytes), row.direction, f"{row.hpkv:.2f} GB/s",
-                      f"{row.lmcache:.2f} GB/s", f"{row.limit:.2f} GB/s", f"{row.vs_peer:.2f}x",
-                      f"{row.vs_limit:.2f}x", row.target, result)
+        table.add_row(
+            human_bytes(row.entry_bytes),
+            row.direction,
+            f"{row.hpkv:.2f} GB/s",
+            f"{row.lmcache:.2f} GB/s",
+            f"{row.limit:.2f} GB/s",
+            f"{row.vs_peer:.2f}x",
+            f"{row.vs_limit:.2f}x",
+            row.target,
+            result,
+        )
     console.print(table)
     c = report.config
     storage = m["storage_dir"]
-    console.print(Text(
-        f"both on {storage['fs_type']} ({storage['path']}); page cache: "
-        f"{'dropped between writes and reads' if c.cold else 'reads right after writes'}; fsync off, "
-        f"no O_DIRECT on both sides; {c.in_flight} in flight; {human_bytes(c.round_bytes)} per round, "
-        f"new keys each round; best of {c.rounds} rounds after 1 warm-up; GB/s = 10^9 bytes/s; "
-        f"{report.elapsed_s:.0f} s in all"))
+    console.print(
+        Text(
+            f"both on {storage['fs_type']} ({storage['path']}); page cache: "
+            f"{'dropped between writes and reads' if c.cold else 'reads right after writes'}; fsync off, "
+            f"no O_DIRECT on both sides; {c.in_flight} in flight; {human_bytes(c.round_bytes)} per round, "
+            f"new keys each round; best of {c.rounds} rounds after 1 warm-up; GB/s = 10^9 bytes/s; "
+            f"{report.elapsed_s:.0f} s in all"
+        )
+    )
     f = report.file_costs
     if f:
-        console.print(Text(
-            f"per file on this file system (one thread, {f['files']} empty files): create {f['create_us']:.0f} us "
-            f"({f['create_system_us']:.0f} us of system CPU), unlink {f['unlink_us']:.0f} us "
-            f"({f['unlink_system_us']:.0f} us); every entry written pays one create, the limit's one file does not"))
+        console.print(
+            Text(
+                f"per file on this file system (one thread, {f['files']} empty files): create {f['create_us']:.0f} us "
+                f"({f['create_system_us']:.0f} us of system CPU), unlink {f['unlink_us']:.0f} us "
+                f"({f['unlink_system_us']:.0f} us); every entry written pays one create, the limit's one file does not"
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -88,8 +88,13 @@ def scan(path: Path, probe_key: bytes, entry_bytes: int) -> dict:
     rss_after = psutil.Process().memory_info().rss
     indexed = tier.stats().num_entries
     tier.close()
-    return {"seconds": elapsed, "files_indexed": indexed, "probe_hit": found and read,
-            "probe_ms": probe_s * 1e3, "index_rss_bytes": rss_after - rss_before}
+    return {
+        "seconds": elapsed,
+        "files_indexed": indexed,
+        "probe_hit": found and read,
+        "probe_ms": probe_s * 1e3,
+        "index_rss_bytes": rss_after - rss_before,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,8 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--files", type=int, default=200_000)
     p.add_argument("--entry-bytes", type=int, default=4096, help="size of each entry's payload")
     p.add_argument("--storage-dir", default=".", help="parent of the storage temporary")
-    p.add_argument("--no-cold", dest="cold", action="store_false",
-                   help="skip the walk after dropping the kernel's caches (which slows everything else)")
+    p.add_argument(
+        "--no-cold",
+        dest="cold",
+        action="store_false",
+        help="skip the walk after dropping the kernel's caches (which slows everything else)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="hpkv-scan-", dir=args.storage_dir))
@@ -106,8 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"writing {args.files} entry files under {root}", file=sys.stderr)
         fill_s = fill(root, args.files, args.entry_bytes)
         probe = key_of(args.files - 1)
-        out = {"files": args.files, "entry_bytes": args.entry_bytes, "fill_seconds": fill_s,
-               "warm": scan(root, probe, args.entry_bytes)}
+        out = {
+            "files": args.files,
+            "entry_bytes": args.entry_bytes,
+            "fill_seconds": fill_s,
+            "warm": scan(root, probe, args.entry_bytes),
+        }
         out["cold"] = scan(root, probe, args.entry_bytes) if args.cold and drop_caches() else None
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -121,10 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         if r is None:
             print(f"{name:5} skipped: --no-cold, or not root (dropping the kernel's caches needs root)")
             continue
-        print(f"{name:5} index of {r['files_indexed']} files in {r['seconds']:.1f} s "
-              f"({r['seconds'] * per_million:.1f} s per million); a lookup and read of an unindexed file during it: "
-              f"{'hit' if r['probe_hit'] else 'MISS'} in {r['probe_ms']:.1f} ms; index memory "
-              f"{r['index_rss_bytes'] * per_million / 2**20:.0f} MiB per million files")
+        print(
+            f"{name:5} index of {r['files_indexed']} files in {r['seconds']:.1f} s "
+            f"({r['seconds'] * per_million:.1f} s per million); a lookup and read of an unindexed file during it: "
+            f"{'hit' if r['probe_hit'] else 'MISS'} in {r['probe_ms']:.1f} ms; index memory "
+            f"{r['index_rss_bytes'] * per_million / 2**20:.0f} MiB per million files"
+        )
     return 0
 
 

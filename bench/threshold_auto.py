@@ -99,14 +99,15 @@ class Bench:
     def tokens(self, num: int, seed: int) -> list[int]:
         """`num` token ids of a fresh random text (the demo tokenizer: about one token a word)."""
         engine = self.engines["auto"]
-        ids = engine.server.post("/tokenize", {"model": engine.server.served_name,
-                                               "prompt": prompt_text(num + 16, seed)})["tokens"]
+        ids = engine.server.post(
+            "/tokenize", {"model": engine.server.served_name, "prompt": prompt_text(num + 16, seed)}
+        )["tokens"]
         return ids[:num]
 
     def order(self) -> list[str]:
         names = list(POLICIES)
         self._turn += 1
-        return names[self._turn % 3:] + names[: self._turn % 3]
+        return names[self._turn % 3 :] + names[: self._turn % 3]
 
     # -- the scenarios ------------------------------------------------------------------------
 
@@ -116,16 +117,22 @@ class Bench:
     def long_dram(self, ids: list[int], repeat: int | None) -> None:
         for name in POLICIES:
             self.engines[name].complete(ids, 1)
-        self.measure("long, DRAM", [ids] * self.num_samples(repeat), len(ids) // BLOCK_SIZE * BLOCK_SIZE, repeat,
-                     external=False)
+        self.measure(
+            "long, DRAM", [ids] * self.num_samples(repeat), len(ids) // BLOCK_SIZE * BLOCK_SIZE, repeat, external=False
+        )
 
     def long_storage(self, ids: list[int], repeat: int | None) -> None:
         for name in POLICIES:
             before = count_files(self.storage[name])
             self.engines[name].complete(ids, 1)
             wait_for_files(self.storage[name], before + len(ids) // BLOCK_SIZE)
-        self.measure("long, storage", [ids] * self.num_samples(repeat), len(ids) // BLOCK_SIZE * BLOCK_SIZE,
-                     repeat, external=True)
+        self.measure(
+            "long, storage",
+            [ids] * self.num_samples(repeat),
+            len(ids) // BLOCK_SIZE * BLOCK_SIZE,
+            repeat,
+            external=True,
+        )
 
     def short(self, hit: int, seed: int, repeat: int | None) -> None:
         prefix = self.tokens(hit, seed)
@@ -152,9 +159,11 @@ class Bench:
         ttft = {name: statistics.median(values) for name, values in samples.items()}
         row = Row(scenario, hit, repeat, ttft, samples, loaded, len({tuple(o or ()) for o in outputs.values()}) == 1)
         self.rows.append(row)
-        log(f"{scenario}, hit {hit}, repeat {repeat}: " + ", ".join(
-            f"{n} {ttft[n]:.0f} ms ({'/'.join(f'{v:.0f}' for v in samples[n])})" for n in POLICIES)
-            + f" -> {'PASS' if row.passed else 'MISS'}")
+        log(
+            f"{scenario}, hit {hit}, repeat {repeat}: "
+            + ", ".join(f"{n} {ttft[n]:.0f} ms ({'/'.join(f'{v:.0f}' for v in samples[n])})" for n in POLICIES)
+            + f" -> {'PASS' if row.passed else 'MISS'}"
+        )
 
     def run(self) -> None:
         o = self.opts
@@ -192,9 +201,11 @@ def wait_for_files(storage: Path, at_least: int, timeout_s: float = 60.0) -> Non
 
 def auto_lines(engine: Engine) -> list[str]:
     text = engine.server.log_path.read_text(errors="replace")
-    lines = [line[line.index("VLLM_HPKV"):] for line in text.splitlines() if "VLLM_HPKV_TOKEN_THRESHOLD=auto (" in line]
+    lines = [
+        line[line.index("VLLM_HPKV") :] for line in text.splitlines() if "VLLM_HPKV_TOKEN_THRESHOLD=auto (" in line
+    ]
     starts = [i for i, line in enumerate(lines) if "auto (start," in line]
-    return lines[starts[-1]:] if starts else lines  # this run's (the log file is appended to)
+    return lines[starts[-1] :] if starts else lines  # this run's (the log file is appended to)
 
 
 # -- report ---------------------------------------------------------------------------------
@@ -213,14 +224,18 @@ def print_report(summary: dict, head: dict) -> None:
     print(f"command: {head['command']}")
     m = head["machine"]
     print(f"machine: {m['cpus']} CPUs ({m['cpu_model']}), load {m['load_avg_1m']} at start; model {head['model']}")
-    print(f"\n{'scenario':<15} {'hit':>6} {'rep':>3} {'always':>8} {'never':>8} {'auto':>8}  "
-          f"{'auto loaded (host/disk)':>23} {'same ids':>8}  check")
+    print(
+        f"\n{'scenario':<15} {'hit':>6} {'rep':>3} {'always':>8} {'never':>8} {'auto':>8}  "
+        f"{'auto loaded (host/disk)':>23} {'same ids':>8}  check"
+    )
     for r in summary["rows"]:
         t = r["ttft_ms"]
         loaded = r["loaded"]["auto"]
-        print(f"{r['scenario']:<15} {r['hit_tokens']:>6} {r['repeat']:>3} {t['always']:>6.0f}ms {t['never']:>6.0f}ms "
-              f"{t['auto']:>6.0f}ms  {loaded.get('host', 0):>11.0f}/{loaded.get('disk', 0):<11.0f} "
-              f"{'yes' if r['same_ids'] else 'NO':>8}  {'PASS' if r['passed'] else 'MISS'}")
+        print(
+            f"{r['scenario']:<15} {r['hit_tokens']:>6} {r['repeat']:>3} {t['always']:>6.0f}ms {t['never']:>6.0f}ms "
+            f"{t['auto']:>6.0f}ms  {loaded.get('host', 0):>11.0f}/{loaded.get('disk', 0):<11.0f} "
+            f"{'yes' if r['same_ids'] else 'NO':>8}  {'PASS' if r['passed'] else 'MISS'}"
+        )
     print("\nauto's log (start, then each material change):")
     for line in summary["auto_log"]:
         print(f"  {line}")
@@ -232,8 +247,12 @@ def print_report(summary: dict, head: dict) -> None:
 def parse_args(argv: list[str]) -> Options:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="a model directory (default: build the BENCH random model)")
-    p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "hpkv-threshold-bench",
-                   help="model cache, logs and storage temporaries (on disk, not /dev/shm)")
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "hpkv-threshold-bench",
+        help="model cache, logs and storage temporaries (on disk, not /dev/shm)",
+    )
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--long-tokens", type=int, default=8192)
     p.add_argument("--short-hits", default="32,64,128,256,512", help="hit sizes of the short workload (tokens)")
@@ -244,8 +263,9 @@ def parse_args(argv: list[str]) -> Options:
     p.add_argument("--json", action="store_true", help="JSON on stdout")
     a = p.parse_args(argv)
     hits = tuple(int(h) for h in a.short_hits.split(","))
-    return Options(a.model, a.workdir, a.repeats, a.long_tokens, hits, a.suffix_tokens, a.samples, a.settle_s,
-                   a.pool_size, a.json)
+    return Options(
+        a.model, a.workdir, a.repeats, a.long_tokens, hits, a.suffix_tokens, a.samples, a.settle_s, a.pool_size, a.json
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,11 +275,21 @@ def main(argv: list[str] | None = None) -> int:
     model = opts.model or str(build_model(opts.workdir / "bench-model", BENCH))
     pools = {n: Path(tempfile.mkdtemp(prefix=f"hpkv-thr-{n}-", dir="/dev/shm")) for n in POLICIES}
     storage = {n: Path(tempfile.mkdtemp(prefix=f"storage-{n}-", dir=opts.workdir)) for n in POLICIES}
-    head = {"command": shlex.join([sys.executable, *sys.argv]), "machine": describe(pools["auto"], storage["auto"]),
-            "model": model, "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()}}
+    head = {
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "machine": describe(pools["auto"], storage["auto"]),
+        "model": model,
+        "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},
+    }
     log(f"command: {head['command']}")
-    envs = {n: {**engine_env(), **documented_env(opts.pool_size, pools[n], storage[n], opts.workdir),
-                "VLLM_HPKV_TOKEN_THRESHOLD": value} for n, value in POLICIES.items()}
+    envs = {
+        n: {
+            **engine_env(),
+            **documented_env(opts.pool_size, pools[n], storage[n], opts.workdir),
+            "VLLM_HPKV_TOKEN_THRESHOLD": value,
+        }
+        for n, value in POLICIES.items()
+    }
     engines = {n: Engine(n, model, envs[n], hpkv=True, log_dir=opts.workdir / "logs") for n in POLICIES}
     started = time.monotonic()
     try:

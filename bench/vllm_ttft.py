@@ -93,8 +93,11 @@ def connector_flags(opts: Options) -> tuple[str, ...]:
     """The documented --kv-transfer-config, with "hpkv.async_save" when --async-save says so."""
     if opts.async_save == "default":
         return ()
-    config = {"kv_connector": "HpkvConnectorV1", "kv_role": "kv_both",
-              "kv_connector_extra_config": {"hpkv.async_save": opts.async_save == "on"}}
+    config = {
+        "kv_connector": "HpkvConnectorV1",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"hpkv.async_save": opts.async_save == "on"},
+    }
     return ("--kv-transfer-config", json.dumps(config))
 
 
@@ -151,9 +154,11 @@ def ttft_repeat(opts: Options, results: Results, off: Engine, on: Engine, prompt
     on.reset_prefix_cache()
     completion, dram = on.measure(prompt, opts.max_tokens)
     s["dram"].append(compare(dram, completion, reference))
-    log(f"repeat {r} ({cold.prompt_tokens} tokens): cold {cold.ttft_s * 1e3:.0f} ms, in-engine hit "
+    log(
+        f"repeat {r} ({cold.prompt_tokens} tokens): cold {cold.ttft_s * 1e3:.0f} ms, in-engine hit "
         f"{engine_hit.ttft_s * 1e3:.0f} ms, cold+save {cold_on.ttft_s * 1e3:.0f} ms, DRAM hit "
-        f"{dram.ttft_s * 1e3:.0f} ms, sources {dram.sources}")
+        f"{dram.ttft_s * 1e3:.0f} ms, sources {dram.sources}"
+    )
     return reference
 
 
@@ -167,17 +172,19 @@ def throughput(opts: Options, results: Results, off: Engine, on: Engine) -> None
         engine.send_concurrently(warm, opts.tput_concurrency, opts.tput_max_tokens)
     before = on.counters()
     for round_index in range(opts.tput_rounds):
-        prompts = [prompt_text(opts.tput_words, seed=100_000 * (round_index + 1) + i)
-                   for i in range(opts.tput_prompts)]
+        prompts = [prompt_text(opts.tput_words, seed=100_000 * (round_index + 1) + i) for i in range(opts.tput_prompts)]
         order = [("off", off), ("on", on)] if round_index % 2 == 0 else [("on", on), ("off", off)]
         for side, engine in order:
             elapsed = engine.send_concurrently(prompts, opts.tput_concurrency, opts.tput_max_tokens)
             results.tput[side].append((len(prompts), elapsed))
-            log(f"throughput round {round_index}, connector {side.upper()}: {len(prompts)} requests "
-                f"in {elapsed:.1f} s ({len(prompts) / elapsed:.2f} req/s)")
+            log(
+                f"throughput round {round_index}, connector {side.upper()}: {len(prompts)} requests "
+                f"in {elapsed:.1f} s ({len(prompts) / elapsed:.2f} req/s)"
+            )
     after = on.counters()
-    results.tput_connector = {k: after.get(f"hpkv_{k}", 0.0) - before.get(f"hpkv_{k}", 0.0)
-                              for k in ("save_time_s", "saved_blocks")}
+    results.tput_connector = {
+        k: after.get(f"hpkv_{k}", 0.0) - before.get(f"hpkv_{k}", 0.0) for k in ("save_time_s", "saved_blocks")
+    }
 
 
 # -- the report -----------------------------------------------------------------------------
@@ -190,11 +197,14 @@ def summarize(results: Results) -> dict:
         if not ttfts:
             continue
         rows[name] = {
-            "measure": ROWS[name], "n": len(ttfts),
-            "median_ms": float(np.median(ttfts)) * 1e3, "p90_ms": float(np.percentile(ttfts, 90)) * 1e3,
+            "measure": ROWS[name],
+            "n": len(ttfts),
+            "median_ms": float(np.median(ttfts)) * 1e3,
+            "p90_ms": float(np.percentile(ttfts, 90)) * 1e3,
             "prompt_tokens": samples[0].prompt_tokens,
-            "cached_tokens": {k: float(np.median([s.sources.get(k, 0) for s in samples]))
-                              for k in ("device", "host", "disk")},
+            "cached_tokens": {
+                k: float(np.median([s.sources.get(k, 0) for s in samples])) for k in ("device", "host", "disk")
+            },
             "same_token_ids": None if samples[0].same_ids is None else all(s.same_ids for s in samples),
             "same_logprobs": None if samples[0].same_logprobs is None else all(s.same_logprobs for s in samples),
             "samples_ms": [round(t * 1e3, 1) for t in ttfts],
@@ -203,10 +213,18 @@ def summarize(results: Results) -> dict:
     for label, (num, den, bound, sense) in TARGETS.items():
         if num in rows and den in rows:
             value = rows[num]["median_ms"] / rows[den]["median_ms"]
-            ratios[label] = {"value": value, "target": f"{sense} {bound}",
-                             "passed": value <= bound if sense == "<=" else value >= bound}
-    return {"ttft": rows, "ratios": ratios, "throughput": summarize_tput(results),
-            "checks": checks(rows), "hpkv_counters": results.hpkv_counters}
+            ratios[label] = {
+                "value": value,
+                "target": f"{sense} {bound}",
+                "passed": value <= bound if sense == "<=" else value >= bound,
+            }
+    return {
+        "ttft": rows,
+        "ratios": ratios,
+        "throughput": summarize_tput(results),
+        "checks": checks(rows),
+        "hpkv_counters": results.hpkv_counters,
+    }
 
 
 def summarize_tput(results: Results) -> dict:
@@ -221,8 +239,11 @@ def summarize_tput(results: Results) -> dict:
         # What the connector itself spent on the engine's critical path (worker saves), a figure
         # the machine's noise does not move the way it moves requests/s.
         on_s = sum(t for _, t in results.tput["on"])
-        out["connector"] = {**results.tput_connector, "on_rounds_s": on_s,
-                            "save_share": results.tput_connector.get("save_time_s", 0.0) / on_s}
+        out["connector"] = {
+            **results.tput_connector,
+            "on_rounds_s": on_s,
+            "save_share": results.tput_connector.get("save_time_s", 0.0) / on_s,
+        }
     return out
 
 
@@ -244,17 +265,26 @@ def print_report(summary: dict, header: dict) -> None:
     console = Console(width=max(Console().width, 120))  # not squeezed to 80 columns in a pipe
     console.print(f"command: {header['command']}")
     m = header["machine"]
-    console.print(f"machine: {m['cpus']} CPUs ({m['cpu_model']}), {m['memory_bytes'] / 2**30:.0f} GiB, "
-                  f"kernel {m['kernel']}, load {m['load_avg_1m']} at start; vllm {header['versions']['vllm']}, "
-                  f"torch {header['versions']['torch']}; model {header['model']}")
+    console.print(
+        f"machine: {m['cpus']} CPUs ({m['cpu_model']}), {m['memory_bytes'] / 2**30:.0f} GiB, "
+        f"kernel {m['kernel']}, load {m['load_avg_1m']} at start; vllm {header['versions']['vllm']}, "
+        f"torch {header['versions']['torch']}; model {header['model']}"
+    )
     table = Table(title="vLLM end to end: time to first token")
     for col in ("measure", "tokens", "median", "p90", "n", "cached (device/host/disk)", "same ids"):
         table.add_column(col, justify="left" if col == "measure" else "right")
     for row in summary["ttft"].values():
         cached = "/".join(f"{row['cached_tokens'][k]:.0f}" for k in ("device", "host", "disk"))
         same = {None: "-", True: "yes", False: "NO"}[row["same_token_ids"]]
-        table.add_row(row["measure"], str(row["prompt_tokens"]), f"{row['median_ms']:.0f} ms",
-                      f"{row['p90_ms']:.0f} ms", str(row["n"]), cached, same)
+        table.add_row(
+            row["measure"],
+            str(row["prompt_tokens"]),
+            f"{row['median_ms']:.0f} ms",
+            f"{row['p90_ms']:.0f} ms",
+            str(row["n"]),
+            cached,
+            same,
+        )
     console.print(table)
     ratios = Table(title="ratios (medians)")
     for col in ("ratio", "value", "target", "result"):
@@ -263,8 +293,12 @@ def print_report(summary: dict, header: dict) -> None:
         ratios.add_row(label, f"{r['value']:.3f}", r["target"], verdict(r["passed"]))
     t = summary["throughput"]
     if "ratio" in t:
-        ratios.add_row(f"no-reuse throughput ON / OFF ({t['on_req_per_s']:.3f} / {t['off_req_per_s']:.3f} req/s)",
-                       f"{t['ratio']['value']:.3f}", t["ratio"]["target"], verdict(t["ratio"]["passed"]))
+        ratios.add_row(
+            f"no-reuse throughput ON / OFF ({t['on_req_per_s']:.3f} / {t['off_req_per_s']:.3f} req/s)",
+            f"{t['ratio']['value']:.3f}",
+            t["ratio"]["target"],
+            verdict(t["ratio"]["passed"]),
+        )
     console.print(ratios)
     for label, ok in summary["checks"].items():
         console.print(f"check: {label}: {'yes' if ok else 'NO'}")
@@ -272,8 +306,10 @@ def print_report(summary: dict, header: dict) -> None:
         console.print(f"throughput rounds (req/s): OFF {t['off_rounds_req_per_s']}, ON {t['on_rounds_req_per_s']}")
     if "connector" in t:
         c = t["connector"]
-        console.print(f"connector in the ON rounds: saves took {c['save_time_s']:.2f} s of {c['on_rounds_s']:.0f} s "
-                      f"({c['save_share']:.1%}; {c['saved_blocks']:.0f} blocks)")
+        console.print(
+            f"connector in the ON rounds: saves took {c['save_time_s']:.2f} s of {c['on_rounds_s']:.0f} s "
+            f"({c['save_share']:.1%}; {c['saved_blocks']:.0f} blocks)"
+        )
     for name, counters in summary["hpkv_counters"].items():
         console.print(f"HPKV counters of engine '{name}': {load_save_line(counters)}")
     console.print(f"{header['elapsed_s']:.0f} s in all")
@@ -294,8 +330,12 @@ def load_save_line(c: dict[str, float]) -> str:
 def parse_args(argv: list[str]) -> Options:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="a model directory (default: build the BENCH random model)")
-    p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "hpkv-vllm-bench",
-                   help="model cache, logs and storage temporaries (on disk, not /dev/shm)")
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "hpkv-vllm-bench",
+        help="model cache, logs and storage temporaries (on disk, not /dev/shm)",
+    )
     p.add_argument("--prompt-words", type=int, default=8192, help="words per TTFT prompt (~1 token each)")
     p.add_argument("--repeats", type=int, default=3, help="TTFT prompts, each measured on every row")
     p.add_argument("--max-tokens", type=int, default=8)
@@ -305,12 +345,29 @@ def parse_args(argv: list[str]) -> Options:
     p.add_argument("--tput-concurrency", type=int, default=4)
     p.add_argument("--tput-max-tokens", type=int, default=16)
     p.add_argument("--tput-rounds", type=int, default=4, help="rounds, each sent to OFF and ON (order alternates)")
-    p.add_argument("--async-save", choices=("default", "on", "off"), default="default",
-                   help='the HPKV engine\'s "hpkv.async_save" (default: off on a CPU, on on accelerators)')
+    p.add_argument(
+        "--async-save",
+        choices=("default", "on", "off"),
+        default="default",
+        help='the HPKV engine\'s "hpkv.async_save" (default: off on a CPU, on on accelerators)',
+    )
     p.add_argument("--json", action="store_true", help="JSON on stdout")
     a = p.parse_args(argv)
-    return Options(a.model, a.workdir, a.prompt_words, a.repeats, a.max_tokens, a.pool_size, a.tput_prompts,
-                   a.tput_words, a.tput_concurrency, a.tput_max_tokens, a.tput_rounds, a.json, a.async_save)
+    return Options(
+        a.model,
+        a.workdir,
+        a.prompt_words,
+        a.repeats,
+        a.max_tokens,
+        a.pool_size,
+        a.tput_prompts,
+        a.tput_words,
+        a.tput_concurrency,
+        a.tput_max_tokens,
+        a.tput_rounds,
+        a.json,
+        a.async_save,
+    )
 
 
 def header(opts: Options, pool_dir: Path, storage_dir: Path, model: str) -> dict:
@@ -319,9 +376,14 @@ def header(opts: Options, pool_dir: Path, storage_dir: Path, model: str) -> dict
 
     return {
         "command": shlex.join([sys.executable, *sys.argv]),
-        "engine_command_on": shlex.join(["python", "-m", "vllm.entrypoints.openai.api_server",
-                                         *documented_flags(model, 8000, "hpkv-demo", hpkv=True,
-                                                           extra=connector_flags(opts))]),
+        "engine_command_on": shlex.join(
+            [
+                "python",
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                *documented_flags(model, 8000, "hpkv-demo", hpkv=True, extra=connector_flags(opts)),
+            ]
+        ),
         "machine": describe(pool_dir, storage_dir),
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version()},
         "model": model,
@@ -337,8 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     model = opts.model or str(opts.workdir / "bench-model")
     head = header(opts, pool_dir, storage_dir, model)
     log(f"command: {head['command']}")
-    log(f"HPKV engine: {' '.join(f'{k}={v}' for k, v in hpkv_env(opts, pool_dir, storage_dir).items())} "
-        f"{head['engine_command_on']}")
+    log(
+        f"HPKV engine: {' '.join(f'{k}={v}' for k, v in hpkv_env(opts, pool_dir, storage_dir).items())} "
+        f"{head['engine_command_on']}"
+    )
     results, started = Results(), time.monotonic()
     try:
         run(opts, results, pool_dir, storage_dir)

@@ -47,7 +47,8 @@ def run_one(nice: int | None, seconds: float, storage_parent: Path) -> dict:
     busy: list[subprocess.Popen] = []
     with contextlib.ExitStack() as stack:
         pool_dir, storage = stack.enter_context(
-            temporary_server("hpkv-bench-wc-", storage_parent, HPKV_WRITE_NICE=str(nice or 0)))
+            temporary_server("hpkv-bench-wc-", storage_parent, HPKV_WRITE_NICE=str(nice or 0))
+        )
         stack.callback(_kill_all, busy)
         client = Client(pool_dir, kind="bench", autostart=False)
         small = client.register(_desc(4096))
@@ -74,9 +75,16 @@ def run_one(nice: int | None, seconds: float, storage_parent: Path) -> dict:
             committer.join()
         client.close()
     times.sort()
-    return {"nice": nice, "lookups": len(times), "p50_ms": statistics.median(times),
-            "p90_ms": times[int(len(times) * 0.9)], "p99_ms": times[int(len(times) * 0.99)],
-            "max_ms": times[-1], "committed": committed[0], "written": max(0, num_files)}
+    return {
+        "nice": nice,
+        "lookups": len(times),
+        "p50_ms": statistics.median(times),
+        "p90_ms": times[int(len(times) * 0.9)],
+        "p99_ms": times[int(len(times) * 0.99)],
+        "max_ms": times[-1],
+        "committed": committed[0],
+        "written": max(0, num_files),
+    }
 
 
 def _kill_all(processes: list[subprocess.Popen]) -> None:
@@ -107,8 +115,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nice", default="0,10,19", help="HPKV_WRITE_NICE values, comma-separated")
     parser.add_argument("--seconds", type=float, default=15.0)
-    parser.add_argument("--storage-dir", type=Path, default=Path.cwd(),
-                        help="parent of the storage temporaries (on disk, not /dev/shm)")
+    parser.add_argument(
+        "--storage-dir", type=Path, default=Path.cwd(), help="parent of the storage temporaries (on disk, not /dev/shm)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rows = [run_one(None, args.seconds, args.storage_dir)]
@@ -119,14 +128,20 @@ def main() -> None:
     if args.json:
         print(json.dumps({"cpus": os.cpu_count(), "rows": rows}, indent=2))
         return
-    print(f"lookups of 64 keys every {LOOKUP_EVERY_S * 1e3:.0f} ms for {args.seconds:.0f} s, "
-          f"{os.cpu_count()} busy processes; commits of {BATCH} x 256 KiB every {BATCH_EVERY_S * 1e3:.0f} ms")
-    print(f"{'HPKV_WRITE_NICE':>16} {'p50':>7} {'p90':>7} {'p99':>7} {'max':>7} {'p99/base':>9} "
-          f"{'written / committed':>20}")
+    print(
+        f"lookups of 64 keys every {LOOKUP_EVERY_S * 1e3:.0f} ms for {args.seconds:.0f} s, "
+        f"{os.cpu_count()} busy processes; commits of {BATCH} x 256 KiB every {BATCH_EVERY_S * 1e3:.0f} ms"
+    )
+    print(
+        f"{'HPKV_WRITE_NICE':>16} {'p50':>7} {'p90':>7} {'p99':>7} {'max':>7} {'p99/base':>9} "
+        f"{'written / committed':>20}"
+    )
     for row in rows:
         label = "(no writes)" if row["nice"] is None else str(row["nice"])
-        print(f"{label:>16} {row['p50_ms']:7.2f} {row['p90_ms']:7.2f} {row['p99_ms']:7.2f} {row['max_ms']:7.1f} "
-              f"{row['p99_vs_baseline']:9.2f} {row['written']:>9} / {row['committed']:<9}")
+        print(
+            f"{label:>16} {row['p50_ms']:7.2f} {row['p90_ms']:7.2f} {row['p99_ms']:7.2f} {row['max_ms']:7.1f} "
+            f"{row['p99_vs_baseline']:9.2f} {row['written']:>9} / {row['committed']:<9}"
+        )
 
 
 if __name__ == "__main__":

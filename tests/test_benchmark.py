@@ -19,8 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def bench_module(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     """`python -m bench.<name> args` run in `cwd`, with the repository's `bench` package importable."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-m", f"bench.{name}", *args], capture_output=True, text=True,
-                          timeout=240, cwd=cwd, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", f"bench.{name}", *args], capture_output=True, text=True, timeout=240, cwd=cwd, env=env
+    )
+
+
 SIZES = ("64k", "256k", "1m", "4m")
 SIZE_BYTES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
 
@@ -30,10 +33,26 @@ def report(shm_dir, tmp_path) -> dict:
     storage_parent = tmp_path / "disk"
     storage_parent.mkdir()
     result = subprocess.run(
-        [str(HPKV_SCRIPT), "bench", "--sizes", ",".join(SIZES), "--total", "4m",
-         "--lookup-keys", "20000", "--storage-dir", str(storage_parent), "--pool-dir", str(shm_dir),
-         "--json"],
-        capture_output=True, text=True, timeout=240, cwd=tmp_path)
+        [
+            str(HPKV_SCRIPT),
+            "bench",
+            "--sizes",
+            ",".join(SIZES),
+            "--total",
+            "4m",
+            "--lookup-keys",
+            "20000",
+            "--storage-dir",
+            str(storage_parent),
+            "--pool-dir",
+            str(shm_dir),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     assert list(storage_parent.iterdir()) == [] and list(shm_dir.iterdir()) == []
     return json.loads(result.stdout)
@@ -67,8 +86,13 @@ def test_bench_records_the_machine_and_its_paths(report, shm_dir):
 
 
 def test_bench_rejects_a_total_smaller_than_an_entry(tmp_path):
-    result = subprocess.run([str(HPKV_SCRIPT), "bench", "--sizes", "1m", "--total", "64k"],
-                            capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    result = subprocess.run(
+        [str(HPKV_SCRIPT), "bench", "--sizes", "1m", "--total", "64k"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert result.returncode == 2
     assert "largest size" in result.stderr and "Traceback" not in result.stderr
 
@@ -76,8 +100,21 @@ def test_bench_rejects_a_total_smaller_than_an_entry(tmp_path):
 def test_the_stalled_storage_benchmark_compares_the_backlog_limit_with_none(shm_dir, tmp_path):
     """bench.stalled_storage, small: with the writers stopped, the store without a limit skips
     saves once its pool is pinned, the store with one skips none, and both leave nothing behind."""
-    result = bench_module("stalled_storage", "--requests", "150", "--pool-bytes", str(4 << 20), "--doc-blocks", "64",
-                          "--storage-dir", str(tmp_path), "--pool-dir", str(shm_dir), "--json", cwd=tmp_path)
+    result = bench_module(
+        "stalled_storage",
+        "--requests",
+        "150",
+        "--pool-bytes",
+        str(4 << 20),
+        "--doc-blocks",
+        "64",
+        "--storage-dir",
+        str(tmp_path),
+        "--pool-dir",
+        str(shm_dir),
+        "--json",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     limited, unlimited = out["stores"].values()
@@ -89,8 +126,9 @@ def test_the_stalled_storage_benchmark_compares_the_backlog_limit_with_none(shm_
 
 
 def test_the_storage_scan_benchmark_indexes_every_file_and_hits_during_the_walk(tmp_path):
-    result = bench_module("storage_scan", "--files", "300", "--storage-dir", str(tmp_path), "--no-cold", "--json",
-                          cwd=tmp_path)
+    result = bench_module(
+        "storage_scan", "--files", "300", "--storage-dir", str(tmp_path), "--no-cold", "--json", cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["warm"]["files_indexed"] == 300 and out["warm"]["probe_hit"]

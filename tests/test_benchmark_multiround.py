@@ -19,4 +19,3 @@ def test_a_round_extends_the_prompt_of_the_round_before():
     assert w.prompt(1, 1).startswith(w.prompt(1, 0) + " ")
     assert w.prompt(0, 0).split()[:10] == w.prompt(2, 0).split()[:10]  # the shared system prompt
     assert w.prompt(0, 0) != w.prompt(2, 0)
-

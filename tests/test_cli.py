@@ -19,8 +19,11 @@ HPKV_SCRIPT = Path(sys.executable).parent / "hpkv"
 
 def clean_env(home: Path, **variables: str) -> dict[str, str]:
     """The current environment without any HPKV setting, HOME moved, plus `variables`."""
-    env = {name: value for name, value in os.environ.items()
-           if not name.startswith(("HPKV_", "VLLM_HPKV_", "VLLM_ENABLE_HPKV"))}
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith(("HPKV_", "VLLM_HPKV_", "VLLM_ENABLE_HPKV"))
+    }
     return {**env, "HOME": str(home), **variables}
 
 
@@ -71,19 +74,17 @@ def test_config_prints_warnings_below_the_table(home):
 
 def test_config_json_gives_value_source_and_where(tmp_path, home):
     path = write_config(tmp_path / "c.ini", "HPKV_KV_STORAGE_PATH=~/kv")
-    result = CliRunner().invoke(main, ["config", "--json"],
-                                env={"HPKV_CONFIG_FILE_PATH": str(path),
-                                     "VLLM_ENABLE_HPKV": "yes"})
+    result = CliRunner().invoke(
+        main, ["config", "--json"], env={"HPKV_CONFIG_FILE_PATH": str(path), "VLLM_ENABLE_HPKV": "yes"}
+    )
     assert result.exit_code == 0, result.output
     document = json.loads(result.stdout)
     settings = document["settings"]
-    assert settings["HPKV_KV_STORAGE_PATH"] == {
-        "value": str(home / "kv"), "source": "file", "where": f"{path}:1"}
+    assert settings["HPKV_KV_STORAGE_PATH"] == {"value": str(home / "kv"), "source": "file", "where": f"{path}:1"}
     assert settings["VLLM_ENABLE_HPKV"] == {"value": True, "source": "env", "where": "env"}
-    assert settings["HPKV_KV_STORAGE_SIZE"] == {
-        "value": "auto", "source": "default", "where": "default"}
+    assert settings["HPKV_KV_STORAGE_SIZE"] == {"value": "auto", "source": "default", "where": "default"}
     assert settings["HPKV_KV_STORAGE_WRITE_BUDGET"]["value"] == "unlimited"
-    assert settings["HPKV_KV_MEM_POOL_SIZE"]["value"] == 8 * 1024 ** 3
+    assert settings["HPKV_KV_MEM_POOL_SIZE"]["value"] == 8 * 1024**3
     assert document["warnings"] == []
 
 
@@ -91,8 +92,9 @@ def test_a_bad_value_is_one_error_line_and_exit_2(home):
     result = CliRunner().invoke(main, ["config"], env={"HPKV_METRICS_PORT": "99999"})
     assert result.exit_code == 2
     assert result.stdout == ""
-    assert result.stderr == ("error: HPKV_METRICS_PORT='99999' (from environment): "
-                             "out of range; use an integer from 0 to 65535\n")
+    assert result.stderr == (
+        "error: HPKV_METRICS_PORT='99999' (from environment): out of range; use an integer from 0 to 65535\n"
+    )
 
 
 def test_any_command_gets_the_same_error_handling(home):
@@ -111,9 +113,9 @@ def test_any_command_gets_the_same_error_handling(home):
 
 # --- the installed console script --------------------------------------------------------
 
+
 def run_hpkv(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([str(HPKV_SCRIPT), *args], env=env, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run([str(HPKV_SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60)
 
 
 def test_the_console_script_shows_sources(tmp_path):
@@ -132,6 +134,5 @@ def test_the_console_script_reports_a_bad_value_without_a_traceback(tmp_path):
     path = write_config(home / ".config/hpkv/config.ini", "HPKV_KV_MEM_POOL_SIZE=8x")
     done = run_hpkv("config", env=clean_env(home))
     assert done.returncode == 2
-    assert done.stderr.startswith("error: HPKV_KV_MEM_POOL_SIZE='8x' "
-                                  f"(from config file {path}:1): not a size")
+    assert done.stderr.startswith(f"error: HPKV_KV_MEM_POOL_SIZE='8x' (from config file {path}:1): not a size")
     assert "Traceback" not in done.stderr + done.stdout

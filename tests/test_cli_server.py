@@ -28,6 +28,7 @@ def kv_files(storage_dir: Path) -> list[Path]:
 
 # -- hpkv server -----------------------------------------------------------------------------------
 
+
 def test_sigterm_stops_the_server_with_status_0_and_removes_socket_and_pool(server):
     assert server.socket.exists()
     assert server.stop() == 0
@@ -45,12 +46,19 @@ def test_server_with_a_bad_setting_says_so_and_exits_2(pool_dir, tmp_path):
 def test_server_with_unusable_directories_names_them_and_exits_2(pool_dir, tmp_path):
     (tmp_path / "a-file").write_text("")
     for env, expected in (
-            (hpkv_env(tmp_path / "a-file", tmp_path / "storage", tmp_path),
-             f"{tmp_path / 'a-file'} is a file, not a directory; point HPKV_SHARE_MEM_FILE_PATH"),
-            (hpkv_env(Path("/proc/hpkv-pool"), tmp_path / "storage", tmp_path),
-             "/proc/hpkv-pool (HPKV_SHARE_MEM_FILE_PATH) is on proc, a kernel pseudo file system"),
-            (hpkv_env(pool_dir, Path("/sys/kernel/mm"), tmp_path),
-             "the storage directory /sys/kernel/mm (HPKV_KV_STORAGE_PATH) is on sysfs")):
+        (
+            hpkv_env(tmp_path / "a-file", tmp_path / "storage", tmp_path),
+            f"{tmp_path / 'a-file'} is a file, not a directory; point HPKV_SHARE_MEM_FILE_PATH",
+        ),
+        (
+            hpkv_env(Path("/proc/hpkv-pool"), tmp_path / "storage", tmp_path),
+            "/proc/hpkv-pool (HPKV_SHARE_MEM_FILE_PATH) is on proc, a kernel pseudo file system",
+        ),
+        (
+            hpkv_env(pool_dir, Path("/sys/kernel/mm"), tmp_path),
+            "the storage directory /sys/kernel/mm (HPKV_KV_STORAGE_PATH) is on sysfs",
+        ),
+    ):
         result = hpkv(env, "server")
         assert result.returncode == 2, result.stderr
         assert expected in result.stderr and "Traceback" not in result.stderr
@@ -68,6 +76,7 @@ def test_server_in_a_directory_too_deep_for_a_socket_says_so_and_leaves_nothing(
 
 # -- hpkv status -----------------------------------------------------------------------------------
 
+
 def test_status_shows_tiers_namespace_hit_rates_and_clients(server, env):
     with server.client() as client:
         ns, keys = write_entries(client, 4)
@@ -77,10 +86,26 @@ def test_status_shows_tiers_namespace_hit_rates_and_clients(server, env):
         engine_pid = os.getpid()
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    for words in ("DRAM", "64.0 MiB", "locked in memory", "storage", env["HPKV_KV_STORAGE_PATH"], "index ready",
-                  "0 bad files", ns[:12], "vllm", "Qwen/Qwen2.5-1.5B-Instruct", "bfloat16", "80.0%",
-                  "test-engine", str(engine_pid), "cli", "managed", str(server.proc.pid),
-                  "write-through processes (nice 10)"):
+    for words in (
+        "DRAM",
+        "64.0 MiB",
+        "locked in memory",
+        "storage",
+        env["HPKV_KV_STORAGE_PATH"],
+        "index ready",
+        "0 bad files",
+        ns[:12],
+        "vllm",
+        "Qwen/Qwen2.5-1.5B-Instruct",
+        "bfloat16",
+        "80.0%",
+        "test-engine",
+        str(engine_pid),
+        "cli",
+        "managed",
+        str(server.proc.pid),
+        "write-through processes (nice 10)",
+    ):
         assert words in out, f"{words!r} missing from:\n{out}"
 
 
@@ -98,8 +123,11 @@ def test_status_shows_entries_waiting_for_a_storage_device_that_stopped(server, 
     with server.client() as client:
         ns, keys = write_entries(client, 4)  # starts the server's write-through processes
         wait_for_storage(client, 4)
-        writers = [child.pid for child in psutil.Process(server.proc.pid).children()
-                   if "hpkv.storage.writer" in " ".join(child.cmdline())]
+        writers = [
+            child.pid
+            for child in psutil.Process(server.proc.pid).children()
+            if "hpkv.storage.writer" in " ".join(child.cmdline())
+        ]
         assert len(writers) == 2  # HPKV_IO_THREADS=2: every place has its process, none can start
         for pid in writers:
             stop(pid)
@@ -128,8 +156,11 @@ def test_status_shows_entries_deferred_past_the_backlog_limit(server, env):
     with server.client() as client:
         write_entries(client, 4)
         wait_for_storage(client, 4)
-        writers = [child.pid for child in psutil.Process(server.proc.pid).children()
-                   if "hpkv.storage.writer" in " ".join(child.cmdline())]
+        writers = [
+            child.pid
+            for child in psutil.Process(server.proc.pid).children()
+            if "hpkv.storage.writer" in " ".join(child.cmdline())
+        ]
         for pid in writers:
             stop(pid)
         try:
@@ -159,8 +190,9 @@ def test_a_write_budget_shows_in_status_and_metrics(pool_dir, tmp_path):
     """HPKV_KV_STORAGE_WRITE_BUDGET=1m: an hour's worth is about 43 KB, so of 20 entries of 4 KiB
     some are written and the rest refused; status and the metrics say so."""
     port = free_port()
-    env = hpkv_env(pool_dir, tmp_path / "storage", tmp_path, HPKV_KV_STORAGE_WRITE_BUDGET="1m",
-                   HPKV_METRICS_PORT=str(port))
+    env = hpkv_env(
+        pool_dir, tmp_path / "storage", tmp_path, HPKV_KV_STORAGE_WRITE_BUDGET="1m", HPKV_METRICS_PORT=str(port)
+    )
     server = ServerProcess(env, tmp_path / "server.log")
     try:
         with server.client() as client:
@@ -174,6 +206,7 @@ def test_a_write_budget_shows_in_status_and_metrics(pool_dir, tmp_path):
             assert 5 <= storage.writes <= 12 and storage.over_budget == 20 - storage.writes
             status = hpkv(env, "status")
             import urllib.request
+
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
                 metrics = response.read().decode()
     finally:
@@ -221,6 +254,7 @@ def test_status_over_a_socket_left_by_a_killed_server_exits_1(env, pool_dir):
 
 # -- hpkv clear ------------------------------------------------------------------------------------
 
+
 def test_clear_help_says_memory_is_the_default():
     result = CliRunner().invoke(main, ["clear", "--help"])
     assert result.exit_code == 0
@@ -253,8 +287,15 @@ def test_clear_without_flags_clears_memory_only(server, env, tmp_path):
 
 
 def test_clear_storage_of_one_namespace_by_prefix_through_the_server(server, env, tmp_path):
-    other = NamespaceDesc(engine="sglang", model="other", dtype="float16", layout="nhd", block_size=64,
-                          num_layers=2, entry_bytes=ENTRY_BYTES)
+    other = NamespaceDesc(
+        engine="sglang",
+        model="other",
+        dtype="float16",
+        layout="nhd",
+        block_size=64,
+        num_layers=2,
+        entry_bytes=ENTRY_BYTES,
+    )
     with server.client() as client:
         ns, keys = write_entries(client, 3)
         other_ns, other_keys = write_entries(client, 2, other)

@@ -45,8 +45,10 @@ def test_a_reservation_of_a_closed_connection_neither_commits_nor_aborts_what_a_
     assert old.offsets != [None]
     writer._drop("a call timed out")  # what the client does after another thread's timeout
 
-    new = wait_for(lambda: (lambda r: r if r.offsets != [None] else None)(writer.reserve(ns, [key])),
-                   what="the key reserved again after the quarantine")
+    new = wait_for(
+        lambda: (lambda r: r if r.offsets != [None] else None)(writer.reserve(ns, [key])),
+        what="the key reserved again after the quarantine",
+    )
     assert not writer.holds(old) and writer.holds(new)
     assert writer.commit(ns, [key], reservation=old) == 0
     writer.abort(ns, [key], reservation=old)

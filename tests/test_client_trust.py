@@ -61,8 +61,9 @@ def test_a_server_that_does_not_pass_its_pool_file_is_refused(node, tmp_path, pa
         fds = [os.open(other, os.O_RDWR)]
     before = open_fds()
     inode = os.fstat(fds[0]).st_ino if fds else 0
-    thread = impostor(node.shm_dir, p.Welcome(p.PROTOCOL_VERSION, os.getpid(), "/dev/shm/x/hpkv.pool",
-                                              1 << 20, inode, 1), fds)
+    thread = impostor(
+        node.shm_dir, p.Welcome(p.PROTOCOL_VERSION, os.getpid(), "/dev/shm/x/hpkv.pool", 1 << 20, inode, 1), fds
+    )
     client = node.client()
     with pytest.raises(ServerUnavailable) as refused:
         client.connect()
@@ -70,8 +71,9 @@ def test_a_server_that_does_not_pass_its_pool_file_is_refused(node, tmp_path, pa
 
     assert not client.connected and client.region is None
     message = str(refused.value)
-    assert {"nothing": "passed 0 descriptors", "a pipe": "is a FIFO",
-            "a file of another size": "a file of 4096 bytes"}[passed] in message
+    assert {"nothing": "passed 0 descriptors", "a pipe": "is a FIFO", "a file of another size": "a file of 4096 bytes"}[
+        passed
+    ] in message
     assert "restart" in message
     assert open_fds() <= before  # what was received is closed
     for fd in fds:

@@ -8,7 +8,7 @@ import pytest
 from hpkv.config import KEYS, Source, load_settings, parse_size
 from hpkv.errors import ConfigError
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 @pytest.fixture
@@ -36,6 +36,7 @@ def named_config(tmp_path: Path, home: Path, *lines: str, **variables: str):
 
 # --- precedence ---------------------------------------------------------------------------
 
+
 def test_nothing_set_gives_the_documented_defaults(home):
     settings = load_settings(env_with(home))
     assert settings.config_file == home / ".config/hpkv/config.ini"
@@ -61,8 +62,7 @@ def test_every_key_is_reported_once_in_table_order(home):
 
 
 def test_the_file_beats_the_environment(tmp_path, home):
-    path, env = named_config(tmp_path, home, "HPKV_KV_MEM_POOL_SIZE=16g",
-                             HPKV_KV_MEM_POOL_SIZE="2g")
+    path, env = named_config(tmp_path, home, "HPKV_KV_MEM_POOL_SIZE=16g", HPKV_KV_MEM_POOL_SIZE="2g")
     settings = load_settings(env)
     assert settings.pool.size_bytes == 16 * GIB
     setting = settings.source_of("HPKV_KV_MEM_POOL_SIZE")
@@ -118,12 +118,17 @@ def test_load_settings_reads_os_environ_by_default(monkeypatch, home):
 
 # --- expansion and file format --------------------------------------------------------------
 
+
 def test_tilde_and_variables_are_expanded_in_file_values(tmp_path, home):
-    _, env = named_config(tmp_path, home,
-                          "HPKV_KV_STORAGE_PATH=~/.cache/hpkv/storage",
-                          "HPKV_SHARE_MEM_FILE_PATH=$RAMDIR/hpkv",
-                          "HPKV_METRICS_HOST=${BIND_HOST}",
-                          RAMDIR="/mnt/ram", BIND_HOST="0.0.0.0")
+    _, env = named_config(
+        tmp_path,
+        home,
+        "HPKV_KV_STORAGE_PATH=~/.cache/hpkv/storage",
+        "HPKV_SHARE_MEM_FILE_PATH=$RAMDIR/hpkv",
+        "HPKV_METRICS_HOST=${BIND_HOST}",
+        RAMDIR="/mnt/ram",
+        BIND_HOST="0.0.0.0",
+    )
     settings = load_settings(env)
     assert settings.storage.path == home / ".cache/hpkv/storage"
     assert settings.pool.dir == Path("/mnt/ram/hpkv")
@@ -132,8 +137,7 @@ def test_tilde_and_variables_are_expanded_in_file_values(tmp_path, home):
 
 
 def test_paths_from_the_environment_are_expanded_and_made_absolute(home, tmp_path):
-    settings = load_settings(env_with(home, HPKV_KV_STORAGE_PATH="~/kv",
-                                      HPKV_SHARE_MEM_FILE_PATH="relative/shm"))
+    settings = load_settings(env_with(home, HPKV_KV_STORAGE_PATH="~/kv", HPKV_SHARE_MEM_FILE_PATH="relative/shm"))
     assert settings.storage.path == home / "kv"
     assert settings.pool.dir == Path.cwd() / "relative/shm"
 
@@ -144,18 +148,23 @@ def test_a_file_without_a_section_and_one_with_a_section_read_the_same(tmp_path,
     for path in (plain, sectioned):
         settings = load_settings(env_with(home, HPKV_CONFIG_FILE_PATH=str(path)))
         assert settings.storage.io_threads == 5
-    assert load_settings(env_with(home, HPKV_CONFIG_FILE_PATH=str(sectioned))) \
-        .source_of("HPKV_IO_THREADS").where == f"{sectioned}:2"
+    assert (
+        load_settings(env_with(home, HPKV_CONFIG_FILE_PATH=str(sectioned))).source_of("HPKV_IO_THREADS").where
+        == f"{sectioned}:2"
+    )
 
 
 def test_quotes_export_comments_and_blank_lines_are_accepted(tmp_path, home):
-    _, env = named_config(tmp_path, home,
-                          "# HPKV settings",
-                          "; another comment",
-                          "",
-                          'export HPKV_KV_STORAGE_PATH="/mnt/hpkv/storage"',
-                          "  HPKV_KV_MEM_POOL_SIZE = '1.5g'  ",
-                          "export VLLM_ENABLE_HPKV=1")
+    _, env = named_config(
+        tmp_path,
+        home,
+        "# HPKV settings",
+        "; another comment",
+        "",
+        'export HPKV_KV_STORAGE_PATH="/mnt/hpkv/storage"',
+        "  HPKV_KV_MEM_POOL_SIZE = '1.5g'  ",
+        "export VLLM_ENABLE_HPKV=1",
+    )
     settings = load_settings(env)
     assert settings.storage.path == Path("/mnt/hpkv/storage")
     assert settings.pool.size_bytes == 3 * GIB // 2
@@ -170,42 +179,69 @@ def test_a_key_set_twice_in_the_file_keeps_the_last_and_warns(tmp_path, home):
 
 
 def test_every_kind_of_value_parses_from_the_file(tmp_path, home):
-    _, env = named_config(tmp_path, home,
-                          "VLLM_HPKV_TOKEN_THRESHOLD=auto", "HPKV_KV_STORAGE_ENABLE=off",
-                          "HPKV_KV_STORAGE_SIZE=2T", "HPKV_KV_STORAGE_FSYNC=FULL",
-                          "HPKV_LOG_LEVEL=Warning", "HPKV_METRICS_PORT=65535",
-                          "HPKV_SERVER_IDLE_EXIT_S=2.5", "HPKV_KV_STORAGE_WRITE_BUDGET=3.5t")
+    _, env = named_config(
+        tmp_path,
+        home,
+        "VLLM_HPKV_TOKEN_THRESHOLD=auto",
+        "HPKV_KV_STORAGE_ENABLE=off",
+        "HPKV_KV_STORAGE_SIZE=2T",
+        "HPKV_KV_STORAGE_FSYNC=FULL",
+        "HPKV_LOG_LEVEL=Warning",
+        "HPKV_METRICS_PORT=65535",
+        "HPKV_SERVER_IDLE_EXIT_S=2.5",
+        "HPKV_KV_STORAGE_WRITE_BUDGET=3.5t",
+    )
     settings = load_settings(env)
     assert settings.token_threshold is None
     assert settings.storage.enabled is False
-    assert settings.storage.capacity_bytes == 2 * 1024 ** 4
+    assert settings.storage.capacity_bytes == 2 * 1024**4
     assert settings.storage.fsync == "full"
     assert settings.log_level == "warning"
     assert settings.metrics_port == 65535
     assert settings.server_idle_exit_s == 2.5
-    assert settings.storage.write_budget_bytes == 7 * 1024 ** 4 // 2
+    assert settings.storage.write_budget_bytes == 7 * 1024**4 // 2
 
 
 # --- sizes ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, size_bytes", [
-    ("4096", 4096), ("8g", 8 * GIB), ("8G", 8 * GIB), ("8gb", 8 * GIB), ("8GiB", 8 * GIB),
-    ("512m", 512 * 1024 ** 2), ("1.5g", 3 * GIB // 2), (" 1t ", 1024 ** 4), ("4k", 4096),
-])
+
+@pytest.mark.parametrize(
+    "text, size_bytes",
+    [
+        ("4096", 4096),
+        ("8g", 8 * GIB),
+        ("8G", 8 * GIB),
+        ("8gb", 8 * GIB),
+        ("8GiB", 8 * GIB),
+        ("512m", 512 * 1024**2),
+        ("1.5g", 3 * GIB // 2),
+        (" 1t ", 1024**4),
+        ("4k", 4096),
+    ],
+)
 def test_sizes_are_binary_multiples(text, size_bytes):
     assert parse_size(text) == size_bytes
 
 
-@pytest.mark.parametrize("text, reason", [
-    ("8x", "not a size"), ("", "not a size"), ("g", "not a size"), ("-1g", "not a size"),
-    ("0", "greater than 0"), ("0g", "greater than 0"), ("1.5", "whole number"),
-])
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ("8x", "not a size"),
+        ("", "not a size"),
+        ("g", "not a size"),
+        ("-1g", "not a size"),
+        ("0", "greater than 0"),
+        ("0g", "greater than 0"),
+        ("1.5", "whole number"),
+    ],
+)
 def test_bad_sizes_raise_value_error_with_a_short_reason(text, reason):
     with pytest.raises(ValueError, match=reason):
         parse_size(text)
 
 
 # --- errors a person must fix ---------------------------------------------------------------
+
 
 def assert_names(message: str, *parts: str) -> None:
     for part in parts:
@@ -217,29 +253,31 @@ def test_a_bad_size_in_the_environment_names_key_value_source_and_syntax(home):
         load_settings(env_with(home, HPKV_KV_MEM_POOL_SIZE="8x"))
     assert str(caught.value) == (
         "HPKV_KV_MEM_POOL_SIZE='8x' (from environment): not a size; "
-        "use bytes or a number with k, m, g or t (e.g. 8g, 512m, 1t)")
+        "use bytes or a number with k, m, g or t (e.g. 8g, 512m, 1t)"
+    )
 
 
-@pytest.mark.parametrize("key, value, accepted", [
-    ("HPKV_KV_MEM_POOL_SIZE", "lots", "bytes or a number with k, m, g or t"),
-    ("HPKV_KV_STORAGE_SIZE", "most", "'auto', or a size: bytes"),
-    ("HPKV_KV_STORAGE_WRITE_BUDGET", "little", "'unlimited', or a size per day: bytes"),
-    ("VLLM_ENABLE_HPKV", "maybe", "1/0, true/false, yes/no or on/off"),
-    ("HPKV_IO_THREADS", "eight", "an integer from 1 to 256"),
-    ("HPKV_IO_THREADS", "0", "an integer from 1 to 256"),
-    ("VLLM_HPKV_TOKEN_THRESHOLD", "-5", "an integer >= 0 or 'auto'"),
-    ("HPKV_KV_STORAGE_FSYNC", "always", "off, data or full"),
-    ("HPKV_LOG_LEVEL", "loud", "debug, info, warning or error"),
-    ("HPKV_METRICS_PORT", "70000", "an integer from 0 to 65535"),
-    ("HPKV_SERVER_IDLE_EXIT_S", "soon", "a number of seconds >= 0"),
-])
-def test_a_bad_value_in_the_file_names_key_value_file_line_and_accepted(
-        tmp_path, home, key, value, accepted):
+@pytest.mark.parametrize(
+    "key, value, accepted",
+    [
+        ("HPKV_KV_MEM_POOL_SIZE", "lots", "bytes or a number with k, m, g or t"),
+        ("HPKV_KV_STORAGE_SIZE", "most", "'auto', or a size: bytes"),
+        ("HPKV_KV_STORAGE_WRITE_BUDGET", "little", "'unlimited', or a size per day: bytes"),
+        ("VLLM_ENABLE_HPKV", "maybe", "1/0, true/false, yes/no or on/off"),
+        ("HPKV_IO_THREADS", "eight", "an integer from 1 to 256"),
+        ("HPKV_IO_THREADS", "0", "an integer from 1 to 256"),
+        ("VLLM_HPKV_TOKEN_THRESHOLD", "-5", "an integer >= 0 or 'auto'"),
+        ("HPKV_KV_STORAGE_FSYNC", "always", "off, data or full"),
+        ("HPKV_LOG_LEVEL", "loud", "debug, info, warning or error"),
+        ("HPKV_METRICS_PORT", "70000", "an integer from 0 to 65535"),
+        ("HPKV_SERVER_IDLE_EXIT_S", "soon", "a number of seconds >= 0"),
+    ],
+)
+def test_a_bad_value_in_the_file_names_key_value_file_line_and_accepted(tmp_path, home, key, value, accepted):
     path, env = named_config(tmp_path, home, "[hpkv]", f"{key}={value}", **{key: "ignored"})
     with pytest.raises(ConfigError) as caught:
         load_settings(env)
-    assert_names(str(caught.value), f"{key}={value!r}", f"(from config file {path}:2)",
-                 f"use {accepted}")
+    assert_names(str(caught.value), f"{key}={value!r}", f"(from config file {path}:2)", f"use {accepted}")
 
 
 def test_a_bad_value_shows_what_it_expanded_to(tmp_path, home):
@@ -252,8 +290,7 @@ def test_an_unknown_key_in_the_file_suggests_the_near_one(tmp_path, home):
     path, env = named_config(tmp_path, home, "# pool", "HPKV_KV_MEM_POOL_SZIE=8g")
     with pytest.raises(ConfigError) as caught:
         load_settings(env)
-    assert_names(str(caught.value), "'HPKV_KV_MEM_POOL_SZIE'", f"{path}:2",
-                 "did you mean HPKV_KV_MEM_POOL_SIZE?")
+    assert_names(str(caught.value), "'HPKV_KV_MEM_POOL_SZIE'", f"{path}:2", "did you mean HPKV_KV_MEM_POOL_SIZE?")
 
 
 def test_a_byte_order_mark_from_an_editor_is_not_part_of_the_first_key(tmp_path, home):
@@ -285,8 +322,7 @@ def test_the_config_file_path_cannot_be_set_inside_the_file(tmp_path, home):
     path, env = named_config(tmp_path, home, "HPKV_CONFIG_FILE_PATH=/etc/other.ini")
     with pytest.raises(ConfigError) as caught:
         load_settings(env)
-    assert_names(str(caught.value), "HPKV_CONFIG_FILE_PATH", f"{path}:1",
-                 "set it in the environment")
+    assert_names(str(caught.value), "HPKV_CONFIG_FILE_PATH", f"{path}:1", "set it in the environment")
 
 
 def test_a_line_that_is_not_key_equals_value_names_file_and_line(tmp_path, home):
@@ -327,22 +363,22 @@ def test_a_config_file_that_is_not_text_is_an_error(tmp_path, home):
 
 # --- warnings -------------------------------------------------------------------------------
 
+
 def test_a_missing_default_file_is_silent(home):
     assert load_settings(env_with(home)).warnings == ()
 
 
 def test_a_missing_named_file_is_a_warning_not_an_error(tmp_path, home):
     missing = tmp_path / "nope.ini"
-    settings = load_settings(env_with(home, HPKV_CONFIG_FILE_PATH=str(missing),
-                                      HPKV_IO_THREADS="2"))
+    settings = load_settings(env_with(home, HPKV_CONFIG_FILE_PATH=str(missing), HPKV_IO_THREADS="2"))
     assert settings.storage.io_threads == 2
-    assert settings.warnings == (f"config file {missing} (named by HPKV_CONFIG_FILE_PATH) "
-                                 f"does not exist; using the environment and defaults",)
+    assert settings.warnings == (
+        f"config file {missing} (named by HPKV_CONFIG_FILE_PATH) does not exist; using the environment and defaults",
+    )
 
 
 def test_an_unknown_hpkv_variable_in_the_environment_is_a_warning(home):
-    settings = load_settings(env_with(home, HPKV_KV_MEM_POOL_SZE="8g", VLLM_HPKV_FOO="1",
-                                      HPKVISH="1", VLLM_USE_V1="1"))
+    settings = load_settings(env_with(home, HPKV_KV_MEM_POOL_SZE="8g", VLLM_HPKV_FOO="1", HPKVISH="1", VLLM_USE_V1="1"))
     assert settings.pool.size_bytes == 8 * GIB
     assert len(settings.warnings) == 2
     assert "HPKV_KV_MEM_POOL_SZE" in settings.warnings[0]

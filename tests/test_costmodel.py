@@ -21,12 +21,26 @@ BENCH_KAPPA = attention_kappa(hidden=1024, num_heads=16, num_kv_heads=4, head_di
 GB = 1e9
 
 
-def model(prefill_tokens_per_s: float, dram_gbps: float, dram_fixed_ms: float, storage_gbps: float | None = None,
-          storage_fixed_ms: float = 0.0, kv_bytes_per_token: int = 8192, kappa: float = 0.0,
-          num_ranks: int = 1) -> CostModel:
+def model(
+    prefill_tokens_per_s: float,
+    dram_gbps: float,
+    dram_fixed_ms: float,
+    storage_gbps: float | None = None,
+    storage_fixed_ms: float = 0.0,
+    kv_bytes_per_token: int = 8192,
+    kappa: float = 0.0,
+    num_ranks: int = 1,
+) -> CostModel:
     storage = None if storage_gbps is None else AffineCost(storage_fixed_ms / 1e3, 1 / (storage_gbps * GB))
-    return CostModel(BS, kv_bytes_per_token * BS, num_ranks, kappa, prefill=AffineCost(0.0, 1 / prefill_tokens_per_s),
-                     dram=AffineCost(dram_fixed_ms / 1e3, 1 / (dram_gbps * GB)), storage=storage)
+    return CostModel(
+        BS,
+        kv_bytes_per_token * BS,
+        num_ranks,
+        kappa,
+        prefill=AffineCost(0.0, 1 / prefill_tokens_per_s),
+        dram=AffineCost(dram_fixed_ms / 1e3, 1 / (dram_gbps * GB)),
+        storage=storage,
+    )
 
 
 def cpu_engine() -> CostModel:
@@ -103,8 +117,11 @@ def test_a_hit_deep_in_the_context_pays_sooner_because_attention_grows_with_posi
 
 
 def test_plan_and_break_even_agree():
-    for m in (cpu_engine(), model(20_000, 25, 3.0, kv_bytes_per_token=28 << 10, kappa=1e-4),
-              model(50_000, 10, 1.0, storage_gbps=2.0, storage_fixed_ms=5.0, kv_bytes_per_token=16 << 10)):
+    for m in (
+        cpu_engine(),
+        model(20_000, 25, 3.0, kv_bytes_per_token=28 << 10, kappa=1e-4),
+        model(50_000, 10, 1.0, storage_gbps=2.0, storage_fixed_ms=5.0, kv_bytes_per_token=16 << 10),
+    ):
         for tier in (D, S) if m.storage else (D,):
             threshold = m.break_even(tier)
             for num_blocks in range(1, 200):
@@ -150,8 +167,16 @@ class FakeClock:
         return self.now
 
 
-def step(policy: AutoThreshold, clock: FakeClock, chunks, seconds: float, connector_s: float = 0.0,
-         load_s: float = 0.0, load_bytes: float = 0.0, num_load_jobs: int = 0) -> None:
+def step(
+    policy: AutoThreshold,
+    clock: FakeClock,
+    chunks,
+    seconds: float,
+    connector_s: float = 0.0,
+    load_s: float = 0.0,
+    load_bytes: float = 0.0,
+    num_load_jobs: int = 0,
+) -> None:
     policy.step_built(chunks, num_load_jobs)
     clock.now += seconds
     policy.step_done(connector_s, load_s, load_bytes)

@@ -33,8 +33,9 @@ def test_a_port_that_answers_from_another_process_is_an_error(http_here, tmp_pat
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         with pytest.raises(RuntimeError, match=f"another process holds port {http_here}"):
-            wait_until_answers(sleeper, f"http://127.0.0.1:{http_here}/", 30, "test server", tmp_path / "log",
-                               0.1, port=http_here)
+            wait_until_answers(
+                sleeper, f"http://127.0.0.1:{http_here}/", 30, "test server", tmp_path / "log", 0.1, port=http_here
+            )
     finally:
         sleeper.kill()
         sleeper.wait()
@@ -42,8 +43,11 @@ def test_a_port_that_answers_from_another_process_is_an_error(http_here, tmp_pat
 
 def test_a_port_that_answers_from_the_process_started_is_ready(tmp_path):
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
-                               "--directory", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_until_answers(server, f"http://127.0.0.1:{port}/", 30, "test server", None, 0.1, port=port)
     finally:

@@ -15,10 +15,32 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_restart_check_passes_on_the_cpu(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, "-m", "bench.device_check", "--device", "cpu", "--restart-only",
-                             "--restarts", "2", "--layers", "2", "--page-bytes", "8192", "--kv-blocks", "32",
-                             "--blocks", "8", "--json"],
-                            capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.device_check",
+            "--device",
+            "cpu",
+            "--restart-only",
+            "--restarts",
+            "2",
+            "--layers",
+            "2",
+            "--page-bytes",
+            "8192",
+            "--kv-blocks",
+            "32",
+            "--blocks",
+            "8",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
 
     assert result.returncode == 0, result.stdout + result.stderr
     out = json.loads(result.stdout)

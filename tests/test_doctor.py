@@ -62,8 +62,7 @@ def test_doctor_reports_the_running_server_and_exits_0(server, env):
 def test_doctor_table_names_every_check_and_counts_verdicts(server, env):
     result = hpkv(env, "doctor")
     assert result.returncode == 0, result.stderr
-    for name in ("pool directory: free space", "memlock", "storage directory: file system", "server",
-                 "hash stability"):
+    for name in ("pool directory: free space", "memlock", "storage directory: file system", "server", "hash stability"):
         assert name in result.stdout
     assert "0 fail" in result.stdout
 
@@ -90,8 +89,9 @@ def mount_tmpfs(mount_point: Path, options: str, fs_type: str = "tmpfs"):
     """A real tmpfs (or other memory file system) at mount_point (needs root; the test is
     skipped without it)."""
     mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", fs_type, "-o", options, fs_type, str(mount_point)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", fs_type, "-o", options, fs_type, str(mount_point)], capture_output=True, text=True
+    )
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
     try:
@@ -164,6 +164,7 @@ def test_doctor_fails_a_storage_path_that_is_a_file(pool_dir, tmp_path):
 
 # -- single checks, in process ---------------------------------------------------------------------
 
+
 def test_a_storage_directory_others_can_read_is_a_warning(tmp_path):
     storage = tmp_path / "storage"
     storage.mkdir()
@@ -185,8 +186,9 @@ def test_a_pool_directory_others_can_read_gets_a_chmod_fix(tmp_path):
 
 
 def test_storage_and_pool_on_kernel_pseudo_file_systems_fail_with_a_fix(tmp_path):
-    storage = StorageConfig(path=Path("/proc/hpkv-storage"), enabled=True, capacity_bytes=None, fsync="off",
-                            io_threads=1)
+    storage = StorageConfig(
+        path=Path("/proc/hpkv-storage"), enabled=True, capacity_bytes=None, fsync="off", io_threads=1
+    )
     checks = {c.name: c for c in check_storage(storage, ServerProbe(tmp_path / "no.sock"))}
     fs = checks["storage directory: file system"]
     assert fs.verdict is Verdict.FAIL and "on proc" in fs.detail and "pseudo file system" in fs.detail
@@ -199,8 +201,9 @@ def test_storage_and_pool_on_kernel_pseudo_file_systems_fail_with_a_fix(tmp_path
 def test_a_path_below_a_file_is_named_as_such(tmp_path):
     (tmp_path / "a-file").write_text("")
     below = tmp_path / "a-file" / "x"
-    storage = check_storage_permissions(StorageConfig(path=below, enabled=True, capacity_bytes=None, fsync="off",
-                                                      io_threads=1))
+    storage = check_storage_permissions(
+        StorageConfig(path=below, enabled=True, capacity_bytes=None, fsync="off", io_threads=1)
+    )
     pool = check_pool_permissions(PoolConfig(dir=below, size_bytes=1 << 20))
     for check in (storage, pool):
         assert check.verdict is Verdict.FAIL
@@ -214,8 +217,9 @@ def test_an_automatic_capacity_with_little_free_space_is_a_warning(small_tmpfs, 
     assert space.verdict is Verdict.WARN
     assert "6.4 MiB" in space.detail and "8.0 MiB free" in space.detail  # 80% of an empty 8 MiB tmpfs
     assert "HPKV_KV_STORAGE_SIZE" in space.fix
-    running = ServerProbe(tmp_path / "no.sock",
-                          stats=stats_from({"storage": {"used_bytes": 0, "capacity_bytes": 3 << 30}}))
+    running = ServerProbe(
+        tmp_path / "no.sock", stats=stats_from({"storage": {"used_bytes": 0, "capacity_bytes": 3 << 30}})
+    )
     space = {c.name: c for c in check_storage(storage, running)}["storage directory: free space"]
     assert space.verdict is Verdict.OK and "the running server sized the tier to 3.0 GiB" in space.detail
 
@@ -224,14 +228,17 @@ def test_an_automatic_capacity_on_ramfs_is_a_share_of_half_the_memory_available(
     """A ramfs says 0 free (it has no size): the storage tier there takes 80% of half the
     memory available, as a default tmpfs may take half the RAM, and doctor says so."""
     for mount_point in mount_tmpfs(tmp_path / "ramfs", "mode=0700", fs_type="ramfs"):
-        storage = StorageConfig(path=mount_point / "storage", enabled=True, capacity_bytes=None, fsync="off",
-                                io_threads=1)
+        storage = StorageConfig(
+            path=mount_point / "storage", enabled=True, capacity_bytes=None, fsync="off", io_threads=1
+        )
         space = {c.name: c for c in check_storage(storage, ServerProbe(tmp_path / "no.sock"))}[
-            "storage directory: free space"]
+            "storage directory: free space"
+        ]
         assert space.verdict is Verdict.OK, space
         assert "half the memory available" in space.detail and "a ramfs has no size of its own" in space.detail
-        sized = StorageConfig(path=mount_point / "storage", enabled=True, capacity_bytes=1 << 50, fsync="off",
-                              io_threads=1)
+        sized = StorageConfig(
+            path=mount_point / "storage", enabled=True, capacity_bytes=1 << 50, fsync="off", io_threads=1
+        )
         too_big = check_storage_space(sized, ServerProbe(tmp_path / "no.sock"))
         assert too_big.verdict is Verdict.WARN and "memory the engines and the pool need" in too_big.detail
 
@@ -242,25 +249,30 @@ def test_on_ramfs_beside_the_pool_a_server_starting_now_leaves_the_pool_its_memo
     from helpers.machine import GIB, pretend
 
     point = tmp_path / "ram"
-    pretend(monkeypatch, tmp_path, 64 * GIB, ramfs=(point,), cgroup="/ctr",
-            limits={"/ctr": (str(10 * GIB), 2 * GIB, 0)})
+    pretend(
+        monkeypatch, tmp_path, 64 * GIB, ramfs=(point,), cgroup="/ctr", limits={"/ctr": (str(10 * GIB), 2 * GIB, 0)}
+    )
     storage = StorageConfig(path=point / "storage", enabled=True, capacity_bytes=None, fsync="off", io_threads=1)
     pool = PoolConfig(dir=point / "pool", size_bytes=2 * GIB)
 
     space = {c.name: c for c in check_storage(storage, ServerProbe(tmp_path / "no.sock"), pool)}[
-        "storage directory: free space"]
+        "storage directory: free space"
+    ]
 
     assert "sizes the tier to 2.4 GiB" in space.detail, space.detail
     assert "3.0 GiB of room (half the memory available, less the 2.0 GiB DRAM pool" in space.detail
-    running = ServerProbe(tmp_path / "no.sock",
-                          stats=stats_from({"storage": {"used_bytes": 0, "capacity_bytes": 2 << 30}}))
+    running = ServerProbe(
+        tmp_path / "no.sock", stats=stats_from({"storage": {"used_bytes": 0, "capacity_bytes": 2 << 30}})
+    )
     space = check_storage_space(storage, running, pool)  # its pool is there: in the memory available already
     assert "4.0 GiB of room (half the memory available:" in space.detail, space.detail
 
 
 def test_a_write_backlog_holding_much_of_the_pool_is_a_warning(tmp_path):
-    parts = {"dram": {"capacity_bytes": 64 << 20},
-             "write_backlog": {"entries": 32, "bytes": 32 << 20, "limit_bytes": 32 << 20, "deferred": 0}}
+    parts = {
+        "dram": {"capacity_bytes": 64 << 20},
+        "write_backlog": {"entries": 32, "bytes": 32 << 20, "limit_bytes": 32 << 20, "deferred": 0},
+    }
     behind = check_write_backlog(stats_from(parts))
     assert behind.verdict is Verdict.WARN
     assert "32 entries (32.0 MiB, 50% of the pool)" in behind.detail and "unpinned" not in behind.detail
@@ -308,8 +320,7 @@ def test_every_check_has_a_fix_when_it_is_not_ok(pool_dir, tmp_path):
 def test_doctor_checks_direct_io_only_when_it_is_asked_for(tmp_path, monkeypatch):
     storage = tmp_path / "storage"
     storage.mkdir(mode=0o700)
-    config = StorageConfig(path=storage, enabled=True, capacity_bytes=None, fsync="off", io_threads=1,
-                           direct_io=True)
+    config = StorageConfig(path=storage, enabled=True, capacity_bytes=None, fsync="off", io_threads=1, direct_io=True)
     probe = ServerProbe(tmp_path / "no.sock")
     by_name = {c.name: c for c in check_storage(config, probe)}
     assert by_name["storage directory: direct I/O"].verdict is Verdict.OK  # ext4 or tmpfs here
@@ -345,8 +356,13 @@ def test_namespaces_that_find_their_keys_are_fine():
     from hpkv.doctor import check_namespaces
 
     def ns_stats(desc, lookup_keys, hits):
-        return {"desc": desc.to_json(), "lookups": 1, "lookup_keys": lookup_keys, "hit_keys_dram": hits,
-                "hit_keys_storage": 0}
+        return {
+            "desc": desc.to_json(),
+            "lookups": 1,
+            "lookup_keys": lookup_keys,
+            "hit_keys_dram": hits,
+            "hit_keys_storage": 0,
+        }
 
     assert check_namespaces(stats_from({"namespaces": {}})).verdict is Verdict.INFO
     rank1 = dataclasses.replace(DESC, tp_size=2, rank=1)
@@ -378,8 +394,9 @@ def test_a_pool_above_a_container_s_limit_is_a_warning_not_a_failure(tmp_path, m
     assert space.verdict is Verdict.WARN and "container's memory limit" in space.detail, space.detail
 
 
-def test_storage_on_ramfs_leaves_out_a_pool_on_tmpfs_too_less_what_its_file_already_holds(tmp_path, monkeypatch,
-                                                                                          shm_dir):
+def test_storage_on_ramfs_leaves_out_a_pool_on_tmpfs_too_less_what_its_file_already_holds(
+    tmp_path, monkeypatch, shm_dir
+):
     """As the server: the pages a pool on any memory file system has yet to take are left out
     of the room, and those a pool file already there holds are not left out twice."""
     from helpers.machine import GIB, pretend

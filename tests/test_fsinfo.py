@@ -9,8 +9,13 @@ from hpkv import fsinfo
 
 
 def test_without_a_cgroup_limit_the_memory_available_is_memavailable(monkeypatch, tmp_path):
-    pretend(monkeypatch, tmp_path, 64 * GIB, cgroup="/system.slice/hpkv.service",
-            limits={"/system.slice/hpkv.service": ("max", 3 * GIB, 0)})
+    pretend(
+        monkeypatch,
+        tmp_path,
+        64 * GIB,
+        cgroup="/system.slice/hpkv.service",
+        limits={"/system.slice/hpkv.service": ("max", 3 * GIB, 0)},
+    )
 
     assert fsinfo.cgroup_memory_left() is None
     assert fsinfo.mem_available_bytes() == 64 * GIB
@@ -30,15 +35,21 @@ def test_active_page_cache_and_reclaimable_slab_count_as_left_too(monkeypatch, t
     pretend(monkeypatch, tmp_path, 64 * GIB, cgroup="/", limits={"/": (str(8 * GIB), 6 * GIB, 0)})
     (tmp_path / "fake-proc" / "sys-fs-cgroup" / "memory.stat").write_text(
         f"anon {GIB}\nfile {4 * GIB}\nactive_file {2 * GIB}\ninactive_file {GIB}\nslab_reclaimable {GIB}\n"
-        f"slab_unreclaimable {GIB}\n")
+        f"slab_unreclaimable {GIB}\n"
+    )
 
     assert fsinfo.mem_available_bytes() == 6 * GIB
 
 
 def test_a_limit_above_the_process_s_own_cgroup_counts_too(monkeypatch, tmp_path):
     """A pod's limit sits above its container's: the least either leaves."""
-    pretend(monkeypatch, tmp_path, 64 * GIB, cgroup="/kubepods/pod1/ctr",
-            limits={"/kubepods/pod1": (str(10 * GIB), 8 * GIB, 0), "/kubepods/pod1/ctr": (str(16 * GIB), 7 * GIB, 0)})
+    pretend(
+        monkeypatch,
+        tmp_path,
+        64 * GIB,
+        cgroup="/kubepods/pod1/ctr",
+        limits={"/kubepods/pod1": (str(10 * GIB), 8 * GIB, 0), "/kubepods/pod1/ctr": (str(16 * GIB), 7 * GIB, 0)},
+    )
 
     assert fsinfo.mem_available_bytes() == 2 * GIB
 
@@ -70,8 +81,7 @@ def test_the_room_of_a_ramfs_is_half_the_memory_left_once_the_pool_takes_its_own
     when the tier starts (its pages come on first touch), so the memory available still holds
     it: the room is half of what is left without it, and never below 0."""
     point = tmp_path / "ram"
-    pretend(monkeypatch, tmp_path, 64 * GIB, ramfs=(point,), cgroup="/c",
-            limits={"/c": (str(48 * GIB), 8 * GIB, 0)})
+    pretend(monkeypatch, tmp_path, 64 * GIB, ramfs=(point,), cgroup="/c", limits={"/c": (str(48 * GIB), 8 * GIB, 0)})
 
     assert fsinfo.mount_of(point / "storage").fs_type == "ramfs"
     assert fsinfo.room_bytes(point / "storage") == 20 * GIB

@@ -16,16 +16,18 @@ from bench.harness.engine import engine_shim
 
 def test_a_dram_hit_is_split_into_lease_load_copy_and_forward():
     sent = 100.0
-    spans = sorted([
-        (99.990, 99.9903, "execute_model"),  # the untimed request's empty last step: before the send
-        (100.001, 100.0013, "execute_model"),  # an empty step after the send: not the prompt's
-        (100.010, 100.012, "_lease"),
-        (100.014, 100.015, "execute_model"),  # still empty (1 ms)
-        (100.020, 100.120, "execute_model"),  # the prompt's step: 100 ms, of which 30 ms load
-        (100.021, 100.051, "_load"),
-        (100.022, 100.049, "load"),
-        (100.200, 100.220, "execute_model"),  # a decode step, after the first token
-    ])
+    spans = sorted(
+        [
+            (99.990, 99.9903, "execute_model"),  # the untimed request's empty last step: before the send
+            (100.001, 100.0013, "execute_model"),  # an empty step after the send: not the prompt's
+            (100.010, 100.012, "_lease"),
+            (100.014, 100.015, "execute_model"),  # still empty (1 ms)
+            (100.020, 100.120, "execute_model"),  # the prompt's step: 100 ms, of which 30 ms load
+            (100.021, 100.051, "_load"),
+            (100.022, 100.049, "load"),
+            (100.200, 100.220, "execute_model"),  # a decode step, after the first token
+        ]
+    )
 
     hit = hp.breakdown(spans, "dram", 0, sent, 0.150, {"host": 8192.0})
 
@@ -64,12 +66,19 @@ def test_benchmark_engines_wait_without_vllms_queue_spin_when_asked(tmp_path, mo
     marker = tmp_path / "marker"
     env = engine_shim({"PYTHONPATH": "/elsewhere"}, tmp_path / "shim", f"open({str(marker)!r}, 'w').close()")
     assert env["PYTHONPATH"] == f"{tmp_path / 'shim'}{os.pathsep}/elsewhere"
-    probe = ("import inspect\n"
-             "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition\n"
-             "print(inspect.signature(SpinCondition.__init__).parameters['busy_loop_s'].default)\n"
-             "print(SpinCondition.__init__.__defaults__)")
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "PYTHONPATH": env["PYTHONPATH"]})
+    probe = (
+        "import inspect\n"
+        "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition\n"
+        "print(inspect.signature(SpinCondition.__init__).parameters['busy_loop_s'].default)\n"
+        "print(SpinCondition.__init__.__defaults__)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": env["PYTHONPATH"]},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split("\n")[1] == ("(0.0,)" if spin == "0" else "(1,)")
     assert marker.exists()  # the caller's shim ran too

@@ -41,16 +41,26 @@ class Clock:
 @pytest.fixture
 def store(shm_dir, storage_dir):
     # DRAM only: no write-through pins what is committed
-    store = TieredStore.open(make_pool_config(shm_dir, POOL),
-                             dataclasses.replace(make_storage_config(storage_dir), enabled=False))
+    store = TieredStore.open(
+        make_pool_config(shm_dir, POOL), dataclasses.replace(make_storage_config(storage_dir), enabled=False)
+    )
     store.held.clock = Clock()
     yield store
     store.close()
 
 
 def register(store: TieredStore) -> str:
-    return store.register(NamespaceDesc(engine="test", model="tiny", dtype="float16", layout="blocks",
-                                        block_size=32, num_layers=2, entry_bytes=ENTRY))
+    return store.register(
+        NamespaceDesc(
+            engine="test",
+            model="tiny",
+            dtype="float16",
+            layout="blocks",
+            block_size=32,
+            num_layers=2,
+            entry_bytes=ENTRY,
+        )
+    )
 
 
 def test_a_client_that_reserves_the_whole_pool_gets_its_share_and_the_next_one_the_rest(store):
@@ -138,6 +148,7 @@ def test_without_limits_a_store_in_process_holds_as_before(store):
 
 
 # -- a real server, two clients -----------------------------------------------------------------
+
 
 @pytest.fixture
 def node(shm_dir, tmp_path):

@@ -17,14 +17,18 @@ from hpkv.identity import NoContentIdentity, content_identity, fingerprint
 TENSOR_BYTES = 3 << 20  # four of them: a 12 MiB file, sampled rather than read whole
 
 
-def write_safetensors(path: Path, seed: int, num_tensors: int = 4, tensor_bytes: int = TENSOR_BYTES,
-                      changed: int | None = None) -> None:
+def write_safetensors(
+    path: Path, seed: int, num_tensors: int = 4, tensor_bytes: int = TENSOR_BYTES, changed: int | None = None
+) -> None:
     """A safetensors file of `num_tensors` byte tensors; `changed`: only that tensor takes
     `seed`'s bytes, the others seed 0's (a fine-tune of one layer)."""
     header, offset = {}, 0
     for i in range(num_tensors):
-        header[f"model.layers.{i}.weight"] = {"dtype": "U8", "shape": [tensor_bytes],
-                                              "data_offsets": [offset, offset + tensor_bytes]}
+        header[f"model.layers.{i}.weight"] = {
+            "dtype": "U8",
+            "shape": [tensor_bytes],
+            "data_offsets": [offset, offset + tensor_bytes],
+        }
         offset += tensor_bytes
     header["__metadata__"] = {"format": "pt"}
     text = json.dumps(header).encode()
@@ -43,8 +47,9 @@ def _bytes(seed: int, num: int) -> bytes:
 
 def make_model(directory: Path, seed: int = 1, config: dict | None = None, **weights) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config or {"architectures": ["Qwen2ForCausalLM"],
-                                                                  "num_hidden_layers": 4}))
+    (directory / "config.json").write_text(
+        json.dumps(config or {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 4})
+    )
     (directory / "tokenizer.json").write_text(json.dumps({"vocab": ["a", "b"]}))
     (directory / "generation_config.json").write_text(json.dumps({"temperature": 0.7}))
     write_safetensors(directory / "model.safetensors", seed, **weights)
@@ -94,8 +99,15 @@ def test_a_config_change_changes_the_identity_and_the_tokenizer_does_not(tmp_pat
     (model / "README.md").write_text("notes")
     assert digest(model) == before
 
-    (model / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 4,
-                                                   "rope_scaling": {"type": "linear", "factor": 2.0}}))
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "num_hidden_layers": 4,
+                "rope_scaling": {"type": "linear", "factor": 2.0},
+            }
+        )
+    )
     assert digest(model) != before
 
 
@@ -126,7 +138,7 @@ def test_a_single_weight_file_of_another_format_is_sampled(tmp_path):
     data = bytearray(_bytes(5, 20 << 20))
     gguf.write_bytes(data)
     before = digest(gguf)
-    data[len(data) - (16 << 10):] = _bytes(7, 16 << 10)  # the end is always read
+    data[len(data) - (16 << 10) :] = _bytes(7, 16 << 10)  # the end is always read
     gguf.write_bytes(data)
     assert digest(gguf) != before
     assert fingerprint(gguf).num_weight_files == 1
@@ -170,14 +182,29 @@ def test_hpkv_status_shows_each_namespace_identity_and_where_it_came_from():
     from hpkv.status import _namespaces_table
 
     source = "content of 2 config files and 4 weight files (16.0 GiB; headers and sampled chunks)"
-    described = NamespaceDesc(engine="vllm", model="content:0123abcd+quantization=fp8", dtype="bfloat16",
-                              layout="LBHNC", block_size=32, num_layers=2, entry_bytes=8192,
-                              extra=(("model_source", source),))
-    older = NamespaceDesc(engine="vllm", model="/models/m@main", dtype="bfloat16", layout="LBHNC", block_size=32,
-                          num_layers=2, entry_bytes=8192)
+    described = NamespaceDesc(
+        engine="vllm",
+        model="content:0123abcd+quantization=fp8",
+        dtype="bfloat16",
+        layout="LBHNC",
+        block_size=32,
+        num_layers=2,
+        entry_bytes=8192,
+        extra=(("model_source", source),),
+    )
+    older = NamespaceDesc(
+        engine="vllm",
+        model="/models/m@main",
+        dtype="bfloat16",
+        layout="LBHNC",
+        block_size=32,
+        num_layers=2,
+        entry_bytes=8192,
+    )
     counts = {"lookups": 1, "lookup_keys": 4, "hit_keys_dram": 2, "hit_keys_storage": 1}
-    stats = stats_from({"store": dict(counts),
-                        "namespaces": {d.ns: {"desc": d.to_json(), **counts} for d in (described, older)}})
+    stats = stats_from(
+        {"store": dict(counts), "namespaces": {d.ns: {"desc": d.to_json(), **counts} for d in (described, older)}}
+    )
     console = Console(record=True, width=400)
 
     console.print(_namespaces_table(stats))

@@ -16,8 +16,11 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
     """Every sample of /metrics as {(name, sorted labels): value}."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_metrics_count_what_the_client_did(server, env):
@@ -75,8 +78,9 @@ def test_a_taken_metrics_port_leaves_the_server_running_without_metrics(pool_dir
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        process = ServerProcess(hpkv_env(pool_dir, tmp_path / "storage", tmp_path, HPKV_METRICS_PORT=str(port)),
-                                tmp_path / "server.log")
+        process = ServerProcess(
+            hpkv_env(pool_dir, tmp_path / "storage", tmp_path, HPKV_METRICS_PORT=str(port)), tmp_path / "server.log"
+        )
         try:
             with process.client() as client:
                 assert client.stats().server.pid == process.proc.pid

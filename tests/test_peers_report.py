@@ -7,9 +7,11 @@ import bench.peers_report as pr
 
 
 def test_no_reuse_throughput_is_over_all_rounds_and_the_rounds_ratios_are_reported_beside_it():
-    runs = {"off": [(8, 4.0), (8, 4.0), (8, 4.0)],
-            "hpkv": [(8, 4.1), (8, 8.0), (8, 4.0)],  # one round twice as slow
-            "lmcache": [(8, 5.0), (8, 5.0), (8, 5.0)]}
+    runs = {
+        "off": [(8, 4.0), (8, 4.0), (8, 4.0)],
+        "hpkv": [(8, 4.1), (8, 8.0), (8, 4.0)],  # one round twice as slow
+        "lmcache": [(8, 5.0), (8, 5.0), (8, 5.0)],
+    }
 
     out = pr.summarize_noreuse(runs)
 
@@ -22,12 +24,19 @@ def test_no_reuse_throughput_is_over_all_rounds_and_the_rounds_ratios_are_report
 
 
 def test_the_cpu_of_each_systems_rounds_is_summarized_by_its_median():
-    costs = {"off": [{"engine": 8.0, "hpkv_server": 0.0}, {"engine": 9.0, "hpkv_server": 0.0},
-                     {"engine": 12.0, "hpkv_server": 0.01}],
-             "hpkv": [{"engine": 9.5, "hpkv_server": 0.15, "hpkv_saved_blocks": 384.0}],
-             "lmcache": []}
+    costs = {
+        "off": [
+            {"engine": 8.0, "hpkv_server": 0.0},
+            {"engine": 9.0, "hpkv_server": 0.0},
+            {"engine": 12.0, "hpkv_server": 0.01},
+        ],
+        "hpkv": [{"engine": 9.5, "hpkv_server": 0.15, "hpkv_saved_blocks": 384.0}],
+        "lmcache": [],
+    }
 
     out = pr.summarize_costs(costs)
 
-    assert out == {"off": {"engine": 9.0, "hpkv_server": 0.0},
-                   "hpkv": {"engine": 9.5, "hpkv_server": 0.15, "hpkv_saved_blocks": 384.0}}
+    assert out == {
+        "off": {"engine": 9.0, "hpkv_server": 0.0},
+        "hpkv": {"engine": 9.5, "hpkv_server": 0.15, "hpkv_saved_blocks": 384.0},
+    }

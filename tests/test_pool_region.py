@@ -32,6 +32,7 @@ def attach_by_name(path: Path) -> PoolRegion:
 
 # -- what the other processes run (module level, so that spawned children can import them) ------
 
+
 def _own_pool(directory: str, size_bytes: int, ready, stop) -> None:
     region = PoolRegion.create(Path(directory), size_bytes)
     ready.put(str(region.path))
@@ -48,8 +49,9 @@ def _client(path: str, write_at: int | None, data: bytes, read_at: int | None, n
     region.close()
 
 
-def run_client(path: Path, write_at: int | None = None, data: bytes = b"", read_at: int | None = None,
-               num_bytes: int = 0) -> bytes | None:
+def run_client(
+    path: Path, write_at: int | None = None, data: bytes = b"", read_at: int | None = None, num_bytes: int = 0
+) -> bytes | None:
     out = SPAWN.Queue()
     proc = SPAWN.Process(target=_client, args=(str(path), write_at, data, read_at, num_bytes, out))
     proc.start()
@@ -102,8 +104,9 @@ def small_tmpfs(tmp_path):
     """A real 8 MiB tmpfs, mounted for the test and unmounted afterwards."""
     point = tmp_path / "tmpfs-8m"
     point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(point)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(point)], capture_output=True, text=True
+    )
     if result.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs (needs root): {result.stderr.strip()}")
     yield point
@@ -125,13 +128,19 @@ def regions():
 
 # -- stories -----------------------------------------------------------------------------------
 
+
 def test_a_pool_created_by_one_process_is_shared_by_two_others(shm_dir, owner_process):
     owner = owner_process(shm_dir)
     from_b, from_c = os.urandom(5000), os.urandom(3000)
 
     run_client(owner.path, write_at=4096, data=from_b)  # process B writes
-    seen_by_c = run_client(owner.path, read_at=4096, num_bytes=5000,  # process C reads, then writes
-                           write_at=MiB + 8192, data=from_c)
+    seen_by_c = run_client(
+        owner.path,
+        read_at=4096,
+        num_bytes=5000,  # process C reads, then writes
+        write_at=MiB + 8192,
+        data=from_c,
+    )
     seen_by_b = run_client(owner.path, read_at=MiB + 8192, num_bytes=3000)  # and B reads that
 
     assert seen_by_c == from_b
@@ -211,8 +220,7 @@ def test_a_file_left_by_a_killed_owner_is_recovered_as_stale(shm_dir, owner_proc
 
     assert region.path == dead.path
     assert region.inode != stale_inode
-    assert any("stale pool file" in r.getMessage() and str(dead.path) in r.getMessage()
-               for r in caplog.records)
+    assert any("stale pool file" in r.getMessage() and str(dead.path) in r.getMessage() for r in caplog.records)
 
 
 def test_a_stale_file_does_not_count_against_the_free_space(small_tmpfs, owner_process, regions):
@@ -250,8 +258,9 @@ def test_a_pool_directory_on_disk_logs_the_risk(tmp_path, regions, caplog):
         regions(PoolRegion.create(directory, 2 * MiB))
 
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any(str(directory) in w and "not ramfs/tmpfs" in w and "written back to disk" in w
-               for w in warnings), warnings
+    assert any(str(directory) in w and "not ramfs/tmpfs" in w and "written back to disk" in w for w in warnings), (
+        warnings
+    )
 
 
 def test_a_pool_directory_on_tmpfs_logs_no_warning(shm_dir, regions, caplog):
@@ -302,8 +311,12 @@ def test_without_the_right_to_lock_memory_the_pool_warns_and_goes_on(shm_dir):
     # A process without CAP_IPC_LOCK and with a 64 KiB memlock limit, as in many containers.
     if shutil.which("setpriv") is None:
         pytest.skip("setpriv (util-linux) is needed to drop CAP_IPC_LOCK")
-    result = subprocess.run(["setpriv", "--bounding-set=-ipc_lock", sys.executable, "-c",
-                             LOCK_WITHOUT_PRIVILEGE, str(shm_dir)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["setpriv", "--bounding-set=-ipc_lock", sys.executable, "-c", LOCK_WITHOUT_PRIVILEGE, str(shm_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
     assert result.returncode == 0, result.stderr
     assert "locked_in_memory False" in result.stdout

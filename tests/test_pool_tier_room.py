@@ -75,8 +75,7 @@ def stamp_reads(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("num_slabs", [16, 64])
-def test_a_reserve_behind_a_pinned_entry_in_every_slab_costs_the_same_whatever_the_pool_holds(
-        num_slabs, stamp_reads):
+def test_a_reserve_behind_a_pinned_entry_in_every_slab_costs_the_same_whatever_the_pool_holds(num_slabs, stamp_reads):
     tier = pinned_in_every_slab(DramTier, num_slabs)
     stamp_reads[0] = 0
 
@@ -125,8 +124,11 @@ def test_random_traffic_evicts_exactly_what_the_walk_evicts(seed):
     slabs' books from the second one on)."""
     rng = random.Random(seed)
     late = seed >= 3
-    fast, walk = (DramTier(6 * SLAB, SLAB), walk_tier(6 * SLAB, SLAB)) if late else \
-        (new_tier(DramTier, 6), new_tier(walk_tier, 6))
+    fast, walk = (
+        (DramTier(6 * SLAB, SLAB), walk_tier(6 * SLAB, SLAB))
+        if late
+        else (new_tier(DramTier, 6), new_tier(walk_tier, 6))
+    )
     if late:
         fast.add_namespace(NS_A, PAGE)
         walk.add_namespace(NS_A, PAGE)
@@ -174,7 +176,8 @@ def test_random_traffic_evicts_exactly_what_the_walk_evicts(seed):
             for t in (fast, walk):
                 t.drop(ns)
         for ns_ in (NS_A, NS_B, NS_C) if not late or step >= 1000 else (NS_A,):
-            assert {k: e.offset for k, e in fast.index_of(ns_).items()} == \
-                {k: e.offset for k, e in walk.index_of(ns_).items()}, f"step {step}"
+            assert {k: e.offset for k, e in fast.index_of(ns_).items()} == {
+                k: e.offset for k, e in walk.index_of(ns_).items()
+            }, f"step {step}"
     assert fast.stats() == walk.stats()
     assert fast.stats().slab_moves > 0

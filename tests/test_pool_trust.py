@@ -43,6 +43,7 @@ def kv_files(node: Node) -> list[Path]:
 
 # -- row 1: the write-through processes ---------------------------------------------------------
 
+
 @as_root
 def test_write_throughs_write_the_servers_pool_even_when_its_name_is_swapped(node):
     """Issue 18, row 1. The pool directory becomes writable by others after the server started
@@ -64,8 +65,7 @@ def test_write_throughs_write_the_servers_pool_even_when_its_name_is_swapped(nod
     assert as_other_uid(swap) == {"uid": NOBODY}
     keys = [entry_key("victim", i) for i in range(4)]
     save(client, ns, keys)
-    wait_for(lambda: len(kv_files(node)) == 4 and client.stats().write_backlog.entries == 0,
-             what="the write-throughs")
+    wait_for(lambda: len(kv_files(node)) == 4 and client.stats().write_backlog.entries == 0, what="the write-throughs")
     client.clear(memory=True)  # what is read next comes from the entry files
 
     lease = client.lease(ns, keys)
@@ -75,6 +75,7 @@ def test_write_throughs_write_the_servers_pool_even_when_its_name_is_swapped(nod
 
 
 # -- row 2: the clients --------------------------------------------------------------------------
+
 
 def _file_with_inode(directory: Path, inode: int, size: int, limit: int = 200_000) -> Path | None:
     """A file in `directory` (a fresh tmpfs: inode numbers count up from 2) whose inode number
@@ -98,8 +99,12 @@ def _file_with_inode(directory: Path, inode: int, size: int, limit: int = 200_00
 
 def mount_tmpfs(point: Path) -> Path:
     point.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128m,mode=0700", "tmpfs", str(point)],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=128m,mode=0700", "tmpfs", str(point)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("mounting a tmpfs needs CAP_SYS_ADMIN")
     return point
 
@@ -150,6 +155,7 @@ def test_a_client_maps_the_servers_pool_whatever_the_name_points_at(tmp_path, tw
 
 # -- descriptors: never leaked ---------------------------------------------------------------------
 
+
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -198,10 +204,12 @@ def _reconnected(client: Client) -> bool:
 
 # -- the pool directory ---------------------------------------------------------------------------
 
+
 def start_fails(node: Node) -> str:
     """Start a foreground server that must refuse to start: its log."""
-    proc = subprocess.run([sys.executable, "-m", "hpkv.server.daemon"], env=node.env, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpkv.server.daemon"], env=node.env, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2, proc.stderr
     assert not node.socket_path.exists() and not node.pool_path.exists()
     return proc.stderr
@@ -304,6 +312,7 @@ def test_a_root_owned_1777_mount_is_fine_for_every_user(shm_dir):
 
 # -- files planted in the pool directory ----------------------------------------------------------
 
+
 def plant(path: Path, kind: str, target: Path) -> None:
     if kind == "fifo":
         os.mkfifo(path)
@@ -316,7 +325,8 @@ def plant(path: Path, kind: str, target: Path) -> None:
 @pytest.mark.parametrize("kind", ["fifo", "symlink", "directory"])
 @pytest.mark.parametrize("name", [LOG_NAME, p.LOCK_NAME])
 def test_a_lock_or_log_planted_in_the_pool_directory_is_named_never_followed_or_waited_on(
-        node, tmp_path, monkeypatch, name, kind):
+    node, tmp_path, monkeypatch, name, kind
+):
     """Issue 18, row 3: a FIFO planted as `server.log` made the auto-start block for ever. Every
     file opened there is O_NOFOLLOW|O_NONBLOCK and checked: a bad one is an error naming it,
     within the start timeout."""
@@ -388,14 +398,16 @@ def test_a_socket_name_planted_as_a_link_is_not_connected_through(node, tmp_path
 def test_a_server_refuses_a_socket_name_that_is_not_a_socket(node, tmp_path):
     (tmp_path / "target").write_text("")
     node.socket_path.symlink_to(tmp_path / "target")
-    proc = subprocess.run([sys.executable, "-m", "hpkv.server.daemon"], env=node.env, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpkv.server.daemon"], env=node.env, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2
     assert f"cannot listen on {node.socket_path}: it is a symbolic link, not a socket" in proc.stderr
     assert node.socket_path.is_symlink()
 
 
 # -- row 10: a directory name that is not UTF-8 -----------------------------------------------------
+
 
 def test_a_pool_directory_whose_name_is_not_utf8_works(shm_dir, tmp_path):
     """Issue 18, row 10: the server started and every client connection died on a

@@ -55,8 +55,9 @@ def test_server_killed_in_the_middle_of_writes(node):
     writer.call("register", rank=0, entry_bytes=SMALL)
     old_pid = writer.call("stats")["server_pid"]
     old_pool_inode = node.pool_path.stat().st_ino
-    writer.send("write_loop", prefix="loop", seconds=30, entry_bytes=SMALL, copy_pause_s=0.005,
-                until_commits_on_next_server=20)
+    writer.send(
+        "write_loop", prefix="loop", seconds=30, entry_bytes=SMALL, copy_pause_s=0.005, until_commits_on_next_server=20
+    )
 
     watcher = node.client("watcher")
     wait_for(lambda: watcher.stats().store.commits >= 20, what="20 commits")
@@ -137,12 +138,22 @@ def test_stale_socket_pool_and_lock_are_recovered_by_the_next_auto_start(node):
     kill(old_pid)
     wait_gone(old_pid)
     # a starter killed while it held the start lock
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, os, sys, time\n"
-        "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
-        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-        "print('locked', flush=True)\n"
-        "time.sleep(60)\n"), str(node.shm_dir / p.LOCK_NAME)], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import fcntl, os, sys, time\n"
+                "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+                "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+                "print('locked', flush=True)\n"
+                "time.sleep(60)\n"
+            ),
+            str(node.shm_dir / p.LOCK_NAME),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline() == "locked\n"
     holder.kill()
     holder.wait()
@@ -168,8 +179,10 @@ def test_an_auto_started_server_resolves_relative_paths_where_its_starter_runs(n
     assert engine.call("save", prefix="rel", n=2)["committed"] == 2
     server = engine.call("stats")
     assert server["stats"]["server"]["pool_path"] == str(here / "pool" / "hpkv.pool")
-    wait_for(lambda: len([f for f in (here / "stored-kv").rglob("*") if f.is_file() and f.suffix != ".json"]) == 2,
-             what="the two entries written under the starter's stored-kv")
+    wait_for(
+        lambda: len([f for f in (here / "stored-kv").rglob("*") if f.is_file() and f.suffix != ".json"]) == 2,
+        what="the two entries written under the starter's stored-kv",
+    )
     assert not Path("/pool").exists() and not Path("/stored-kv").exists()
     kill(server["server_pid"])
     wait_gone(server["server_pid"])
@@ -330,8 +343,11 @@ def test_a_second_sigterm_stops_a_server_whose_storage_does_not_answer(node):
     ns = client.register(desc(0, BIG))
     assert save_big(client, ns, [entry_key("warm", i) for i in range(4)]) == 4
     wait_for(lambda: client.stats().storage.num_entries == 4, what="the warm entries on storage")
-    writers = [child.pid for child in psutil.Process(server.pid).children()
-               if "hpkv.storage.writer" in " ".join(child.cmdline())]
+    writers = [
+        child.pid
+        for child in psutil.Process(server.pid).children()
+        if "hpkv.storage.writer" in " ".join(child.cmdline())
+    ]
     assert writers
     for pid in writers:
         stop(pid)  # a storage device that stopped answering

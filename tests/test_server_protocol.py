@@ -152,15 +152,21 @@ TAGS = [cls.__name__ for cls in p.Request.__args__ if cls is not p.Clear] + ["Sh
 FUZZ_NS = desc(rank=0).ns  # registered, so fuzzed reservations and leases really take slots
 
 values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=12)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=12)
     | st.binary(max_size=12),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
-    max_leaves=8)
+    max_leaves=8,
+)
 bodies = st.one_of(
     st.binary(max_size=48),
     values.map(msgspec.msgpack.encode),
-    st.tuples(st.sampled_from(TAGS) | st.text(max_size=8), st.lists(values, max_size=4))
-    .map(lambda t: msgspec.msgpack.encode([t[0], *t[1]])),
+    st.tuples(st.sampled_from(TAGS) | st.text(max_size=8), st.lists(values, max_size=4)).map(
+        lambda t: msgspec.msgpack.encode([t[0], *t[1]])
+    ),
 )
 ns_names = st.sampled_from([FUZZ_NS, "0" * 32]) | st.text(max_size=8)
 keys = st.lists(st.binary(max_size=8), max_size=3)
@@ -176,8 +182,9 @@ pieces = st.one_of(
     requests,
     st.binary(max_size=48),
     bodies.map(frame),
-    st.tuples(st.integers(p.MAX_FRAME_BYTES + 1, 2**32 - 1), st.binary(max_size=16))
-    .map(lambda t: length_prefix(t[0]) + t[1]),
+    st.tuples(st.integers(p.MAX_FRAME_BYTES + 1, 2**32 - 1), st.binary(max_size=16)).map(
+        lambda t: length_prefix(t[0]) + t[1]
+    ),
     st.tuples(st.integers(0, 256), bodies).map(lambda t: length_prefix(t[0]) + t[1]),  # a lying length
 )
 
@@ -224,8 +231,7 @@ def test_fuzzed_connections_never_take_the_server_down(node):
     good.commit(ns, keys)
     lease = good.lease(ns, keys)  # pinned: whatever the fuzzer reserves, these stay
 
-    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-              database=None)
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
     @given(data=st.lists(pieces, min_size=1, max_size=3).map(b"".join), hello=st.booleans())
     def one_connection(data: bytes, hello: bool) -> None:
         expected = expected_replies(data, hello)
@@ -250,8 +256,17 @@ def test_fuzzed_connections_never_take_the_server_down(node):
     assert stats.reservations == 0 and stats.leases == 0
 
 
-@pytest.mark.parametrize("desc_json", ["", "[]", "{}", '{"extra": 1}', '{"engine": "x"}',
-                                       desc().to_json().replace('"block_size":16', '"block_size":"16"')])
+@pytest.mark.parametrize(
+    "desc_json",
+    [
+        "",
+        "[]",
+        "{}",
+        '{"extra": 1}',
+        '{"engine": "x"}',
+        desc().to_json().replace('"block_size":16', '"block_size":"16"'),
+    ],
+)
 def test_a_broken_namespace_description_is_a_bad_request(node, desc_json):
     node.start_server()
     sock = raw_connect(node)

@@ -47,8 +47,12 @@ def talk(node: Node, *requests: p.Msg) -> dict:
         except TimeoutError:
             pass
     sock.close()
-    return {"uid": os.getuid(), "replies": [[type(r).__name__, getattr(r, "code", None)] for r in replies],
-            "messages": [getattr(r, "message", "") for r in replies], "closed": closed}
+    return {
+        "uid": os.getuid(),
+        "replies": [[type(r).__name__, getattr(r, "code", None)] for r in replies],
+        "messages": [getattr(r, "message", "") for r in replies],
+        "closed": closed,
+    }
 
 
 def hello() -> p.Hello:

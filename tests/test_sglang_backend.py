@@ -45,7 +45,8 @@ def test_sglangs_factory_builds_hpkv_from_the_flags_extra_config(node):
     with su.root_logging_kept():
         args = prepare_server_args(flag.rewrite_argv(su.GPU_ARGV))
     extra, threshold, *_ = sg.hybrid_controller.HybridCacheController.parse_storage_backend_extra_config(
-        args.hicache_storage_backend_extra_config)
+        args.hicache_storage_backend_extra_config
+    )
     assert threshold == 1204
     config = su.storage_config(model_name=args.served_model_name, extra=extra)
     storage = sg.factory.StorageBackendFactory.create_backend(args.hicache_storage_backend, config, None)
@@ -54,8 +55,9 @@ def test_sglangs_factory_builds_hpkv_from_the_flags_extra_config(node):
     storage.close()
 
 
-@pytest.mark.parametrize("kind,layout", [("mha", "page_first"), ("mha", "layer_first"),
-                                         ("mla", "page_first"), ("mla", "layer_first")])
+@pytest.mark.parametrize(
+    "kind,layout", [("mha", "page_first"), ("mha", "layer_first"), ("mla", "page_first"), ("mla", "layer_first")]
+)
 def test_pages_come_back_byte_identical_into_a_fresh_pool(node, kind, layout):
     source = su.host_pool(kind, layout, seed=1)
     keys = su.page_hashes("a long shared system prompt", PAGES)
@@ -110,8 +112,10 @@ def weights(model, seed: int):
     from safetensors.torch import save_file
 
     generator = torch.Generator().manual_seed(seed)
-    save_file({"model.embed_tokens.weight": torch.randn(1000, 64, generator=generator).to(torch.bfloat16)},
-              model / "model.safetensors")
+    save_file(
+        {"model.embed_tokens.weight": torch.randn(1000, 64, generator=generator).to(torch.bfloat16)},
+        model / "model.safetensors",
+    )
     return model
 
 
@@ -140,8 +144,13 @@ def test_another_model_under_the_same_served_name_never_hits(node, tmp_path):
     restarts = {
         "another checkpoint": ["--model-path", other, *served],
         "quantized on load": ["--model-path", current, "--quantization", "fp8", *served],
-        "a config override": ["--model-path", current, "--json-model-override-args",
-                              '{"rope_scaling": {"rope_type": "linear", "factor": 2.0}}', *served],
+        "a config override": [
+            "--model-path",
+            current,
+            "--json-model-override-args",
+            '{"rope_scaling": {"rope_type": "linear", "factor": 2.0}}',
+            *served,
+        ],
         "random weights": ["--model-path", current, "--load-format", "dummy", *served],
     }
     got = {what: hits(argv) for what, argv in restarts.items()}
@@ -239,8 +248,9 @@ def test_mla_pages_written_by_rank_0_are_read_by_every_rank(node):
     pool = su.host_pool("mla", "page_first")
     rank0 = su.backend(pool, su.storage_config(is_mla=True, tp_rank=0, tp_size=4))
     write_pages(rank0, pool, keys)
-    rank3 = su.backend(su.host_pool("mla", "page_first", seed=None), su.storage_config(is_mla=True, tp_rank=3,
-                                                                                      tp_size=4))
+    rank3 = su.backend(
+        su.host_pool("mla", "page_first", seed=None), su.storage_config(is_mla=True, tp_rank=3, tp_size=4)
+    )
     assert rank3.batch_exists(keys) == 3
     assert rank3.batch_get_v1(keys, su.page_indices(rank3.mem_pool_host, [0, 1, 2])) == [True] * 3
     assert su.page_bytes(rank3.mem_pool_host, 4) == su.page_bytes(pool, 4)
@@ -325,8 +335,9 @@ def test_mla_with_layers_split_over_tp_ranks_stores_nothing(node, caplog):
     assert "layer sharding" in caplog.text
     assert write_pages(rank0, pool, keys) == [True] * 3
     assert rank0.batch_exists(keys) == 0
-    rank1 = su.backend(su.host_pool("mla", layer_shard_enabled=True), su.storage_config(is_mla=True, tp_rank=1,
-                                                                                        tp_size=2))
+    rank1 = su.backend(
+        su.host_pool("mla", layer_shard_enabled=True), su.storage_config(is_mla=True, tp_rank=1, tp_size=2)
+    )
     assert rank1.ns != rank0.ns and rank1.batch_exists(keys) == 0
 
 
@@ -416,8 +427,12 @@ def test_stats_and_close(node):
     storage.batch_exists(keys)
     storage.batch_get_v1(keys, su.page_indices(pool, [10, 11, 12, 13]))
     counts = storage.stats.snapshot()
-    assert (counts["saved_pages"], counts["save_skipped_pages"], counts["hit_pages_dram"],
-            counts["loaded_pages"]) == (4, 4, 4, 4)
+    assert (counts["saved_pages"], counts["save_skipped_pages"], counts["hit_pages_dram"], counts["loaded_pages"]) == (
+        4,
+        4,
+        4,
+        4,
+    )
     metrics = storage.get_stats()
     assert metrics.backup_pgs == [4] and metrics.prefetch_pgs == [4] and len(metrics.prefetch_bandwidth) == 1
     assert storage.get_stats().backup_pgs == []  # drained
@@ -427,9 +442,16 @@ def test_stats_and_close(node):
 
 def test_the_backend_refuses_the_copying_interface():
     with pytest.raises(ConfigError, match="interface_v1"):
-        su.backend(su.host_pool(), su.storage_config(extra={"backend_name": "ct_hpkv",
-                                                             "module_path": "hpkv.integrations.sglang.backend",
-                                                             "class_name": "HpkvStorage"}))
+        su.backend(
+            su.host_pool(),
+            su.storage_config(
+                extra={
+                    "backend_name": "ct_hpkv",
+                    "module_path": "hpkv.integrations.sglang.backend",
+                    "class_name": "HpkvStorage",
+                }
+            ),
+        )
 
 
 def test_a_private_identity_is_shared_by_the_ranks_of_one_launch_and_no_other():
@@ -438,9 +460,10 @@ def test_a_private_identity_is_shared_by_the_ranks_of_one_launch_and_no_other():
     import subprocess
     import sys
 
-    child = ("from hpkv.integrations.sglang.modelid import _PROCESS_SCOPE; print(_PROCESS_SCOPE)")
-    launcher = ("import subprocess, sys\n"
-                f"for _ in range(2): subprocess.run([sys.executable, '-c', {child!r}], check=True)\n")
+    child = "from hpkv.integrations.sglang.modelid import _PROCESS_SCOPE; print(_PROCESS_SCOPE)"
+    launcher = (
+        f"import subprocess, sys\nfor _ in range(2): subprocess.run([sys.executable, '-c', {child!r}], check=True)\n"
+    )
 
     def launch() -> list[str]:
         out = subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True, check=True)

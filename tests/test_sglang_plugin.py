@@ -18,8 +18,12 @@ import tomllib
 from helpers import sglang as su
 from hpkv.integrations.sglang import flag
 
-HPKV_BACKEND = {"backend_name": "ct_hpkv", "module_path": "hpkv.integrations.sglang.backend",
-                "class_name": "HpkvStorage", "interface_v1": 1}
+HPKV_BACKEND = {
+    "backend_name": "ct_hpkv",
+    "module_path": "hpkv.integrations.sglang.backend",
+    "class_name": "HpkvStorage",
+    "interface_v1": 1,
+}
 
 
 @pytest.fixture(autouse=True)
@@ -27,8 +31,11 @@ def hpkv_env(monkeypatch, shm_dir, tmp_path):
     """No user config file, documented defaults, fresh directories (nothing here starts a server)."""
     for name in [n for n in os.environ if n.startswith(("HPKV_", "VLLM_HPKV"))]:
         monkeypatch.delenv(name)
-    env = {"HPKV_SHARE_MEM_FILE_PATH": str(shm_dir), "HPKV_KV_STORAGE_PATH": str(tmp_path / "storage"),
-           "HPKV_CONFIG_FILE_PATH": str(tmp_path / "no-such-config.ini")}
+    env = {
+        "HPKV_SHARE_MEM_FILE_PATH": str(shm_dir),
+        "HPKV_KV_STORAGE_PATH": str(tmp_path / "storage"),
+        "HPKV_CONFIG_FILE_PATH": str(tmp_path / "no-such-config.ini"),
+    }
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     return env
@@ -81,19 +88,31 @@ def test_the_documented_ascend_command_parses_and_leaves_io_and_layout_to_sglang
 
 
 def test_hicache_flags_the_user_gave_are_kept():
-    argv = su.GPU_ARGV + ["--hicache-ratio", "3", "--hicache-mem-layout", "layer_first",
-                          "--hicache-write-policy", "write_back", "--hicache-storage-prefetch-policy", "best_effort",
-                          "--hicache-storage-backend-extra-config", '{"prefetch_threshold": 128, "mine": "x"}']
+    argv = su.GPU_ARGV + [
+        "--hicache-ratio",
+        "3",
+        "--hicache-mem-layout",
+        "layer_first",
+        "--hicache-write-policy",
+        "write_back",
+        "--hicache-storage-prefetch-policy",
+        "best_effort",
+        "--hicache-storage-backend-extra-config",
+        '{"prefetch_threshold": 128, "mine": "x"}',
+    ]
     args = parse(argv)
-    assert (args.hicache_ratio, args.hicache_mem_layout, args.hicache_write_policy,
-            args.hicache_storage_prefetch_policy) == (3.0, "layer_first", "write_back", "best_effort")
+    assert (
+        args.hicache_ratio,
+        args.hicache_mem_layout,
+        args.hicache_write_policy,
+        args.hicache_storage_prefetch_policy,
+    ) == (3.0, "layer_first", "write_back", "best_effort")
     assert extra_config(args) == {**HPKV_BACKEND, "prefetch_threshold": 128, "mine": "x"}
 
 
 def test_hicache_flags_the_user_abbreviated_are_kept():
     """SGLang's parser takes any unique prefix of a flag: `--hicache-mem` is --hicache-mem-layout."""
-    argv = su.GPU_ARGV + ["--hicache-mem", "layer_first",
-                          '--hicache-storage-backend-extra={"prefetch_threshold": 128}']
+    argv = su.GPU_ARGV + ["--hicache-mem", "layer_first", '--hicache-storage-backend-extra={"prefetch_threshold": 128}']
     args = parse(argv)
     assert args.hicache_mem_layout == "layer_first"
     assert extra_config(args) == {**HPKV_BACKEND, "prefetch_threshold": 128}
@@ -196,4 +215,4 @@ def test_both_entry_points_launch_with_the_documented_command(entry_points_path,
 def test_pyproject_declares_the_entry_points():
     declared = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["entry-points"]
     for group, eps in su.ENTRY_POINTS.items():
-        assert declared.get(group, {}) == eps, f"pyproject.toml [project.entry-points.\"{group}\"]"
+        assert declared.get(group, {}) == eps, f'pyproject.toml [project.entry-points."{group}"]'

@@ -55,7 +55,7 @@ def test_three_threads_with_the_server_killed_midway(node):
                     done = storage.batch_set_v1(window, su.page_indices(pool, list(range(start, end))))
                     assert len(done) == len(window), done
                 else:
-                    loaded = storage.batch_get_v1(window, su.page_indices(pool, area[:len(window)]))
+                    loaded = storage.batch_get_v1(window, su.page_indices(pool, area[: len(window)]))
                     num = sum(loaded)
                     assert loaded == [True] * num + [False] * (len(window) - num), loaded
                     for i in range(num):
@@ -84,7 +84,6 @@ def test_three_threads_with_the_server_killed_midway(node):
     assert not errors, errors
     assert storage.stats.snapshot()["faults"] > 0  # the kill was seen, and turned into misses
     assert len(node.server_pids()) == 1  # the auto-started one, killed by node.close()
-
 
 
 def test_the_threads_clients_share_one_mapping_of_the_pool(node):

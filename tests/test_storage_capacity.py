@@ -268,15 +268,17 @@ def test_an_automatic_capacity_on_ramfs_has_room_and_writes(open_tier, tmp_path,
         subprocess.run(["umount", "-l", str(point)], check=True)
 
 
-def test_an_automatic_capacity_on_ramfs_leaves_out_the_pool_and_a_container_s_limit(open_tier, tmp_path,
-                                                                                    monkeypatch, caplog):
+def test_an_automatic_capacity_on_ramfs_leaves_out_the_pool_and_a_container_s_limit(
+    open_tier, tmp_path, monkeypatch, caplog
+):
     """The host says 64 GiB available, the container's cgroup leaves 24 GiB, and a 10 GiB pool on
     ramfs will take its pages later: auto is 80% of half of the 14 GiB left."""
     from helpers.machine import GIB, pretend
 
     point = tmp_path / "ram"
-    pretend(monkeypatch, tmp_path, 64 * GIB, ramfs=(point,), cgroup="/ctr",
-            limits={"/ctr": (str(32 * GIB), 8 * GIB, 0)})
+    pretend(
+        monkeypatch, tmp_path, 64 * GIB, ramfs=(point,), cgroup="/ctr", limits={"/ctr": (str(32 * GIB), 8 * GIB, 0)}
+    )
 
     with caplog.at_level("WARNING", logger="hpkv.storage.tier"):
         tier = StorageTier(make_storage_config(point / "storage", None))
@@ -310,8 +312,9 @@ def test_an_automatic_capacity_on_a_full_disk_says_so_and_writes_nothing(open_ti
     assert list((small_disk / "kv").rglob("*.kv")) == []
 
 
-def test_an_automatic_capacity_counts_the_tiers_own_files_and_is_not_a_warning_then(open_tier, small_disk,
-                                                                                      caplog, monkeypatch):
+def test_an_automatic_capacity_counts_the_tiers_own_files_and_is_not_a_warning_then(
+    open_tier, small_disk, caplog, monkeypatch
+):
     """A disk full of HPKV's own files is not a full disk: its files count toward the capacity."""
     first = open_tier(root=small_disk, capacity=None)
     assert first.scan_done.wait(10)

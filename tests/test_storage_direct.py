@@ -77,6 +77,7 @@ class UnalignedWritesIO(FileIO):
 
     def pwritev(self, fd: int, buffers: list, offset: int) -> int:
         import fcntl
+
         if fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT:
             self.refused += 1
             raise OSError(errno.EINVAL, "Invalid argument")
@@ -188,16 +189,17 @@ def test_a_damaged_aligned_file_is_a_miss_and_is_removed(open_tier, damage):
     elif damage == "payload":
         data[fmt.ALIGN + 100] ^= 1
     elif damage == "truncated":
-        data = data[:-fmt.ALIGN]
+        data = data[: -fmt.ALIGN]
     else:  # the header of version 2 in a file of version 1's size
-        data = data[: fmt.header_bytes(len(k))] + data[fmt.ALIGN:]
+        data = data[: fmt.header_bytes(len(k))] + data[fmt.ALIGN :]
     path.write_bytes(bytes(data))
     assert read(tier, k) is None
     assert not path.exists() and tier.counters.bad_files == 1
 
 
-def test_a_file_system_that_refuses_direct_io_gets_the_same_files_through_the_page_cache(open_tier, storage_dir,
-                                                                                         caplog):
+def test_a_file_system_that_refuses_direct_io_gets_the_same_files_through_the_page_cache(
+    open_tier, storage_dir, caplog
+):
     tier = open_tier(io=RefusingIO())
     k = key("refused")
     assert write(tier, k)
@@ -228,7 +230,8 @@ def test_a_storage_root_without_direct_io_is_said_once_at_start(open_tier, monke
     assert not tier.direct
     assert [r.getMessage() for r in caplog.records if "O_DIRECT" in r.getMessage()] == [
         f"the file system of {storage_dir} does not take O_DIRECT (HPKV_KV_STORAGE_DIRECT_IO=on); KV files go "
-        "through the page cache instead"]
+        "through the page cache instead"
+    ]
     k = key("plain")
     assert write(tier, k)
     assert version_on_disk(entry_path(tier, k)) == fmt.VERSION

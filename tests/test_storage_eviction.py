@@ -44,6 +44,7 @@ def test_capacity_for_four_write_five_the_first_is_gone_from_disk(open_tier):
 def test_an_eviction_that_fails_midway_leaves_its_victims_indexed_and_counted(open_tier):
     """Something other than an OSError out of an unlink (a bug, a MemoryError): the victims not
     yet removed stay hits, counted in what the tier holds, and not misses for good."""
+
     class BrokenUnlink(FileIO):
         def unlink(self, path, dir_fd=None):
             raise RuntimeError("unlink broke")
@@ -185,8 +186,7 @@ def test_a_victim_spared_while_a_remove_runs_does_not_come_back(open_tier):
 
     assert write(tier, key(3))
 
-    assert [tier.indexed(NS, key(i)) for i in range(4)] == [os.path.exists(tier.path_of(NS, key(i)))
-                                                            for i in range(4)]
+    assert [tier.indexed(NS, key(i)) for i in range(4)] == [os.path.exists(tier.path_of(NS, key(i))) for i in range(4)]
     assert not tier.indexed(NS, key(0)) and tier.stats().used_bytes == file_bytes()
 
 

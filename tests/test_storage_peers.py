@@ -49,12 +49,10 @@ def test_hpkv_writes_new_keys_every_round_and_reads_back_the_same_bytes(tmp_path
     assert len(list((tmp_path / "hpkv").rglob("*.kv"))) == 3 * 16  # warm-up + 2 rounds, all kept
 
 
-@pytest.mark.skipif(not Path(PeerConfig().lmcache).exists(),
-                    reason="lmcache is not installed beside this python")
+@pytest.mark.skipif(not Path(PeerConfig().lmcache).exists(), reason="lmcache is not installed beside this python")
 def test_a_small_run_against_lmcache_gives_one_write_and_one_read_row_per_size(tmp_path):
     pytest.importorskip("aiofiles")
-    config = PeerConfig(entry_sizes=(64 << 10,), round_bytes=1 << 20, rounds=1, in_flight=2,
-                        storage_parent=tmp_path)
+    config = PeerConfig(entry_sizes=(64 << 10,), round_bytes=1 << 20, rounds=1, in_flight=2, storage_parent=tmp_path)
 
     report = run(config)
 
@@ -73,10 +71,13 @@ def test_file_costs_time_creates_and_removals_and_leave_nothing_behind(tmp_path)
 
 
 def test_a_report_saved_as_json_prints_the_same_file_costs(tmp_path, capsys):
-    report = PeerReport(PeerConfig(), {"cpus": 2, "load_avg_1m": 0.5, "storage_dir": {"fs_type": "ext4", "path": "/x"}},
-                        (PeerRow(1 << 20, "write", 2.0, 1.0, 3.0),), 10.0,
-                        {"create_us": 210.0, "create_system_us": 200.0, "unlink_us": 80.0, "unlink_system_us": 75.0,
-                         "files": 500})
+    report = PeerReport(
+        PeerConfig(),
+        {"cpus": 2, "load_avg_1m": 0.5, "storage_dir": {"fs_type": "ext4", "path": "/x"}},
+        (PeerRow(1 << 20, "write", 2.0, 1.0, 3.0),),
+        10.0,
+        {"create_us": 210.0, "create_system_us": 200.0, "unlink_us": 80.0, "unlink_system_us": 75.0, "files": 500},
+    )
     saved = tmp_path / "run.json"
     saved.write_text(cli.to_json(report))
 

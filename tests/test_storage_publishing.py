@@ -31,8 +31,10 @@ def test_a_write_budget_refuses_writes_past_it_until_it_refills(storage_dir, cap
     rate; a write past it is not made (the entry stays in DRAM only), counted, and said once."""
     per_day = 3 * file_bytes() * 24  # an hour's worth: three files
     clock = FakeClock()
-    tier = StorageTier(dataclasses.replace(make_storage_config(storage_dir, 64 * file_bytes()),
-                                           write_budget_bytes=per_day), clock=clock)
+    tier = StorageTier(
+        dataclasses.replace(make_storage_config(storage_dir, 64 * file_bytes()), write_budget_bytes=per_day),
+        clock=clock,
+    )
     tier.start()
     try:
         assert [write(tier, key(i)) for i in range(5)] == [True, True, True, False, False]
@@ -54,8 +56,11 @@ def test_a_write_that_raises_gives_its_budget_back(storage_dir):
     back to the budget, so the caller's write in process is not charged twice."""
     from hpkv.storage.writer import WriterUnavailable
 
-    tier = StorageTier(dataclasses.replace(make_storage_config(storage_dir, 64 * file_bytes()),
-                                           write_budget_bytes=3 * file_bytes() * 24))
+    tier = StorageTier(
+        dataclasses.replace(
+            make_storage_config(storage_dir, 64 * file_bytes()), write_budget_bytes=3 * file_bytes() * 24
+        )
+    )
     tier.start()
 
     def no_process(target):

@@ -73,8 +73,9 @@ def another_key(path: Path, storage_dir: Path) -> None:
     path.write_bytes((storage_dir / NS / name[0:2] / name[2:4] / f"{name}.kv").read_bytes())
 
 
-@pytest.mark.parametrize("damage", [flip_payload_bit, flip_header_bit, truncate, extend, random_bytes,
-                                    another_namespace, another_key])
+@pytest.mark.parametrize(
+    "damage", [flip_payload_bit, flip_header_bit, truncate, extend, random_bytes, another_namespace, another_key]
+)
 def test_a_damaged_or_foreign_file_is_a_miss_and_is_removed(tier, storage_dir, damage):
     k = key(1)
     write(tier, k)

@@ -161,8 +161,10 @@ def node(shm_dir, tmp_path):
 
 # -- row 5: links for directories ---------------------------------------------------------------
 
-def test_the_start_up_scan_neither_removes_nor_indexes_through_a_linked_directory(open_tier, storage_dir,
-                                                                                  elsewhere, caplog):
+
+def test_the_start_up_scan_neither_removes_nor_indexes_through_a_linked_directory(
+    open_tier, storage_dir, elsewhere, caplog
+):
     k = key(1)
     fan(storage_dir, NS, k).parent.mkdir(parents=True)
     fan(storage_dir, NS, k).symlink_to(elsewhere, target_is_directory=True)  # <ns>/ab/cd -> elsewhere
@@ -192,8 +194,12 @@ def test_the_start_up_scan_neither_removes_nor_indexes_through_a_linked_director
 
 def hpkv_env(tmp_path: Path, storage_dir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HPKV_")}
-    env.update(HPKV_SHARE_MEM_FILE_PATH=str(tmp_path / "no-server"), HPKV_KV_STORAGE_PATH=str(storage_dir),
-               HPKV_CONFIG_FILE_PATH=str(tmp_path / "no-config.ini"), HPKV_KV_MEM_POOL_SIZE="64m")
+    env.update(
+        HPKV_SHARE_MEM_FILE_PATH=str(tmp_path / "no-server"),
+        HPKV_KV_STORAGE_PATH=str(storage_dir),
+        HPKV_CONFIG_FILE_PATH=str(tmp_path / "no-config.ini"),
+        HPKV_KV_MEM_POOL_SIZE="64m",
+    )
     return env
 
 
@@ -218,8 +224,9 @@ def test_clear_storage_removes_entry_files_in_the_tree_only(open_tier, storage_d
     tier.close()
 
     args = ["clear", "--storage"] + (["--namespace", NS] if only_ns else [])
-    result = subprocess.run([str(HPKV_SCRIPT), *args], env=hpkv_env(tmp_path, storage_dir), capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [str(HPKV_SCRIPT), *args], env=hpkv_env(tmp_path, storage_dir), capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert "removed 1 entry files" in result.stdout
     assert not (fan(storage_dir, NS, mine) / f"{mine.hex()}.kv").exists()
@@ -305,6 +312,7 @@ def test_a_server_writes_through_no_planted_directory_link(node, tmp_path):
 
 # -- row 6: links at the temporaries' names ----------------------------------------------------------
 
+
 def test_the_description_is_written_through_no_planted_link(open_tier, storage_dir, tmp_path):
     """Links planted at the next temporary names of namespace.json (and of an entry) must not
     let HPKV truncate what they point at; a link planted as namespace.json itself is replaced by
@@ -341,6 +349,7 @@ def test_the_description_is_written_through_no_planted_link(open_tier, storage_d
 
 
 # -- row 7: FIFOs, directories and links named as entry files ---------------------------------------
+
 
 def plant(kind: str, path: Path, elsewhere: Path, k: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -418,11 +427,13 @@ def test_fifos_in_the_tree_neither_wedge_the_io_threads_nor_a_stop(node):
 
 # -- row 11: a read-only storage directory -----------------------------------------------------------
 
+
 def test_a_read_only_storage_directory_leaves_the_server_running_on_dram(node, tmp_path):
     point = node.storage_dir
     point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(point)],
-                             capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(point)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.strip()}")
     try:
@@ -439,8 +450,7 @@ def test_a_read_only_storage_directory_leaves_the_server_running_on_dram(node, t
         said = next(line for line in log.splitlines() if "DRAM tier only" in line)
         assert str(point) in said and "read-only mount" in said and "mount -o remount,rw" in said
 
-        status = subprocess.run([str(HPKV_SCRIPT), "status"], env=node.env, capture_output=True, text=True,
-                                timeout=60)
+        status = subprocess.run([str(HPKV_SCRIPT), "status"], env=node.env, capture_output=True, text=True, timeout=60)
         assert status.returncode == 0, status.stderr
         row = " ".join(status.stdout.split())
         assert "UNUSABLE, the server runs with the DRAM tier only" in row and "read-only mount" in row
@@ -465,6 +475,7 @@ def test_a_storage_path_on_a_pseudo_file_system_still_stops_the_server(shm_dir, 
 
 # -- row 12: a refused Register --------------------------------------------------------------------
 
+
 def test_a_register_the_server_refuses_writes_nothing(node):
     node.start_server()
     agent = node.agent()
@@ -486,6 +497,7 @@ def test_a_refused_register_in_process_writes_nothing(shm_dir, storage_dir):
 
 # -- doctor: who can write the tree -------------------------------------------------------------------
 
+
 def test_doctor_warns_when_another_uid_can_write_the_storage_tree(storage_dir, tmp_path):
     from hpkv.doctor import check_storage_writers
 
@@ -506,7 +518,10 @@ def test_doctor_warns_when_another_uid_can_write_the_storage_tree(storage_dir, t
     assert "plant KV" in check.detail and "checksum" in check.detail
     assert f"chmod -R go-w {storage_dir}" in check.fix
 
-    env = {"HPKV_KV_STORAGE_PATH": str(storage_dir), "HPKV_SHARE_MEM_FILE_PATH": str(tmp_path / "pool"),
-           "HPKV_CONFIG_FILE_PATH": str(tmp_path / "none.ini")}
+    env = {
+        "HPKV_KV_STORAGE_PATH": str(storage_dir),
+        "HPKV_SHARE_MEM_FILE_PATH": str(tmp_path / "pool"),
+        "HPKV_CONFIG_FILE_PATH": str(tmp_path / "none.ini"),
+    }
     names = {c.name: c.verdict for c in run_checks(env)}
     assert names["storage directory: who can write it"] is Verdict.WARN

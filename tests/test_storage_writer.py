@@ -108,11 +108,15 @@ def test_a_writer_killed_mid_job_leaves_no_temporary_behind(shm_dir, storage_dir
     writers = WriterPool(pool_fd, 1, nice=0)
     try:
         for attempt in range(5):
-            target = FileTarget(str(storage_dir / f"{attempt}.kv"), str(storage_dir / f".{attempt}.tmp"),
-                                str(storage_dir), mkdir=False)
+            target = FileTarget(
+                str(storage_dir / f"{attempt}.kv"), str(storage_dir / f".{attempt}.tmp"), str(storage_dir), mkdir=False
+            )
             errors: list[OSError | None] = []
-            job = threading.Thread(target=lambda errors=errors, target=target: errors.append(
-                writers.write("ab" * 16, b"key", 0, size, target, "off")))
+            job = threading.Thread(
+                target=lambda errors=errors, target=target: errors.append(
+                    writers.write("ab" * 16, b"key", 0, size, target, "off")
+                )
+            )
             job.start()
             deadline = time.monotonic() + 20
             while not os.path.exists(target.tmp) and job.is_alive() and time.monotonic() < deadline:
@@ -210,7 +214,7 @@ def test_writers_that_could_not_start_are_tried_again_later(open_store, storage_
 
 def test_a_writer_of_another_protocol_version_is_refused_with_the_reason(shm_dir, tmp_path, monkeypatch):
     impostor = tmp_path / "python"
-    impostor.write_text("#!/bin/sh\necho '{\"hello\": \"hpkv-writer\", \"version\": 99}'\ncat >/dev/null\n")
+    impostor.write_text('#!/bin/sh\necho \'{"hello": "hpkv-writer", "version": 99}\'\ncat >/dev/null\n')
     impostor.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(impostor))
     read_end, write_end = os.pipe()
@@ -277,8 +281,7 @@ def test_entries_waiting_for_their_write_through_are_counted_until_written(open_
         save(store, ns, ks)
         assert not store.flush(timeout=0.5)
         backlog = store.stats().write_backlog
-        assert backlog == WriteBacklogStats(entries=6, bytes=6 * store.entry_bytes(ns), limit_bytes=8 << 20,
-                                            deferred=0)
+        assert backlog == WriteBacklogStats(entries=6, bytes=6 * store.entry_bytes(ns), limit_bytes=8 << 20, deferred=0)
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)

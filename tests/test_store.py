@@ -25,8 +25,16 @@ ENTRY = 64 << 10
 
 
 def desc(model: str = "tiny", entry_bytes: int = ENTRY, rank: int = 0) -> NamespaceDesc:
-    return NamespaceDesc(engine="test", model=model, dtype="float16", layout="blocks", block_size=32,
-                         num_layers=2, entry_bytes=entry_bytes, rank=rank)
+    return NamespaceDesc(
+        engine="test",
+        model=model,
+        dtype="float16",
+        layout="blocks",
+        block_size=32,
+        num_layers=2,
+        entry_bytes=entry_bytes,
+        rank=rank,
+    )
 
 
 class Clock:
@@ -77,10 +85,18 @@ def load(store: TieredStore, ns: str, ks: list[bytes]) -> list[bytes]:
 def open_store(shm_dir, storage_dir):
     stores = []
 
-    def _open(pool_bytes: int = 16 << 20, capacity: int | None = None, storage: StorageConfig | None = None,
-              pool_dir: Path | None = None, policy: StorePolicy | None = None) -> TieredStore:
-        store = TieredStore.open(make_pool_config(pool_dir or shm_dir, pool_bytes),
-                                 storage or make_storage_config(storage_dir, capacity), policy=policy)
+    def _open(
+        pool_bytes: int = 16 << 20,
+        capacity: int | None = None,
+        storage: StorageConfig | None = None,
+        pool_dir: Path | None = None,
+        policy: StorePolicy | None = None,
+    ) -> TieredStore:
+        store = TieredStore.open(
+            make_pool_config(pool_dir or shm_dir, pool_bytes),
+            storage or make_storage_config(storage_dir, capacity),
+            policy=policy,
+        )
         stores.append(store)
         return store
 
@@ -441,8 +457,9 @@ def test_storage_on_a_real_ramfs_beside_a_pool_on_it_leaves_the_pool_its_memory(
 
     point = tmp_path / "ramfs"
     point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "ramfs", "-o", "mode=0700", "ramfs", str(point)], capture_output=True,
-                             text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "ramfs", "-o", "mode=0700", "ramfs", str(point)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a ramfs (needs root): {mounted.stderr.strip()}")
     try:
@@ -728,8 +745,9 @@ def test_clear_storage_leaves_dram(open_store):
 
 
 def test_with_storage_disabled_entries_live_in_dram_only(open_store, storage_dir):
-    store = open_store(storage=StorageConfig(path=storage_dir, enabled=False, capacity_bytes=None,
-                                             fsync="off", io_threads=1))
+    store = open_store(
+        storage=StorageConfig(path=storage_dir, enabled=False, capacity_bytes=None, fsync="off", io_threads=1)
+    )
     ns = store.register(desc())
     ks = keys(3)
     save(store, ns, ks)
@@ -825,8 +843,9 @@ def test_a_store_that_cannot_be_built_on_its_pool_leaves_no_pool_behind(shm_dir,
 
 
 @pytest.mark.parametrize("order, num_left", [(PrefixOrder.LAST_FIRST, 15), (PrefixOrder.FIRST_FIRST, 0)])
-def test_the_prefix_order_given_to_a_store_decides_which_end_of_a_prefix_is_evicted(open_store, storage_dir,
-                                                                                     order, num_left):
+def test_the_prefix_order_given_to_a_store_decides_which_end_of_a_prefix_is_evicted(
+    open_store, storage_dir, order, num_left
+):
     """A full pool of one prefix, then one more key: the store's own order evicts the prefix's last
     entry (15 leading hits remain); the baseline order, plain LRU in prefix order, its first (none)."""
     storage_off = dataclasses.replace(make_storage_config(storage_dir), enabled=False)

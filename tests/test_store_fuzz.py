@@ -93,8 +93,18 @@ def payload(ns: str, key: bytes, size: int) -> bytes:
 
 
 def descs() -> list[NamespaceDesc]:
-    return [NamespaceDesc(engine="fuzz", model=f"m{size}", dtype="bfloat16", layout="blocks", block_size=16,
-                          num_layers=2, entry_bytes=size) for size in SIZES]
+    return [
+        NamespaceDesc(
+            engine="fuzz",
+            model=f"m{size}",
+            dtype="bfloat16",
+            layout="blocks",
+            block_size=16,
+            num_layers=2,
+            entry_bytes=size,
+        )
+        for size in SIZES
+    ]
 
 
 def all_keys() -> list[bytes]:
@@ -121,8 +131,7 @@ def run_mix(store: TieredStore, seed: int, duration_s: float) -> dict:
                     store.region.buf[offset : offset + size] = b"\xee" * size  # garbage first
                     if rng.random() < 0.8:
                         store.region.buf[offset : offset + size] = payload(ns, key, size)
-            if rng.random() < 0.2 or any(
-                    o is not None and store.region.buf[o] == 0xEE for o in offsets):
+            if rng.random() < 0.2 or any(o is not None and store.region.buf[o] == 0xEE for o in offsets):
                 store.abort(ns, batch, owner=owner)
             else:
                 store.commit(ns, batch, owner=owner)

@@ -37,8 +37,10 @@ def entry_of(views: list[torch.Tensor], block: int) -> bytes:
 PATTERNS = {
     "one long run": lambda rng: (list(range(10, 10 + 40)), list(range(40))),
     "scattered": lambda rng: (rng.sample(range(NUM_BLOCKS), 40), rng.sample(range(64), 40)),
-    "mixed": lambda rng: (list(range(0, 2 * LONG_RUN)) + rng.sample(range(50, NUM_BLOCKS), 30),
-                          list(range(2 * LONG_RUN)) + list(range(40, 70))),
+    "mixed": lambda rng: (
+        list(range(0, 2 * LONG_RUN)) + rng.sample(range(50, NUM_BLOCKS), 30),
+        list(range(2 * LONG_RUN)) + list(range(40, 70)),
+    ),
     "a few": lambda rng: ([5, 7, 3], [9, 1, 2]),
 }
 
@@ -56,7 +58,7 @@ def test_blocks_saved_then_loaded_come_back_byte_for_byte(shm_dir, pattern):
             assert bytes(region.buf[offset : offset + entry]) == entry_of(source, block)
 
         target = engine_layers(seed=2)
-        padding = [view._base[:, view.shape[1]:].clone() for view in target]
+        padding = [view._base[:, view.shape[1] :].clone() for view in target]
         untouched = [b for b in range(NUM_BLOCKS) if b not in block_ids]
         before = {b: entry_of(target, b) for b in untouched}
         moved = list(reversed(range(NUM_BLOCKS)))[: len(block_ids)]  # loaded into other blocks
@@ -67,7 +69,7 @@ def test_blocks_saved_then_loaded_come_back_byte_for_byte(shm_dir, pattern):
             if b not in moved:
                 assert entry_of(target, b) == before[b]
         for view, before_padding in zip(target, padding):  # bytes between rows are not pages: untouched
-            assert torch.equal(view._base[:, view.shape[1]:], before_padding)
+            assert torch.equal(view._base[:, view.shape[1] :], before_padding)
     finally:
         region.close()
 
@@ -131,8 +133,9 @@ def test_a_failing_copy_reaches_the_caller(shm_dir, always_shared, monkeypatch):
     monkeypatch.setattr(blocks.np, "copyto", failing_copyto)
     try:
         with pytest.raises(MemoryError):
-            BlockCopier(engine_layers(seed=10), layer_offsets()).load(region, list(range(0, 24)) + list(range(40, 64)),
-                                                                     [i * entry for i in range(48)])
+            BlockCopier(engine_layers(seed=10), layer_offsets()).load(
+                region, list(range(0, 24)) + list(range(40, 64)), [i * entry for i in range(48)]
+            )
         assert len(calls) == 6  # every task still ran
     finally:
         region.close()

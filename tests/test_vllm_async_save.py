@@ -30,12 +30,29 @@ PROMPTS = [prompt_text(1500, seed=300 + i) for i in range(6)]
 def engine(tmp_path_factory, model):
     root = tmp_path_factory.mktemp("vllm-async")
     shm = Path(tempfile.mkdtemp(prefix="hpkv-async-", dir="/dev/shm"))
-    env = {"VLLM_ENABLE_HPKV": "1", "HPKV_KV_MEM_POOL_SIZE": "256m", "HPKV_SHARE_MEM_FILE_PATH": str(shm),
-           "HPKV_KV_STORAGE_ENABLE": "false", "HPKV_SERVER_IDLE_EXIT_S": "2",
-           "HPKV_CONFIG_FILE_PATH": str(root / "no-config.ini")}
+    env = {
+        "VLLM_ENABLE_HPKV": "1",
+        "HPKV_KV_MEM_POOL_SIZE": "256m",
+        "HPKV_SHARE_MEM_FILE_PATH": str(shm),
+        "HPKV_KV_STORAGE_ENABLE": "false",
+        "HPKV_SERVER_IDLE_EXIT_S": "2",
+        "HPKV_CONFIG_FILE_PATH": str(root / "no-config.ini"),
+    }
     (root / "logs").mkdir()
-    engine = Engine("async", model, env, root / "logs", extra_flags=(
-        "--kv-transfer-config", ASYNC, "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-model-len", "2048"))
+    engine = Engine(
+        "async",
+        model,
+        env,
+        root / "logs",
+        extra_flags=(
+            "--kv-transfer-config",
+            ASYNC,
+            "--num-gpu-blocks-override",
+            str(NUM_BLOCKS),
+            "--max-model-len",
+            "2048",
+        ),
+    )
     try:
         with serving(engine, shm):
             yield engine

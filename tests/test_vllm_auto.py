@@ -46,9 +46,15 @@ def place(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(place, model):
     root, shm = place
-    env = {"VLLM_ENABLE_HPKV": "1", "HPKV_KV_MEM_POOL_SIZE": "256m", "HPKV_SHARE_MEM_FILE_PATH": str(shm),
-           "HPKV_KV_STORAGE_PATH": str(root / "storage"), "HPKV_SERVER_IDLE_EXIT_S": "2",
-           "HPKV_CONFIG_FILE_PATH": str(root / "no-config.ini"), "VLLM_HPKV_TOKEN_THRESHOLD": "auto"}
+    env = {
+        "VLLM_ENABLE_HPKV": "1",
+        "HPKV_KV_MEM_POOL_SIZE": "256m",
+        "HPKV_SHARE_MEM_FILE_PATH": str(shm),
+        "HPKV_KV_STORAGE_PATH": str(root / "storage"),
+        "HPKV_SERVER_IDLE_EXIT_S": "2",
+        "HPKV_CONFIG_FILE_PATH": str(root / "no-config.ini"),
+        "VLLM_HPKV_TOKEN_THRESHOLD": "auto",
+    }
     with serving(Engine("auto", model, env, root / "logs"), shm) as engine:
         yield engine
 

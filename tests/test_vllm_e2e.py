@@ -108,8 +108,10 @@ def _stop(*engines: Engine, shm: Path) -> None:
 def unconfigured(node, model):
     """An engine asking for HpkvConnectorV1 without VLLM_ENABLE_HPKV, started in the background
     at the beginning: (engine, a future of its start's error, None if it started)."""
-    env = {"HPKV_CONFIG_FILE_PATH": str(node.root / "no-config.ini"),
-           "HPKV_SHARE_MEM_FILE_PATH": str(node.root / "shm-unconfigured")}
+    env = {
+        "HPKV_CONFIG_FILE_PATH": str(node.root / "no-config.ini"),
+        "HPKV_SHARE_MEM_FILE_PATH": str(node.root / "shm-unconfigured"),
+    }
     engine = Engine("unconfigured", model, env, node.logs)
 
     def start():
@@ -129,9 +131,14 @@ def unconfigured(node, model):
 def first_engines(node, model, unconfigured):
     """A and plain, started side by side (while the unconfigured engine fails beside them)."""
     no_config = str(node.root / "no-config.ini")  # not the user's config file
-    env_a = {"VLLM_ENABLE_HPKV": "1", "HPKV_KV_MEM_POOL_SIZE": "256m", "HPKV_SHARE_MEM_FILE_PATH": str(node.shm),
-             "HPKV_KV_STORAGE_PATH": str(node.storage), "HPKV_SERVER_IDLE_EXIT_S": "2",
-             "HPKV_CONFIG_FILE_PATH": no_config}
+    env_a = {
+        "VLLM_ENABLE_HPKV": "1",
+        "HPKV_KV_MEM_POOL_SIZE": "256m",
+        "HPKV_SHARE_MEM_FILE_PATH": str(node.shm),
+        "HPKV_KV_STORAGE_PATH": str(node.storage),
+        "HPKV_SERVER_IDLE_EXIT_S": "2",
+        "HPKV_CONFIG_FILE_PATH": no_config,
+    }
     a = Engine("a", model, with_load_fault(env_a, node.root / "shim-a", node.load_fault), node.logs)
     plain = Engine("plain", model, {"HPKV_CONFIG_FILE_PATH": no_config}, node.logs, hpkv=False)
     try:
@@ -165,14 +172,26 @@ def engines_bc(node, model, engine_a):
     engine_a.stop()
     if pid is not None:
         wait_gone(pid, timeout_s=30)
-    common = {"VLLM_ENABLE_HPKV": "1", "HPKV_KV_MEM_POOL_SIZE": "256m",
-              "HPKV_SHARE_MEM_FILE_PATH": str(node.shm), "HPKV_SERVER_IDLE_EXIT_S": "2"}
+    common = {
+        "VLLM_ENABLE_HPKV": "1",
+        "HPKV_KV_MEM_POOL_SIZE": "256m",
+        "HPKV_SHARE_MEM_FILE_PATH": str(node.shm),
+        "HPKV_SERVER_IDLE_EXIT_S": "2",
+    }
     _write_config(node.home_b / "hpkv.ini", **common, HPKV_KV_STORAGE_PATH="~/hpkv/storage")
     (node.home_c / "storage").symlink_to(node.storage)
-    _write_config(node.home_c / ".config" / "hpkv" / "config.ini", **common,
-                  HPKV_KV_STORAGE_PATH="~/storage", VLLM_HPKV_TOKEN_THRESHOLD="512")
-    b = Engine("b", model, {"HOME": str(node.home_b), "HPKV_CONFIG_FILE_PATH": "~/hpkv.ini",
-                            "VLLM_CACHE_ROOT": VLLM_CACHE_ROOT}, node.logs)
+    _write_config(
+        node.home_c / ".config" / "hpkv" / "config.ini",
+        **common,
+        HPKV_KV_STORAGE_PATH="~/storage",
+        VLLM_HPKV_TOKEN_THRESHOLD="512",
+    )
+    b = Engine(
+        "b",
+        model,
+        {"HOME": str(node.home_b), "HPKV_CONFIG_FILE_PATH": "~/hpkv.ini", "VLLM_CACHE_ROOT": VLLM_CACHE_ROOT},
+        node.logs,
+    )
     c = Engine("c", model, {"HOME": str(node.home_c), "VLLM_CACHE_ROOT": VLLM_CACHE_ROOT}, node.logs)
     try:
         start_all([b, c], gate=lambda: answers(node.shm / protocol.SOCKET_NAME))
@@ -360,8 +379,11 @@ def test_a_corrupt_storage_file_is_a_miss_and_is_removed(engine_b, node, plain):
     assert same_output(answer, plain.reference(CORRUPTED))
     got = engine_b.counters() - before
     assert got["disk"] == 0  # nothing was loaded from a bad file
-    wait_for(lambda: server_stats(node.shm).storage.bad_files - bad_before >= len(files),
-             timeout_s=60, what="the server to find every corrupted file")
+    wait_for(
+        lambda: server_stats(node.shm).storage.bad_files - bad_before >= len(files),
+        timeout_s=60,
+        what="the server to find every corrupted file",
+    )
     for path, content in corrupted.items():  # removed (and perhaps saved again, whole)
         assert not path.exists() or path.read_bytes() != content
 

@@ -89,7 +89,8 @@ def test_worker_metadata_of_every_rank_aggregates_to_the_steps_they_ran():
 
 
 def test_the_scheduler_settles_a_step_on_every_rank_and_rewinds_the_requests_that_read_a_failed_block(
-        shm_dir, tmp_path):
+    shm_dir, tmp_path
+):
     """The scheduler half against a real server, with two ranks' workers as plain clients: a
     step's output names a failed block of one request; that request's held saves are aborted in
     both namespaces and it saves again from the failed block, the other request's are published,
@@ -120,11 +121,13 @@ def test_the_scheduler_settles_a_step_on_every_rank_and_rewinds_the_requests_tha
         scheduler.kv_cache_manager = None  # un-hashing failed blocks: tests/test_vllm_scheduler.py
         # vLLM's requests as update_from_output leaves them: "bad" rolled back to its failed block
         # 11, "shares" (block 11 through vLLM's prefix cache) left relying on bad's recompute.
-        scheduler._reqs["bad"] = _Req(SimpleNamespace(num_computed_tokens=32), block_ids=[10, 11, 12, 13],
-                                      saved_blocks=4)
+        scheduler._reqs["bad"] = _Req(
+            SimpleNamespace(num_computed_tokens=32), block_ids=[10, 11, 12, 13], saved_blocks=4
+        )
         scheduler._reqs["good"] = _Req(SimpleNamespace(num_computed_tokens=64), block_ids=[20, 21], saved_blocks=2)
-        scheduler._reqs["shares"] = _Req(SimpleNamespace(num_computed_tokens=96), block_ids=[10, 11, 30],
-                                         saved_blocks=3)
+        scheduler._reqs["shares"] = _Req(
+            SimpleNamespace(num_computed_tokens=96), block_ids=[10, 11, 30], saved_blocks=3
+        )
         loaded = entry_key("loaded", 0)
         for r, client in enumerate(ranks):  # an entry a request loaded, under the scheduler's lease
             client.reserve(namespaces[r], [loaded])
@@ -143,8 +146,9 @@ def test_the_scheduler_settles_a_step_on_every_rank_and_rewinds_the_requests_tha
                 size = reservation.entry_bytes
                 client.region.buf[offset : offset + size] = payload(key, r, size)
 
-        scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids={11},
-                                                            kv_connector_worker_meta=HpkvWorkerMeta({1})))
+        scheduler.update_connector_output(
+            KVConnectorOutput(invalid_block_ids={11}, kv_connector_worker_meta=HpkvWorkerMeta({1}))
+        )
 
         for r, client in enumerate(ranks):
             assert client.lookup(namespaces[r], good_keys).num_hit == 1

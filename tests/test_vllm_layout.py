@@ -29,14 +29,18 @@ def _layer_cache(layout_name: str, kernel_block_size: int | None = None):
     page = spec.page_size_bytes
     layout = KVCacheLayout[layout_name]
     if layout.is_layer_compact:  # each layer one region: its blocks side by side
-        placement = KVCacheTensor(size=page * NUM_BLOCKS * NUM_LAYERS, layers=["l0", "l1"],
-                                  layer_stride=page * NUM_BLOCKS, block_stride=page)
+        placement = KVCacheTensor(
+            size=page * NUM_BLOCKS * NUM_LAYERS, layers=["l0", "l1"], layer_stride=page * NUM_BLOCKS, block_stride=page
+        )
     else:  # each block one region: its layers side by side
-        placement = KVCacheTensor(size=page * NUM_BLOCKS * NUM_LAYERS, layers=["l0", "l1"],
-                                  layer_stride=page, block_stride=page * NUM_LAYERS)
+        placement = KVCacheTensor(
+            size=page * NUM_BLOCKS * NUM_LAYERS, layers=["l0", "l1"], layer_stride=page, block_stride=page * NUM_LAYERS
+        )
     raw = torch.zeros(placement.size, dtype=torch.int8)
-    cache = group_kernel_blocks(create_kv_cache_views(raw, spec, NUM_BLOCKS, layout, placement,
-                                                      kernel_block_size=kernel_block_size)[0], NUM_BLOCKS)
+    cache = group_kernel_blocks(
+        create_kv_cache_views(raw, spec, NUM_BLOCKS, layout, placement, kernel_block_size=kernel_block_size)[0],
+        NUM_BLOCKS,
+    )
     cache.copy_(torch.arange(cache.numel(), dtype=torch.float32).reshape(cache.shape).to(cache.dtype))
     return cache, page
 
@@ -92,19 +96,35 @@ def _config(num_layers: int, pp_size: int, tp_size: int = 1):
     """What `namespaces` reads of a vLLM config: the model, its layers, the parallel sizes."""
     from types import SimpleNamespace
 
-    model = SimpleNamespace(model="/models/m", revision=None, quantization=None, hf_overrides=None,
-                            dtype="float16", get_total_num_hidden_layers=lambda: num_layers)
-    parallel = SimpleNamespace(tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size,
-                               prefill_context_parallel_size=1, decode_context_parallel_size=1)
-    return SimpleNamespace(model_config=model, parallel_config=parallel,
-                           cache_config=SimpleNamespace(cache_dtype="auto"))
+    model = SimpleNamespace(
+        model="/models/m",
+        revision=None,
+        quantization=None,
+        hf_overrides=None,
+        dtype="float16",
+        get_total_num_hidden_layers=lambda: num_layers,
+    )
+    parallel = SimpleNamespace(
+        tensor_parallel_size=tp_size,
+        pipeline_parallel_size=pp_size,
+        prefill_context_parallel_size=1,
+        decode_context_parallel_size=1,
+    )
+    return SimpleNamespace(
+        model_config=model, parallel_config=parallel, cache_config=SimpleNamespace(cache_dtype="auto")
+    )
 
 
 def _stage(num_layers: int, page: int = 4096):
     from hpkv.integrations.vllm.layout import BlockLayout
 
-    return BlockLayout(tuple(f"model.layers.{i}.attn" for i in range(num_layers)), (page,) * num_layers, 32, 1,
-                       "FullAttentionSpec:kv_heads=2,head=16,dtype=torch.float16")
+    return BlockLayout(
+        tuple(f"model.layers.{i}.attn" for i in range(num_layers)),
+        (page,) * num_layers,
+        32,
+        1,
+        "FullAttentionSpec:kv_heads=2,head=16,dtype=torch.float16",
+    )
 
 
 def test_the_scheduler_looks_up_each_pipeline_stage_in_the_namespace_its_workers_write():
@@ -141,8 +161,9 @@ def test_a_padded_page_is_one_row_with_its_padding_after_the_block():
     from hpkv.integrations.vllm.worker import block_rows
 
     plain = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.float16)
-    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.float16,
-                             page_size_padded=plain.page_size_bytes + 512)
+    spec = FullAttentionSpec(
+        block_size=32, num_kv_heads=2, head_size=16, dtype=torch.float16, page_size_padded=plain.page_size_bytes + 512
+    )
     page = spec.page_size_bytes
     placement = KVCacheTensor(size=page * NUM_BLOCKS, layers=["l0"], layer_stride=page * NUM_BLOCKS, block_stride=page)
     raw = torch.zeros(placement.size, dtype=torch.int8)
@@ -168,8 +189,10 @@ def test_saves_are_synchronous_where_vllm_writes_reused_blocks_before_the_fence(
     from hpkv.integrations.vllm.worker import writes_reused_blocks_early
 
     def config(*dtypes):
-        specs = {f"l{i}": FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=dtype)
-                 for i, dtype in enumerate(dtypes)}
+        specs = {
+            f"l{i}": FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=dtype)
+            for i, dtype in enumerate(dtypes)
+        }
         group = KVCacheGroupSpec(list(specs), UniformTypeKVCacheSpecs(block_size=32, kv_cache_specs=specs))
         return KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[group])
 

@@ -37,8 +37,13 @@ def engine_config(model: Path, **args):
 def stage():
     from hpkv.integrations.vllm.layout import BlockLayout
 
-    return BlockLayout(("model.layers.0.attn", "model.layers.1.attn"), (8192, 8192), 32, 1,
-                       "FullAttentionSpec:kv_heads=2,head=32,dtype=torch.bfloat16")
+    return BlockLayout(
+        ("model.layers.0.attn", "model.layers.1.attn"),
+        (8192, 8192),
+        32,
+        1,
+        "FullAttentionSpec:kv_heads=2,head=32,dtype=torch.bfloat16",
+    )
 
 
 def desc(config, override: str | None = None):

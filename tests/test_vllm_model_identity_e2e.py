@@ -55,9 +55,15 @@ def place(tmp_path_factory):
 
 
 def env(root: Path, shm: Path) -> dict[str, str]:
-    return {"VLLM_ENABLE_HPKV": "1", "HPKV_KV_MEM_POOL_SIZE": "256m", "HPKV_SHARE_MEM_FILE_PATH": str(shm),
-            "HPKV_KV_STORAGE_PATH": str(root / "storage"), "HPKV_SERVER_IDLE_EXIT_S": "2",
-            "VLLM_HPKV_TOKEN_THRESHOLD": "0", "HPKV_CONFIG_FILE_PATH": str(root / "no-config.ini")}
+    return {
+        "VLLM_ENABLE_HPKV": "1",
+        "HPKV_KV_MEM_POOL_SIZE": "256m",
+        "HPKV_SHARE_MEM_FILE_PATH": str(shm),
+        "HPKV_KV_STORAGE_PATH": str(root / "storage"),
+        "HPKV_SERVER_IDLE_EXIT_S": "2",
+        "VLLM_HPKV_TOKEN_THRESHOLD": "0",
+        "HPKV_CONFIG_FILE_PATH": str(root / "no-config.ini"),
+    }
 
 
 def test_new_weights_at_the_path_get_their_own_kv_and_a_copy_elsewhere_shares(place):

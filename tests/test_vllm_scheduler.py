@@ -130,10 +130,13 @@ def vllm_cache(num_blocks: int = 32):
 
     init_none_hash(sha256)
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float16)
-    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                           kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
-    return (KVCacheManager(config, max_model_len=1024, scheduler_block_size=BS, hash_block_size=BS),
-            get_request_block_hasher(BS, sha256))
+    config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
+    )
+    return (
+        KVCacheManager(config, max_model_len=1024, scheduler_block_size=BS, hash_block_size=BS),
+        get_request_block_hasher(BS, sha256),
+    )
 
 
 def test_a_block_that_failed_to_load_is_no_prefix_hit_for_later_prompts(node):
@@ -158,8 +161,9 @@ def test_a_block_that_failed_to_load_is_no_prefix_hit_for_later_prompts(node):
 
     a = request("a")
     local, _, _ = cache.get_computed_blocks(a)
-    cache.allocate_slots(a, BS + 1, num_new_computed_tokens=0, new_computed_blocks=local,
-                         num_external_computed_tokens=3 * BS)
+    cache.allocate_slots(
+        a, BS + 1, num_new_computed_tokens=0, new_computed_blocks=local, num_external_computed_tokens=3 * BS
+    )
     (block_ids,) = cache.get_block_ids("a")
     scheduler._reqs["a"] = _Req(a, block_ids=block_ids[:4])
     assert cache.get_computed_blocks(request("b"))[1] == 4 * BS  # every block hashed at allocation

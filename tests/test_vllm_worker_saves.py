@@ -199,7 +199,8 @@ def test_a_held_save_that_fails_after_its_step_reported_still_reaches_the_schedu
     w, node = worker
     meta = w.worker_meta(11)
     w.copier.save = lambda *args: (_ for _ in ()).throw(RuntimeError("torn"))
-    w.wait_for_save(HpkvConnectorMetadata(saves=[SaveJob("req", [entry_key("late", 0)], [3])], seq=11,
-                                          hold="engine.11"))
+    w.wait_for_save(
+        HpkvConnectorMetadata(saves=[SaveJob("req", [entry_key("late", 0)], [3])], seq=11, hold="engine.11")
+    )
     assert meta.failed == {11}
     assert w.worker_meta(12).failed == set()

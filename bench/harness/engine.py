@@ -30,8 +30,10 @@ WAKE_PROMPT = prompt_text(8, seed=-7)
 # which its fast mode was slower. The benchmarks keep vLLM's default; HPKV_BENCH_VLLM_SPIN=0
 # starts every engine, of every system alike, with busy_loop_s=0 (a reader waits for the queue's
 # zmq notification), through this sitecustomize on its PYTHONPATH.
-NO_SPIN = after_import("vllm.distributed.device_communicators.shm_broadcast",
-                       "module.SpinCondition.__init__.__defaults__ = (0.0,)  # busy_loop_s")
+NO_SPIN = after_import(
+    "vllm.distributed.device_communicators.shm_broadcast",
+    "module.SpinCondition.__init__.__defaults__ = (0.0,)  # busy_loop_s",
+)
 
 
 def engine_shim(env: dict[str, str], shim_dir: Path, code: str | None = None) -> dict[str, str]:
@@ -66,12 +68,19 @@ class Engine:
     """A VllmServer plus what the benchmark reads from it: per-source cached tokens, counted once
     vLLM's metrics include every request sent (they lag the last streamed token a little)."""
 
-    def __init__(self, name: str, model: str, env: dict[str, str], hpkv: bool, log_dir: Path,
-                 extra_flags: tuple[str, ...] = (), shim: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: str,
+        env: dict[str, str],
+        hpkv: bool,
+        log_dir: Path,
+        extra_flags: tuple[str, ...] = (),
+        shim: str | None = None,
+    ) -> None:
         self.name = name
         self.env = env = engine_shim(env, log_dir / f"shim-{name}", shim)
-        self.server = VllmServer(model, env, hpkv=hpkv, log_path=log_dir / f"vllm-{name}.log",
-                                 extra_flags=extra_flags)
+        self.server = VllmServer(model, env, hpkv=hpkv, log_path=log_dir / f"vllm-{name}.log", extra_flags=extra_flags)
         self._lock = threading.Lock()
         self._num_sent = 0
 
@@ -98,7 +107,7 @@ class Engine:
                     source = name.split('source="')[1].split('"')[0]
                     out[source] = out.get(source, 0.0) + value
                 elif name.startswith("vllm:hpkv_"):
-                    counter = name[len("vllm:hpkv_"):].split("{")[0].removesuffix("_total")
+                    counter = name[len("vllm:hpkv_") :].split("{")[0].removesuffix("_total")
                     out["hpkv_" + counter] = out.get("hpkv_" + counter, 0.0) + value
                 elif name.startswith("vllm:request_success_total{"):
                     out["finished"] += value

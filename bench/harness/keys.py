@@ -18,8 +18,16 @@ def keys(n: int, tag: str) -> list[bytes]:
     return [key(f"{tag}{i}") for i in range(n)]
 
 
-def namespace(model: str, entry_bytes: int, *, dtype: str = "float16", block_size: int = 32,
-              num_layers: int = 2) -> NamespaceDesc:
+def namespace(
+    model: str, entry_bytes: int, *, dtype: str = "float16", block_size: int = 32, num_layers: int = 2
+) -> NamespaceDesc:
     """A benchmark's namespace (engine "bench"): one entry of `entry_bytes` per block."""
-    return NamespaceDesc(engine="bench", model=model, dtype=dtype, layout="blocks", block_size=block_size,
-                         num_layers=num_layers, entry_bytes=entry_bytes)
+    return NamespaceDesc(
+        engine="bench",
+        model=model,
+        dtype=dtype,
+        layout="blocks",
+        block_size=block_size,
+        num_layers=num_layers,
+        entry_bytes=entry_bytes,
+    )

@@ -23,9 +23,15 @@ def server_env(pool_dir: Path, storage_dir: Path, **settings: str) -> dict[str, 
     """This process's environment for a server in `pool_dir`, its storage in `storage_dir`, a 1 GiB
     pool, warnings only, and no config file; `settings` (HPKV_* names) override."""
     (pool_dir / "none.ini").touch()  # the config file it is told to read: empty
-    return {**os.environ, "HPKV_SHARE_MEM_FILE_PATH": str(pool_dir), "HPKV_KV_STORAGE_PATH": str(storage_dir),
-            "HPKV_KV_MEM_POOL_SIZE": "1g", "HPKV_CONFIG_FILE_PATH": str(pool_dir / "none.ini"),
-            "HPKV_LOG_LEVEL": "warning", **settings}
+    return {
+        **os.environ,
+        "HPKV_SHARE_MEM_FILE_PATH": str(pool_dir),
+        "HPKV_KV_STORAGE_PATH": str(storage_dir),
+        "HPKV_KV_MEM_POOL_SIZE": "1g",
+        "HPKV_CONFIG_FILE_PATH": str(pool_dir / "none.ini"),
+        "HPKV_LOG_LEVEL": "warning",
+        **settings,
+    }
 
 
 def start_server(env: dict[str, str], log_path: Path | None = None, timeout_s: float = 60.0) -> subprocess.Popen:
@@ -34,8 +40,9 @@ def start_server(env: dict[str, str], log_path: Path | None = None, timeout_s: f
     from hpkv.server.protocol import SOCKET_NAME
 
     with open(log_path, "ab") if log_path else contextlib.nullcontext() as log:
-        proc = subprocess.Popen([sys.executable, "-m", "hpkv.server.daemon"], env=env, stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=log)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hpkv.server.daemon"], env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log
+        )
     deadline = time.monotonic() + timeout_s
     socket_path = Path(env["HPKV_SHARE_MEM_FILE_PATH"]) / SOCKET_NAME
     while not answers(socket_path):

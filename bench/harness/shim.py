@@ -14,7 +14,7 @@ import os
 import textwrap
 from pathlib import Path
 
-_AFTER_IMPORT = '''\
+_AFTER_IMPORT = """\
 import importlib.abc as _abc, importlib.util as _util, sys as _sys
 class _After(_abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
@@ -29,7 +29,7 @@ class _After(_abc.MetaPathFinder):
         spec.loader.exec_module = exec_module
         return spec
 _sys.meta_path.insert(0, _After())
-'''
+"""
 
 
 def after_import(module: str, body: str) -> str:

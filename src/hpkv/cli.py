@@ -85,8 +85,7 @@ def _print_table(settings: Settings) -> None:
     table.add_column("source", no_wrap=True)
     table.add_column("meaning")
     for setting in settings.settings:
-        table.add_row(*(Text(cell) for cell in (setting.key, _show(setting), _source_text(setting),
-                                                 _DOC[setting.key])))
+        table.add_row(*(Text(cell) for cell in (setting.key, _show(setting), _source_text(setting), _DOC[setting.key])))
     console.print(table)
     for warning in settings.warnings:
         console.print(f"warning: {warning}", style="yellow", markup=False)
@@ -94,8 +93,9 @@ def _print_table(settings: Settings) -> None:
 
 def _print_json(settings: Settings) -> None:
     document = {
-        "settings": {s.key: {"value": _json_value(s), "source": s.source.value,
-                             "where": s.where} for s in settings.settings},
+        "settings": {
+            s.key: {"value": _json_value(s), "source": s.source.value, "where": s.where} for s in settings.settings
+        },
         "warnings": list(settings.warnings),
     }
     click.echo(json.dumps(document, indent=2))
@@ -114,40 +114,69 @@ def config(as_json: bool) -> None:
 
 # --- hpkv bench ----------------------------------------------------------------------------
 
+
 def _size_option(text: str, option: str) -> int:
     try:
         return parse_size(text)
     except ValueError as exc:
-        raise click.BadParameter(f"{text!r}: {exc}; use bytes or a number with k, m, g or t",
-                                 param_hint=option) from None
+        raise click.BadParameter(
+            f"{text!r}: {exc}; use bytes or a number with k, m, g or t", param_hint=option
+        ) from None
 
 
 @main.command()
-@click.option("--sizes", default="64k,256k,1m,4m", show_default=True,
-              help="Entry sizes, comma-separated.")
-@click.option("--total", default="256m", show_default=True,
-              help="Bytes moved per entry size and round.")
-@click.option("--lookup-keys", default=1_000_000, show_default=True, type=click.IntRange(min=4096),
-              help="Keys the store holds for the lookup benchmark.")
-@click.option("--storage-dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Where the storage temporaries go (default: the current directory).")
-@click.option("--pool-dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Where the pool temporaries go (default: /dev/shm).")
-@click.option("--io-threads", default=8, show_default=True, type=click.IntRange(1, 256),
-              help="Storage I/O threads.")
-@click.option("--reps", default=5, show_default=True, type=click.IntRange(min=1),
-              help="Timed rounds per throughput figure (the best is reported).")
+@click.option("--sizes", default="64k,256k,1m,4m", show_default=True, help="Entry sizes, comma-separated.")
+@click.option("--total", default="256m", show_default=True, help="Bytes moved per entry size and round.")
+@click.option(
+    "--lookup-keys",
+    default=1_000_000,
+    show_default=True,
+    type=click.IntRange(min=4096),
+    help="Keys the store holds for the lookup benchmark.",
+)
+@click.option(
+    "--storage-dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Where the storage temporaries go (default: the current directory).",
+)
+@click.option(
+    "--pool-dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Where the pool temporaries go (default: /dev/shm).",
+)
+@click.option("--io-threads", default=8, show_default=True, type=click.IntRange(1, 256), help="Storage I/O threads.")
+@click.option(
+    "--reps",
+    default=5,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Timed rounds per throughput figure (the best is reported).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def bench(sizes: str, total: str, lookup_keys: int, storage_dir: Path | None, pool_dir: Path | None,
-          io_threads: int, reps: int, as_json: bool) -> None:
+def bench(
+    sizes: str,
+    total: str,
+    lookup_keys: int,
+    storage_dir: Path | None,
+    pool_dir: Path | None,
+    io_threads: int,
+    reps: int,
+    as_json: bool,
+) -> None:
     """Measure DRAM and storage throughput and lookup time against this machine's limits."""
     from hpkv.benchmark import BenchConfig, report, run  # numpy and the store: only for this command
 
     entry_sizes = tuple(_size_option(s, "--sizes") for s in sizes.split(",") if s.strip())
     try:
-        bench_config = BenchConfig(entry_sizes=entry_sizes, total_bytes=_size_option(total, "--total"),
-                                   num_lookup_keys=lookup_keys, pool_parent=pool_dir,
-                                   storage_parent=storage_dir, io_threads=io_threads, reps=reps)
+        bench_config = BenchConfig(
+            entry_sizes=entry_sizes,
+            total_bytes=_size_option(total, "--total"),
+            num_lookup_keys=lookup_keys,
+            pool_parent=pool_dir,
+            storage_parent=storage_dir,
+            io_threads=io_threads,
+            reps=reps,
+        )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     progress = Console(stderr=True, highlight=False)
@@ -188,8 +217,10 @@ def _connect(settings: Settings):
 def _no_server_message(settings: Settings) -> str:
     from hpkv.server.protocol import SOCKET_NAME
 
-    return (f"no HPKV server is running on {Path(settings.pool.dir) / SOCKET_NAME}; it starts with the first "
-            "engine process, or run `hpkv server`")
+    return (
+        f"no HPKV server is running on {Path(settings.pool.dir) / SOCKET_NAME}; it starts with the first "
+        "engine process, or run `hpkv server`"
+    )
 
 
 @main.command("server")
@@ -244,14 +275,16 @@ def _resolve_ns(prefix: str | None, known: list[str]) -> str | None:
         return None
     prefix = prefix.lower()
     if not prefix or len(prefix) > 32 or any(c not in "0123456789abcdef" for c in prefix):
-        raise click.BadParameter(f"{prefix!r} is not a namespace id (hex, as `hpkv status` shows)",
-                                 param_hint="--namespace")
+        raise click.BadParameter(
+            f"{prefix!r} is not a namespace id (hex, as `hpkv status` shows)", param_hint="--namespace"
+        )
     matches = sorted({ns for ns in known if ns.startswith(prefix)})
     if len(matches) == 1:
         return matches[0]
     if len(matches) > 1:
-        raise click.BadParameter(f"{prefix!r} matches several namespaces: {', '.join(matches)}; give more of it",
-                                 param_hint="--namespace")
+        raise click.BadParameter(
+            f"{prefix!r} matches several namespaces: {', '.join(matches)}; give more of it", param_hint="--namespace"
+        )
     if len(prefix) == 32:
         return prefix
     raise click.BadParameter(f"no namespace id starts with {prefix!r}", param_hint="--namespace")
@@ -279,10 +312,12 @@ def _clear_storage_directly(settings: Settings, ns: str | None) -> None:
 
 @main.command()
 @click.option("--memory", is_flag=True, help="Drop the entries in the DRAM pool (needs the running server).")
-@click.option("--storage", is_flag=True, help="Delete the entry files in the storage directory (works "
-              "without a server).")
-@click.option("--namespace", "namespace", metavar="NS", help="Only this namespace: its id, or a prefix as "
-              "`hpkv status` shows it.")
+@click.option(
+    "--storage", is_flag=True, help="Delete the entry files in the storage directory (works without a server)."
+)
+@click.option(
+    "--namespace", "namespace", metavar="NS", help="Only this namespace: its id, or a prefix as `hpkv status` shows it."
+)
 def clear(memory: bool, storage: bool, namespace: str | None) -> None:
     """Remove cached KV. With neither --memory nor --storage, clears memory (the DRAM pool) only.
 
@@ -296,8 +331,10 @@ def clear(memory: bool, storage: bool, namespace: str | None) -> None:
     if client is None:
         ns = _resolve_ns(namespace, _storage_namespaces(Path(settings.storage.path)))
         if memory:
-            click.echo(f"memory: no HPKV server is running on {Path(settings.pool.dir) / SOCKET_NAME}, so the "
-                       "DRAM pool is already empty (it lives only as long as a server)")
+            click.echo(
+                f"memory: no HPKV server is running on {Path(settings.pool.dir) / SOCKET_NAME}, so the "
+                "DRAM pool is already empty (it lives only as long as a server)"
+            )
         if storage:
             _clear_storage_directly(settings, ns)
         return
@@ -307,8 +344,10 @@ def clear(memory: bool, storage: bool, namespace: str | None) -> None:
         server_has_storage = stats.storage is not None
         cleared = client.clear(memory=memory, storage=storage and server_has_storage, ns=ns)
     if memory:
-        click.echo(f"memory: dropped {cleared.memory} entries{_ns_words(ns)} from the DRAM pool of the server "
-                   f"(pid {stats.server.pid})")
+        click.echo(
+            f"memory: dropped {cleared.memory} entries{_ns_words(ns)} from the DRAM pool of the server "
+            f"(pid {stats.server.pid})"
+        )
     if storage and server_has_storage:
         click.echo(f"storage: removed {cleared.storage} entry files{_ns_words(ns)} from {settings.storage.path}")
     elif storage:
@@ -328,8 +367,17 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
     checks = run_checks()
     failed = sum(c.verdict is Verdict.FAIL for c in checks)
     if as_json:
-        click.echo(json.dumps({"checks": [{"name": c.name, "verdict": c.verdict.value, "detail": c.detail,
-                                           "fix": c.fix} for c in checks], "failed": failed}, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    "checks": [
+                        {"name": c.name, "verdict": c.verdict.value, "detail": c.detail, "fix": c.fix} for c in checks
+                    ],
+                    "failed": failed,
+                },
+                indent=2,
+            )
+        )
     else:
         table = Table(title="HPKV doctor")
         table.add_column("check", no_wrap=True)
@@ -337,8 +385,9 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
         table.add_column("detail")
         table.add_column("fix")
         for c in checks:
-            table.add_row(Text(c.name), Text(c.verdict.value, style=_VERDICT_STYLE[c.verdict.value]),
-                          Text(c.detail), Text(c.fix))
+            table.add_row(
+                Text(c.name), Text(c.verdict.value, style=_VERDICT_STYLE[c.verdict.value]), Text(c.detail), Text(c.fix)
+            )
         console = _stdout_console()
         console.print(table)
         counts = {v.value: sum(c.verdict is v for c in checks) for v in Verdict}
@@ -349,11 +398,19 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
 
 # --- hpkv demo -------------------------------------------------------------------------------
 
+
 @main.command()
-@click.option("--model", default=None, help="A model path to serve (default: build a tiny random model; "
-              "needed for a real model on an accelerator).")
-@click.option("--workdir", type=click.Path(path_type=Path), default=None,
-              help="Where the model, storage and logs go (default: a temporary directory).")
+@click.option(
+    "--model",
+    default=None,
+    help="A model path to serve (default: build a tiny random model; needed for a real model on an accelerator).",
+)
+@click.option(
+    "--workdir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Where the model, storage and logs go (default: a temporary directory).",
+)
 @click.option("--prompt-words", default=2000, show_default=True, help="Length of the long prompt.")
 @click.option("--pool-size", default="1g", show_default=True, help="HPKV_KV_MEM_POOL_SIZE for the demo.")
 def demo(model: str | None, workdir: Path | None, prompt_words: int, pool_size: str) -> None:
@@ -367,14 +424,16 @@ def demo(model: str | None, workdir: Path | None, prompt_words: int, pool_size: 
         console.print("an accelerator is present: pass --model PATH to run the walk on a real model")
     workdir = workdir or Path(tempfile.mkdtemp(prefix="hpkv-demo-"))
     console.print(f"HPKV demo in {workdir} (vLLM log: {workdir / 'vllm.log'})")
-    steps = run_demo(DemoConfig(workdir=workdir, model=model, prompt_words=prompt_words, pool_size=pool_size,
-                                log=console.print))
+    steps = run_demo(
+        DemoConfig(workdir=workdir, model=model, prompt_words=prompt_words, pool_size=pool_size, log=console.print)
+    )
     table = Table(title="HPKV quick-start scenarios on vLLM")
     for column in ("step", "hit tier", "hit tokens", "TTFT (ms)", "identical to vLLM's own prefix-cache hit"):
         table.add_column(column)
     for step in steps:
-        table.add_row(step.name, step.tier, str(step.hit_tokens), f"{step.ttft_ms:.0f}" if step.ttft_ms else "-",
-                      step.identical)
+        table.add_row(
+            step.name, step.tier, str(step.hit_tokens), f"{step.ttft_ms:.0f}" if step.ttft_ms else "-", step.identical
+        )
     console.print(table)
     if not passed(steps):
         console.print("[red]the demo did not show every documented hit with identical output[/red]")

@@ -27,8 +27,19 @@ from typing import Any
 from hpkv.configkeys import CONFIG_FILE_KEY, KEYS, KEYS_BY_NAME, MODEL_ID_MAX_CHARS, KeySpec, parse_size
 from hpkv.errors import ConfigError
 
-__all__ = ["CONFIG_FILE_KEY", "KEYS", "MODEL_ID_MAX_CHARS", "KeySpec", "PoolConfig", "Setting", "Settings",
-           "Source", "StorageConfig", "load_settings", "parse_size"]
+__all__ = [
+    "CONFIG_FILE_KEY",
+    "KEYS",
+    "MODEL_ID_MAX_CHARS",
+    "KeySpec",
+    "PoolConfig",
+    "Setting",
+    "Settings",
+    "Source",
+    "StorageConfig",
+    "load_settings",
+    "parse_size",
+]
 
 # Other tools may share these prefixes, so an unknown name there is only a warning.
 _ENV_PREFIXES = ("HPKV_", "VLLM_HPKV_")
@@ -138,7 +149,8 @@ def _check_file_key(key: str, where: str) -> None:
         raise ConfigError(
             f"{CONFIG_FILE_KEY} cannot be set in the config file ({where}): it names the file "
             f"itself; remove that line and set it in the environment instead, "
-            f"e.g. export {CONFIG_FILE_KEY}=~/config.ini")
+            f"e.g. export {CONFIG_FILE_KEY}=~/config.ini"
+        )
     if key not in KEYS_BY_NAME:
         match = _suggest(key, list(KEYS_BY_NAME))
         hint = f"did you mean {match}?" if match else "known keys: " + ", ".join(KEYS_BY_NAME)
@@ -157,12 +169,12 @@ def _parse_file(text: str, path: Path) -> tuple[dict[str, _Entry], list[str]]:
         if match is None:
             raise ConfigError(
                 f"config file {where}: {line!r} is not a KEY=VALUE line; write lines like "
-                f"HPKV_KV_STORAGE_PATH=~/.cache/hpkv/storage, or start comments with #")
+                f"HPKV_KV_STORAGE_PATH=~/.cache/hpkv/storage, or start comments with #"
+            )
         key, value = match.group(1), _unquote(match.group(2).strip())
         _check_file_key(key, where)
         if key in entries:
-            warnings.append(f"{key} is set twice in the config file; {where} wins over "
-                            f"{entries[key].where}")
+            warnings.append(f"{key} is set twice in the config file; {where} wins over {entries[key].where}")
         entries[key] = _Entry(value, where)
     return entries, warnings
 
@@ -173,21 +185,23 @@ def _read_file(path: Path, explicit: bool) -> tuple[dict[str, _Entry], list[str]
     except FileNotFoundError:
         if not explicit:
             return {}, []
-        return {}, [f"config file {path} (named by {CONFIG_FILE_KEY}) does not exist; "
-                    f"using the environment and defaults"]
+        return {}, [
+            f"config file {path} (named by {CONFIG_FILE_KEY}) does not exist; using the environment and defaults"
+        ]
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ConfigError(
             f"cannot read config file {path}: {reason}; make it a readable UTF-8 text file, "
-            f"or point {CONFIG_FILE_KEY} at another file") from None
+            f"or point {CONFIG_FILE_KEY} at another file"
+        ) from None
     return _parse_file(text, path)
 
 
 # --- resolution ----------------------------------------------------------------------------
 
+
 def _describe(source: Source, where: str) -> str:
-    return {Source.FILE: f"config file {where}", Source.ENV: "environment",
-            Source.DEFAULT: "default"}[source]
+    return {Source.FILE: f"config file {where}", Source.ENV: "environment", Source.DEFAULT: "default"}[source]
 
 
 def _resolve(spec: KeySpec, entries: Mapping[str, _Entry], env: Mapping[str, str]) -> Setting:
@@ -203,8 +217,9 @@ def _resolve(spec: KeySpec, entries: Mapping[str, _Entry], env: Mapping[str, str
         value = spec.parse(text)
     except ValueError as exc:
         shown = f"{raw!r}" if text == raw else f"{raw!r} (expanded to {text!r})"
-        raise ConfigError(f"{spec.name}={shown} (from {_describe(source, where)}): {exc}; "
-                          f"use {spec.accepted}") from None
+        raise ConfigError(
+            f"{spec.name}={shown} (from {_describe(source, where)}): {exc}; use {spec.accepted}"
+        ) from None
     return Setting(spec.name, value, raw, source, where)
 
 
@@ -214,8 +229,7 @@ def _env_warnings(env: Mapping[str, str]) -> list[str]:
         if name.startswith(_ENV_PREFIXES) and name not in KEYS_BY_NAME and not name.startswith(_BENCH_PREFIX):
             match = _suggest(name, list(KEYS_BY_NAME))
             hint = f" (did you mean {match}?)" if match else ""
-            warnings.append(f"environment variable {name} is not an HPKV setting{hint}; "
-                            f"ignored")
+            warnings.append(f"environment variable {name} is not an HPKV setting{hint}; ignored")
     return warnings
 
 
@@ -231,24 +245,26 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     file_setting, explicit = _config_file(env)
     assert isinstance(file_setting.value, Path)  # a "path" key, with a default
     entries, warnings = _read_file(file_setting.value, explicit)
-    resolved = [file_setting] + [_resolve(spec, entries, env)
-                                 for spec in KEYS if spec.name != CONFIG_FILE_KEY]
+    resolved = [file_setting] + [_resolve(spec, entries, env) for spec in KEYS if spec.name != CONFIG_FILE_KEY]
     return _build(resolved, tuple(warnings + _env_warnings(env)))
 
 
 def _build(resolved: list[Setting], warnings: tuple[str, ...]) -> Settings:
     v: dict[str, Any] = {setting.key: setting.value for setting in resolved}  # each parsed by its KeySpec
     return Settings(
-        pool=PoolConfig(dir=v["HPKV_SHARE_MEM_FILE_PATH"], size_bytes=v["HPKV_KV_MEM_POOL_SIZE"],
-                        prefault=v["HPKV_POOL_PREFAULT"]),
-        storage=StorageConfig(path=v["HPKV_KV_STORAGE_PATH"],
-                              enabled=v["HPKV_KV_STORAGE_ENABLE"],
-                              capacity_bytes=v["HPKV_KV_STORAGE_SIZE"],
-                              fsync=v["HPKV_KV_STORAGE_FSYNC"],
-                              io_threads=v["HPKV_IO_THREADS"],
-                              write_nice=v["HPKV_WRITE_NICE"],
-                              direct_io=v["HPKV_KV_STORAGE_DIRECT_IO"],
-                              write_budget_bytes=v["HPKV_KV_STORAGE_WRITE_BUDGET"]),
+        pool=PoolConfig(
+            dir=v["HPKV_SHARE_MEM_FILE_PATH"], size_bytes=v["HPKV_KV_MEM_POOL_SIZE"], prefault=v["HPKV_POOL_PREFAULT"]
+        ),
+        storage=StorageConfig(
+            path=v["HPKV_KV_STORAGE_PATH"],
+            enabled=v["HPKV_KV_STORAGE_ENABLE"],
+            capacity_bytes=v["HPKV_KV_STORAGE_SIZE"],
+            fsync=v["HPKV_KV_STORAGE_FSYNC"],
+            io_threads=v["HPKV_IO_THREADS"],
+            write_nice=v["HPKV_WRITE_NICE"],
+            direct_io=v["HPKV_KV_STORAGE_DIRECT_IO"],
+            write_budget_bytes=v["HPKV_KV_STORAGE_WRITE_BUDGET"],
+        ),
         token_threshold=v["VLLM_HPKV_TOKEN_THRESHOLD"],
         enable_vllm=v["VLLM_ENABLE_HPKV"],
         model_id=v["HPKV_MODEL_ID"],

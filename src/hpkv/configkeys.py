@@ -47,8 +47,7 @@ def _parse_size_or_unlimited(text: str) -> int | None:
     return None if text.strip().lower() == "unlimited" else parse_size(text)
 
 
-_BOOLS = {"1": True, "true": True, "yes": True, "on": True,
-          "0": False, "false": False, "no": False, "off": False}
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 def _parse_bool(text: str) -> bool:
@@ -153,6 +152,7 @@ def _parse_host(text: str) -> str:
 
 # --- the keys ------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class KeySpec:
     """One key. Adding a key is adding one of these to KEYS (and a field to Settings)."""
@@ -169,72 +169,177 @@ class KeySpec:
 _SIZE_WORDS = "bytes or a number with k, m, g or t (e.g. 8g, 512m, 1t)"
 
 KEYS: tuple[KeySpec, ...] = (
-    KeySpec(CONFIG_FILE_KEY, "path", _parse_path, "~/.config/hpkv/config.ini",
-            "The config file (environment only).", "a file path", env_only=True),
-    KeySpec("HPKV_KV_STORAGE_PATH", "path", _parse_path, "~/.cache/hpkv/storage",
-            "Directory of the persistent storage tier.", "a directory path"),
-    KeySpec("HPKV_KV_MEM_POOL_SIZE", "size", parse_size, "8g",
-            "Size of the shared-memory DRAM pool.", _SIZE_WORDS),
+    KeySpec(
+        CONFIG_FILE_KEY,
+        "path",
+        _parse_path,
+        "~/.config/hpkv/config.ini",
+        "The config file (environment only).",
+        "a file path",
+        env_only=True,
+    ),
+    KeySpec(
+        "HPKV_KV_STORAGE_PATH",
+        "path",
+        _parse_path,
+        "~/.cache/hpkv/storage",
+        "Directory of the persistent storage tier.",
+        "a directory path",
+    ),
+    KeySpec("HPKV_KV_MEM_POOL_SIZE", "size", parse_size, "8g", "Size of the shared-memory DRAM pool.", _SIZE_WORDS),
     # Per user: a directory name every uid shares could be made first by another user.
-    KeySpec("HPKV_SHARE_MEM_FILE_PATH", "path", _parse_pool_dir, "/dev/shm/hpkv-<uid>",
-            "Directory (ramfs/tmpfs) holding the pool file and server socket.",
-            "a directory path on ramfs or tmpfs (<uid> stands for the reader's user id)"),
-    KeySpec("VLLM_HPKV_TOKEN_THRESHOLD", "int", _parse_threshold, "1204",
-            "Minimum HPKV-hit tokens for a load; below it the engine recomputes.",
-            "an integer >= 0 or 'auto'"),
-    KeySpec("VLLM_ENABLE_HPKV", "bool", _parse_bool, "false",
-            "Enables HPKV in vLLM.", "1/0, true/false, yes/no or on/off"),
-    KeySpec("HPKV_MODEL_ID", "word", _parse_model_id, "",
-            "The model's identity in HPKV's namespaces, in place of the fingerprint of its files: engines "
-            "with the same value (and the same KV settings) share KV. Set it per engine, never for two models.",
-            f"empty (fingerprint the model's files), or an identity of at most {MODEL_ID_MAX_CHARS} printable "
-            "characters"),
-    KeySpec("HPKV_KV_STORAGE_ENABLE", "bool", _parse_bool, "true",
-            "Offload KV cache to the storage tier.", "1/0, true/false, yes/no or on/off"),
-    KeySpec("HPKV_KV_STORAGE_SIZE", "size", _parse_size_or_auto, "auto",
-            "Storage capacity; auto = 80% of the space available to the directory.",
-            "'auto', or a size: " + _SIZE_WORDS),
-    KeySpec("HPKV_KV_STORAGE_FSYNC", "word", _one_of("off", "data", "full"), "off",
-            "Durability of storage writes (files are checksummed either way).",
-            "off, data or full"),
-    KeySpec("HPKV_KV_STORAGE_DIRECT_IO", "bool", _parse_bool, "false",
-            "Read and write KV files with O_DIRECT, bypassing the page cache (where the file system allows).",
-            "1/0, true/false, yes/no or on/off"),
-    KeySpec("HPKV_KV_STORAGE_WRITE_BUDGET", "size", _parse_size_or_unlimited, "unlimited",
-            "Bytes the storage tier may write per day (SSD wear); past it, new KV stays in DRAM only.",
-            "'unlimited', or a size per day: " + _SIZE_WORDS),
-    KeySpec("HPKV_POOL_PREFAULT", "bool", _parse_bool, "true",
-            "Engine processes map every pool page when they attach (page tables: 2 MiB per GiB).",
-            "1/0, true/false, yes/no or on/off"),
-    KeySpec("HPKV_IO_THREADS", "int", _int_in(1, 256), "8",
-            "Storage I/O threads.", "an integer from 1 to 256"),
-    KeySpec("HPKV_WRITE_NICE", "int", _int_in(0, 19), "10",
-            "CPU niceness of the server's write-through processes (0: the server's own).",
-            "an integer from 0 to 19"),
-    KeySpec("HPKV_LOG_LEVEL", "word", _one_of("debug", "info", "warning", "error"), "info",
-            "Log level.", "debug, info, warning or error"),
-    KeySpec("HPKV_METRICS_PORT", "int", _int_in(0, 65535), "0",
-            "Metrics HTTP port; 0 turns metrics off.", "an integer from 0 to 65535"),
-    KeySpec("HPKV_METRICS_HOST", "host", _parse_host, "127.0.0.1",
-            "Address the metrics endpoint listens on.", "a host name or IP address"),
-    KeySpec("HPKV_SERVER_IDLE_EXIT_S", "float", _parse_seconds, "10",
-            "Seconds an auto-started server lingers after its last client leaves.",
-            "a number of seconds >= 0 (e.g. 10, 2.5)"),
-    KeySpec("HPKV_SERVER_FRAME_TIMEOUT_S", "float", _parse_positive_seconds, "30",
-            "Seconds a client may take to finish a message it started, or to read a reply, before the "
-            "server closes its connection and releases what it held.",
-            "a number of seconds > 0 (e.g. 30, 2.5)"),
-    KeySpec("HPKV_SERVER_SLOT_TIMEOUT_S", "float", _parse_positive_seconds, "300",
-            "Seconds a client may keep a pool slot reserved or leased; then the server takes it back (reused "
-            "after a 30 s quarantine) and that save or load is a miss.",
-            "a number of seconds > 0 (e.g. 300, 60)"),
-    KeySpec("HPKV_SERVER_MAX_SLOT_SHARE", "float", _parse_share, "0.75",
-            "Share of the pool one client may hold reserved or leased at once; keys past it are not saved or "
-            "loaded (a miss), so one client cannot take every slot.",
-            "a number > 0 and <= 1 (e.g. 0.75; 1: no cap)"),
-    KeySpec("HPKV_SERVER_ALLOW_UIDS", "word", _parse_uids, "",
-            "Other user ids that share this node's pool: the server accepts them as clients (its own uid "
-            "always), and engines trust a server run by one of them (their own uid and root always).",
-            "a comma-separated list of user ids, or empty"),
+    KeySpec(
+        "HPKV_SHARE_MEM_FILE_PATH",
+        "path",
+        _parse_pool_dir,
+        "/dev/shm/hpkv-<uid>",
+        "Directory (ramfs/tmpfs) holding the pool file and server socket.",
+        "a directory path on ramfs or tmpfs (<uid> stands for the reader's user id)",
+    ),
+    KeySpec(
+        "VLLM_HPKV_TOKEN_THRESHOLD",
+        "int",
+        _parse_threshold,
+        "1204",
+        "Minimum HPKV-hit tokens for a load; below it the engine recomputes.",
+        "an integer >= 0 or 'auto'",
+    ),
+    KeySpec(
+        "VLLM_ENABLE_HPKV", "bool", _parse_bool, "false", "Enables HPKV in vLLM.", "1/0, true/false, yes/no or on/off"
+    ),
+    KeySpec(
+        "HPKV_MODEL_ID",
+        "word",
+        _parse_model_id,
+        "",
+        "The model's identity in HPKV's namespaces, in place of the fingerprint of its files: engines "
+        "with the same value (and the same KV settings) share KV. Set it per engine, never for two models.",
+        f"empty (fingerprint the model's files), or an identity of at most {MODEL_ID_MAX_CHARS} printable characters",
+    ),
+    KeySpec(
+        "HPKV_KV_STORAGE_ENABLE",
+        "bool",
+        _parse_bool,
+        "true",
+        "Offload KV cache to the storage tier.",
+        "1/0, true/false, yes/no or on/off",
+    ),
+    KeySpec(
+        "HPKV_KV_STORAGE_SIZE",
+        "size",
+        _parse_size_or_auto,
+        "auto",
+        "Storage capacity; auto = 80% of the space available to the directory.",
+        "'auto', or a size: " + _SIZE_WORDS,
+    ),
+    KeySpec(
+        "HPKV_KV_STORAGE_FSYNC",
+        "word",
+        _one_of("off", "data", "full"),
+        "off",
+        "Durability of storage writes (files are checksummed either way).",
+        "off, data or full",
+    ),
+    KeySpec(
+        "HPKV_KV_STORAGE_DIRECT_IO",
+        "bool",
+        _parse_bool,
+        "false",
+        "Read and write KV files with O_DIRECT, bypassing the page cache (where the file system allows).",
+        "1/0, true/false, yes/no or on/off",
+    ),
+    KeySpec(
+        "HPKV_KV_STORAGE_WRITE_BUDGET",
+        "size",
+        _parse_size_or_unlimited,
+        "unlimited",
+        "Bytes the storage tier may write per day (SSD wear); past it, new KV stays in DRAM only.",
+        "'unlimited', or a size per day: " + _SIZE_WORDS,
+    ),
+    KeySpec(
+        "HPKV_POOL_PREFAULT",
+        "bool",
+        _parse_bool,
+        "true",
+        "Engine processes map every pool page when they attach (page tables: 2 MiB per GiB).",
+        "1/0, true/false, yes/no or on/off",
+    ),
+    KeySpec("HPKV_IO_THREADS", "int", _int_in(1, 256), "8", "Storage I/O threads.", "an integer from 1 to 256"),
+    KeySpec(
+        "HPKV_WRITE_NICE",
+        "int",
+        _int_in(0, 19),
+        "10",
+        "CPU niceness of the server's write-through processes (0: the server's own).",
+        "an integer from 0 to 19",
+    ),
+    KeySpec(
+        "HPKV_LOG_LEVEL",
+        "word",
+        _one_of("debug", "info", "warning", "error"),
+        "info",
+        "Log level.",
+        "debug, info, warning or error",
+    ),
+    KeySpec(
+        "HPKV_METRICS_PORT",
+        "int",
+        _int_in(0, 65535),
+        "0",
+        "Metrics HTTP port; 0 turns metrics off.",
+        "an integer from 0 to 65535",
+    ),
+    KeySpec(
+        "HPKV_METRICS_HOST",
+        "host",
+        _parse_host,
+        "127.0.0.1",
+        "Address the metrics endpoint listens on.",
+        "a host name or IP address",
+    ),
+    KeySpec(
+        "HPKV_SERVER_IDLE_EXIT_S",
+        "float",
+        _parse_seconds,
+        "10",
+        "Seconds an auto-started server lingers after its last client leaves.",
+        "a number of seconds >= 0 (e.g. 10, 2.5)",
+    ),
+    KeySpec(
+        "HPKV_SERVER_FRAME_TIMEOUT_S",
+        "float",
+        _parse_positive_seconds,
+        "30",
+        "Seconds a client may take to finish a message it started, or to read a reply, before the "
+        "server closes its connection and releases what it held.",
+        "a number of seconds > 0 (e.g. 30, 2.5)",
+    ),
+    KeySpec(
+        "HPKV_SERVER_SLOT_TIMEOUT_S",
+        "float",
+        _parse_positive_seconds,
+        "300",
+        "Seconds a client may keep a pool slot reserved or leased; then the server takes it back (reused "
+        "after a 30 s quarantine) and that save or load is a miss.",
+        "a number of seconds > 0 (e.g. 300, 60)",
+    ),
+    KeySpec(
+        "HPKV_SERVER_MAX_SLOT_SHARE",
+        "float",
+        _parse_share,
+        "0.75",
+        "Share of the pool one client may hold reserved or leased at once; keys past it are not saved or "
+        "loaded (a miss), so one client cannot take every slot.",
+        "a number > 0 and <= 1 (e.g. 0.75; 1: no cap)",
+    ),
+    KeySpec(
+        "HPKV_SERVER_ALLOW_UIDS",
+        "word",
+        _parse_uids,
+        "",
+        "Other user ids that share this node's pool: the server accepts them as clients (its own uid "
+        "always), and engines trust a server run by one of them (their own uid and root always).",
+        "a comma-separated list of user ids, or empty",
+    ),
 )
 KEYS_BY_NAME = {spec.name: spec for spec in KEYS}

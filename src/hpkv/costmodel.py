@@ -286,29 +286,38 @@ class AutoThreshold:
                 return
             # Break-evens are whole blocks: a move of one block near the bottom (32 <-> 64 tokens,
             # as the measured prefill rate wanders) is noise, not news.
-            if (old is not None and tokens is not None
-                    and abs(tokens - old) > max(MATERIAL_CHANGE * old, self.model.block_size)):
+            if (
+                old is not None
+                and tokens is not None
+                and abs(tokens - old) > max(MATERIAL_CHANGE * old, self.model.block_size)
+            ):
                 self._log("measured")
                 return
 
     def _log(self, why: str) -> None:
         self._logged = self._thresholds()
-        log.info("VLLM_HPKV_TOKEN_THRESHOLD=auto (%s): %s; %s", why, self._thresholds_text(self._logged),
-                 self.figures())
+        log.info(
+            "VLLM_HPKV_TOKEN_THRESHOLD=auto (%s): %s; %s", why, self._thresholds_text(self._logged), self.figures()
+        )
 
     @staticmethod
     def _thresholds_text(thresholds: dict[Tier, int | None]) -> str:
         names = {Tier.DRAM: "DRAM", Tier.STORAGE: "storage"}
-        return ", ".join(f"{names[tier]} hits load from {tokens} tokens" if tokens is not None
-                         else f"{names[tier]} hits are recomputed (never faster to load)"
-                         for tier, tokens in thresholds.items())
+        return ", ".join(
+            f"{names[tier]} hits load from {tokens} tokens"
+            if tokens is not None
+            else f"{names[tier]} hits are recomputed (never faster to load)"
+            for tier, tokens in thresholds.items()
+        )
 
     def figures(self) -> str:
         m = self.model
         p, d = m.prefill, m.dram
         doubling = f", twice that per token by position {1 / m.kappa:,.0f}" if m.kappa > 0 else ""
-        parts = [f"prefill {1 / p.per_unit_s:,.0f} tokens/s at position 0{doubling} ({_source(p)})",
-                 f"DRAM load {_rate(d.per_unit_s)} per rank + {d.fixed_s * 1e3:.1f} ms ({_source(d)})"]
+        parts = [
+            f"prefill {1 / p.per_unit_s:,.0f} tokens/s at position 0{doubling} ({_source(p)})",
+            f"DRAM load {_rate(d.per_unit_s)} per rank + {d.fixed_s * 1e3:.1f} ms ({_source(d)})",
+        ]
         if m.storage is not None:
             s = m.storage
             parts.append(f"storage read {_rate(s.per_unit_s)} + {s.fixed_s * 1e3:.1f} ms ({_source(s)})")

@@ -14,9 +14,30 @@ from pathlib import Path
 
 MEMORY_FS = frozenset({"ramfs", "tmpfs"})
 # Kernel interfaces mounted as file systems: they cannot hold ordinary files (no KV files, no pool).
-PSEUDO_FS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "devpts",
-                       "configfs", "bpf", "pstore", "efivarfs", "fusectl", "mqueue", "binfmt_misc", "nsfs",
-                       "rpc_pipefs", "selinuxfs", "smackfs", "hugetlbfs"})
+PSEUDO_FS = frozenset(
+    {
+        "proc",
+        "sysfs",
+        "cgroup",
+        "cgroup2",
+        "debugfs",
+        "tracefs",
+        "securityfs",
+        "devpts",
+        "configfs",
+        "bpf",
+        "pstore",
+        "efivarfs",
+        "fusectl",
+        "mqueue",
+        "binfmt_misc",
+        "nsfs",
+        "rpc_pipefs",
+        "selinuxfs",
+        "smackfs",
+        "hugetlbfs",
+    }
+)
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
 # What is read, as names (tests point them at files of their own).
 _MOUNTINFO = "/proc/self/mountinfo"

@@ -39,13 +39,35 @@ log = logging.getLogger("hpkv.identity")
 
 FORMAT = b"hpkv-model-fingerprint-1"
 DIGEST_BYTES = 16
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".tensors", ".npz", ".npy",
-                   ".h5", ".msgpack", ".pkl", ".nemo")
+WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".gguf",
+    ".ckpt",
+    ".tensors",
+    ".npz",
+    ".npy",
+    ".h5",
+    ".msgpack",
+    ".pkl",
+    ".nemo",
+)
 CONFIG_SUFFIXES = (".json", ".py", ".yaml", ".yml")
 # Files that cannot change the KV of given token ids: the tokenizer (the ids are the keys),
 # sampling defaults, chat templates.
-NOT_KV_FILES = frozenset(("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                          "added_tokens.json", "vocab.json", "generation_config.json", "chat_template.json"))
+NOT_KV_FILES = frozenset(
+    (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.json",
+        "generation_config.json",
+        "chat_template.json",
+    )
+)
 FULL_READ_BYTES = 8 << 20  # a file up to this size is hashed whole
 CONFIG_MAX_BYTES = 64 << 20  # a config-like file larger than this is sampled like a weight file
 NUM_CHUNKS = 16  # per file, at most; fewer when the model has many files
@@ -74,16 +96,26 @@ class ModelIdentity:
 
     def with_part(self, what: str, other: ModelIdentity) -> ModelIdentity:
         """This identity combined with another directory's (a config or draft model)."""
-        return ModelIdentity(f"{self.id}+{what}={other.id}", f"{self.source}; {what}: {other.source}", self.shared,
-                             self.location, self.revision, self.num_weight_files,
-                             self.num_bytes_read + other.num_bytes_read, self.seconds + other.seconds)
+        return ModelIdentity(
+            f"{self.id}+{what}={other.id}",
+            f"{self.source}; {what}: {other.source}",
+            self.shared,
+            self.location,
+            self.revision,
+            self.num_weight_files,
+            self.num_bytes_read + other.num_bytes_read,
+            self.seconds + other.seconds,
+        )
 
     def describe(self) -> str:
         """One line for the log."""
         where = f" at {self.location}" if self.location else ""
         revision = f", snapshot revision {self.revision}" if self.revision else ""
-        cost = f" ({self.num_bytes_read / 1024 ** 2:.1f} MiB read in {self.seconds * 1e3:.0f} ms)" \
-            if self.num_bytes_read else ""
+        cost = (
+            f" ({self.num_bytes_read / 1024**2:.1f} MiB read in {self.seconds * 1e3:.0f} ms)"
+            if self.num_bytes_read
+            else ""
+        )
         return f"{self.id} from {self.source}{where}{revision}{cost}"
 
 
@@ -102,8 +134,9 @@ def private_identity(reason: str, scope: str) -> ModelIdentity:
     return ModelIdentity(f"private:{scope}", f"nothing shareable: {reason}", shared=False)
 
 
-def loader_identity(load_format: str, local_formats: frozenset[str], override: str | None,
-                    scope: str) -> ModelIdentity | None:
+def loader_identity(
+    load_format: str, local_formats: frozenset[str], override: str | None, scope: str
+) -> ModelIdentity | None:
     """The identity the engine's weight loader alone decides: private for random weights (even
     with an override), the override, private for a loader that does not read local files; None
     where the content is to be fingerprinted."""
@@ -112,16 +145,20 @@ def loader_identity(load_format: str, local_formats: frozenset[str], override: s
     if override:
         return override_identity(override)
     if load_format not in local_formats:
-        return unreadable_identity(f"--load-format {load_format}", scope,
-                                   f"the {load_format} loader reads weights HPKV cannot fingerprint")
+        return unreadable_identity(
+            f"--load-format {load_format}", scope, f"the {load_format} loader reads weights HPKV cannot fingerprint"
+        )
     return None
 
 
 def unreadable_identity(reason: str, scope: str, why: str) -> ModelIdentity:
     """`private_identity` for weights this module cannot read, said in the log with the fix."""
-    log.warning("HPKV cannot tell the model's identity (%s): this engine's KV stays private to it (no hits from "
-                "other engines or after a restart). Fix: give a local model directory, or set HPKV_MODEL_ID to "
-                "an identity you manage for these weights", why)
+    log.warning(
+        "HPKV cannot tell the model's identity (%s): this engine's KV stays private to it (no hits from "
+        "other engines or after a restart). Fix: give a local model directory, or set HPKV_MODEL_ID to "
+        "an identity you manage for these weights",
+        why,
+    )
     return private_identity(reason, scope)
 
 
@@ -141,9 +178,15 @@ def _content_identity(model: str, revision: str | None, download_dir: str | None
     path, snapshot_revision = locate(model, revision, download_dir)
     started = time.perf_counter()
     fp = fingerprint(path)
-    return ModelIdentity(f"content:{fp.digest}", fp.source, location=str(path), revision=snapshot_revision,
-                         num_weight_files=fp.num_weight_files, num_bytes_read=fp.num_bytes_read,
-                         seconds=time.perf_counter() - started)
+    return ModelIdentity(
+        f"content:{fp.digest}",
+        fp.source,
+        location=str(path),
+        revision=snapshot_revision,
+        num_weight_files=fp.num_weight_files,
+        num_bytes_read=fp.num_bytes_read,
+        seconds=time.perf_counter() - started,
+    )
 
 
 def locate(model: str, revision: str | None, download_dir: str | None) -> tuple[Path, str]:
@@ -159,8 +202,9 @@ def locate(model: str, revision: str | None, download_dir: str | None) -> tuple[
 
         snapshot = Path(snapshot_download(model, revision=revision, cache_dir=download_dir, local_files_only=True))
     except Exception as exc:  # not cached here, no huggingface_hub, a bad id
-        raise NoContentIdentity(f"{model!r} is no local path and has no local Hugging Face snapshot "
-                                f"({type(exc).__name__}: {exc})") from None
+        raise NoContentIdentity(
+            f"{model!r} is no local path and has no local Hugging Face snapshot ({type(exc).__name__}: {exc})"
+        ) from None
     return snapshot, _snapshot_revision(snapshot)
 
 
@@ -185,8 +229,10 @@ class Fingerprint:
     def source(self) -> str:
         """What the digest covers, the same for every copy of the model."""
         num_config, num_weights = self.num_config_files, self.num_weight_files
-        return (f"content of {num_config} config file{'s' * (num_config != 1)} and {num_weights} weight "
-                f"file{'s' * (num_weights != 1)} ({human_bytes(self.weight_bytes)}; headers and sampled chunks)")
+        return (
+            f"content of {num_config} config file{'s' * (num_config != 1)} and {num_weights} weight "
+            f"file{'s' * (num_weights != 1)} ({human_bytes(self.weight_bytes)}; headers and sampled chunks)"
+        )
 
 
 def fingerprint(path: Path) -> Fingerprint:
@@ -196,8 +242,11 @@ def fingerprint(path: Path) -> Fingerprint:
     if path.is_file():
         files = [(path.name, path)]
     elif path.is_dir():
-        files = sorted((entry.name, Path(entry.path)) for entry in os.scandir(path)
-                       if not entry.name.startswith(".") and entry.is_file())
+        files = sorted(
+            (entry.name, Path(entry.path))
+            for entry in os.scandir(path)
+            if not entry.name.startswith(".") and entry.is_file()
+        )
     else:
         raise NoContentIdentity(f"{path} is neither a file nor a directory")
     h = hashlib.blake2b(FORMAT, digest_size=DIGEST_BYTES)
@@ -214,8 +263,7 @@ def fingerprint(path: Path) -> Fingerprint:
                 size = os.fstat(f.fileno()).st_size
                 h.update(_frame(kind.encode(), name.encode(), str(size).encode()))
                 whole = size <= (CONFIG_MAX_BYTES if kind == "config" else FULL_READ_BYTES)
-                num_read += (_hash_whole(f, h) if whole else
-                             _hash_samples(f, size, name, h, tensor_samples, num_chunks))
+                num_read += _hash_whole(f, h) if whole else _hash_samples(f, size, name, h, tensor_samples, num_chunks)
         except OSError as exc:
             raise NoContentIdentity(f"cannot read {file}: {exc.strerror or exc}") from None
         if kind == "config":
@@ -266,7 +314,7 @@ def _hash_samples(f, size: int, name: str, h, tensor_samples: int, num_chunks: i
         h.update(_frame(b"0", raw))  # the header: every tensor's name, dtype, shape and place
         num += len(raw)
         # In the header's own order (the same in every copy), evenly spread.
-        for start, end in _spans(tensors[::max(1, -(-len(tensors) // tensor_samples))], len(raw), size):
+        for start, end in _spans(tensors[:: max(1, -(-len(tensors) // tensor_samples))], len(raw), size):
             middle = max(start, (start + end - TENSOR_SAMPLE_BYTES) // 2)
             offsets.append((middle, min(TENSOR_SAMPLE_BYTES, end - middle)))
     else:

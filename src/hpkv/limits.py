@@ -86,8 +86,9 @@ class LimitCounters:
 
 
 class HeldSlots(Generic[SlotT]):
-    def __init__(self, timeout_s: float | None = None, max_bytes: int | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, timeout_s: float | None = None, max_bytes: int | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.timeout_s = timeout_s  # None: no time limit
         self.max_bytes = max_bytes  # None: no cap
         self.clock = clock
@@ -112,9 +113,15 @@ class HeldSlots(Generic[SlotT]):
             return
         self.counters.capped_keys += num_keys
         if self._cap_log.allows(self.clock(), CAP_LOG_INTERVAL_S):
-            log.warning("client %d holds its share of the pool (%d bytes, HPKV_SERVER_MAX_SLOT_SHARE) in "
-                        "reservations and leases: %d key(s) not %s, a miss (counted in the stats' limits, "
-                        "logged once a minute)", owner, self.max_bytes, num_keys, what)
+            log.warning(
+                "client %d holds its share of the pool (%d bytes, HPKV_SERVER_MAX_SLOT_SHARE) in "
+                "reservations and leases: %d key(s) not %s, a miss (counted in the stats' limits, "
+                "logged once a minute)",
+                owner,
+                self.max_bytes,
+                num_keys,
+                what,
+            )
 
     # -- reservations -------------------------------------------------------------------------
 
@@ -191,8 +198,14 @@ class HeldSlots(Generic[SlotT]):
         return due
 
     def _log_expired(self, num: int, what: str, owners: set[int]) -> None:
-        log.warning("%d %s(s) of client(s) %s held past %.0f s (HPKV_SERVER_SLOT_TIMEOUT_S): taken back; "
-                    "their slots are quarantined before reuse", num, what, sorted(owners), self.timeout_s)
+        log.warning(
+            "%d %s(s) of client(s) %s held past %.0f s (HPKV_SERVER_SLOT_TIMEOUT_S): taken back; "
+            "their slots are quarantined before reuse",
+            num,
+            what,
+            sorted(owners),
+            self.timeout_s,
+        )
 
     # -- the books ----------------------------------------------------------------------------
 
@@ -212,8 +225,12 @@ class HeldSlots(Generic[SlotT]):
 
     def stats(self) -> LimitStats:
         timeout_s = float(self.timeout_s) if self.timeout_s is not None else None
-        return LimitStats(slot_timeout_s=timeout_s, max_slot_bytes=self.max_bytes,
-                          max_held_bytes=max(self._bytes.values(), default=0), **vars(self.counters))
+        return LimitStats(
+            slot_timeout_s=timeout_s,
+            max_slot_bytes=self.max_bytes,
+            max_held_bytes=max(self._bytes.values(), default=0),
+            **vars(self.counters),
+        )
 
 
 class Holds:

@@ -21,9 +21,15 @@ from pathlib import Path
 
 from .errors import HpkvError
 
-_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
-          (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-          (stat.S_ISREG, "a regular file"))
+_KINDS = (
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISREG, "a regular file"),
+)
 
 
 class UnsafeFile(HpkvError):
@@ -48,8 +54,11 @@ def _check(path: Path | str, st: os.stat_result, want, want_name: str, trusted: 
     if not want(st.st_mode):
         raise UnsafeFile(path, f"is {kind(st.st_mode)}, not {want_name}")
     if trusted is not None and st.st_uid not in trusted:
-        raise UnsafeFile(path, f"belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
-                         + ("" if os.geteuid() == 0 else " or root"))
+        raise UnsafeFile(
+            path,
+            f"belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
+            + ("" if os.geteuid() == 0 else " or root"),
+        )
 
 
 def open_file(path: Path | str, flags: int, trusted: frozenset[int], mode: int = 0o600) -> int:

@@ -168,8 +168,10 @@ def from_wire(raw: Any) -> ServerStats:
     try:
         return msgspec.convert(raw, ServerStats)
     except msgspec.ValidationError as exc:
-        raise StatsMismatch(f"the server's stats do not match hpkv.stats: {exc}; run one hpkv version on both "
-                            "sides (restart the server after an upgrade)") from None
+        raise StatsMismatch(
+            f"the server's stats do not match hpkv.stats: {exc}; run one hpkv version on both "
+            "sides (restart the server after an upgrade)"
+        ) from None
 
 
 def from_parts(raw: Mapping[str, Any]) -> ServerStats:

@@ -66,19 +66,42 @@ def _tiers_table(stats: ServerStats) -> Table:
     for column in ("tier", "path", "capacity", "used", "entries", "evictions", "state"):
         table.add_column(column, no_wrap=True)
     dram = stats.dram
-    table.add_row("DRAM", Text(stats.server.pool_path), human_bytes(dram.capacity_bytes), _used(dram),
-                  str(dram.num_entries), str(dram.evictions), _pool_state(stats))
+    table.add_row(
+        "DRAM",
+        Text(stats.server.pool_path),
+        human_bytes(dram.capacity_bytes),
+        _used(dram),
+        str(dram.num_entries),
+        str(dram.evictions),
+        _pool_state(stats),
+    )
     storage = stats.storage
     path = Text(stats.server.storage_path)
     if storage is None and stats.storage_unusable:
-        table.add_row("storage", path, "-", "-", "-", "-",
-                      Text(f"UNUSABLE, the server runs with the DRAM tier only: {stats.storage_unusable}; "
-                           "then restart the server", style="bold red"))
+        table.add_row(
+            "storage",
+            path,
+            "-",
+            "-",
+            "-",
+            "-",
+            Text(
+                f"UNUSABLE, the server runs with the DRAM tier only: {stats.storage_unusable}; then restart the server",
+                style="bold red",
+            ),
+        )
     elif storage is None:
         table.add_row("storage", path, "-", "-", "-", "-", "disabled (HPKV_KV_STORAGE_ENABLE)")
     else:
-        table.add_row("storage", path, human_bytes(storage.capacity_bytes), _used(storage),
-                      str(storage.num_entries), str(storage.evictions), _storage_state(stats, storage))
+        table.add_row(
+            "storage",
+            path,
+            human_bytes(storage.capacity_bytes),
+            _used(storage),
+            str(storage.num_entries),
+            str(storage.evictions),
+            _storage_state(stats, storage),
+        )
     return table
 
 
@@ -95,12 +118,16 @@ def _storage_state(stats: ServerStats, storage: StorageStats) -> str:
     if storage.direct_io:
         state += ", direct I/O"
     if storage.untrusted_files:
-        state += (f", {storage.untrusted_files} names skipped that are not regular files (links, FIFOs...: "
-                  "never hits; see hpkv doctor)")
+        state += (
+            f", {storage.untrusted_files} names skipped that are not regular files (links, FIFOs...: "
+            "never hits; see hpkv doctor)"
+        )
     if storage.write_budget_bytes is not None:
-        state += (f", write budget {human_bytes(storage.write_budget_bytes)} a day "
-                  f"({human_bytes(storage.write_budget_available_bytes or 0)} left now, "
-                  f"{storage.over_budget} writes over it)")
+        state += (
+            f", write budget {human_bytes(storage.write_budget_bytes)} a day "
+            f"({human_bytes(storage.write_budget_available_bytes or 0)} left now, "
+            f"{storage.over_budget} writes over it)"
+        )
     backlog = stats.write_backlog
     if backlog is not None and backlog.entries:
         state += f", {backlog.entries} entries ({human_bytes(backlog.bytes)}) waiting to be written"
@@ -115,23 +142,54 @@ def _storage_state(stats: ServerStats, storage: StorageStats) -> str:
 def _namespaces_table(stats: ServerStats) -> Table:
     store = stats.store
     table = Table(title="namespaces", title_justify="left")
-    for column in ("namespace", "engine", "model", "model from", "dtype", "tp/rank", "entry", "lookups", "keys",
-                   "DRAM hits", "storage hits", "all hits"):
+    for column in (
+        "namespace",
+        "engine",
+        "model",
+        "model from",
+        "dtype",
+        "tp/rank",
+        "entry",
+        "lookups",
+        "keys",
+        "DRAM hits",
+        "storage hits",
+        "all hits",
+    ):
         table.add_column(column, no_wrap=column not in ("model", "model from"))
     for ns, entry in sorted(stats.namespaces.items()):
         desc = _desc(entry.desc)
         keys = entry.lookup_keys
-        table.add_row(ns[:NS_PREFIX_CHARS], Text(str(desc.get("engine", "?"))), Text(str(desc.get("model", "?"))),
-                      Text(_model_source(desc)), Text(str(desc.get("dtype", "?"))),
-                      f"{desc.get('tp_size', '?')}/{desc.get('rank', '?')}",
-                      human_bytes(desc["entry_bytes"]) if "entry_bytes" in desc else "?",
-                      str(entry.lookups), str(keys), hit_rate(entry.hit_keys_dram, keys),
-                      hit_rate(entry.hit_keys_storage, keys),
-                      hit_rate(entry.hit_keys_dram + entry.hit_keys_storage, keys))
+        table.add_row(
+            ns[:NS_PREFIX_CHARS],
+            Text(str(desc.get("engine", "?"))),
+            Text(str(desc.get("model", "?"))),
+            Text(_model_source(desc)),
+            Text(str(desc.get("dtype", "?"))),
+            f"{desc.get('tp_size', '?')}/{desc.get('rank', '?')}",
+            human_bytes(desc["entry_bytes"]) if "entry_bytes" in desc else "?",
+            str(entry.lookups),
+            str(keys),
+            hit_rate(entry.hit_keys_dram, keys),
+            hit_rate(entry.hit_keys_storage, keys),
+            hit_rate(entry.hit_keys_dram + entry.hit_keys_storage, keys),
+        )
     keys = store.lookup_keys
-    table.add_row("all", "", "", "", "", "", "", str(store.lookups), str(keys),
-                  hit_rate(store.hit_keys_dram, keys), hit_rate(store.hit_keys_storage, keys),
-                  hit_rate(store.hit_keys_dram + store.hit_keys_storage, keys), style="bold")
+    table.add_row(
+        "all",
+        "",
+        "",
+        "",
+        "",
+        "",
+        "",
+        str(store.lookups),
+        str(keys),
+        hit_rate(store.hit_keys_dram, keys),
+        hit_rate(store.hit_keys_storage, keys),
+        hit_rate(store.hit_keys_dram + store.hit_keys_storage, keys),
+        style="bold",
+    )
     return table
 
 
@@ -155,22 +213,36 @@ def _clients_table(stats: ServerStats) -> Table:
     for column in ("id", "kind", "pid", "uid", "connected for", "leases"):
         table.add_column(column, no_wrap=True)
     for client in sorted(stats.clients, key=lambda c: c.id):
-        table.add_row(str(client.id), Text(client.kind), str(client.pid), str(client.uid),
-                      human_duration(client.connected_s), str(client.leases))
+        table.add_row(
+            str(client.id),
+            Text(client.kind),
+            str(client.pid),
+            str(client.uid),
+            human_duration(client.connected_s),
+            str(client.leases),
+        )
     return table
 
 
 def _server_table(stats: ServerStats) -> Table:
     server = stats.server
-    mode = ("auto-started (exits when its last client leaves)" if server.auto
-            else "managed (hpkv server; stays up across engine restarts)")
+    mode = (
+        "auto-started (exits when its last client leaves)"
+        if server.auto
+        else "managed (hpkv server; stays up across engine restarts)"
+    )
     table = Table(title="server", title_justify="left", show_header=False)
     table.add_column("what", no_wrap=True)
     table.add_column("value")
-    rows = (("pid", str(server.pid)), ("version", f"{server.version} (protocol {server.protocol})"),
-            ("uptime", human_duration(server.uptime_s)), ("mode", mode), ("socket", server.socket),
-            ("held now", f"{stats.leases} leases, {stats.reservations} reservations" + _holds(stats)),
-            *_limits(stats))
+    rows = (
+        ("pid", str(server.pid)),
+        ("version", f"{server.version} (protocol {server.protocol})"),
+        ("uptime", human_duration(server.uptime_s)),
+        ("mode", mode),
+        ("socket", server.socket),
+        ("held now", f"{stats.leases} leases, {stats.reservations} reservations" + _holds(stats)),
+        *_limits(stats),
+    )
     for what, value in rows:
         table.add_row(what, Text(value))
     return table
@@ -183,9 +255,14 @@ def _limits(stats: ServerStats) -> tuple[tuple[str, str], ...]:
     expired = limits.expired_reservations + limits.expired_leases
     if not expired and not limits.capped_keys:
         return ()
-    return (("held too long or too much", f"{limits.expired_reservations} reservations and "
-             f"{limits.expired_leases} leases taken back at the time limit, {limits.capped_keys} keys asked for "
-             "past a client's share of the pool (misses)"),)
+    return (
+        (
+            "held too long or too much",
+            f"{limits.expired_reservations} reservations and "
+            f"{limits.expired_leases} leases taken back at the time limit, {limits.capped_keys} keys asked for "
+            "past a client's share of the pool (misses)",
+        ),
+    )
 
 
 def _holds(stats: ServerStats) -> str:

@@ -14,22 +14,22 @@ _UNITS = (("TiB", 4), ("GiB", 3), ("MiB", 2), ("KiB", 1))
 def human_bytes(num_bytes: float) -> str:
     """1.5 GiB, 64.0 KiB, 512 B."""
     for unit, power in _UNITS:
-        if num_bytes >= 1024 ** power:
-            return f"{num_bytes / 1024 ** power:.1f} {unit}"
+        if num_bytes >= 1024**power:
+            return f"{num_bytes / 1024**power:.1f} {unit}"
     return f"{int(num_bytes)} B"
 
 
 def exact_bytes(num_bytes: int) -> str:
     """8 GiB, 1.5 GiB, 1000 B."""
     for unit, power in _UNITS:
-        if num_bytes >= 1024 ** power:
-            return f"{num_bytes / 1024 ** power:g} {unit}"
+        if num_bytes >= 1024**power:
+            return f"{num_bytes / 1024**power:g} {unit}"
     return f"{num_bytes} B"
 
 
 def whole_unit_bytes(num_bytes: int) -> str:
     """64 KiB, 1 MiB; a size that is no whole number of a unit (up to GiB) in bytes."""
     for unit, power in _UNITS[1:]:
-        if num_bytes >= 1024 ** power and num_bytes % 1024 ** power == 0:
-            return f"{num_bytes // 1024 ** power} {unit}"
+        if num_bytes >= 1024**power and num_bytes % 1024**power == 0:
+            return f"{num_bytes // 1024**power} {unit}"
     return f"{num_bytes} B"

@@ -63,8 +63,7 @@ class AgentLoop:
         hit = self.client.lookup(self._ns(rank, entry_bytes), [entry_key(prefix, i) for i in range(n)])
         return {"tiers": [int(t) for t in hit.tiers]}
 
-    def op_load(self, prefix: str, n: int, rank: int = 0, entry_bytes: int = ENTRY_BYTES,
-                release: bool = True) -> dict:
+    def op_load(self, prefix: str, n: int, rank: int = 0, entry_bytes: int = ENTRY_BYTES, release: bool = True) -> dict:
         """Lease, wait for promotions, and check every ready entry against its payload."""
         keys = [entry_key(prefix, i) for i in range(n)]
         lease = self.client.lease(self._ns(rank, entry_bytes), keys)
@@ -81,8 +80,15 @@ class AgentLoop:
 
         return {"stats": msgspec.to_builtins(self.client.stats())}
 
-    def op_write_loop(self, prefix: str, seconds: float, rank: int = 0, entry_bytes: int = ENTRY_BYTES,
-                      copy_pause_s: float = 0.002, until_commits_on_next_server: int = 0) -> dict:
+    def op_write_loop(
+        self,
+        prefix: str,
+        seconds: float,
+        rank: int = 0,
+        entry_bytes: int = ENTRY_BYTES,
+        copy_pause_s: float = 0.002,
+        until_commits_on_next_server: int = 0,
+    ) -> dict:
         """Write entries one by one, copying each in two halves with a pause between (so a crash
         can find one half-copied), for `seconds` at most, or until that many entries were
         committed on a server other than the first. Records how every call went."""
@@ -90,8 +96,15 @@ class AgentLoop:
 
         ns = self._ns(rank, entry_bytes)
         half = entry_bytes // 2
-        out: dict[str, Any] = {"max_call_s": 0.0, "unavailable": 0, "other_errors": [], "reserved_only": [],
-                               "commit_sent": [], "committed": [], "server_pids": []}
+        out: dict[str, Any] = {
+            "max_call_s": 0.0,
+            "unavailable": 0,
+            "other_errors": [],
+            "reserved_only": [],
+            "commit_sent": [],
+            "committed": [],
+            "server_pids": [],
+        }
 
         def timed(fn, *args):
             started = time.monotonic()
@@ -106,8 +119,7 @@ class AgentLoop:
         deadline = time.monotonic() + seconds
         i = 0
         while time.monotonic() < deadline:
-            if until_commits_on_next_server and out["committed"] and \
-                    on_next_server() >= until_commits_on_next_server:
+            if until_commits_on_next_server and out["committed"] and on_next_server() >= until_commits_on_next_server:
                 break
             key, i = entry_key(prefix, i), i + 1
             try:

@@ -20,8 +20,15 @@ from hpkv.stats import ServerStats
 
 HPKV_SCRIPT = Path(sys.executable).parent / "hpkv"
 ENTRY_BYTES = 4096
-DESC = NamespaceDesc(engine="vllm", model="Qwen/Qwen2.5-1.5B-Instruct", dtype="bfloat16", layout="nhd",
-                     block_size=16, num_layers=2, entry_bytes=ENTRY_BYTES)
+DESC = NamespaceDesc(
+    engine="vllm",
+    model="Qwen/Qwen2.5-1.5B-Instruct",
+    dtype="bfloat16",
+    layout="nhd",
+    block_size=16,
+    num_layers=2,
+    entry_bytes=ENTRY_BYTES,
+)
 
 
 def free_port() -> int:
@@ -33,9 +40,14 @@ def free_port() -> int:
 def hpkv_env(pool_dir: Path, storage_dir: Path, tmp_path: Path, **variables: str) -> dict[str, str]:
     """The current environment without HPKV settings, pointed at test directories."""
     env = without_hpkv()
-    env.update(HPKV_SHARE_MEM_FILE_PATH=str(pool_dir), HPKV_KV_STORAGE_PATH=str(storage_dir),
-               HPKV_KV_MEM_POOL_SIZE="64m", HPKV_CONFIG_FILE_PATH=str(tmp_path / "no-config.ini"),
-               HPKV_METRICS_PORT="0", HPKV_IO_THREADS="2")
+    env.update(
+        HPKV_SHARE_MEM_FILE_PATH=str(pool_dir),
+        HPKV_KV_STORAGE_PATH=str(storage_dir),
+        HPKV_KV_MEM_POOL_SIZE="64m",
+        HPKV_CONFIG_FILE_PATH=str(tmp_path / "no-config.ini"),
+        HPKV_METRICS_PORT="0",
+        HPKV_IO_THREADS="2",
+    )
     env.update(variables)
     return env
 
@@ -53,8 +65,9 @@ class ServerProcess:
         self.socket = self.pool_dir / "hpkv.sock"
         self.log_path = log_path
         with open(log_path, "ab") as log:
-            self.proc = subprocess.Popen([str(HPKV_SCRIPT), "server"], env=env, stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=log)
+            self.proc = subprocess.Popen(
+                [str(HPKV_SCRIPT), "server"], env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log
+            )
         deadline = time.monotonic() + 20.0
         while not (answers(self.socket, timeout_s=0.2) and self._metrics_answer()):
             if self.proc.poll() is not None or time.monotonic() > deadline:

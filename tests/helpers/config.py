@@ -7,10 +7,12 @@ from pathlib import Path
 from hpkv.config import PoolConfig, StorageConfig
 
 
-def make_storage_config(path: Path, capacity_bytes: int | None = None, fsync: str = "off",
-                        io_threads: int = 4) -> StorageConfig:
-    return StorageConfig(path=Path(path), enabled=True, capacity_bytes=capacity_bytes, fsync=fsync,
-                         io_threads=io_threads)
+def make_storage_config(
+    path: Path, capacity_bytes: int | None = None, fsync: str = "off", io_threads: int = 4
+) -> StorageConfig:
+    return StorageConfig(
+        path=Path(path), enabled=True, capacity_bytes=capacity_bytes, fsync=fsync, io_threads=io_threads
+    )
 
 
 def make_pool_config(path: Path, size_bytes: int = 64 << 20) -> PoolConfig:

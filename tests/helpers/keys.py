@@ -30,5 +30,14 @@ def payload(key: bytes, rank: int = 0, size: int = ENTRY_BYTES) -> bytes:
 
 
 def desc(rank: int = 0, entry_bytes: int = ENTRY_BYTES, model: str = "tiny-llm") -> NamespaceDesc:
-    return NamespaceDesc(engine="test", model=model, dtype="bfloat16", layout="blocks", block_size=16,
-                         num_layers=4, entry_bytes=entry_bytes, tp_size=2, rank=rank)
+    return NamespaceDesc(
+        engine="test",
+        model=model,
+        dtype="bfloat16",
+        layout="blocks",
+        block_size=16,
+        num_layers=4,
+        entry_bytes=entry_bytes,
+        tp_size=2,
+        rank=rank,
+    )

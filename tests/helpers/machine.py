@@ -10,17 +10,25 @@ from hpkv import fsinfo
 GIB = 1 << 30
 
 
-def pretend(monkeypatch, tmp_path: Path, mem_available: int, ramfs: tuple[Path, ...] = (),
-            cgroup: str | None = None, limits: dict[str, tuple[str, int, int]] | None = None) -> None:
+def pretend(
+    monkeypatch,
+    tmp_path: Path,
+    mem_available: int,
+    ramfs: tuple[Path, ...] = (),
+    cgroup: str | None = None,
+    limits: dict[str, tuple[str, int, int]] | None = None,
+) -> None:
     """Make fsinfo see `mem_available` bytes in /proc/meminfo; each of `ramfs` mounted as a ramfs
     (over the real mounts); this process in cgroup v2 `cgroup` ("/a/b"), and in `limits` (cgroup
     path -> (memory.max, memory.current, inactive_file)) the limits of those cgroups."""
     fake = tmp_path / "fake-proc"
     fake.mkdir(exist_ok=True)
     meminfo = fake / "meminfo"
-    meminfo.write_text(f"MemTotal:       {4 * mem_available // 1024} kB\n"
-                       f"MemFree:        {mem_available // 2048} kB\n"
-                       f"MemAvailable:   {mem_available // 1024} kB\n")
+    meminfo.write_text(
+        f"MemTotal:       {4 * mem_available // 1024} kB\n"
+        f"MemFree:        {mem_available // 2048} kB\n"
+        f"MemAvailable:   {mem_available // 1024} kB\n"
+    )
     monkeypatch.setattr(fsinfo, "_MEMINFO", str(meminfo))
     mountinfo = fake / "mountinfo"
     lines = Path("/proc/self/mountinfo").read_text()

@@ -16,8 +16,11 @@ def pool_mappings(directory: Path) -> int:
 
 def inode_mappings(inode: int) -> int:
     """This process's mappings of the pool file with this inode (unlinked or not)."""
-    return sum(1 for line in Path("/proc/self/maps").read_text().splitlines()
-               if line.split()[4:5] == [str(inode)] and POOL_FILE_NAME in line)
+    return sum(
+        1
+        for line in Path("/proc/self/maps").read_text().splitlines()
+        if line.split()[4:5] == [str(inode)] and POOL_FILE_NAME in line
+    )
 
 
 def resident_bytes(region) -> int:

@@ -38,14 +38,16 @@ class Node:
         self.work_dir = Path(work_dir)
         self.storage_dir = self.work_dir / "storage"
         self.env = without_hpkv()
-        self.env.update({
-            "HPKV_SHARE_MEM_FILE_PATH": str(self.shm_dir),
-            "HPKV_KV_STORAGE_PATH": str(self.storage_dir),
-            "HPKV_KV_MEM_POOL_SIZE": POOL_SIZE,
-            "HPKV_CONFIG_FILE_PATH": str(self.work_dir / "no-such-config.ini"),
-            "HPKV_SERVER_IDLE_EXIT_S": "30",
-            "PYTHONPATH": pythonpath(),
-        })
+        self.env.update(
+            {
+                "HPKV_SHARE_MEM_FILE_PATH": str(self.shm_dir),
+                "HPKV_KV_STORAGE_PATH": str(self.storage_dir),
+                "HPKV_KV_MEM_POOL_SIZE": POOL_SIZE,
+                "HPKV_CONFIG_FILE_PATH": str(self.work_dir / "no-such-config.ini"),
+                "HPKV_SERVER_IDLE_EXIT_S": "30",
+                "PYTHONPATH": pythonpath(),
+            }
+        )
         self.env.update(env)
         self.agents: list[Agent] = []
         self.servers: list[subprocess.Popen] = []
@@ -85,8 +87,13 @@ class Node:
     def start_server(self, timeout_s: float = 20.0, **env: str) -> subprocess.Popen:
         """A foreground server (`python -m hpkv.server.daemon`), returned once it answers."""
         log = open(self.work_dir / f"server-{len(self.servers)}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "hpkv.server.daemon"], env={**self.env, **env},
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hpkv.server.daemon"],
+            env={**self.env, **env},
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+        )
         log.close()
         self.servers.append(proc)
         deadline = time.monotonic() + timeout_s
@@ -157,9 +164,16 @@ class Agent:
         self.stderr_path = node.work_dir / f"agent-{kind}-{len(node.agents)}.err"
         with open(self.stderr_path, "wb") as err:
             config = json.dumps({"kind": kind, **client_kw})
-            self.proc = subprocess.Popen([sys.executable, "-m", "helpers.agent", config], env=node.env, cwd=cwd,
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-                                         bufsize=1)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "helpers.agent", config],
+                env=node.env,
+                cwd=cwd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                bufsize=1,
+            )
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._stdin, self._stdout = self.proc.stdin, self.proc.stdout
         self.pid = self.proc.pid
@@ -214,6 +228,7 @@ class Agent:
 
 # -- raw protocol, for tests that speak to the socket themselves ---------------------------------
 
+
 def raw_connect(node: Node, hello: bool = True, timeout_s: float = 5.0) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
@@ -236,6 +251,7 @@ def read_replies(sock: socket.socket) -> list[p.Reply]:
 
 
 # -- a node's running server, by its directory -------------------------------------------------
+
 
 def server_stats(shm_dir: Path) -> ServerStats | None:
     """The running server's stats, or None when none answers. Never starts one."""

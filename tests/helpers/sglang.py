@@ -47,14 +47,39 @@ import torch  # noqa: E402
 MODEL = "/mnt/data/models/Qwen/Qwen2.5-1.5B-Instruct"
 SERVED = "qwen2.5-1.5b"
 # The documented commands (spec/quickstart.en.md, SGLang), after `sglang serve`.
-GPU_ARGV = ["--model-path", MODEL, "--enable-ct-hpkv", "--host", "0.0.0.0", "--port", "8000",
-            "--page-size", "64", "--served-model-name", SERVED]
+GPU_ARGV = [
+    "--model-path",
+    MODEL,
+    "--enable-ct-hpkv",
+    "--host",
+    "0.0.0.0",
+    "--port",
+    "8000",
+    "--page-size",
+    "64",
+    "--served-model-name",
+    SERVED,
+]
 ASCEND_ARGV = GPU_ARGV + ["--device", "npu", "--attention-backend", "ascend"]
-ASCEND_ENV = {"SGLANG_SET_CPU_AFFINITY": "1", "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
-              "STREAMS_PER_DEVICE": "32"}
+ASCEND_ENV = {
+    "SGLANG_SET_CPU_AFFINITY": "1",
+    "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
+    "STREAMS_PER_DEVICE": "32",
+}
 # The original document's order: the flag between --model-path and the path.
-ORIGINAL_ORDER_ARGV = ["--model-path", "--enable-ct-hpkv", MODEL, "--host", "0.0.0.0", "--port", "8000",
-                       "--page-size", "64", "--served-model-name", SERVED]
+ORIGINAL_ORDER_ARGV = [
+    "--model-path",
+    "--enable-ct-hpkv",
+    MODEL,
+    "--host",
+    "0.0.0.0",
+    "--port",
+    "8000",
+    "--page-size",
+    "64",
+    "--served-model-name",
+    SERVED,
+]
 
 HOST_BUDGET_BYTES = 64 << 20
 
@@ -65,6 +90,7 @@ ENTRY_POINTS = {
 
 
 # -- SGLang's modules ------------------------------------------------------------------------
+
 
 @lru_cache(maxsize=1)
 def sglang_modules() -> types.SimpleNamespace:
@@ -153,6 +179,7 @@ class root_logging_kept:
 
 # -- entry points -----------------------------------------------------------------------------
 
+
 def _installed(group: str, name: str, value: str) -> bool:
     return any(ep.name == name and ep.value == value for ep in entry_points(group=group))
 
@@ -164,9 +191,12 @@ def entry_points_visible(directory: Path) -> str | None:
     dist = Path(directory) / "hpkv_sglang_entry_points-0.0.dist-info"
     dist.mkdir(parents=True, exist_ok=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: hpkv-sglang-entry-points\nVersion: 0.0\n")
-    (dist / "entry_points.txt").write_text("".join(
-        f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in eps.items()) + "\n"
-        for group, eps in ENTRY_POINTS.items()))
+    (dist / "entry_points.txt").write_text(
+        "".join(
+            f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in eps.items()) + "\n"
+            for group, eps in ENTRY_POINTS.items()
+        )
+    )
     sys.path.insert(0, str(directory))
     importlib.invalidate_caches()
     return str(directory)
@@ -178,10 +208,20 @@ def subprocess_env(extra_path: str | None, **env: str) -> dict[str, str]:
 
 # -- server arguments -------------------------------------------------------------------------
 
-TINY_CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
-               "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-               "num_hidden_layers": 3, "vocab_size": 1000, "max_position_embeddings": 4096,
-               "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16", "tie_word_embeddings": True}
+TINY_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 3,
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": True,
+}
 
 
 def tiny_model(directory: Path, **config) -> Path:
@@ -217,9 +257,18 @@ def published(argv: list[str]):
 
 # -- host pools -------------------------------------------------------------------------------
 
-def host_pool(kind: str = "mha", layout: str = "page_first", page_size: int = 4, num_layers: int = 3,
-              dtype: torch.dtype = torch.bfloat16, device_tokens: int = 64, seed: int | None = 0,
-              start_layer: int = 0, **options):
+
+def host_pool(
+    kind: str = "mha",
+    layout: str = "page_first",
+    page_size: int = 4,
+    num_layers: int = 3,
+    dtype: torch.dtype = torch.bfloat16,
+    device_tokens: int = 64,
+    seed: int | None = 0,
+    start_layer: int = 0,
+    **options,
+):
     """A real SGLang host KV pool (2 x device_tokens slots) of the model layers from
     `start_layer` on (a pipeline stage), filled with random bytes unless `seed` is None (then
     zeros, as SGLang allocates it). `options` go to the host pool (MLA's layer_shard_enabled)."""
@@ -238,24 +287,59 @@ def _host_pool(kind, layout, page_size, num_layers, dtype, device_tokens, start_
     sg = sglang_modules()
     layers = {"start_layer": start_layer, "end_layer": start_layer + num_layers - 1}
     if kind == "mha":
-        device = sg.memory_pool.MHATokenToKVPool(size=device_tokens, page_size=page_size, dtype=dtype, head_num=2,
-                                                 head_dim=8, layer_num=num_layers, device="cpu",
-                                                 enable_memory_saver=False, **layers)
+        device = sg.memory_pool.MHATokenToKVPool(
+            size=device_tokens,
+            page_size=page_size,
+            dtype=dtype,
+            head_num=2,
+            head_dim=8,
+            layer_num=num_layers,
+            device="cpu",
+            enable_memory_saver=False,
+            **layers,
+        )
         info = device.get_device_pool_infos()[0].buffer_info
-        pool = sg.mha_host.MHATokenToKVPoolHost(info, 2.0, 0, page_size, layout, pin_memory=False, device="cpu",
-                                                 device_capacity_tokens=device.size,
-                                                 start_layer=device.start_layer, end_layer=device.end_layer,
-                                                 **options)
+        pool = sg.mha_host.MHATokenToKVPoolHost(
+            info,
+            2.0,
+            0,
+            page_size,
+            layout,
+            pin_memory=False,
+            device="cpu",
+            device_capacity_tokens=device.size,
+            start_layer=device.start_layer,
+            end_layer=device.end_layer,
+            **options,
+        )
     elif kind == "mla":
-        device = sg.memory_pool.MLATokenToKVPool(size=device_tokens, page_size=page_size, dtype=dtype,
-                                                 kv_lora_rank=16, qk_rope_head_dim=8, layer_num=num_layers,
-                                                 device="cpu", enable_memory_saver=False, **layers)
+        device = sg.memory_pool.MLATokenToKVPool(
+            size=device_tokens,
+            page_size=page_size,
+            dtype=dtype,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            layer_num=num_layers,
+            device="cpu",
+            enable_memory_saver=False,
+            **layers,
+        )
         info = device.get_device_pool_infos()[0].buffer_info
-        pool = sg.mla_host.MLATokenToKVPoolHost(info, 2.0, 0, page_size, layout, pin_memory=False, device="cpu",
-                                                 device_capacity_tokens=device.size,
-                                                 start_layer=device.start_layer, end_layer=device.end_layer,
-                                                 target_layer_num=device.layer_num,
-                                                 override_kv_cache_dim=device.kv_cache_dim, **options)
+        pool = sg.mla_host.MLATokenToKVPoolHost(
+            info,
+            2.0,
+            0,
+            page_size,
+            layout,
+            pin_memory=False,
+            device="cpu",
+            device_capacity_tokens=device.size,
+            start_layer=device.start_layer,
+            end_layer=device.end_layer,
+            target_layer_num=device.layer_num,
+            override_kv_cache_dim=device.kv_cache_dim,
+            **options,
+        )
     else:
         raise ValueError(kind)
     return pool
@@ -274,13 +358,14 @@ def page_indices(pool, pages: list[int]) -> torch.Tensor:
 
 # -- keys -------------------------------------------------------------------------------------
 
+
 def page_hashes(prompt: str, num_pages: int, page_size: int = 4) -> list[str]:
     """SGLang's storage keys for a prompt: SHA-256 chained page by page over the token ids
     (uint32 little-endian), as hex (sglang/srt/mem_cache/utils.py get_hash_str)."""
     tokens = [b for b in hashlib.sha256(prompt.encode()).digest() * (num_pages * page_size // 32 + 1)]
     keys, prior = [], b""
     for p in range(num_pages):
-        digest = hashlib.sha256(prior + struct.pack(f"<{page_size}I", *tokens[p * page_size:(p + 1) * page_size]))
+        digest = hashlib.sha256(prior + struct.pack(f"<{page_size}I", *tokens[p * page_size : (p + 1) * page_size]))
         prior = digest.digest()
         keys.append(digest.hexdigest())
     return keys
@@ -288,21 +373,46 @@ def page_hashes(prompt: str, num_pages: int, page_size: int = 4) -> list[str]:
 
 # -- HPKV -------------------------------------------------------------------------------------
 
+
 def use_node_env(monkeypatch, node) -> None:
     """This process reads HPKV settings (and auto-starts servers) with the node's environment."""
     use_hpkv_env(monkeypatch, node.env)
 
 
-def storage_config(model_name: str = SERVED, tp_rank: int = 0, tp_size: int = 1, is_mla: bool = False,
-                   extra: dict | None = None, pp_rank: int = 0, pp_size: int = 1, metrics: bool = False):
+def storage_config(
+    model_name: str = SERVED,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    is_mla: bool = False,
+    extra: dict | None = None,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    metrics: bool = False,
+):
     """SGLang's HiCacheStorageConfig, as its cache controller fills it in for one rank."""
     sg = sglang_modules()
     return sg.hicache_storage.HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=is_mla, enable_storage_metrics=metrics, is_page_first_layout=False, model_name=model_name,
-        extra_config=dict(extra if extra is not None else
-                          {"backend_name": "ct_hpkv", "module_path": "hpkv.integrations.sglang.backend",
-                           "class_name": "HpkvStorage", "interface_v1": 1}))
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=is_mla,
+        enable_storage_metrics=metrics,
+        is_page_first_layout=False,
+        model_name=model_name,
+        extra_config=dict(
+            extra
+            if extra is not None
+            else {
+                "backend_name": "ct_hpkv",
+                "module_path": "hpkv.integrations.sglang.backend",
+                "class_name": "HpkvStorage",
+                "interface_v1": 1,
+            }
+        ),
+    )
 
 
 def backend(pool, config=None):

@@ -10,26 +10,51 @@ from hpkv.server import protocol as p
 
 ZERO_STATS: dict = {
     "store": {name: 0 for name in stats.StoreCounters.__struct_fields__},
-    "dram": {"capacity_bytes": 64 << 20, "used_bytes": 0, "num_entries": 0, "free_slabs": 0, "evictions": 0,
-             "slab_moves": 0, "reserve_failures": 0, "locked_in_memory": True},
+    "dram": {
+        "capacity_bytes": 64 << 20,
+        "used_bytes": 0,
+        "num_entries": 0,
+        "free_slabs": 0,
+        "evictions": 0,
+        "slab_moves": 0,
+        "reserve_failures": 0,
+        "locked_in_memory": True,
+    },
     "namespaces": {},
     "leases": 0,
     "reservations": 0,
-    "limits": {"slot_timeout_s": None, "max_slot_bytes": None, "max_held_bytes": 0, "capped_keys": 0,
-               "expired_reservations": 0, "expired_leases": 0},
+    "limits": {
+        "slot_timeout_s": None,
+        "max_slot_bytes": None,
+        "max_held_bytes": 0,
+        "capped_keys": 0,
+        "expired_reservations": 0,
+        "expired_leases": 0,
+    },
     "quarantined": 0,
     "holds": 0,
     "write_backlog": None,
     "storage": None,
     "storage_unusable": None,
     "writers": None,
-    "server": {"pid": 1, "version": "0", "protocol": p.PROTOCOL_VERSION, "auto": False, "uptime_s": 0.0,
-               "socket": "/dev/shm/hpkv/hpkv.sock", "pool_path": "/dev/shm/hpkv/hpkv.pool",
-               "storage_path": "/tmp/storage"},
+    "server": {
+        "pid": 1,
+        "version": "0",
+        "protocol": p.PROTOCOL_VERSION,
+        "auto": False,
+        "uptime_s": 0.0,
+        "socket": "/dev/shm/hpkv/hpkv.sock",
+        "pool_path": "/dev/shm/hpkv/hpkv.pool",
+        "storage_path": "/tmp/storage",
+    },
     "clients": [],
 }
 ZERO_STORAGE: dict = {name: 0 for name in stats.StorageStats.__struct_fields__} | {
-    "index_ready": True, "direct_io": False, "write_budget_bytes": None, "write_budget_available_bytes": None}
+    "index_ready": True,
+    "direct_io": False,
+    "write_budget_bytes": None,
+    "write_budget_available_bytes": None,
+}
 
 
 def stats_from(parts: dict) -> stats.ServerStats:

@@ -80,8 +80,14 @@ def eventually(condition, timeout_s: float = 5.0) -> bool:
 def open_tier(storage_dir):
     tiers = []
 
-    def _open(root: Path = storage_dir, capacity: int | None = 64 * file_bytes(), io: FileIO | None = None,
-              fsync: str = "off", cls=StorageTier, clock: FakeClock | None = None) -> StorageTier:
+    def _open(
+        root: Path = storage_dir,
+        capacity: int | None = 64 * file_bytes(),
+        io: FileIO | None = None,
+        fsync: str = "off",
+        cls=StorageTier,
+        clock: FakeClock | None = None,
+    ) -> StorageTier:
         tier = cls(make_storage_config(root, capacity, fsync), io, **({"clock": clock} if clock else {}))
         tiers.append(tier)
         tier.start()
@@ -103,8 +109,9 @@ def tier(open_tier):
 
 def mount_tmpfs(point: Path, options: str, fs_type: str = "tmpfs") -> None:
     point.mkdir(exist_ok=True)
-    result = subprocess.run(["mount", "-t", fs_type, "-o", options, fs_type, str(point)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", fs_type, "-o", options, fs_type, str(point)], capture_output=True, text=True
+    )
     if result.returncode != 0:
         pytest.skip(f"cannot mount a {fs_type} (needs root): {result.stderr.strip()}")
 
@@ -178,8 +185,9 @@ class HookedUnlinks(FileIO):
 class FailingIO(FileIO):
     """Real system calls, except the ones the test says should fail."""
 
-    def __init__(self, read_errno: int = 0, write_errno: int = 0, short_writes: int = 0,
-                 no_space_writes: int = 0) -> None:
+    def __init__(
+        self, read_errno: int = 0, write_errno: int = 0, short_writes: int = 0, no_space_writes: int = 0
+    ) -> None:
         self.read_errno = read_errno
         self.write_errno = write_errno
         self.short_writes = short_writes  # how many writes stop halfway; -1 for all

@@ -134,8 +134,12 @@ class Engine:
 
     def reset_prefix_cache(self, external: bool = False) -> None:
         # vLLM refuses while blocks of finishing requests are still held: try again briefly.
-        wait_for(lambda: self.server.reset_prefix_cache(external), timeout_s=30, interval_s=0.1,
-                 what=f"{self.name}: /reset_prefix_cache (reset_external={external}) to succeed")
+        wait_for(
+            lambda: self.server.reset_prefix_cache(external),
+            timeout_s=30,
+            interval_s=0.1,
+            what=f"{self.name}: /reset_prefix_cache (reset_external={external}) to succeed",
+        )
 
     # -- counters ---------------------------------------------------------------------------
 
@@ -161,7 +165,7 @@ class Engine:
                 source = name.split('source="')[1].split('"')[0]
                 out[source] = out.get(source, 0.0) + value
             elif name.startswith(_COUNTER_PREFIX["hpkv"]):
-                counter = name[len(_COUNTER_PREFIX["hpkv"]):].split("{")[0].removesuffix("_total")
+                counter = name[len(_COUNTER_PREFIX["hpkv"]) :].split("{")[0].removesuffix("_total")
                 out[counter] = out.get(counter, 0.0) + value
             elif name.startswith(_COUNTER_PREFIX["finished"]):
                 out["finished"] += value
@@ -182,8 +186,12 @@ def start_all(engines: list[Engine], gate=None) -> None:
     threads = [threading.Thread(target=start, args=(e,)) for e in engines]
     threads[0].start()
     if gate is not None:
-        wait_for(lambda: gate() or not threads[0].is_alive(), timeout_s=600, interval_s=0.5,
-                 what=f"{engines[0].name} to get far enough in its start")
+        wait_for(
+            lambda: gate() or not threads[0].is_alive(),
+            timeout_s=600,
+            interval_s=0.5,
+            what=f"{engines[0].name} to get far enough in its start",
+        )
     for thread in threads[1:]:
         thread.start()
     for thread in threads:

@@ -65,8 +65,10 @@ class BenchConfig:
         if not self.entry_sizes or min(self.entry_sizes) <= 0:
             raise ValueError("give at least one entry size, each greater than 0")
         if self.total_bytes < max(self.entry_sizes):
-            raise ValueError(f"the total ({self.total_bytes} bytes) must hold at least one entry of "
-                             f"the largest size ({max(self.entry_sizes)} bytes)")
+            raise ValueError(
+                f"the total ({self.total_bytes} bytes) must hold at least one entry of "
+                f"the largest size ({max(self.entry_sizes)} bytes)"
+            )
         if self.num_lookup_keys < lookup.PREFIX_KEYS:
             raise ValueError(f"the lookup needs at least {lookup.PREFIX_KEYS} keys")
         if self.reps < 1 or self.io_threads < 1:
@@ -117,8 +119,10 @@ class _Buffers:
 
 def run(config: BenchConfig, progress: Callable[[str], None] = lambda message: None) -> Report:
     started = time.monotonic()
-    with temporary_dir(config.pool_parent or DEFAULT_POOL_PARENT) as pool_dir, \
-            temporary_dir(config.storage_parent or Path.cwd()) as storage_dir:
+    with (
+        temporary_dir(config.pool_parent or DEFAULT_POOL_PARENT) as pool_dir,
+        temporary_dir(config.storage_parent or Path.cwd()) as storage_dir,
+    ):
         where = machine.describe(pool_dir, storage_dir)
         buffers = _Buffers.allocate(config.total_bytes)
         rows: list[Row] = []
@@ -142,8 +146,10 @@ def temporary_dir(parent: Path) -> Iterator[Path]:
     try:
         path = Path(tempfile.mkdtemp(prefix="hpkv-bench-", dir=parent))
     except OSError as exc:
-        raise HpkvError(f"cannot create a benchmark directory under {parent}: {exc.strerror}; "
-                        "choose another with --pool-dir or --storage-dir") from None
+        raise HpkvError(
+            f"cannot create a benchmark directory under {parent}: {exc.strerror}; "
+            "choose another with --pool-dir or --storage-dir"
+        ) from None
     try:
         yield path
     finally:
@@ -151,8 +157,15 @@ def temporary_dir(parent: Path) -> Iterator[Path]:
 
 
 def _desc(entry_bytes: int) -> NamespaceDesc:
-    return NamespaceDesc(engine="bench", model="dataplane", dtype="bfloat16", layout="blocks",
-                         block_size=16, num_layers=1, entry_bytes=entry_bytes)
+    return NamespaceDesc(
+        engine="bench",
+        model="dataplane",
+        dtype="bfloat16",
+        layout="blocks",
+        block_size=16,
+        num_layers=1,
+        entry_bytes=entry_bytes,
+    )
 
 
 def _gbps(num_bytes: int, seconds: float) -> float:
@@ -170,8 +183,15 @@ def _target(entry_bytes: int, ratio: float) -> tuple[str, bool | None]:
     return f">= {TARGET_RATIO:.2f}x", ratio >= TARGET_RATIO
 
 
-def _throughput_row(measure: str, entry_bytes: int, num_bytes: int, times_s: list[float],
-                    limit_s: list[float], detail: str = "", targeted: bool = True) -> Row:
+def _throughput_row(
+    measure: str,
+    entry_bytes: int,
+    num_bytes: int,
+    times_s: list[float],
+    limit_s: list[float],
+    detail: str = "",
+    targeted: bool = True,
+) -> Row:
     # The best round of each side: on a shared machine the other rounds measure the neighbours.
     value, limit = _gbps(num_bytes, min(times_s)), _gbps(num_bytes, min(limit_s))
     target, passed = _target(entry_bytes, value / limit) if targeted else ("", None)
@@ -179,6 +199,7 @@ def _throughput_row(measure: str, entry_bytes: int, num_bytes: int, times_s: lis
 
 
 # -- DRAM -----------------------------------------------------------------------------------
+
 
 def dram_rows(pool_dir: Path, entry_bytes: int, buffers: _Buffers, reps: int) -> list[Row]:
     num = len(buffers.src) // entry_bytes
@@ -203,16 +224,21 @@ def dram_rows(pool_dir: Path, entry_bytes: int, buffers: _Buffers, reps: int) ->
                 read_s = _timed(_store_read, store, ns, keys, pool, buffers.dst)
                 _check_same(buffers.src[:num_bytes], buffers.dst[:num_bytes], "DRAM")
                 store.clear(memory=True)
-                seconds = (write_s, read_s,
-                           _timed(_copy_entries, buffers.plain, buffers.src, entry_bytes, num),
-                           _timed(_copy_entries, buffers.dst, buffers.plain, entry_bytes, num))
+                seconds = (
+                    write_s,
+                    read_s,
+                    _timed(_copy_entries, buffers.plain, buffers.src, entry_bytes, num),
+                    _timed(_copy_entries, buffers.dst, buffers.plain, entry_bytes, num),
+                )
                 if round_:
                     for name, value in zip(times, seconds):
                         times[name].append(value)
         finally:
             del pool
-    return [_throughput_row("DRAM write", entry_bytes, num_bytes, times["write"], times["limit write"]),
-            _throughput_row("DRAM read", entry_bytes, num_bytes, times["read"], times["limit read"])]
+    return [
+        _throughput_row("DRAM write", entry_bytes, num_bytes, times["write"], times["limit write"]),
+        _throughput_row("DRAM read", entry_bytes, num_bytes, times["read"], times["limit read"]),
+    ]
 
 
 def _no_storage(path: Path) -> StorageConfig:
@@ -257,20 +283,26 @@ def _copy_entries(dst: np.ndarray, src: np.ndarray, size: int, num: int) -> None
 
 # -- storage --------------------------------------------------------------------------------
 
+
 def _fsync_entry_bytes(config: BenchConfig) -> int:
     if TARGET_ENTRY_BYTES in config.entry_sizes:
         return TARGET_ENTRY_BYTES
     return sorted(config.entry_sizes)[len(config.entry_sizes) // 2]
 
 
-def storage_rows(storage_dir: Path, entry_bytes: int, buffers: _Buffers, config: BenchConfig,
-                 fsync: str) -> list[Row]:
+def storage_rows(storage_dir: Path, entry_bytes: int, buffers: _Buffers, config: BenchConfig, fsync: str) -> list[Row]:
     total_bytes = len(buffers.src) if fsync == "off" else min(len(buffers.src), FSYNC_ROW_MAX_BYTES)
     num = max(1, total_bytes // entry_bytes)
     num_bytes = num * entry_bytes
-    tier = StorageTier(StorageConfig(path=storage_dir / f"tier-{entry_bytes}-{fsync}", enabled=True,
-                                     capacity_bytes=4 * num * (entry_bytes + 4096), fsync=fsync,
-                                     io_threads=config.io_threads))
+    tier = StorageTier(
+        StorageConfig(
+            path=storage_dir / f"tier-{entry_bytes}-{fsync}",
+            enabled=True,
+            capacity_bytes=4 * num * (entry_bytes + 4096),
+            fsync=fsync,
+            io_threads=config.io_threads,
+        )
+    )
     tier.start()
     desc = _desc(entry_bytes)
     tier.add_namespace(desc.ns, desc.to_json())
@@ -295,30 +327,40 @@ def storage_rows(storage_dir: Path, entry_bytes: int, buffers: _Buffers, config:
         dst.release()
         tier.close()
     if fsync != "off":
-        return [_throughput_row(f"storage write, fsync={fsync}", entry_bytes, num_bytes, times["write"],
-                                times["limit write"], "limit: write + one fdatasync", targeted=False)]
-    return [_throughput_row("storage write", entry_bytes, num_bytes, times["write"], times["limit write"]),
-            _throughput_row("storage read", entry_bytes, num_bytes, times["read"], times["limit read"])]
+        return [
+            _throughput_row(
+                f"storage write, fsync={fsync}",
+                entry_bytes,
+                num_bytes,
+                times["write"],
+                times["limit write"],
+                "limit: write + one fdatasync",
+                targeted=False,
+            )
+        ]
+    return [
+        _throughput_row("storage write", entry_bytes, num_bytes, times["write"], times["limit write"]),
+        _throughput_row("storage read", entry_bytes, num_bytes, times["read"], times["limit read"]),
+    ]
 
 
 def _tier_write(tier: StorageTier, ns: str, keys: list[Key], src: memoryview) -> None:
     size = len(src) // len(keys)
-    writes = [tier.submit(tier.write_from, ns, key, src[i * size : (i + 1) * size])
-              for i, key in enumerate(keys)]
+    writes = [tier.submit(tier.write_from, ns, key, src[i * size : (i + 1) * size]) for i, key in enumerate(keys)]
     if not all(write.result() for write in writes):
         raise RuntimeError("the storage tier dropped a benchmark write (see the log)")
 
 
 def _tier_read(tier: StorageTier, ns: str, keys: list[Key], dst: memoryview) -> None:
     size = len(dst) // len(keys)
-    reads = [tier.submit(tier.read_into, ns, key, dst[i * size : (i + 1) * size])
-             for i, key in enumerate(keys)]
+    reads = [tier.submit(tier.read_into, ns, key, dst[i * size : (i + 1) * size]) for i, key in enumerate(keys)]
     if not all(read.result() for read in reads):
         raise RuntimeError("the storage tier missed a benchmark entry it had written (see the log)")
 
 
-def disk_limit(path: Path, src: memoryview, dst: memoryview, size: int, fsync: str,
-               between=None) -> tuple[float, float]:
+def disk_limit(
+    path: Path, src: memoryview, dst: memoryview, size: int, fsync: str, between=None
+) -> tuple[float, float]:
     """Seconds to write `src` to one new file sequentially, `size` bytes a call, then read it back;
     `between` (untimed) runs in between, e.g. to drop the page cache."""
     started = time.perf_counter()
@@ -353,16 +395,30 @@ def _write_all(fd: int, data: memoryview) -> None:
 
 # -- lookup ---------------------------------------------------------------------------------
 
+
 def lookup_rows(pool_dir: Path, storage_dir: Path, config: BenchConfig) -> list[Row]:
     times = lookup.measure(pool_dir, storage_dir, config.num_lookup_keys, config.lookup_rounds)
-    held = (f"{lookup.PREFIX_KEYS:,}-key prefix; store holds {times.num_keys:,} keys "
-            f"({times.num_dram:,} also in DRAM)")
+    held = f"{lookup.PREFIX_KEYS:,}-key prefix; store holds {times.num_keys:,} keys ({times.num_dram:,} also in DRAM)"
     hit_ms = times.hit.median_s * 1e3
     return [
-        Row("lookup, all hit", lookup.ENTRY_BYTES, "ms", hit_ms, times.hit_floor.median_s * 1e3,
-            f"<= {TARGET_LOOKUP_S * 1e3:g} ms", hit_ms <= TARGET_LOOKUP_S * 1e3,
-            p99=times.hit.p99_s * 1e3, detail=f"{held}; {times.num_hit:,} hit"),
-        Row("lookup, miss halfway", lookup.ENTRY_BYTES, "ms", times.miss.median_s * 1e3,
-            times.miss_floor.median_s * 1e3, p99=times.miss.p99_s * 1e3,
-            detail=f"{held}; {times.num_miss_hit:,} hit, then a miss"),
+        Row(
+            "lookup, all hit",
+            lookup.ENTRY_BYTES,
+            "ms",
+            hit_ms,
+            times.hit_floor.median_s * 1e3,
+            f"<= {TARGET_LOOKUP_S * 1e3:g} ms",
+            hit_ms <= TARGET_LOOKUP_S * 1e3,
+            p99=times.hit.p99_s * 1e3,
+            detail=f"{held}; {times.num_hit:,} hit",
+        ),
+        Row(
+            "lookup, miss halfway",
+            lookup.ENTRY_BYTES,
+            "ms",
+            times.miss.median_s * 1e3,
+            times.miss_floor.median_s * 1e3,
+            p99=times.miss.p99_s * 1e3,
+            detail=f"{held}; {times.num_miss_hit:,} hit, then a miss",
+        ),
     ]

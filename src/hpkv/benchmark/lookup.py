@@ -65,11 +65,22 @@ def measure(pool_dir: Path, storage_dir: Path, num_keys: int, rounds: int = 200)
     prefix = keys[:PREFIX_KEYS]
     half = PREFIX_KEYS // 2
     stopped = prefix[:half] + new_keys(1) + prefix[half + 1 :]
-    desc = NamespaceDesc(engine="bench", model="lookup", dtype="bfloat16", layout="blocks",
-                         block_size=16, num_layers=1, entry_bytes=ENTRY_BYTES)
-    tier_config = StorageConfig(path=storage_dir / "lookup", enabled=True,
-                                capacity_bytes=2 * num_keys * (ENTRY_BYTES + 4096), fsync="off",
-                                io_threads=2)
+    desc = NamespaceDesc(
+        engine="bench",
+        model="lookup",
+        dtype="bfloat16",
+        layout="blocks",
+        block_size=16,
+        num_layers=1,
+        entry_bytes=ENTRY_BYTES,
+    )
+    tier_config = StorageConfig(
+        path=storage_dir / "lookup",
+        enabled=True,
+        capacity_bytes=2 * num_keys * (ENTRY_BYTES + 4096),
+        fsync="off",
+        io_threads=2,
+    )
     with TieredStore.open(PoolConfig(pool_dir, POOL_BYTES), tier_config) as store:
         ns = store.register(desc)
         _fill(store, ns, keys, prefix[:NUM_DRAM_KEYS])
@@ -79,10 +90,15 @@ def measure(pool_dir: Path, storage_dir: Path, num_keys: int, rounds: int = 200)
         num_miss_hit = store.lookup(ns, stopped).num_hit
     index = dict.fromkeys(keys)
     return LookupTimes(
-        num_keys=num_keys, num_hit=found.num_hit, num_dram=found.num_dram, hit=hit, miss=miss,
+        num_keys=num_keys,
+        num_hit=found.num_hit,
+        num_dram=found.num_dram,
+        hit=hit,
+        miss=miss,
         num_miss_hit=num_miss_hit,
         hit_floor=_latency(lambda: _prefix_length(index, prefix), rounds),
-        miss_floor=_latency(lambda: _prefix_length(index, stopped), rounds))
+        miss_floor=_latency(lambda: _prefix_length(index, stopped), rounds),
+    )
 
 
 def _fill(store: TieredStore, ns: str, keys: list[Key], dram_keys: list[Key]) -> None:

@@ -55,8 +55,12 @@ def describe(pool_dir: Path, storage_dir: Path) -> Machine:
 
 def _path_info(path: Path) -> PathInfo:
     mount = mount_of(path)
-    info: PathInfo = {"path": str(path), "fs_type": mount.fs_type, "mount_point": mount.mount_point,
-            "source": mount.source}
+    info: PathInfo = {
+        "path": str(path),
+        "fs_type": mount.fs_type,
+        "mount_point": mount.mount_point,
+        "source": mount.source,
+    }
     if mount.huge_pages is not None:
         info["huge_pages"] = mount.huge_pages  # a tmpfs's huge= (docs/operations.md, "Huge pages")
     return info

@@ -16,18 +16,27 @@ from .machine import Machine
 
 
 def to_json(report: Report) -> str:
-    config = {name: (str(value) if isinstance(value, Path) else value)
-              for name, value in dataclasses.asdict(report.config).items()}
+    config = {
+        name: (str(value) if isinstance(value, Path) else value)
+        for name, value in dataclasses.asdict(report.config).items()
+    }
     rows = [{**dataclasses.asdict(row), "ratio": row.ratio} for row in report.rows]
-    return json.dumps({"config": config, "machine": report.machine, "rows": rows,
-                       "elapsed_s": round(report.elapsed_s, 2)}, indent=2)
+    return json.dumps(
+        {"config": config, "machine": report.machine, "rows": rows, "elapsed_s": round(report.elapsed_s, 2)}, indent=2
+    )
 
 
 def print_table(report: Report, console: Console) -> None:
     table = Table(title=Text(f"HPKV data plane ({_machine_line(report.machine)})"))
     columns: tuple[tuple[str, JustifyMethod], ...] = (
-        ("measure", "left"), ("entry", "right"), ("HPKV", "right"), ("limit", "right"),
-        ("ratio", "right"), ("target", "left"), ("result", "left"))
+        ("measure", "left"),
+        ("entry", "right"),
+        ("HPKV", "right"),
+        ("limit", "right"),
+        ("ratio", "right"),
+        ("target", "left"),
+        ("result", "left"),
+    )
     for name, justify in columns:
         table.add_column(name, justify=justify, no_wrap=True)
     for row in report.rows:
@@ -37,9 +46,13 @@ def print_table(report: Report, console: Console) -> None:
         if row.detail:
             console.print(Text(f"{row.measure}: {row.detail}"))
     pool, storage = report.machine["pool_dir"], report.machine["storage_dir"]
-    console.print(Text(f"pool on {pool['fs_type']} ({pool['path']}), storage on "
-                       f"{storage['fs_type']} ({storage['path']}); GB/s = 10^9 bytes/s, "
-                       f"throughputs: best of {report.config.reps} rounds; {report.elapsed_s:.0f} s in all"))
+    console.print(
+        Text(
+            f"pool on {pool['fs_type']} ({pool['path']}), storage on "
+            f"{storage['fs_type']} ({storage['path']}); GB/s = 10^9 bytes/s, "
+            f"throughputs: best of {report.config.reps} rounds; {report.elapsed_s:.0f} s in all"
+        )
+    )
 
 
 def _cells(row: Row) -> list[Text]:
@@ -49,12 +62,9 @@ def _cells(row: Row) -> list[Text]:
     else:
         entry, value = f"{PREFIX_KEYS:,} keys", f"{row.value:.3f} ms (p99 {row.p99:.3f})"
         limit, ratio = f"{row.limit:.3f} ms (dict)", ""
-    result = {None: Text(""), True: Text("PASS", style="green"),
-              False: Text("MISS", style="bold red")}[row.passed]
-    return [Text(row.measure), Text(entry), Text(value), Text(limit), Text(ratio),
-            Text(row.target), result]
+    result = {None: Text(""), True: Text("PASS", style="green"), False: Text("MISS", style="bold red")}[row.passed]
+    return [Text(row.measure), Text(entry), Text(value), Text(limit), Text(ratio), Text(row.target), result]
 
 
 def _machine_line(machine: Machine) -> str:
-    return (f"{machine['cpus']} CPUs, {machine['memory_bytes'] / 2**30:.0f} GiB, "
-            f"load {machine['load_avg_1m']}")
+    return f"{machine['cpus']} CPUs, {machine['memory_bytes'] / 2**30:.0f} GiB, load {machine['load_avg_1m']}"

@@ -58,20 +58,37 @@ def listens_on(pid: int, port: int) -> bool:
         return False
     for proc in procs:
         try:
-            if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
-                   for c in proc.net_connections("tcp")):
+            if any(
+                c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in proc.net_connections("tcp")
+            ):
                 return True
         except psutil.Error:
             continue
     return False
 
 
-def documented_flags(model: str, port: int, served_name: str, hpkv: bool = True,
-                     block_size: int = 32, extra: tuple[str, ...] = ()) -> list[str]:
+def documented_flags(
+    model: str, port: int, served_name: str, hpkv: bool = True, block_size: int = 32, extra: tuple[str, ...] = ()
+) -> list[str]:
     """The documented `vllm serve` flags (host is loopback here)."""
-    flags = ["--model", model, "--host", "127.0.0.1", "--port", str(port), "--trust-remote-code",
-             "--served-model-name", served_name, "--block-size", str(block_size),
-             "--max-num-batched-tokens", "8192", "--gpu-memory-utilization", "0.8", "--enable-prefix-caching"]
+    flags = [
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--trust-remote-code",
+        "--served-model-name",
+        served_name,
+        "--block-size",
+        str(block_size),
+        "--max-num-batched-tokens",
+        "8192",
+        "--gpu-memory-utilization",
+        "0.8",
+        "--enable-prefix-caching",
+    ]
     if hpkv:
         flags += ["--kv-transfer-config", HPKV_CONNECTOR]
     return flags + list(extra)
@@ -87,8 +104,15 @@ class Completion:
     total_s: float
 
 
-def wait_until_answers(process: subprocess.Popen, url: str, timeout_s: float, what: str,
-                       log_path: Path | None, interval_s: float, port: int | None = None) -> None:
+def wait_until_answers(
+    process: subprocess.Popen,
+    url: str,
+    timeout_s: float,
+    what: str,
+    log_path: Path | None,
+    interval_s: float,
+    port: int | None = None,
+) -> None:
     """Return once `url` answers; RuntimeError if `process` exits first, or (with `port`) if what
     answers is not `process`; TimeoutError after `timeout_s` (the caller stops the process)."""
     deadline = time.monotonic() + timeout_s
@@ -101,8 +125,10 @@ def wait_until_answers(process: subprocess.Popen, url: str, timeout_s: float, wh
             time.sleep(interval_s)
             continue
         if port is not None and not listens_on(process.pid, port):
-            raise RuntimeError(f"{url} answers, but not from the {what} just started (pid {process.pid}): another "
-                               f"process holds port {port}; log: {log_path}")
+            raise RuntimeError(
+                f"{url} answers, but not from the {what} just started (pid {process.pid}): another "
+                f"process holds port {port}; log: {log_path}"
+            )
         return
     raise TimeoutError(f"{what} did not answer within {timeout_s:.0f} s; log: {log_path}")
 
@@ -121,15 +147,18 @@ class VllmServer:
 
     def start(self, timeout_s: float = 600.0) -> VllmServer:
         env = {**CPU_ENV, **os.environ, "VLLM_SERVER_DEV_MODE": "1", **self.env}  # CPU_ENV: defaults
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               *documented_flags(self.model, self.port, self.served_name, self.hpkv, self.block_size,
-                                 self.extra_flags)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            *documented_flags(self.model, self.port, self.served_name, self.hpkv, self.block_size, self.extra_flags),
+        ]
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            wait_until_answers(self.process, self.url("/v1/models"), timeout_s, "vLLM", self.log_path, 1.0,
-                               port=self.port)
+            wait_until_answers(
+                self.process, self.url("/v1/models"), timeout_s, "vLLM", self.log_path, 1.0, port=self.port
+            )
         except (TimeoutError, RuntimeError):
             self.stop()
             raise
@@ -156,19 +185,31 @@ class VllmServer:
 
     def post(self, path: str, body: dict | None = None, timeout_s: float = 600.0):
         data = json.dumps(body).encode() if body is not None else b""
-        request = urllib.request.Request(self.url(path), data=data, method="POST",
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.url(path), data=data, method="POST", headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             raw = response.read()
         return json.loads(raw) if raw else None
 
     def complete(self, prompt: str | list[int], max_tokens: int = 16) -> Completion:
         """A greedy completion, streamed so the time to the first token is measured."""
-        body = {"model": self.served_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "logprobs": 1, "stream": True, "stream_options": {"include_usage": True},
-                "return_token_ids": True}
-        request = urllib.request.Request(self.url("/v1/completions"), data=json.dumps(body).encode(),
-                                         method="POST", headers={"Content-Type": "application/json"})
+        body = {
+            "model": self.served_name,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "logprobs": 1,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+        }
+        request = urllib.request.Request(
+            self.url("/v1/completions"),
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
         started = time.perf_counter()
         ttft, text, prompt_tokens = None, "", 0
         token_ids: list[int] = []
@@ -187,8 +228,7 @@ class VllmServer:
                     logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
                 if chunk.get("usage"):
                     prompt_tokens = chunk["usage"]["prompt_tokens"]
-        return Completion(text, token_ids or None, logprobs, prompt_tokens, ttft or 0.0,
-                          time.perf_counter() - started)
+        return Completion(text, token_ids or None, logprobs, prompt_tokens, ttft or 0.0, time.perf_counter() - started)
 
     def reset_prefix_cache(self, external: bool = False) -> bool:
         path = "/reset_prefix_cache" + ("?reset_external=true" if external else "")

@@ -71,14 +71,20 @@ def _build_tokenizer(path: Path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_WORDS * 4, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_WORDS * 4,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     vocab = words()
     corpus = [" " + " ".join(vocab[i : i + 20]) for i in range(0, len(vocab), 20)]
     tok.train_from_iterator(corpus * 3, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>"
-                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+    )
     fast.save_pretrained(path)
     return fast
 
@@ -89,9 +95,17 @@ def _build_weights(path: Path, shape: ModelShape, vocab_size: int) -> None:
 
     torch.manual_seed(SEED)
     config = Qwen2Config(
-        vocab_size=vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads, max_position_embeddings=shape.max_position,
-        tie_word_embeddings=True, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=0)
+        vocab_size=vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        max_position_embeddings=shape.max_position,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)

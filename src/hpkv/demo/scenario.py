@@ -81,8 +81,15 @@ def run_demo(cfg: DemoConfig) -> list[Step]:
             files = sum(1 for _ in storage.rglob("*.kv"))
             steps.append(Step(f"KV files under {storage}", "storage", files, 0.0, "-"))
             reference = _measure(engine, prompt)
-            steps.append(Step("same request: vLLM's own prefix cache", "device", int(reference[1].get("device", 0)),
-                              reference[0].ttft_s * 1e3, "reference"))
+            steps.append(
+                Step(
+                    "same request: vLLM's own prefix cache",
+                    "device",
+                    int(reference[1].get("device", 0)),
+                    reference[0].ttft_s * 1e3,
+                    "reference",
+                )
+            )
             engine.reset_prefix_cache()
             dram = _measure(engine, prompt)
             steps.append(_hit_step("POST /reset_prefix_cache, same request", "host", dram, reference[0]))
@@ -96,8 +103,10 @@ def run_demo(cfg: DemoConfig) -> list[Step]:
 
 
 def _engine(model: str, env: dict[str, str], cfg: DemoConfig) -> VllmServer:
-    cfg.log("starting vLLM (python -m vllm.entrypoints.openai.api_server ... --kv-transfer-config "
-            "'{\"kv_connector\":\"HpkvConnectorV1\", \"kv_role\":\"kv_both\"}') ...")
+    cfg.log(
+        "starting vLLM (python -m vllm.entrypoints.openai.api_server ... --kv-transfer-config "
+        '\'{"kv_connector":"HpkvConnectorV1", "kv_role":"kv_both"}\') ...'
+    )
     return VllmServer(model, env, log_path=cfg.workdir / "vllm.log")
 
 
@@ -112,8 +121,13 @@ def _hit_step(name: str, tier: str, measured: tuple[Completion, dict[str, float]
     completion, hits = measured
     same = completion.token_ids == reference.token_ids and completion.logprobs == reference.logprobs
     label = {"host": "DRAM", "disk": "storage"}[tier]
-    return Step(name, label if hits.get(tier, 0) else f"{label}: none", int(hits.get(tier, 0)),
-                completion.ttft_s * 1e3, "yes" if same else "no")
+    return Step(
+        name,
+        label if hits.get(tier, 0) else f"{label}: none",
+        int(hits.get(tier, 0)),
+        completion.ttft_s * 1e3,
+        "yes" if same else "no",
+    )
 
 
 def _wait_for_hpkv_server_exit(pool_dir: Path, timeout_s: float = 120.0) -> None:

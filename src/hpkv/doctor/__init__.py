@@ -39,12 +39,35 @@ from .storage import (
     check_write_backlog,
 )
 
-__all__ = ["BACKLOG_WARN_SHARE", "COLD_LOOKUP_KEYS", "NETWORK_FS", "PARALLEL_FS", "Check", "ServerProbe", "Verdict",
-           "check_config", "check_hash_seed", "check_memlock", "check_namespaces", "check_pool_fs",
-           "check_pool_pages", "check_pool_permissions", "check_pool_space", "check_server", "check_socket_path",
-           "check_storage", "check_storage_direct_io", "check_storage_fs", "check_storage_in_use",
-           "check_storage_permissions", "check_storage_space", "check_storage_writers", "check_write_backlog",
-           "probe_server", "run_checks"]
+__all__ = [
+    "BACKLOG_WARN_SHARE",
+    "COLD_LOOKUP_KEYS",
+    "NETWORK_FS",
+    "PARALLEL_FS",
+    "Check",
+    "ServerProbe",
+    "Verdict",
+    "check_config",
+    "check_hash_seed",
+    "check_memlock",
+    "check_namespaces",
+    "check_pool_fs",
+    "check_pool_pages",
+    "check_pool_permissions",
+    "check_pool_space",
+    "check_server",
+    "check_socket_path",
+    "check_storage",
+    "check_storage_direct_io",
+    "check_storage_fs",
+    "check_storage_in_use",
+    "check_storage_permissions",
+    "check_storage_space",
+    "check_storage_writers",
+    "check_write_backlog",
+    "probe_server",
+    "run_checks",
+]
 
 
 def run_checks(env: Mapping[str, str] | None = None) -> list[Check]:
@@ -52,13 +75,24 @@ def run_checks(env: Mapping[str, str] | None = None) -> list[Check]:
     try:
         settings = load_settings(env)
     except ConfigError as exc:
-        return [Check("config", Verdict.FAIL, str(exc), "correct that key (see `hpkv config` and "
-                      "docs/configuration.md), then run hpkv doctor again")]
+        return [
+            Check(
+                "config",
+                Verdict.FAIL,
+                str(exc),
+                "correct that key (see `hpkv config` and docs/configuration.md), then run hpkv doctor again",
+            )
+        ]
     server = probe_server(settings.pool.dir, settings.server_allow_uids)
     checks = check_config(settings)
-    checks += [check_pool_fs(settings.pool), check_pool_pages(settings.pool),
-               check_pool_permissions(settings.pool, settings.server_allow_uids), check_socket_path(settings.pool),
-               check_pool_space(settings.pool), check_memlock(settings.pool, server)]
+    checks += [
+        check_pool_fs(settings.pool),
+        check_pool_pages(settings.pool),
+        check_pool_permissions(settings.pool, settings.server_allow_uids),
+        check_socket_path(settings.pool),
+        check_pool_space(settings.pool),
+        check_memlock(settings.pool, server),
+    ]
     checks += check_storage(settings.storage, server, settings.pool)
     checks += [check_server(server), check_hash_seed(env)]
     if server.stats is not None:
@@ -70,5 +104,7 @@ def check_config(settings: Settings) -> list[Check]:
     if not settings.warnings:
         source = settings.config_file if settings.config_file.exists() else "none found"
         return [Check("config", Verdict.OK, f"settings resolve without warnings (config file: {source})")]
-    return [Check("config", Verdict.WARN, warning, "see `hpkv config` for every key and its source")
-            for warning in settings.warnings]
+    return [
+        Check("config", Verdict.WARN, warning, "see `hpkv config` for every key and its source")
+        for warning in settings.warnings
+    ]

@@ -60,20 +60,38 @@ def check_server(server: ServerProbe) -> Check:
     if server.stats is not None:
         s = server.stats.server
         mode = "auto-started" if s.auto else "managed"
-        detail = (f"pid {s.pid}, version {s.version} (protocol {s.protocol}), up "
-                  f"{human_duration(s.uptime_s)}, {mode}, {len(server.stats.clients) - 1} other clients, "
-                  f"socket {server.socket}")
+        detail = (
+            f"pid {s.pid}, version {s.version} (protocol {s.protocol}), up "
+            f"{human_duration(s.uptime_s)}, {mode}, {len(server.stats.clients) - 1} other clients, "
+            f"socket {server.socket}"
+        )
         if s.version != __version__:
-            return Check(name, Verdict.WARN, f"{detail}; this hpkv is version {__version__}",
-                         "restart the server after upgrading, so both sides run the same version")
+            return Check(
+                name,
+                Verdict.WARN,
+                f"{detail}; this hpkv is version {__version__}",
+                "restart the server after upgrading, so both sides run the same version",
+            )
         return Check(name, Verdict.OK, detail)
     if server.error is None:
-        return Check(name, Verdict.INFO, f"no server is running on {server.socket}: the first engine process "
-                     "starts one (auto-start), or run `hpkv server`")
+        return Check(
+            name,
+            Verdict.INFO,
+            f"no server is running on {server.socket}: the first engine process "
+            "starts one (auto-start), or run `hpkv server`",
+        )
     if isinstance(server.error, ServerUnavailable):
-        return Check(name, Verdict.WARN, f"a socket exists at {server.socket} but no server answers on it "
-                     f"({server.error}): the last server was killed, or it hangs",
-                     "nothing to do for a killed server: the next one removes the stale socket and pool file; "
-                     "a hung one must be stopped (kill its pid) first")
-    return Check(name, Verdict.FAIL, f"the server at {server.socket} refused this client: {server.error}",
-                 "follow the server's message above")
+        return Check(
+            name,
+            Verdict.WARN,
+            f"a socket exists at {server.socket} but no server answers on it "
+            f"({server.error}): the last server was killed, or it hangs",
+            "nothing to do for a killed server: the next one removes the stale socket and pool file; "
+            "a hung one must be stopped (kill its pid) first",
+        )
+    return Check(
+        name,
+        Verdict.FAIL,
+        f"the server at {server.socket} refused this client: {server.error}",
+        "follow the server's message above",
+    )

@@ -23,8 +23,21 @@ from .pool import pool_file_bytes
 NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "fuse.sshfs", "sshfs", "9p"})
 
 
-PARALLEL_FS = frozenset({"lustre", "gpfs", "beegfs", "ceph", "cephfs", "fuse.3fs", "fuse.hf3fs", "glusterfs",
-                         "fuse.glusterfs", "weka", "wekafs"})
+PARALLEL_FS = frozenset(
+    {
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "ceph",
+        "cephfs",
+        "fuse.3fs",
+        "fuse.hf3fs",
+        "glusterfs",
+        "fuse.glusterfs",
+        "weka",
+        "wekafs",
+    }
+)
 
 
 # virtio and Xen disks say "rotational" whatever backs them.
@@ -33,8 +46,13 @@ _VIRTUAL_DISKS = ("vd", "xvd")
 
 def check_storage(storage: StorageConfig, server: ServerProbe, pool: PoolConfig | None = None) -> list[Check]:
     if not storage.enabled:
-        return [Check("storage directory", Verdict.INFO,
-                      "the storage tier is off (HPKV_KV_STORAGE_ENABLE=false): KV lives in DRAM only")]
+        return [
+            Check(
+                "storage directory",
+                Verdict.INFO,
+                "the storage tier is off (HPKV_KV_STORAGE_ENABLE=false): KV lives in DRAM only",
+            )
+        ]
     checks = [check_storage_permissions(storage)]
     if server.stats is not None and server.stats.storage_unusable:
         checks.append(check_storage_in_use(server.stats))
@@ -61,29 +79,44 @@ def check_write_backlog(stats: ServerStats) -> Check:
     if backlog is None:
         raise ValueError("check_write_backlog needs the stats of a server with a storage tier")
     share = backlog.bytes / pool if pool else 0.0
-    detail = (f"{backlog.entries} entries ({human_bytes(backlog.bytes)}, {share:.0%} of the pool) wait for "
-              "their write-through to storage now")
+    detail = (
+        f"{backlog.entries} entries ({human_bytes(backlog.bytes)}, {share:.0%} of the pool) wait for "
+        "their write-through to storage now"
+    )
     if backlog.deferred:
-        detail += (f", and {backlog.deferred} more wait unpinned (the backlog pins at most half the pool; an "
-                   "entry evicted before its turn stays unwritten)")
+        detail += (
+            f", and {backlog.deferred} more wait unpinned (the backlog pins at most half the pool; an "
+            "entry evicted before its turn stays unwritten)"
+        )
     if share <= BACKLOG_WARN_SHARE:
         return Check(name, Verdict.OK, detail)
-    return Check(name, Verdict.WARN, f"{detail}: each pins its DRAM slot until written, so the storage device "
-                 "is behind what the engines save (a burst drains; a backlog that stays or grows leaves less of "
-                 "the pool for new KV)",
-                 "run hpkv doctor again in a minute; if it has not drained, see docs/operations.md, \"When storage "
-                 "does not keep up\" (a faster device, more HPKV_IO_THREADS, a lower HPKV_WRITE_NICE, direct I/O)")
+    return Check(
+        name,
+        Verdict.WARN,
+        f"{detail}: each pins its DRAM slot until written, so the storage device "
+        "is behind what the engines save (a burst drains; a backlog that stays or grows leaves less of "
+        "the pool for new KV)",
+        'run hpkv doctor again in a minute; if it has not drained, see docs/operations.md, "When storage '
+        'does not keep up" (a faster device, more HPKV_IO_THREADS, a lower HPKV_WRITE_NICE, direct I/O)',
+    )
 
 
 def check_storage_direct_io(storage: StorageConfig) -> Check:
     name = "storage directory: direct I/O"
     if direct_supported(str(storage.path)):
-        return Check(name, Verdict.OK, f"{storage.path} takes O_DIRECT: KV files bypass the page cache "
-                     "(HPKV_KV_STORAGE_DIRECT_IO=on)")
-    return Check(name, Verdict.WARN, f"HPKV_KV_STORAGE_DIRECT_IO=on, but the file system of {storage.path} does "
-                 "not take O_DIRECT: KV files go through the page cache",
-                 "leave HPKV_KV_STORAGE_DIRECT_IO off here, or put the storage on a file system with direct I/O "
-                 "(ext4, xfs, most parallel file systems)")
+        return Check(
+            name,
+            Verdict.OK,
+            f"{storage.path} takes O_DIRECT: KV files bypass the page cache (HPKV_KV_STORAGE_DIRECT_IO=on)",
+        )
+    return Check(
+        name,
+        Verdict.WARN,
+        f"HPKV_KV_STORAGE_DIRECT_IO=on, but the file system of {storage.path} does "
+        "not take O_DIRECT: KV files go through the page cache",
+        "leave HPKV_KV_STORAGE_DIRECT_IO off here, or put the storage on a file system with direct I/O "
+        "(ext4, xfs, most parallel file systems)",
+    )
 
 
 def check_storage_permissions(storage: StorageConfig) -> Check:
@@ -93,42 +126,63 @@ def check_storage_permissions(storage: StorageConfig) -> Check:
     if not path.exists():
         parent = existing_ancestor(path)
         if not parent.is_dir():
-            return Check(name, Verdict.FAIL, f"{path} cannot be created: {parent} is a file, not a directory",
-                         "point HPKV_KV_STORAGE_PATH at a directory")
+            return Check(
+                name,
+                Verdict.FAIL,
+                f"{path} cannot be created: {parent} is a file, not a directory",
+                "point HPKV_KV_STORAGE_PATH at a directory",
+            )
         if os.access(parent, os.W_OK | os.X_OK):
             return Check(name, Verdict.OK, f"{path} does not exist yet; the server creates it")
-        return Check(name, Verdict.FAIL, f"{path} does not exist and {parent} is not writable by uid {uid}",
-                     f"create it: mkdir -p {path} && chown {uid} {path} (as root if needed), or point "
-                     "HPKV_KV_STORAGE_PATH elsewhere")
+        return Check(
+            name,
+            Verdict.FAIL,
+            f"{path} does not exist and {parent} is not writable by uid {uid}",
+            f"create it: mkdir -p {path} && chown {uid} {path} (as root if needed), or point "
+            "HPKV_KV_STORAGE_PATH elsewhere",
+        )
     if not path.is_dir():
-        return Check(name, Verdict.FAIL, f"{path} exists and is not a directory",
-                     "point HPKV_KV_STORAGE_PATH at a directory")
+        return Check(
+            name, Verdict.FAIL, f"{path} exists and is not a directory", "point HPKV_KV_STORAGE_PATH at a directory"
+        )
     if storage_root.read_only(path):
         mount = mount_of(path).mount_point
-        return Check(name, Verdict.FAIL, f"{path} is on a read-only mount ({mount}): no KV file can be written "
-                     "there, so a server runs with its DRAM tier only",
-                     f"remount it read-write (mount -o remount,rw {mount}) or point HPKV_KV_STORAGE_PATH at a "
-                     "writable directory")
+        return Check(
+            name,
+            Verdict.FAIL,
+            f"{path} is on a read-only mount ({mount}): no KV file can be written "
+            "there, so a server runs with its DRAM tier only",
+            f"remount it read-write (mount -o remount,rw {mount}) or point HPKV_KV_STORAGE_PATH at a "
+            "writable directory",
+        )
     if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
-        return Check(name, Verdict.FAIL, f"{path} is not readable and writable by uid {uid}, so a server runs with "
-                     "its DRAM tier only",
-                     f"as root: chown -R {uid} {path}, or point HPKV_KV_STORAGE_PATH elsewhere")
+        return Check(
+            name,
+            Verdict.FAIL,
+            f"{path} is not readable and writable by uid {uid}, so a server runs with its DRAM tier only",
+            f"as root: chown -R {uid} {path}, or point HPKV_KV_STORAGE_PATH elsewhere",
+        )
     mode = path.stat().st_mode & 0o777
     if mode & 0o007:
-        return Check(name, Verdict.WARN,
-                     f"{path} is writable by uid {uid} but has mode {mode:04o}: other users can read the KV "
-                     "files, which hold what the model computed from users' prompts",
-                     f"chmod 700 {path} (or 750 with a group, for nodes sharing it)")
+        return Check(
+            name,
+            Verdict.WARN,
+            f"{path} is writable by uid {uid} but has mode {mode:04o}: other users can read the KV "
+            "files, which hold what the model computed from users' prompts",
+            f"chmod 700 {path} (or 750 with a group, for nodes sharing it)",
+        )
     return Check(name, Verdict.OK, f"{path} has mode {mode:04o} and is writable by uid {uid}")
 
 
 def check_storage_in_use(stats: ServerStats) -> Check:
     """The running server could not use its storage directory and runs on DRAM alone."""
-    return Check("storage: running server", Verdict.WARN,
-                 f"the running server (pid {stats.server.pid}) runs with the DRAM tier only: "
-                 f"{stats.storage_unusable}",
-                 "fix the storage directory as that says, then restart the server (`hpkv server`; an "
-                 "auto-started one restarts once its last engine has exited)")
+    return Check(
+        "storage: running server",
+        Verdict.WARN,
+        f"the running server (pid {stats.server.pid}) runs with the DRAM tier only: {stats.storage_unusable}",
+        "fix the storage directory as that says, then restart the server (`hpkv server`; an "
+        "auto-started one restarts once its last engine has exited)",
+    )
 
 
 def check_storage_writers(storage: StorageConfig) -> Check:
@@ -140,15 +194,19 @@ def check_storage_writers(storage: StorageConfig) -> Check:
     if found is None:
         return Check(name, Verdict.OK, f"{storage.path} does not exist yet; the server creates it with mode 0700")
     if not found:
-        return Check(name, Verdict.OK, f"{storage.path} and its namespace directories are writable by uid {uid} "
-                     "alone (and root)")
+        return Check(
+            name, Verdict.OK, f"{storage.path} and its namespace directories are writable by uid {uid} alone (and root)"
+        )
     shown = "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
-    return Check(name, Verdict.WARN,
-                 f"{shown}: whoever can write the storage tree can plant KV files that engines here load as "
-                 "their own (the files are checksummed, but a writer can compute a checksum too)",
-                 f"chmod -R go-w {storage.path} and chown -R {uid} {storage.path} (mode 700; nodes sharing it run "
-                 f"HPKV as one uid, or 750 with a group whose members only read); anyone left able to write "
-                 f"it is trusted like uid {uid}")
+    return Check(
+        name,
+        Verdict.WARN,
+        f"{shown}: whoever can write the storage tree can plant KV files that engines here load as "
+        "their own (the files are checksummed, but a writer can compute a checksum too)",
+        f"chmod -R go-w {storage.path} and chown -R {uid} {storage.path} (mode 700; nodes sharing it run "
+        f"HPKV as one uid, or 750 with a group whose members only read); anyone left able to write "
+        f"it is trusted like uid {uid}",
+    )
 
 
 def _rotational(source: str) -> bool | None:
@@ -169,23 +227,43 @@ def check_storage_fs(storage: StorageConfig) -> Check:
     mount = mount_of(storage.path)
     where = f"{storage.path} is on {mount.fs_type} ({mount.source} at {mount.mount_point})"
     if mount.fs_type in PSEUDO_FS:
-        return Check(name, Verdict.FAIL, f"{where}, a kernel pseudo file system that cannot hold KV files",
-                     "point HPKV_KV_STORAGE_PATH at an SSD or a parallel file system")
+        return Check(
+            name,
+            Verdict.FAIL,
+            f"{where}, a kernel pseudo file system that cannot hold KV files",
+            "point HPKV_KV_STORAGE_PATH at an SSD or a parallel file system",
+        )
     if mount.fs_type in NETWORK_FS:
-        return Check(name, Verdict.WARN, f"{where}: a network file system (NAS) is slow for KV cache files",
-                     "point HPKV_KV_STORAGE_PATH at a local SSD or a parallel file system (Lustre, GPFS, 3FS...)")
+        return Check(
+            name,
+            Verdict.WARN,
+            f"{where}: a network file system (NAS) is slow for KV cache files",
+            "point HPKV_KV_STORAGE_PATH at a local SSD or a parallel file system (Lustre, GPFS, 3FS...)",
+        )
     if mount.fs_type in ("tmpfs", "ramfs"):
-        return Check(name, Verdict.WARN, f"{where}: a memory file system, so storage takes RAM and is lost at "
-                     "reboot", "point HPKV_KV_STORAGE_PATH at an SSD or a parallel file system")
+        return Check(
+            name,
+            Verdict.WARN,
+            f"{where}: a memory file system, so storage takes RAM and is lost at reboot",
+            "point HPKV_KV_STORAGE_PATH at an SSD or a parallel file system",
+        )
     if mount.fs_type in PARALLEL_FS:
         return Check(name, Verdict.OK, f"{where}: a parallel file system (shareable by several nodes)")
     if _rotational(mount.source):
         device = os.path.basename(os.path.realpath(mount.source))
         if device.startswith(_VIRTUAL_DISKS):
-            return Check(name, Verdict.INFO, f"{where}: a virtual disk that calls itself rotational, as most do; "
-                         "make sure the host backs it with an SSD, not an HDD or NAS")
-        return Check(name, Verdict.WARN, f"{where}: a spinning disk (HDD) is slow for KV cache files",
-                     "point HPKV_KV_STORAGE_PATH at an SSD or a parallel file system")
+            return Check(
+                name,
+                Verdict.INFO,
+                f"{where}: a virtual disk that calls itself rotational, as most do; "
+                "make sure the host backs it with an SSD, not an HDD or NAS",
+            )
+        return Check(
+            name,
+            Verdict.WARN,
+            f"{where}: a spinning disk (HDD) is slow for KV cache files",
+            "point HPKV_KV_STORAGE_PATH at an SSD or a parallel file system",
+        )
     return Check(name, Verdict.OK, where)
 
 
@@ -202,8 +280,12 @@ def check_storage_space(storage: StorageConfig, server: ServerProbe, pool: PoolC
     free = room_bytes(storage.path, promised)
     # A ramfs has no size and says 0 free: the tier takes half the memory available as its room.
     less_pool = f", less the {human_bytes(promised)} DRAM pool" if promised else ""
-    room = (f"{human_bytes(free)} of room (half the memory available{less_pool}: a ramfs has no size of its own, "
-            "and nothing bounds it but memory)" if ramfs else f"{human_bytes(free)} free")
+    room = (
+        f"{human_bytes(free)} of room (half the memory available{less_pool}: a ramfs has no size of its own, "
+        "and nothing bounds it but memory)"
+        if ramfs
+        else f"{human_bytes(free)} free"
+    )
     running = server.stats.storage if server.stats is not None else None
     ours = running.used_bytes if running is not None else 0
     if storage.capacity_bytes is None:
@@ -211,33 +293,49 @@ def check_storage_space(storage: StorageConfig, server: ServerProbe, pool: PoolC
         estimate = auto_capacity_bytes(free, ours)
         if running is not None:
             capacity = running.capacity_bytes
-            detail = (f"HPKV_KV_STORAGE_SIZE=auto: the running server sized the tier to {human_bytes(capacity)} "
-                      f"({share}% of {'half the memory available' if ramfs else 'the space free'} when it started, "
-                      f"plus {share}% of what its files took); "
-                      f"{room} now")
+            detail = (
+                f"HPKV_KV_STORAGE_SIZE=auto: the running server sized the tier to {human_bytes(capacity)} "
+                f"({share}% of {'half the memory available' if ramfs else 'the space free'} when it started, "
+                f"plus {share}% of what its files took); "
+                f"{room} now"
+            )
         else:
             capacity = estimate
-            detail = (f"HPKV_KV_STORAGE_SIZE=auto: a server starting now sizes the tier to {human_bytes(capacity)} "
-                      f"({share}% of the {room}, plus {share}% of what HPKV's files already take there)")
+            detail = (
+                f"HPKV_KV_STORAGE_SIZE=auto: a server starting now sizes the tier to {human_bytes(capacity)} "
+                f"({share}% of the {room}, plus {share}% of what HPKV's files already take there)"
+            )
         if little_room(capacity):
-            fix = ("free memory on this node (then restart the server), set HPKV_KV_STORAGE_SIZE, or point "
-                   "HPKV_KV_STORAGE_PATH at an SSD or a parallel file system" if ramfs else
-                   "free space on that file system (then restart the server), set HPKV_KV_STORAGE_SIZE, or point "
-                   "HPKV_KV_STORAGE_PATH at a larger file system")
-            return Check(name, Verdict.WARN, f"{detail}: little room, so KV files are evicted soon after they are "
-                         "written (none are written at 0 B)", fix)
+            fix = (
+                "free memory on this node (then restart the server), set HPKV_KV_STORAGE_SIZE, or point "
+                "HPKV_KV_STORAGE_PATH at an SSD or a parallel file system"
+                if ramfs
+                else "free space on that file system (then restart the server), set HPKV_KV_STORAGE_SIZE, or point "
+                "HPKV_KV_STORAGE_PATH at a larger file system"
+            )
+            return Check(
+                name,
+                Verdict.WARN,
+                f"{detail}: little room, so KV files are evicted soon after they are written (none are written at 0 B)",
+                fix,
+            )
         return Check(name, Verdict.OK, detail)
     held = f" plus {human_bytes(ours)} HPKV holds there" if server.stats is not None else ""
     if storage.capacity_bytes > free + ours:
         if ramfs:
-            return Check(name, Verdict.WARN,
-                         f"HPKV_KV_STORAGE_SIZE={human_bytes(storage.capacity_bytes)} is more than the {room}"
-                         f"{held}: KV files on this ramfs may take memory the engines and the pool need",
-                         f"lower HPKV_KV_STORAGE_SIZE to at most {human_bytes(free + ours)}, or point "
-                         "HPKV_KV_STORAGE_PATH at an SSD or a parallel file system")
-        return Check(name, Verdict.WARN,
-                     f"HPKV_KV_STORAGE_SIZE={human_bytes(storage.capacity_bytes)} is more than the "
-                     f"{room}{held}: writes will meet a full disk and evict early or be dropped",
-                     f"lower HPKV_KV_STORAGE_SIZE to at most {human_bytes(free + ours)}, or set it to auto")
-    return Check(name, Verdict.OK, f"HPKV_KV_STORAGE_SIZE={human_bytes(storage.capacity_bytes)} fits: "
-                 f"{room}{held}")
+            return Check(
+                name,
+                Verdict.WARN,
+                f"HPKV_KV_STORAGE_SIZE={human_bytes(storage.capacity_bytes)} is more than the {room}"
+                f"{held}: KV files on this ramfs may take memory the engines and the pool need",
+                f"lower HPKV_KV_STORAGE_SIZE to at most {human_bytes(free + ours)}, or point "
+                "HPKV_KV_STORAGE_PATH at an SSD or a parallel file system",
+            )
+        return Check(
+            name,
+            Verdict.WARN,
+            f"HPKV_KV_STORAGE_SIZE={human_bytes(storage.capacity_bytes)} is more than the "
+            f"{room}{held}: writes will meet a full disk and evict early or be dropped",
+            f"lower HPKV_KV_STORAGE_SIZE to at most {human_bytes(free + ours)}, or set it to auto",
+        )
+    return Check(name, Verdict.OK, f"HPKV_KV_STORAGE_SIZE={human_bytes(storage.capacity_bytes)} fits: {room}{held}")

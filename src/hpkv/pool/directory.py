@@ -40,8 +40,10 @@ def _uid_name(uid: int) -> str:
 def default_fix(directory: Path | None = None) -> str:
     default = f"/dev/shm/hpkv-{os.geteuid()}"
     if directory is not None and os.path.abspath(directory) == default:  # another user made it first
-        return ("or have root remove it (only its owner or root can), or point HPKV_SHARE_MEM_FILE_PATH at a "
-                "directory under a mount or parent only this user can write to")
+        return (
+            "or have root remove it (only its owner or root can), or point HPKV_SHARE_MEM_FILE_PATH at a "
+            "directory under a mount or parent only this user can write to"
+        )
     return f"or point HPKV_SHARE_MEM_FILE_PATH at a directory of this user's own (the default, {default})"
 
 
@@ -55,31 +57,40 @@ def problem(directory: Path, trusted: frozenset[int]) -> Problem | None:
     except FileNotFoundError:
         return None
     if stat.S_ISLNK(link.st_mode) and link.st_uid not in trusted:
-        return Problem(f"the pool directory {directory} (HPKV_SHARE_MEM_FILE_PATH) is a symbolic link of "
-                       f"{_uid_name(link.st_uid)}, who can point it at another directory at any time",
-                       f"name the directory it points to instead, {default_fix(directory)}")
+        return Problem(
+            f"the pool directory {directory} (HPKV_SHARE_MEM_FILE_PATH) is a symbolic link of "
+            f"{_uid_name(link.st_uid)}, who can point it at another directory at any time",
+            f"name the directory it points to instead, {default_fix(directory)}",
+        )
     try:
         st = os.stat(directory)
     except OSError as exc:
-        return Problem(f"cannot examine the pool directory {directory}: {exc.strerror}",
-                       f"fix the path or its permissions, {default_fix(directory)}")
+        return Problem(
+            f"cannot examine the pool directory {directory}: {exc.strerror}",
+            f"fix the path or its permissions, {default_fix(directory)}",
+        )
     if not stat.S_ISDIR(st.st_mode):
         return None  # the creator's own error names a file in the way
     mode = stat.S_IMODE(st.st_mode)
-    where = (f"the pool directory {directory} (HPKV_SHARE_MEM_FILE_PATH) belongs to {_uid_name(st.st_uid)}, "
-             f"mode {mode:04o}")
+    where = (
+        f"the pool directory {directory} (HPKV_SHARE_MEM_FILE_PATH) belongs to {_uid_name(st.st_uid)}, mode {mode:04o}"
+    )
     if st.st_uid not in trusted:
-        return Problem(f"{where}: that user can replace the pool file, socket, lock and log in it, and so read "
-                       "or forge this user's KV cache",
-                       f"as root: chown {uid} {directory} && chmod 700 {directory}, {default_fix(directory)} (a server "
-                       "run by that uid is trusted only when HPKV_SERVER_ALLOW_UIDS lists it)")
+        return Problem(
+            f"{where}: that user can replace the pool file, socket, lock and log in it, and so read "
+            "or forge this user's KV cache",
+            f"as root: chown {uid} {directory} && chmod 700 {directory}, {default_fix(directory)} (a server "
+            "run by that uid is trusted only when HPKV_SERVER_ALLOW_UIDS lists it)",
+        )
     if mode & 0o022 and not mode & stat.S_ISVTX:
         who = "group and others" if mode & 0o022 == 0o022 else "others" if mode & 0o002 else "its group"
         owner = "" if st.st_uid == uid else "as root: "
-        return Problem(f"{where}: writable by {who} without the sticky bit, so they can replace the pool file, "
-                       "socket, lock and log in it, and so read or forge this user's KV cache",
-                       f"{owner}chmod 700 {directory} (this user's alone), or {owner}chmod 1777 {directory} (shared "
-                       f"by several users: each one's files are then its own), {default_fix(directory)}")
+        return Problem(
+            f"{where}: writable by {who} without the sticky bit, so they can replace the pool file, "
+            "socket, lock and log in it, and so read or forge this user's KV cache",
+            f"{owner}chmod 700 {directory} (this user's alone), or {owner}chmod 1777 {directory} (shared "
+            f"by several users: each one's files are then its own), {default_fix(directory)}",
+        )
     return None
 
 

@@ -126,10 +126,11 @@ class PoolRegion:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != size_bytes:
-                what = (f"{safefs.kind(st.st_mode)}" if not stat.S_ISREG(st.st_mode) else
-                        f"a file of {st.st_size} bytes")
-                raise PoolError(f"the descriptor passed for the HPKV pool file {path} is {what}, not the "
-                                f"pool of {size_bytes} bytes its server announced; restart the HPKV server")
+                what = f"{safefs.kind(st.st_mode)}" if not stat.S_ISREG(st.st_mode) else f"a file of {st.st_size} bytes"
+                raise PoolError(
+                    f"the descriptor passed for the HPKV pool file {path} is {what}, not the "
+                    f"pool of {size_bytes} bytes its server announced; restart the HPKV server"
+                )
             try:
                 region = cls(Path(path), fd, size_bytes, owner=False)
             except (OSError, ValueError) as exc:
@@ -211,7 +212,10 @@ class PoolRegion:
             log.warning(
                 "cannot lock the %s pool in memory (%s; RLIMIT_MEMLOCK is %s): it may be swapped. "
                 "Fix: raise the memlock limit (ulimit -l unlimited, LimitMEMLOCK=infinity) or mount ramfs",
-                human_bytes(self.size_bytes), os.strerror(ctypes.get_errno()), limit)
+                human_bytes(self.size_bytes),
+                os.strerror(ctypes.get_errno()),
+                limit,
+            )
             return
         self.locked_in_memory = True
 
@@ -222,25 +226,32 @@ def prepare_directory(directory: Path) -> None:
     a directory others could replace names in (`pool.directory`)."""
     fs_type = mount_of(directory).fs_type
     if fs_type in PSEUDO_FS:
-        raise PoolError(f"{directory} (HPKV_SHARE_MEM_FILE_PATH) is on {fs_type}, a kernel pseudo file system "
-                        "that cannot hold the pool file; point HPKV_SHARE_MEM_FILE_PATH at a directory on ramfs "
-                        "or tmpfs, e.g. under /dev/shm")
+        raise PoolError(
+            f"{directory} (HPKV_SHARE_MEM_FILE_PATH) is on {fs_type}, a kernel pseudo file system "
+            "that cannot hold the pool file; point HPKV_SHARE_MEM_FILE_PATH at a directory on ramfs "
+            "or tmpfs, e.g. under /dev/shm"
+        )
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
-        raise PoolError(f"cannot create {directory} (HPKV_SHARE_MEM_FILE_PATH): {existing_ancestor(directory)} "
-                        "is a file, not a directory; point HPKV_SHARE_MEM_FILE_PATH at a directory on ramfs or "
-                        "tmpfs") from None
+        raise PoolError(
+            f"cannot create {directory} (HPKV_SHARE_MEM_FILE_PATH): {existing_ancestor(directory)} "
+            "is a file, not a directory; point HPKV_SHARE_MEM_FILE_PATH at a directory on ramfs or "
+            "tmpfs"
+        ) from None
     except OSError as exc:
         raise PoolError(
             f"cannot create the pool directory {directory} (HPKV_SHARE_MEM_FILE_PATH): {exc.strerror}; "
-            "create it or point HPKV_SHARE_MEM_FILE_PATH at a writable ramfs/tmpfs directory") from None
+            "create it or point HPKV_SHARE_MEM_FILE_PATH at a writable ramfs/tmpfs directory"
+        ) from None
     # Only this uid and root: a server's pool directory is its own (HPKV_SERVER_ALLOW_UIDS names
     # clients; they may use it, not own it).
     pool_directory.check(directory, safefs.owners())
     if not os.access(directory, os.W_OK | os.X_OK):
-        raise PoolError(f"the pool directory {directory} (HPKV_SHARE_MEM_FILE_PATH) is not writable by "
-                        f"uid {os.geteuid()}; fix its permissions or choose another directory")
+        raise PoolError(
+            f"the pool directory {directory} (HPKV_SHARE_MEM_FILE_PATH) is not writable by "
+            f"uid {os.geteuid()}; fix its permissions or choose another directory"
+        )
 
 
 def _warn_if_not_in_memory(directory: Path) -> None:
@@ -250,7 +261,12 @@ def _warn_if_not_in_memory(directory: Path) -> None:
             "the pool directory %s is on %s (%s), not ramfs/tmpfs: pool pages are backed by that file "
             "system and may be written back to disk, which makes copies slow. Fix: mount ramfs "
             "(mount -t ramfs nodev %s) or use a tmpfs directory such as /dev/shm/hpkv-%d",
-            directory, mount.fs_type, mount.mount_point, directory, os.geteuid())
+            directory,
+            mount.fs_type,
+            mount.mount_point,
+            directory,
+            os.geteuid(),
+        )
 
 
 def _check_space(directory: Path, size_bytes: int) -> None:
@@ -261,15 +277,20 @@ def _check_space(directory: Path, size_bytes: int) -> None:
         raise PoolError(
             f"the DRAM pool does not fit: HPKV_KV_MEM_POOL_SIZE asks for {human_bytes(size_bytes)} in "
             f"{directory} ({mount.fs_type} at {mount.mount_point}) but only {human_bytes(available)} is free; "
-            "lower HPKV_KV_MEM_POOL_SIZE or enlarge the mount")
+            "lower HPKV_KV_MEM_POOL_SIZE or enlarge the mount"
+        )
     # A container's limit only warns: what its cgroup has left moves with its page cache and
     # other processes, and refusing on an estimate stopped pools that fitted.
     left = cgroup_memory_left() if mount.fs_type in MEMORY_FS else None
     if left is not None and size_bytes > left:
-        log.warning("the DRAM pool (HPKV_KV_MEM_POOL_SIZE=%s) is more than this container's memory limit leaves "
-                    "(%s under the memory.max of its cgroup): the pool's pages count against that limit, and the "
-                    "kernel may kill the server as they fill. Lower HPKV_KV_MEM_POOL_SIZE or raise the container's "
-                    "memory limit", human_bytes(size_bytes), human_bytes(left))
+        log.warning(
+            "the DRAM pool (HPKV_KV_MEM_POOL_SIZE=%s) is more than this container's memory limit leaves "
+            "(%s under the memory.max of its cgroup): the pool's pages count against that limit, and the "
+            "kernel may kill the server as they fill. Lower HPKV_KV_MEM_POOL_SIZE or raise the container's "
+            "memory limit",
+            human_bytes(size_bytes),
+            human_bytes(left),
+        )
 
 
 def _create_exclusive(path: Path) -> int:
@@ -301,8 +322,10 @@ def _remove_if_stale(path: Path) -> None:
     except safefs.UnsafeFile as exc:
         if exc.why.startswith("belongs to"):
             raise PoolError(_not_ours(path, exc)) from None
-        raise PoolError(f"the pool file {exc}, which HPKV never makes; remove it (rm {path}) or point "
-                        "HPKV_SHARE_MEM_FILE_PATH at a directory only this user can write to") from None
+        raise PoolError(
+            f"the pool file {exc}, which HPKV never makes; remove it (rm {path}) or point "
+            "HPKV_SHARE_MEM_FILE_PATH at a directory only this user can write to"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -311,7 +334,8 @@ def _remove_if_stale(path: Path) -> None:
             f"the pool file {path} is owned by a running HPKV process; use that server, or stop it "
             "first, or give this one another HPKV_SHARE_MEM_FILE_PATH (a server whose socket is gone is "
             "stopping: it writes its last entries to storage, removes the pool and exits; engines recompute "
-            "meanwhile and start a new server after it)") from None
+            "meanwhile and start a new server after it)"
+        ) from None
     try:
         if _names(path, fd):  # still the file we locked, not one created since by a server starting
             log.warning("removing stale pool file %s left by a process that is gone", path)
@@ -328,9 +352,11 @@ def _not_ours(path: Path, exc: OSError | safefs.UnsafeFile) -> str:
     except OSError:
         owner = "another user"
     why = exc.strerror if isinstance(exc, OSError) else "not this user's file"
-    return (f"the pool file {path} belongs to {owner} and uid {os.geteuid()} cannot check or replace it "
-            f"({why}); if no HPKV server of that user runs, remove it as that user or root "
-            f"(rm {path}), or give each user a pool directory of its own in HPKV_SHARE_MEM_FILE_PATH")
+    return (
+        f"the pool file {path} belongs to {owner} and uid {os.geteuid()} cannot check or replace it "
+        f"({why}); if no HPKV server of that user runs, remove it as that user or root "
+        f"(rm {path}), or give each user a pool directory of its own in HPKV_SHARE_MEM_FILE_PATH"
+    )
 
 
 def _names(path: Path, fd: int) -> bool:
@@ -349,8 +375,10 @@ def _reopen(fd: int, path: Path) -> int:
     try:
         share = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
     except OSError as exc:
-        raise PoolError(f"cannot reopen the pool file {path} through /proc/self/fd to share it: {exc.strerror}; "
-                        "the HPKV server needs /proc mounted") from None
+        raise PoolError(
+            f"cannot reopen the pool file {path} through /proc/self/fd to share it: {exc.strerror}; "
+            "the HPKV server needs /proc mounted"
+        ) from None
     a, b = os.fstat(share), os.fstat(fd)
     if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):  # not /proc's magic link (a strange /proc)
         os.close(share)
@@ -367,4 +395,5 @@ def _reserve(fd: int, path: Path, size_bytes: int) -> None:
             return
         raise PoolError(
             f"cannot reserve {human_bytes(size_bytes)} for the pool file {path}: {exc.strerror}; lower "
-            "HPKV_KV_MEM_POOL_SIZE or free space on that mount") from None
+            "HPKV_KV_MEM_POOL_SIZE or free space on that mount"
+        ) from None

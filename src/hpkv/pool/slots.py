@@ -107,8 +107,7 @@ class SlotAllocator:
         slab = self._slabs[slab_index]
         base = slab_index * self.slab_bytes
         free = set(slab.free)
-        return [o for o in range(base, base + self.slab_bytes - slab.slot_bytes + 1, slab.slot_bytes)
-                if o not in free]
+        return [o for o in range(base, base + self.slab_bytes - slab.slot_bytes + 1, slab.slot_bytes) if o not in free]
 
     @property
     def num_free_slabs(self) -> int:

@@ -66,7 +66,8 @@ class DramTier:
         if not self.alloc.fits(entry_bytes):
             raise PoolError(
                 f"an entry of {entry_bytes} bytes does not fit the pool's slabs of {self.alloc.slab_bytes} "
-                f"bytes (1/32 of the pool); raise HPKV_KV_MEM_POOL_SIZE to at least {entry_bytes * 32} bytes")
+                f"bytes (1/32 of the pool); raise HPKV_KV_MEM_POOL_SIZE to at least {entry_bytes * 32} bytes"
+            )
         self._entry_bytes[ns] = entry_bytes
         self._index.setdefault(ns, {})
         if len({self.alloc.slot_bytes_for(b) for b in self._entry_bytes.values()}) > 1:
@@ -161,10 +162,16 @@ class DramTier:
 
     def stats(self, locked_in_memory: bool = False) -> DramStats:
         """The tier's snapshot; whether the region is locked in memory is its mapper's to say."""
-        return DramStats(capacity_bytes=self.alloc.num_slabs * self.alloc.slab_bytes, used_bytes=self._used_bytes,
-                         num_entries=self.num_entries, free_slabs=self.alloc.num_free_slabs,
-                         evictions=self.counters.evictions, slab_moves=self.counters.slab_moves,
-                         reserve_failures=self.counters.reserve_failures, locked_in_memory=locked_in_memory)
+        return DramStats(
+            capacity_bytes=self.alloc.num_slabs * self.alloc.slab_bytes,
+            used_bytes=self._used_bytes,
+            num_entries=self.num_entries,
+            free_slabs=self.alloc.num_free_slabs,
+            evictions=self.counters.evictions,
+            slab_moves=self.counters.slab_moves,
+            reserve_failures=self.counters.reserve_failures,
+            locked_in_memory=locked_in_memory,
+        )
 
     def _free_if_unheld(self, entry: DramEntry) -> None:
         if entry.refs == 0 and not entry.reserved and self._by_offset.get(entry.offset) is entry:

@@ -62,8 +62,9 @@ def check_socket(socket_path: Path) -> bool:
     try:
         return safefs.check_socket(socket_path, None)
     except safefs.UnsafeFile as exc:
-        raise ServerUnavailable(f"cannot use the HPKV server socket {exc}; remove it (as its owner or root), "
-                                f"{_FIX}") from None
+        raise ServerUnavailable(
+            f"cannot use the HPKV server socket {exc}; remove it (as its owner or root), {_FIX}"
+        ) from None
 
 
 def ensure_server(directory: Path, timeout_s: float = 60.0, trusted_uids: tuple[int, ...] = ()) -> None:
@@ -82,13 +83,16 @@ def ensure_server(directory: Path, timeout_s: float = 60.0, trusted_uids: tuple[
     except PoolError as exc:
         raise ServerUnavailable(str(exc)) from None
     except safefs.UnsafeFile as exc:
-        raise ServerUnavailable(f"cannot use {directory} (HPKV_SHARE_MEM_FILE_PATH): its {p.LOCK_NAME} {exc.why}; "
-                                f"remove it (as its owner or root), {_FIX}") from None
+        raise ServerUnavailable(
+            f"cannot use {directory} (HPKV_SHARE_MEM_FILE_PATH): its {p.LOCK_NAME} {exc.why}; "
+            f"remove it (as its owner or root), {_FIX}"
+        ) from None
     except OSError as exc:
         raise ServerUnavailable(
             f"cannot use {directory} (HPKV_SHARE_MEM_FILE_PATH): {exc.strerror}; give uid {os.geteuid()} read, "
             f"write and search permission on it (as root: chown {os.geteuid()} {directory} && chmod 700 "
-            f"{directory}), or point HPKV_SHARE_MEM_FILE_PATH at a directory this user owns") from None
+            f"{directory}), or point HPKV_SHARE_MEM_FILE_PATH at a directory this user owns"
+        ) from None
     try:
         _lock(lock_fd, deadline, directory)
         if check_socket(socket_path) and answers(socket_path):
@@ -105,8 +109,10 @@ def _lock(fd: int, deadline: float, directory: Path) -> None:
             return
         except BlockingIOError:
             if time.monotonic() > deadline:
-                raise ServerUnavailable(f"timed out waiting for another process to start the HPKV server in "
-                                        f"{directory}; see {directory / LOG_NAME}") from None
+                raise ServerUnavailable(
+                    f"timed out waiting for another process to start the HPKV server in "
+                    f"{directory}; see {directory / LOG_NAME}"
+                ) from None
             time.sleep(0.05)
 
 
@@ -131,8 +137,9 @@ def _open_log(log_path: Path) -> int:
     except safefs.UnsafeFile as exc:
         raise ServerUnavailable(f"cannot open the HPKV server log {exc}; remove it, {_FIX}") from None
     except OSError as exc:
-        raise ServerUnavailable(f"cannot open the HPKV server log {log_path}: {exc.strerror}; remove it, "
-                                f"{_FIX}") from None
+        raise ServerUnavailable(
+            f"cannot open the HPKV server log {log_path}: {exc.strerror}; remove it, {_FIX}"
+        ) from None
 
 
 def _start_and_wait(directory: Path, socket_path: Path, deadline: float) -> None:
@@ -149,11 +156,17 @@ def _start_and_wait(directory: Path, socket_path: Path, deadline: float) -> None
     log_fd = _open_log(log_path)
     try:
         launched = subprocess.run(
-            [sys.executable, "-c", _LAUNCHER, str(log_fd), *command], pass_fds=(log_fd,),
-            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s)
+            [sys.executable, "-c", _LAUNCHER, str(log_fd), *command],
+            pass_fds=(log_fd,),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     except subprocess.TimeoutExpired:
-        raise ServerUnavailable(f"starting the HPKV server took over {timeout_s:.0f} s (is the machine "
-                                f"overloaded?); see {log_path}") from None
+        raise ServerUnavailable(
+            f"starting the HPKV server took over {timeout_s:.0f} s (is the machine overloaded?); see {log_path}"
+        ) from None
     except OSError as exc:
         raise ServerUnavailable(f"could not start the HPKV server: {exc}") from None
     finally:

@@ -45,7 +45,6 @@ class ServerError(HpkvError):
         self.code = code
 
 
-
 MAX_RETRY_S = 30.0
 
 # (server pid, device, inode, prefaulted) -> the mapping this process's clients share. Weak:
@@ -64,8 +63,10 @@ def _shared_region(fd: int, welcome: p.Welcome, path: Path, prefault: bool) -> P
     try:
         st = os.fstat(fd)
         if st.st_ino != welcome.pool_inode:
-            raise ServerUnavailable(f"the HPKV server passed a descriptor of inode {st.st_ino}, not of its pool "
-                                    f"file {welcome.pool_path} (inode {welcome.pool_inode}); restart the server")
+            raise ServerUnavailable(
+                f"the HPKV server passed a descriptor of inode {st.st_ino}, not of its pool "
+                f"file {welcome.pool_path} (inode {welcome.pool_inode}); restart the server"
+            )
         key = (welcome.server_pid, st.st_dev, st.st_ino, prefault)
         with _regions_lock:
             region = _regions.get(key)
@@ -83,9 +84,17 @@ def _shared_region(fd: int, welcome: p.Welcome, path: Path, prefault: bool) -> P
 class Channel:
     """One connection to the server, opened on demand and again after a failure (with backoff)."""
 
-    def __init__(self, directory: str | os.PathLike, kind: str, timeout_s: float = 5.0,
-                 autostart: bool = True, retry_interval_s: float = 1.0, start_timeout_s: float = 60.0,
-                 prefault: bool = False, trusted_uids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        kind: str,
+        timeout_s: float = 5.0,
+        autostart: bool = True,
+        retry_interval_s: float = 1.0,
+        start_timeout_s: float = 60.0,
+        prefault: bool = False,
+        trusted_uids: tuple[int, ...] = (),
+    ) -> None:
         """`prefault`: map every pool page as soon as the pool is attached (for clients that copy
         through the pool: a first touch per 4 KiB page costs as much as the copy).
         `trusted_uids`: server uids accepted besides this one's and root (HPKV_SERVER_ALLOW_UIDS)."""
@@ -134,8 +143,9 @@ class Channel:
             return self._sock
         now = time.monotonic()
         if now < self._retry_at:
-            raise ServerUnavailable(f"HPKV server unavailable ({self._last_error}); retrying in "
-                                    f"{self._retry_at - now:.1f} s")
+            raise ServerUnavailable(
+                f"HPKV server unavailable ({self._last_error}); retrying in {self._retry_at - now:.1f} s"
+            )
         try:
             self._open()
         except ServerUnavailable as exc:
@@ -173,8 +183,10 @@ class Channel:
                 raise ServerError(welcome.code, welcome.message)
             welcome = _expect(welcome, p.Welcome)
             if len(fds) != 1:
-                raise ServerUnavailable(f"the HPKV server on {socket_path} passed {len(fds)} descriptors with its "
-                                        "Welcome, not its pool file; restart it (with this hpkv version)")
+                raise ServerUnavailable(
+                    f"the HPKV server on {socket_path} passed {len(fds)} descriptors with its "
+                    "Welcome, not its pool file; restart it (with this hpkv version)"
+                )
             # Takes the descriptor; a new server maps a new pool file, even where the file
             # system gave it the old one's inode number (not tmpfs): its pid tells them apart.
             region = _shared_region(fds.pop(), welcome, self.directory / POOL_FILE_NAME, self.prefault)
@@ -208,7 +220,8 @@ class Channel:
                 f"refusing the HPKV server on {socket_path}: it runs as uid {uid}, not as this user (uid "
                 f"{os.geteuid()}), root or a uid in HPKV_SERVER_ALLOW_UIDS; give this user a pool directory only "
                 f"it can write to (HPKV_SHARE_MEM_FILE_PATH, mode 0700), run the server as uid {os.geteuid()}, "
-                f"or, if uid {uid} is meant to share this pool, add it to HPKV_SERVER_ALLOW_UIDS")
+                f"or, if uid {uid} is meant to share this pool, add it to HPKV_SERVER_ALLOW_UIDS"
+            )
 
     def _fail(self, message: str) -> NoReturn:
         self._failures += 1

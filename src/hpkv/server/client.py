@@ -118,8 +118,9 @@ class Client(Channel):
         with self._lock:
             deadline = self._deadline()
             r = self._ask(p.Lease(ns, _as_list(keys)), p.Leased)
-            return LeaseHandle(r.lease_id, self._region(), self._namespaces[ns][1], r.offsets, r.num_ready,
-                               self.epoch, deadline)
+            return LeaseHandle(
+                r.lease_id, self._region(), self._namespaces[ns][1], r.offsets, r.num_ready, self.epoch, deadline
+            )
 
     def wait(self, lease: LeaseHandle, timeout_s: float = 5.0) -> int | None:
         """Entries of the lease ready to copy from, or None if promotions are still running."""

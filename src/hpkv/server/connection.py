@@ -29,11 +29,18 @@ log = logging.getLogger("hpkv.server")
 def admit(conn: socket.socket, client: ClientInfo, store: TieredStore, settings: Settings) -> bool:
     """The handshake: True once the client is welcomed, False after telling it why not."""
     if client.uid != os.geteuid() and client.uid not in settings.server_allow_uids:
-        log.warning("refused a client of uid %d (pid %d): not this server's uid %d", client.uid,
-                    client.pid, os.geteuid())
-        send(conn, p.Error("permission", f"uid {client.uid} may not use this HPKV server (uid "
-                           f"{os.geteuid()}); run as uid {os.geteuid()} or start the server with "
-                           f"HPKV_SERVER_ALLOW_UIDS={client.uid}"))
+        log.warning(
+            "refused a client of uid %d (pid %d): not this server's uid %d", client.uid, client.pid, os.geteuid()
+        )
+        send(
+            conn,
+            p.Error(
+                "permission",
+                f"uid {client.uid} may not use this HPKV server (uid "
+                f"{os.geteuid()}); run as uid {os.geteuid()} or start the server with "
+                f"HPKV_SERVER_ALLOW_UIDS={client.uid}",
+            ),
+        )
         return False
     conn.settimeout(settings.server_frame_timeout_s)
     try:
@@ -45,11 +52,18 @@ def admit(conn: socket.socket, client: ClientInfo, store: TieredStore, settings:
         send(conn, p.Error("bad_request", "the first message must be Hello"))
         return False
     if hello.version != p.PROTOCOL_VERSION:
-        log.warning("refused client pid %d: protocol %d, this server speaks %d", hello.pid, hello.version,
-                    p.PROTOCOL_VERSION)
-        send(conn, p.Error("version", f"client speaks HPKV protocol {hello.version}, server (version "
-                           f"{__version__}) speaks {p.PROTOCOL_VERSION}; run the same hpkv version on both "
-                           "sides (restart the server after upgrading)"))
+        log.warning(
+            "refused client pid %d: protocol %d, this server speaks %d", hello.pid, hello.version, p.PROTOCOL_VERSION
+        )
+        send(
+            conn,
+            p.Error(
+                "version",
+                f"client speaks HPKV protocol {hello.version}, server (version "
+                f"{__version__}) speaks {p.PROTOCOL_VERSION}; run the same hpkv version on both "
+                "sides (restart the server after upgrading)",
+            ),
+        )
         return False
     client.kind = hello.kind[:32]
     region = store.region
@@ -59,9 +73,19 @@ def admit(conn: socket.socket, client: ClientInfo, store: TieredStore, settings:
         send(conn, p.Error("internal", "the HPKV server is stopping; a new one takes its place"))
         return False
     # The pool goes as a descriptor: the client maps this file, whatever its name is by now.
-    p.send_frame_fds(conn, p.Welcome(p.PROTOCOL_VERSION, os.getpid(), p.display_path(region.path),
-                                     region.size_bytes, region.inode, client.id,
-                                     settings.server_slot_timeout_s or 0.0), [pool_fd])
+    p.send_frame_fds(
+        conn,
+        p.Welcome(
+            p.PROTOCOL_VERSION,
+            os.getpid(),
+            p.display_path(region.path),
+            region.size_bytes,
+            region.inode,
+            client.id,
+            settings.server_slot_timeout_s or 0.0,
+        ),
+        [pool_fd],
+    )
     return True
 
 
@@ -74,9 +98,14 @@ def dialogue(conn: socket.socket, client: ClientInfo, handlers: Handlers, settin
             send(conn, p.Error(exc.code, str(exc)))
             return  # framing is lost: close this connection only
         except TimeoutError:
-            log.warning("client %d (pid %d, %s) sent part of a message and then nothing for %.0f s; closing "
-                        "its connection and releasing its leases (HPKV_SERVER_FRAME_TIMEOUT_S)", client.id,
-                        client.pid, client.kind, settings.server_frame_timeout_s)
+            log.warning(
+                "client %d (pid %d, %s) sent part of a message and then nothing for %.0f s; closing "
+                "its connection and releasing its leases (HPKV_SERVER_FRAME_TIMEOUT_S)",
+                client.id,
+                client.pid,
+                client.kind,
+                settings.server_frame_timeout_s,
+            )
             return
         started = time.perf_counter()
         reply = handlers.handle(request, client)

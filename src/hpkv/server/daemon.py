@@ -92,8 +92,13 @@ class Server:
         self._stop.set()
 
     def _log_settings(self) -> None:
-        log.info("HPKV server %s (pid %d, protocol %d) starting%s", __version__, os.getpid(),
-                 p.PROTOCOL_VERSION, " (auto-started)" if self.auto else "")
+        log.info(
+            "HPKV server %s (pid %d, protocol %d) starting%s",
+            __version__,
+            os.getpid(),
+            p.PROTOCOL_VERSION,
+            " (auto-started)" if self.auto else "",
+        )
         for s in self.settings.settings:
             log.info("  %s = %s  [%s]", s.key, s.raw, s.where)
         for warning in self.settings.warnings:
@@ -112,9 +117,11 @@ class Server:
         except OSError as exc:  # e.g. a path longer than a Unix socket allows
             listener.close()
             self.store.close()
-            raise PoolError(f"cannot listen on {self.socket_path}: {exc.strerror or exc}; point "
-                            "HPKV_SHARE_MEM_FILE_PATH at a short, writable directory (a Unix socket path "
-                            "holds at most 107 bytes)") from None
+            raise PoolError(
+                f"cannot listen on {self.socket_path}: {exc.strerror or exc}; point "
+                "HPKV_SHARE_MEM_FILE_PATH at a short, writable directory (a Unix socket path "
+                "holds at most 107 bytes)"
+            ) from None
         finally:
             os.umask(old_umask)
         listener.listen(128)
@@ -125,8 +132,12 @@ class Server:
 
             self.metrics = Metrics(self)
             self.metrics.start(self.settings.metrics_host, self.settings.metrics_port)
-        log.info("HPKV server ready: socket %s, pool %s (%d bytes)", self.socket_path,
-                 self.store.region.path, self.store.region.size_bytes)
+        log.info(
+            "HPKV server ready: socket %s, pool %s (%d bytes)",
+            self.socket_path,
+            self.store.region.path,
+            self.store.region.size_bytes,
+        )
 
     def _accept_loop(self) -> None:
         listener = self._listener
@@ -136,8 +147,7 @@ class Server:
                 conn, _ = listener.accept()
             except TimeoutError:
                 if self._idle_expired():
-                    log.info("no client for %.1f s: the auto-started server exits",
-                             self.settings.server_idle_exit_s)
+                    log.info("no client for %.1f s: the auto-started server exits", self.settings.server_idle_exit_s)
                     return
                 continue
             except OSError as exc:
@@ -157,8 +167,11 @@ class Server:
         """Logged at most once a minute (the rest at DEBUG); a short pause so that a lasting cause
         (EMFILE) does not spin. The client sees its connection refused or closed and retries."""
         if self._accept_warnings.allows(time.monotonic(), 60.0):
-            log.warning("%s; the clients connected already are served, new ones are retried (raise the limit "
-                        "on open files, `ulimit -n`, or the memory limit if this repeats)", why)
+            log.warning(
+                "%s; the clients connected already are served, new ones are retried (raise the limit "
+                "on open files, `ulimit -n`, or the memory limit if this repeats)",
+                why,
+            )
         else:
             log.debug("%s", why)
         self._stop.wait(ACCEPT_RETRY_S)
@@ -177,8 +190,11 @@ class Server:
             backlog = self.store.stats().write_backlog
             waiting = backlog.entries + backlog.deferred if backlog is not None else 0
         if waiting:
-            log.info("HPKV server stopping: writing %d entries still waiting for storage (stop it again, with "
-                     "SIGTERM or Ctrl-C, to leave them unwritten)", waiting)
+            log.info(
+                "HPKV server stopping: writing %d entries still waiting for storage (stop it again, with "
+                "SIGTERM or Ctrl-C, to leave them unwritten)",
+                waiting,
+            )
         else:
             log.info("HPKV server stopping")
         if self._listener is not None:
@@ -227,15 +243,27 @@ class Server:
         assert store is not None  # asked for by handlers and metrics, made once the store is open
         snapshot = store.stats()
         with self._clients_lock:
-            clients = [st.ClientStats(id=c.id, pid=c.pid, uid=c.uid, kind=c.kind,
-                                      connected_s=round(time.time() - c.connected_at, 1),
-                                      leases=sum(store.leases.get(i) is not None for i in list(c.leases)))
-                       for c in self._clients.values()]  # leases: not taken back
-        server = st.ServerInfo(pid=os.getpid(), version=__version__, protocol=p.PROTOCOL_VERSION, auto=self.auto,
-                               uptime_s=round(time.time() - self.started_at, 1),
-                               socket=p.display_path(self.socket_path),
-                               pool_path=p.display_path(store.region.path),
-                               storage_path=p.display_path(self.settings.storage.path))
+            clients = [
+                st.ClientStats(
+                    id=c.id,
+                    pid=c.pid,
+                    uid=c.uid,
+                    kind=c.kind,
+                    connected_s=round(time.time() - c.connected_at, 1),
+                    leases=sum(store.leases.get(i) is not None for i in list(c.leases)),
+                )
+                for c in self._clients.values()
+            ]  # leases: not taken back
+        server = st.ServerInfo(
+            pid=os.getpid(),
+            version=__version__,
+            protocol=p.PROTOCOL_VERSION,
+            auto=self.auto,
+            uptime_s=round(time.time() - self.started_at, 1),
+            socket=p.display_path(self.socket_path),
+            pool_path=p.display_path(store.region.path),
+            storage_path=p.display_path(self.settings.storage.path),
+        )
         return st.ServerStats(**msgspec.structs.asdict(snapshot), server=server, clients=clients)
 
 
@@ -254,8 +282,10 @@ def _claim_socket_path(path: Path) -> None:
         if not safefs.check_socket(path, safefs.owners()):
             return
     except safefs.UnsafeFile as exc:
-        raise PoolError(f"cannot listen on {path}: it {exc.why}, which no HPKV server leaves; remove it (as its "
-                        "owner or root), or point HPKV_SHARE_MEM_FILE_PATH at a directory of this user's own") from None
+        raise PoolError(
+            f"cannot listen on {path}: it {exc.why}, which no HPKV server leaves; remove it (as its "
+            "owner or root), or point HPKV_SHARE_MEM_FILE_PATH at a directory of this user's own"
+        ) from None
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(2.0)
     busy = ""
@@ -268,19 +298,24 @@ def _claim_socket_path(path: Path) -> None:
     except BlockingIOError:  # EAGAIN: the server's queue of connections to accept is full
         busy = " (so busy that its queue of connections to accept is full)"
     except PermissionError as exc:
-        raise PoolError(f"cannot check whether a server answers on {path}: {exc.strerror}; it belongs to "
-                        "another user: use a pool directory of this user's own (HPKV_SHARE_MEM_FILE_PATH)") from None
+        raise PoolError(
+            f"cannot check whether a server answers on {path}: {exc.strerror}; it belongs to "
+            "another user: use a pool directory of this user's own (HPKV_SHARE_MEM_FILE_PATH)"
+        ) from None
     finally:
         probe.close()
-    raise PoolError(f"an HPKV server is already running on {path}{busy}; use it (hpkv status), or stop it "
-                    "first, or give this one another HPKV_SHARE_MEM_FILE_PATH")
+    raise PoolError(
+        f"an HPKV server is already running on {path}{busy}; use it (hpkv status), or stop it "
+        "first, or give this one another HPKV_SHARE_MEM_FILE_PATH"
+    )
 
 
 def serve(auto: bool = False, settings: Settings | None = None) -> int:
     """Entry point of `hpkv server` and of auto-started servers."""
     settings = settings or load_settings()
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
+    )
     server = Server(settings, auto=auto)
     signal.signal(signal.SIGTERM, server.stop)
     signal.signal(signal.SIGINT, server.stop)
@@ -294,8 +329,11 @@ def serve(auto: bool = False, settings: Settings | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpkv.server.daemon")
     parser.add_argument("--auto", action="store_true", help="exit after the last client leaves")
-    parser.add_argument("--settings-cwd", help="resolve relative paths in the settings from this directory "
-                        "(the auto-starter's), although the server runs in /")
+    parser.add_argument(
+        "--settings-cwd",
+        help="resolve relative paths in the settings from this directory "
+        "(the auto-starter's), although the server runs in /",
+    )
     args = parser.parse_args(argv)
     return serve(auto=args.auto, settings=_settings_in(args.settings_cwd) if args.settings_cwd else None)
 

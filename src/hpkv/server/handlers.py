@@ -85,8 +85,11 @@ class Handlers:
         self._check_ns(r.ns)
         long_keys = [key for key in r.keys if len(key) > MAX_KEY_BYTES]
         if long_keys:  # each becomes a file name: make_key digests longer ones
-            return p.Error("bad_request", f"{len(long_keys)} key(s) longer than {MAX_KEY_BYTES} bytes (the first "
-                           f"is {len(long_keys[0])}); build keys with hpkv.keys.make_key")
+            return p.Error(
+                "bad_request",
+                f"{len(long_keys)} key(s) longer than {MAX_KEY_BYTES} bytes (the first "
+                f"is {len(long_keys[0])}); build keys with hpkv.keys.make_key",
+            )
         if len(r.hold) > MAX_HOLD_CHARS:
             return p.Error("bad_request", f"hold name of {len(r.hold)} characters; at most {MAX_HOLD_CHARS}")
         return p.Offsets(self.store.reserve(r.ns, r.keys, owner=client.id, hold=r.hold))
@@ -112,8 +115,11 @@ class Handlers:
     def _on_LeaseWait(self, r: p.LeaseWait, client: ClientInfo) -> p.Reply:
         lease = self.store.leases.get(r.lease_id) if r.lease_id in client.leases else None
         if lease is None:
-            return p.Error("bad_request", f"lease {r.lease_id} is not held by this client (released, or held "
-                           f"past HPKV_SERVER_SLOT_TIMEOUT_S={self.settings.server_slot_timeout_s:g} s)")
+            return p.Error(
+                "bad_request",
+                f"lease {r.lease_id} is not held by this client (released, or held "
+                f"past HPKV_SERVER_SLOT_TIMEOUT_S={self.settings.server_slot_timeout_s:g} s)",
+            )
         try:
             num_ready = lease.wait(timeout=max(0.0, min(r.timeout_s, 60.0)))
         except FutureTimeout:
@@ -128,11 +134,19 @@ class Handlers:
 
     def _on_Clear(self, r: p.Clear, client: ClientInfo) -> p.Reply:
         if r.ns is not None and not _is_ns_id(r.ns):  # it becomes a path under the storage root
-            return p.Error("bad_request", f"{r.ns[:80]!r} is not a namespace id ({2 * NS_DIGEST_BYTES} hex "
-                           "digits, as `hpkv status` shows them)")
+            return p.Error(
+                "bad_request",
+                f"{r.ns[:80]!r} is not a namespace id ({2 * NS_DIGEST_BYTES} hex digits, as `hpkv status` shows them)",
+            )
         removed = self.store.clear(memory=r.memory, storage=r.storage, ns=r.ns)
-        log.info("cleared %s%s (ns %s) at the request of pid %d: %s", "memory " if r.memory else "",
-                 "storage" if r.storage else "", r.ns or "all", client.pid, removed)
+        log.info(
+            "cleared %s%s (ns %s) at the request of pid %d: %s",
+            "memory " if r.memory else "",
+            "storage" if r.storage else "",
+            r.ns or "all",
+            client.pid,
+            removed,
+        )
         return p.Cleared(removed["memory"], removed["storage"])
 
     def _on_Stats(self, r: p.Stats, client: ClientInfo) -> p.Reply:

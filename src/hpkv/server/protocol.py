@@ -45,6 +45,7 @@ class _Stable(msgspec.Struct, tag=True, array_like=True):
 
 # -- requests ------------------------------------------------------------------------------------
 
+
 class Hello(_Stable):
     version: int
     kind: str  # "vllm-scheduler", "vllm-worker-<rank>", "sglang-<thread>", "cli", "doctor", ...
@@ -110,6 +111,7 @@ Request = Hello | Register | Lookup | Reserve | Commit | Abort | Settle | Lease 
 
 
 # -- replies -------------------------------------------------------------------------------------
+
 
 class Welcome(_Stable):
     version: int

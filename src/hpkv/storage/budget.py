@@ -43,14 +43,23 @@ class WriteBudget:
                 return False
             self._warned_at = now
         if size > self._cap:
-            log.warning("the storage write budget (HPKV_KV_STORAGE_WRITE_BUDGET=%d bytes a day) allows %d bytes an "
-                        "hour, less than one KV file of %d bytes: nothing is written to storage; raise the budget "
-                        "to at least %d", self.bytes_a_day, round(self._cap), size,
-                        math.ceil(size * 86400 / BUDGET_BURST_S))
+            log.warning(
+                "the storage write budget (HPKV_KV_STORAGE_WRITE_BUDGET=%d bytes a day) allows %d bytes an "
+                "hour, less than one KV file of %d bytes: nothing is written to storage; raise the budget "
+                "to at least %d",
+                self.bytes_a_day,
+                round(self._cap),
+                size,
+                math.ceil(size * 86400 / BUDGET_BURST_S),
+            )
         else:
-            log.warning("the storage write budget (HPKV_KV_STORAGE_WRITE_BUDGET=%d bytes a day) is spent: new KV "
-                        "stays in DRAM only until it refills (%d bytes a second); said at most once an hour, "
-                        "counted in over_budget", self.bytes_a_day, round(self._rate))
+            log.warning(
+                "the storage write budget (HPKV_KV_STORAGE_WRITE_BUDGET=%d bytes a day) is spent: new KV "
+                "stays in DRAM only until it refills (%d bytes a second); said at most once an hour, "
+                "counted in over_budget",
+                self.bytes_a_day,
+                round(self._rate),
+            )
         return False
 
     def refund(self, size: int) -> None:

@@ -64,8 +64,9 @@ class CapacityPolicy:
             self._room_bytes = room_bytes(self._root, promised_ram_bytes)
             self.capacity_bytes = self.sized_bytes = auto_capacity_bytes(self._room_bytes)
         if fs_type in MEMORY_FS:
-            storage_root.say_memory_fs(self._root, fs_type, self.auto, self.capacity_bytes, promised_ram_bytes,
-                                       AUTO_CAPACITY_FRACTION)
+            storage_root.say_memory_fs(
+                self._root, fs_type, self.auto, self.capacity_bytes, promised_ram_bytes, AUTO_CAPACITY_FRACTION
+            )
 
     def size_with_own(self, own_bytes: int) -> None:
         """Auto, once the start-up scan has counted this tier's files: they count too."""
@@ -74,10 +75,15 @@ class CapacityPolicy:
         self.capacity_bytes = self.sized_bytes = auto_capacity_bytes(self._room_bytes, own_bytes)
         if little_room(self.capacity_bytes):
             fate = "are not written" if self.capacity_bytes == 0 else "are evicted soon after they are written"
-            log.warning("the storage tier holds only %d bytes: HPKV_KV_STORAGE_SIZE=auto takes %d%% of the "
-                        "space free under %s when the server starts, and there was little; KV files %s. Free "
-                        "space there and restart the server, or set HPKV_KV_STORAGE_SIZE",
-                        self.capacity_bytes, round(AUTO_CAPACITY_FRACTION * 100), self._root, fate)
+            log.warning(
+                "the storage tier holds only %d bytes: HPKV_KV_STORAGE_SIZE=auto takes %d%% of the "
+                "space free under %s when the server starts, and there was little; KV files %s. Free "
+                "space there and restart the server, or set HPKV_KV_STORAGE_SIZE",
+                self.capacity_bytes,
+                round(AUTO_CAPACITY_FRACTION * 100),
+                self._root,
+                fate,
+            )
 
     def reserve(self, size: int) -> bool:
         """Count `size` bytes in flight; False (nothing counted) if they can never fit."""
@@ -114,12 +120,17 @@ class CapacityPolicy:
             self.capacity_bytes = learned
             first, self._learned = not self._learned, True
         if first:
-            log.warning("the file system under %s has no room for more KV files (full, or a quota) with %d bytes of "
-                        "them there: the storage tier now holds at most that, not the %d bytes it was sized to "
-                        "(HPKV_KV_STORAGE_SIZE=%s), until %.0f minutes pass without such an error, when it tries "
-                        "that size again. Set HPKV_KV_STORAGE_SIZE below the space (or quota) HPKV may use there",
-                        self._root, learned, self.sized_bytes, "auto" if self.auto else self.sized_bytes,
-                        CAPACITY_RECOVERY_S / 60)
+            log.warning(
+                "the file system under %s has no room for more KV files (full, or a quota) with %d bytes of "
+                "them there: the storage tier now holds at most that, not the %d bytes it was sized to "
+                "(HPKV_KV_STORAGE_SIZE=%s), until %.0f minutes pass without such an error, when it tries "
+                "that size again. Set HPKV_KV_STORAGE_SIZE below the space (or quota) HPKV may use there",
+                self._root,
+                learned,
+                self.sized_bytes,
+                "auto" if self.auto else self.sized_bytes,
+                CAPACITY_RECOVERY_S / 60,
+            )
 
     def recover(self) -> None:
         """Back to the size, if CAPACITY_RECOVERY_S passed since the last "no room"."""
@@ -127,5 +138,11 @@ class CapacityPolicy:
             if not self._learned or self._clock() - self._no_room_at < CAPACITY_RECOVERY_S:
                 return
             learned, self.capacity_bytes, self._learned = self.capacity_bytes, self.sized_bytes, False
-        log.info("no room errors under %s for %.0f minutes: the storage tier holds up to %d bytes again (it held "
-                 "at most %d since the last one)", self._root, CAPACITY_RECOVERY_S / 60, self.sized_bytes, learned)
+        log.info(
+            "no room errors under %s for %.0f minutes: the storage tier holds up to %d bytes again (it held "
+            "at most %d since the last one)",
+            self._root,
+            CAPACITY_RECOVERY_S / 60,
+            self.sized_bytes,
+            learned,
+        )

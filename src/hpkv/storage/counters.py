@@ -48,5 +48,10 @@ class ErrorLog:
         code = exc.errno if exc else 0
         if not self._said.allows(self._clock(), WARN_EVERY_S, (what, code)):
             return
-        log.warning("%s: %s; %s (errors of this kind are counted, and said at most every %.0f minutes)", what,
-                    exc.strerror if exc else "no room within HPKV_KV_STORAGE_SIZE", then, WARN_EVERY_S / 60)
+        log.warning(
+            "%s: %s; %s (errors of this kind are counted, and said at most every %.0f minutes)",
+            what,
+            exc.strerror if exc else "no room within HPKV_KV_STORAGE_SIZE",
+            then,
+            WARN_EVERY_S / 60,
+        )

@@ -26,8 +26,9 @@ SLACK_MINUTES = 2  # a file read elsewhere since: its mtime this many minutes pa
 
 
 class Evictor:
-    def __init__(self, index: FileIndex, layout: Layout, counters: StorageCounters,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, index: FileIndex, layout: Layout, counters: StorageCounters, wall_clock: Callable[[], float] = time.time
+    ) -> None:
         self._index = index
         self._layout = layout
         self._counters = counters

@@ -250,8 +250,7 @@ class FileTarget:
         return os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
-def write_entry_file(io: FileIO, target: FileTarget, buffers: list, fsync: str,
-                     direct: bool = False) -> OSError | None:
+def write_entry_file(io: FileIO, target: FileTarget, buffers: list, fsync: str, direct: bool = False) -> OSError | None:
     """Create `target.tmp` exclusively (never through a link), write `buffers`, rename it into
     place, all by name in the directory `target.open_directory()` gives. Atomic on failure:
     returns the error after removing the temporary it created (never one of the same name that
@@ -267,8 +266,9 @@ def write_entry_file(io: FileIO, target: FileTarget, buffers: list, fsync: str,
     tmp, final = os.path.basename(target.tmp), os.path.basename(target.final)
     try:
         dir_fd = target.open_directory()
-        fd, direct = (open_direct(io, tmp, CREATE_FLAGS, dir_fd) if direct
-                      else (io.open(tmp, CREATE_FLAGS, dir_fd=dir_fd), False))
+        fd, direct = (
+            open_direct(io, tmp, CREATE_FLAGS, dir_fd) if direct else (io.open(tmp, CREATE_FLAGS, dir_fd=dir_fd), False)
+        )
         created = True
         try:
             if direct and len(buffers[0]) % ALIGN == 0:
@@ -328,6 +328,11 @@ def _sync_dir(io: FileIO, dir_fd: int, directory: str) -> None:
         now = time.monotonic()
         if now - _dir_sync_warned_at >= DIR_SYNC_WARN_EVERY_S:
             _dir_sync_warned_at = now
-            log.warning("cannot fsync the directory %s after publishing a KV file into it: %s; the file is "
-                        "published, but a crash may lose it (HPKV_KV_STORAGE_FSYNC=full; said at most every %.0f "
-                        "minutes)", directory, exc.strerror, DIR_SYNC_WARN_EVERY_S / 60)
+            log.warning(
+                "cannot fsync the directory %s after publishing a KV file into it: %s; the file is "
+                "published, but a crash may lose it (HPKV_KV_STORAGE_FSYNC=full; said at most every %.0f "
+                "minutes)",
+                directory,
+                exc.strerror,
+                DIR_SYNC_WARN_EVERY_S / 60,
+            )

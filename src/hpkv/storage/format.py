@@ -70,8 +70,13 @@ def version_of_size(file_size: int, key_len: int, payload_len: int) -> int | Non
     return None
 
 
-def check(header: bytes | bytearray | memoryview | mmap.mmap, ns_digest: bytes, key: bytes, payload: memoryview,
-          expected_version: int = VERSION) -> str | None:
+def check(
+    header: bytes | bytearray | memoryview | mmap.mmap,
+    ns_digest: bytes,
+    key: bytes,
+    payload: memoryview,
+    expected_version: int = VERSION,
+) -> str | None:
     """None when header and payload are exactly what was written for (ns, key) in the layout of
     `expected_version` (from the file's size); else the reason."""
     if len(header) < _FIXED.size + 4:

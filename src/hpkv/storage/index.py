@@ -108,8 +108,9 @@ class UnreadableMarks:
 
 
 class FileIndex:
-    def __init__(self, where: str, clock: Clock = time.monotonic, wall_clock: Clock = time.time,
-                 max_marks: int = MAX_UNREADABLE) -> None:
+    def __init__(
+        self, where: str, clock: Clock = time.monotonic, wall_clock: Clock = time.time, max_marks: int = MAX_UNREADABLE
+    ) -> None:
         self._where = where  # the root, for messages
         self._wall_clock = wall_clock  # file mtimes are wall clock times: so are the minutes here
         self.lock = threading.Lock()
@@ -297,4 +298,3 @@ class FileIndex:
             return None
         recent = list(self._removed)[len(self._removed) - num :] if num else []
         return None if None in recent else {p for p in recent if p is not None}
-

@@ -37,9 +37,19 @@ Write = Callable[[FileTarget], "OSError | None"]
 
 
 class Publisher:
-    def __init__(self, layout: Layout, index: FileIndex, capacity: CapacityPolicy, evictor: Evictor,
-                 reader: Reader, budget: WriteBudget, counters: StorageCounters, errors: ErrorLog, fsync: str,
-                 scan_done: threading.Event) -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        index: FileIndex,
+        capacity: CapacityPolicy,
+        evictor: Evictor,
+        reader: Reader,
+        budget: WriteBudget,
+        counters: StorageCounters,
+        errors: ErrorLog,
+        fsync: str,
+        scan_done: threading.Event,
+    ) -> None:
         self._layout = layout
         self._index = index
         self._capacity = capacity
@@ -62,8 +72,13 @@ class Publisher:
         version = self.write_version(len(payload))
         header = fmt.encode_header(bytes.fromhex(ns), key, payload, version)
         direct = version == fmt.VERSION_ALIGNED and aligned(payload)
-        return self.publish(ns, key, len(payload), version, lambda target: write_entry_file(
-            self._layout.io, target, [header, payload], self._fsync, direct))
+        return self.publish(
+            ns,
+            key,
+            len(payload),
+            version,
+            lambda target: write_entry_file(self._layout.io, target, [header, payload], self._fsync, direct),
+        )
 
     def publish(self, ns: str, key: bytes, payload_bytes: int, version: int, write: Write) -> bool:
         """Make room for (ns, key) and have `write` put its file, in format `version`, at a target

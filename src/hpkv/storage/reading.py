@@ -38,8 +38,9 @@ _REFUSED_ERRNOS = (errno.EACCES, errno.EPERM, errno.ENAMETOOLONG)
 
 
 class Reader:
-    def __init__(self, layout: Layout, index: FileIndex, counters: StorageCounters, errors: ErrorLog,
-                 direct: bool) -> None:
+    def __init__(
+        self, layout: Layout, index: FileIndex, counters: StorageCounters, errors: ErrorLog, direct: bool
+    ) -> None:
         self._layout = layout
         self._index = index
         self._counters = counters
@@ -52,8 +53,12 @@ class Reader:
         content of `dest` is then undefined and must not be used."""
         direct = self.direct and aligned(dest)
         try:
-            fd, st = open_in_tree(self._layout.io, self._layout.tree, *self._layout.where(ns, key),
-                                  os.O_RDONLY | (O_DIRECT if direct else 0))
+            fd, st = open_in_tree(
+                self._layout.io,
+                self._layout.tree,
+                *self._layout.where(ns, key),
+                os.O_RDONLY | (O_DIRECT if direct else 0),
+            )
         except tree.Untrusted as exc:
             self.skip_untrusted(ns, key, exc)
             return False
@@ -61,8 +66,11 @@ class Reader:
             if direct and exc.errno == errno.EINVAL:
                 if self.direct:  # the file system changed under us: no more O_DIRECT
                     self.direct = False
-                    log.warning("the file system of %s refused O_DIRECT on a read (HPKV_KV_STORAGE_DIRECT_IO=on); "
-                                "KV files go through the page cache from now on", self._layout.root)
+                    log.warning(
+                        "the file system of %s refused O_DIRECT on a read (HPKV_KV_STORAGE_DIRECT_IO=on); "
+                        "KV files go through the page cache from now on",
+                        self._layout.root,
+                    )
                 return self.read_into(ns, key, dest)
             self._read_failed(ns, key, exc)
             return False
@@ -139,8 +147,11 @@ class Reader:
         out of the index and not adopted again (until written, or a restart), counted, said."""
         self._counters.untrusted_files += 1
         self._index.forget(self._index.key(ns, key), unreadable_s=NEVER)
-        self._errors.warn(exc, f"skipped a name under {self._layout.root}", "it is never a hit; someone who can "
-                          "write the storage directory put it there (see hpkv doctor)")
+        self._errors.warn(
+            exc,
+            f"skipped a name under {self._layout.root}",
+            "it is never a hit; someone who can write the storage directory put it there (see hpkv doctor)",
+        )
 
     def _read_failed(self, ns: str, key: bytes, exc: OSError) -> None:
         """A miss that leaves the file in place. A file gone (another node removed it) leaves the
@@ -157,8 +168,10 @@ class Reader:
             then = "the request recomputes, and such files are misses until written again or the server restarts"
         elif exc.errno == errno.EIO:
             self._index.forget(ik, unreadable_s=UNREADABLE_EIO_S)
-            then = (f"the request recomputes, and such a file is a miss for {UNREADABLE_EIO_S:.0f} s, then found "
-                    "again by a lookup")
+            then = (
+                f"the request recomputes, and such a file is a miss for {UNREADABLE_EIO_S:.0f} s, then found "
+                "again by a lookup"
+            )
         else:
             then = "the request recomputes"
         self._errors.warn(exc, f"cannot read KV files under {self._layout.root}", then)
@@ -171,9 +184,13 @@ class Reader:
         self._index.forget(self._index.key(ns, key), unreadable_s=NEVER)
         if not self._warned_newer:
             self._warned_newer = True
-            log.warning("KV file %s is in file format %d, newer than this HPKV reads (%s): treated as a miss and "
-                        "left in place for the nodes that wrote it; upgrade this node to use such files",
-                        self._layout.path_of(ns, key), version, ", ".join(map(str, fmt.VERSIONS)))
+            log.warning(
+                "KV file %s is in file format %d, newer than this HPKV reads (%s): treated as a miss and "
+                "left in place for the nodes that wrote it; upgrade this node to use such files",
+                self._layout.path_of(ns, key),
+                version,
+                ", ".join(map(str, fmt.VERSIONS)),
+            )
         return False
 
     def _discard(self, ns: str, key: bytes, reason: str) -> None:

@@ -41,7 +41,8 @@ def prepare(root: Path) -> str:
     if fs_type in PSEUDO_FS:
         raise StorageError(
             f"the storage directory {root} ({SETTING}) is on {fs_type}, a kernel pseudo file system that cannot "
-            f"hold KV files; point {SETTING} at an SSD or a parallel file system")
+            f"hold KV files; point {SETTING} at an SSD or a parallel file system"
+        )
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
     except FileExistsError:
@@ -54,22 +55,32 @@ def prepare(root: Path) -> str:
     return fs_type
 
 
-def say_memory_fs(root: Path, fs_type: str, auto: bool, capacity_bytes: int, promised_ram_bytes: int,
-                  fraction: float) -> None:
+def say_memory_fs(
+    root: Path, fs_type: str, auto: bool, capacity_bytes: int, promised_ram_bytes: int, fraction: float
+) -> None:
     """Warn that the root is on a memory file system, and how the tier was sized there."""
     share = round(fraction * 100)
     if not auto:
         size = f"HPKV_KV_STORAGE_SIZE bounds it to {capacity_bytes} bytes"
     elif fs_type == "ramfs":
         pool = f", less the DRAM pool's {promised_ram_bytes} bytes still to come" if promised_ram_bytes else ""
-        size = (f"HPKV_KV_STORAGE_SIZE=auto gave {capacity_bytes} bytes ({share}% of half the memory "
-                f"available{pool}: a ramfs has no size of its own), plus {share}% of its KV files already there")
+        size = (
+            f"HPKV_KV_STORAGE_SIZE=auto gave {capacity_bytes} bytes ({share}% of half the memory "
+            f"available{pool}: a ramfs has no size of its own), plus {share}% of its KV files already there"
+        )
     else:
-        size = (f"HPKV_KV_STORAGE_SIZE=auto gave {capacity_bytes} bytes ({share}% of the {fs_type}'s free "
-                f"space), plus {share}% of its KV files already there")
-    log.warning("the storage directory %s is on %s, a memory file system: its KV files take RAM beside the "
-                "DRAM pool and are lost at reboot; %s. Set HPKV_KV_STORAGE_SIZE to bound it, or point "
-                "HPKV_KV_STORAGE_PATH at an SSD or a parallel file system", root, fs_type, size)
+        size = (
+            f"HPKV_KV_STORAGE_SIZE=auto gave {capacity_bytes} bytes ({share}% of the {fs_type}'s free "
+            f"space), plus {share}% of its KV files already there"
+        )
+    log.warning(
+        "the storage directory %s is on %s, a memory file system: its KV files take RAM beside the "
+        "DRAM pool and are lost at reboot; %s. Set HPKV_KV_STORAGE_SIZE to bound it, or point "
+        "HPKV_KV_STORAGE_PATH at an SSD or a parallel file system",
+        root,
+        fs_type,
+        size,
+    )
 
 
 def problem(root: Path) -> str | None:
@@ -81,20 +92,28 @@ def problem(root: Path) -> str | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        return (f"the storage directory {root} ({SETTING}) cannot be looked at by uid {uid}: {exc.strerror}; "
-                f"give uid {uid} access to it, or point {SETTING} elsewhere")
+        return (
+            f"the storage directory {root} ({SETTING}) cannot be looked at by uid {uid}: {exc.strerror}; "
+            f"give uid {uid} access to it, or point {SETTING} elsewhere"
+        )
     if not stat.S_ISDIR(st.st_mode):
-        return (f"the storage directory {root} ({SETTING}) is not a directory (a file is in the way); remove it "
-                f"or point {SETTING} elsewhere")
+        return (
+            f"the storage directory {root} ({SETTING}) is not a directory (a file is in the way); remove it "
+            f"or point {SETTING} elsewhere"
+        )
     if read_only(root):
         mount = mount_of(root).mount_point
-        return (f"the storage directory {root} ({SETTING}) is on a read-only mount ({mount}): no KV file can be "
-                f"written there; remount it read-write (mount -o remount,rw {mount}) or point {SETTING} at a "
-                "writable directory")
+        return (
+            f"the storage directory {root} ({SETTING}) is on a read-only mount ({mount}): no KV file can be "
+            f"written there; remount it read-write (mount -o remount,rw {mount}) or point {SETTING} at a "
+            "writable directory"
+        )
     if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
-        return (f"the storage directory {root} ({SETTING}) is not a writable directory for uid {uid} (owner uid "
-                f"{st.st_uid}, mode {st.st_mode & 0o7777:04o}); as its owner or root: chown {uid} {root} && "
-                f"chmod 700 {root}, or point {SETTING} elsewhere")
+        return (
+            f"the storage directory {root} ({SETTING}) is not a writable directory for uid {uid} (owner uid "
+            f"{st.st_uid}, mode {st.st_mode & 0o7777:04o}); as its owner or root: chown {uid} {root} && "
+            f"chmod 700 {root}, or point {SETTING} elsewhere"
+        )
     return None
 
 
@@ -109,13 +128,19 @@ def read_only(path: Path) -> bool:
 def _cannot_create(root: Path, exc: OSError) -> str:
     parent = existing_ancestor(root)
     if isinstance(exc, NotADirectoryError) or not parent.is_dir():
-        return (f"cannot create the storage directory {root} ({SETTING}): {parent} is a file, not a directory; "
-                f"point {SETTING} elsewhere")
+        return (
+            f"cannot create the storage directory {root} ({SETTING}): {parent} is a file, not a directory; "
+            f"point {SETTING} elsewhere"
+        )
     if exc.errno == errno.EROFS or read_only(parent):
-        return (f"cannot create the storage directory {root} ({SETTING}): {parent} is on a read-only mount; "
-                f"create it on a writable file system or point {SETTING} elsewhere")
-    return (f"cannot create the storage directory {root} ({SETTING}) in {parent}: {exc.strerror}; create it "
-            f"with write permission for uid {os.geteuid()} or point {SETTING} elsewhere")
+        return (
+            f"cannot create the storage directory {root} ({SETTING}): {parent} is on a read-only mount; "
+            f"create it on a writable file system or point {SETTING} elsewhere"
+        )
+    return (
+        f"cannot create the storage directory {root} ({SETTING}) in {parent}: {exc.strerror}; create it "
+        f"with write permission for uid {os.geteuid()} or point {SETTING} elsewhere"
+    )
 
 
 def foreign_writers(root: Path, uid: int) -> list[str] | None:
@@ -149,6 +174,8 @@ def _writers(path: str, st: os.stat_result, uid: int) -> str:
             group = str(st.st_gid)
         who.append(f"writable by group {group}")
     if mode & 0o002:
-        who.append("writable by every user" + (" (sticky: they cannot remove HPKV's files, but can add "
-                                                  "their own)" if mode & stat.S_ISVTX else ""))
+        who.append(
+            "writable by every user"
+            + (" (sticky: they cannot remove HPKV's files, but can add their own)" if mode & stat.S_ISVTX else "")
+        )
     return f"{path} (mode {mode:04o}) is " + ", ".join(who) if who else ""

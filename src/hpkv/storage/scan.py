@@ -87,8 +87,9 @@ def leaf_dirs(root: Path | str, ns: str | None = None, skipped: Skipped | None =
         os.close(root_fd)
 
 
-def walk(root: Path, node: str, index_key: Callable[[str, bytes], bytes], value_of: Callable[[int], int | None],
-         counters) -> Found:
+def walk(
+    root: Path, node: str, index_key: Callable[[str, bytes], bytes], value_of: Callable[[int], int | None], counters
+) -> Found:
     """Every entry file under `root`: its mtime, `index_key(ns, key)` and `value_of(size)` (None:
     not a file to index). Temporaries of this node's dead writers, and any older than
     STALE_TEMP_S (a writer that died on whatever node), are removed. Unreadable entries are
@@ -148,8 +149,9 @@ def remove_entries(root: Path, ns: str | None = None) -> int:
     return num
 
 
-def _subdirs(dir_fd: int, path: str, wanted: Callable[[str], bool],
-             skipped: Skipped | None) -> Iterator[tuple[str, int]]:
+def _subdirs(
+    dir_fd: int, path: str, wanted: Callable[[str], bool], skipped: Skipped | None
+) -> Iterator[tuple[str, int]]:
     """(name, descriptor) of the directories in `dir_fd` whose names are `wanted`, each opened
     without following a link; the caller closes each descriptor."""
     entries = _list(dir_fd)

@@ -30,19 +30,25 @@ log = logging.getLogger("hpkv.storage.tier")
 _MERGE_SLICE = 1 << 16  # files merged into the index per hold of its lock
 
 
-def rebuild(root: Path, node: str, index: FileIndex, capacity: CapacityPolicy, evictor: Evictor,
-            counters: StorageCounters) -> None:
+def rebuild(
+    root: Path, node: str, index: FileIndex, capacity: CapacityPolicy, evictor: Evictor, counters: StorageCounters
+) -> None:
     """Index every entry file under `root` and remove leftover temporaries (`scan.walk`)."""
     started = time.monotonic()
     known_s = time.time() - SLACK_MINUTES * 60
-    found = scan.walk(root, node, index.key,
-                      lambda size: index.value_of(size, known_s) if size <= MAX_FILE_BYTES else None, counters)
+    found = scan.walk(
+        root, node, index.key, lambda size: index.value_of(size, known_s) if size <= MAX_FILE_BYTES else None, counters
+    )
     merge(index, found)
     if found.untrusted is not None:
-        log.warning("the storage scan skipped %d names under %s that are not what HPKV puts there, e.g. %s: "
-                    "HPKV follows no link and reads only regular files in the storage tree, so none is a hit; "
-                    "someone who can write the storage directory put them there (see hpkv doctor)",
-                    counters.untrusted_files, root, found.untrusted)
+        log.warning(
+            "the storage scan skipped %d names under %s that are not what HPKV puts there, e.g. %s: "
+            "HPKV follows no link and reads only regular files in the storage tree, so none is a hit; "
+            "someone who can write the storage directory put them there (see hpkv doctor)",
+            counters.untrusted_files,
+            root,
+            found.untrusted,
+        )
     capacity.size_with_own(index.used_bytes)  # none learned yet: not while the scan runs
     if len(found.keys) > 10_000 or time.monotonic() - started > 2.0:
         log.info("storage index ready: %d files in %.1f s", len(found.keys), time.monotonic() - started)

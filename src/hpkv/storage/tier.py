@@ -42,8 +42,9 @@ log = logging.getLogger(__name__)
 
 
 class StorageTier:
-    def __init__(self, config: StorageConfig, io: FileIO | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, config: StorageConfig, io: FileIO | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         """`clock`: the monotonic time of expiries (unreadable marks, a learned capacity, the
         budget, repeated warnings); tests pass a fake one."""
         self.root = Path(config.path)
@@ -57,8 +58,18 @@ class StorageTier:
         errors = ErrorLog(clock)
         self.evictor = Evictor(self.index, self.layout, self.counters)
         self.reader = Reader(self.layout, self.index, self.counters, errors, config.direct_io)
-        self.publisher = Publisher(self.layout, self.index, self.capacity, self.evictor, self.reader, self.budget,
-                                   self.counters, errors, config.fsync, self.scan_done)
+        self.publisher = Publisher(
+            self.layout,
+            self.index,
+            self.capacity,
+            self.evictor,
+            self.reader,
+            self.budget,
+            self.counters,
+            errors,
+            config.fsync,
+            self.scan_done,
+        )
         self._lock = self.index.lock  # held for long by evictions and removes
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="hpkv-io")
 
@@ -73,8 +84,11 @@ class StorageTier:
         self.capacity.size_at_start(fs_type, promised_ram_bytes)
         if self.reader.direct and not direct_supported(str(self.root)):
             self.reader.direct = False
-            log.warning("the file system of %s does not take O_DIRECT (HPKV_KV_STORAGE_DIRECT_IO=on); KV files "
-                        "go through the page cache instead", self.root)
+            log.warning(
+                "the file system of %s does not take O_DIRECT (HPKV_KV_STORAGE_DIRECT_IO=on); KV files "
+                "go through the page cache instead",
+                self.root,
+            )
         threading.Thread(target=self._scan, name="hpkv-storage-scan", daemon=True).start()
 
     def _scan(self) -> None:
@@ -95,11 +109,11 @@ class StorageTier:
         """Keep the readable description beside the data. Best effort: a full disk must not stop
         the store from starting (the entries themselves do not need the description)."""
         try:
-            tree.write_description(str(self.root), ns, "namespace.json", self.layout.temp_name("namespace"),
-                                   description_json + "\n")
+            tree.write_description(
+                str(self.root), ns, "namespace.json", self.layout.temp_name("namespace"), description_json + "\n"
+            )
         except OSError as exc:
-            log.warning("cannot write %s: %s; going on without it", self.root / ns / "namespace.json",
-                        exc.strerror)
+            log.warning("cannot write %s: %s; going on without it", self.root / ns / "namespace.json", exc.strerror)
 
     # -- lookups ------------------------------------------------------------------------------
 
@@ -154,8 +168,9 @@ class StorageTier:
         """Publish `payload` as (ns, key) from this process; False when it was not written."""
         return self.publisher.write_from(ns, key, payload)
 
-    def publish(self, ns: str, key: bytes, payload_bytes: int, version: int,
-                write: Callable[[FileTarget], OSError | None]) -> bool:
+    def publish(
+        self, ns: str, key: bytes, payload_bytes: int, version: int, write: Callable[[FileTarget], OSError | None]
+    ) -> bool:
         """Make room for (ns, key) and have `write` put its file at a target named here
         (`publishing`); False when it was not written."""
         return self.publisher.publish(ns, key, payload_bytes, version, write)
@@ -167,10 +182,16 @@ class StorageTier:
         return scan.remove_entries(self.root, ns)
 
     def stats(self) -> StorageStats:
-        return StorageStats(capacity_bytes=self.capacity.capacity_bytes, used_bytes=self.index.used_bytes,
-                            num_entries=len(self.index), index_ready=self.scan_done.is_set(),
-                            direct_io=self.reader.direct, write_budget_bytes=self.config.write_budget_bytes,
-                            write_budget_available_bytes=self.budget.available(), **vars(self.counters))
+        return StorageStats(
+            capacity_bytes=self.capacity.capacity_bytes,
+            used_bytes=self.index.used_bytes,
+            num_entries=len(self.index),
+            index_ready=self.scan_done.is_set(),
+            direct_io=self.reader.direct,
+            write_budget_bytes=self.config.write_budget_bytes,
+            write_budget_available_bytes=self.budget.available(),
+            **vars(self.counters),
+        )
 
     # -- views of the parts, and seams for tests and benchmarks ---------------------------------
 

@@ -68,17 +68,26 @@ class Untrusted(OSError):
     directory where a file belongs): not followed, not read, not adopted."""
 
     def __init__(self, path: str, what: str) -> None:
-        super().__init__(errno.ELOOP if what == "a symbolic link" else errno.EINVAL,
-                         f"{path} is {what}, not followed: HPKV follows no link and reads only regular files "
-                         "inside the storage tree", path)
+        super().__init__(
+            errno.ELOOP if what == "a symbolic link" else errno.EINVAL,
+            f"{path} is {what}, not followed: HPKV follows no link and reads only regular files "
+            "inside the storage tree",
+            path,
+        )
         self.what = what
 
 
 def kind_of(mode: int) -> str:
     """What a file of st_mode `mode` is, in words."""
-    for test, words in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
-                        (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                        (stat.S_ISBLK, "a block device"), (stat.S_ISREG, "a regular file")):
+    for test, words in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISREG, "a regular file"),
+    ):
         if test(mode):
             return words
     return "not a regular file"
@@ -98,7 +107,7 @@ def parts_below(root: str, directory: str) -> list[str]:
     """The names leading from `root` down to `directory` (a path HPKV built by joining names to
     the root); OSError (EINVAL) where `directory` is not a plain path below `root`."""
     root = root.rstrip("/")
-    parts = directory[len(root) + 1:].split("/") if directory.startswith(root + "/") else [""]
+    parts = directory[len(root) + 1 :].split("/") if directory.startswith(root + "/") else [""]
     if any(part in ("", ".", "..") for part in parts):
         raise OSError(errno.EINVAL, f"{directory} is not a plain path below {root or '/'}")
     return parts
@@ -281,7 +290,7 @@ def write_description(root: str, ns: str, name: str, tmp_name: str, text: str) -
             try:
                 data = text.encode()
                 while data:
-                    data = data[os.write(fd, data):]
+                    data = data[os.write(fd, data) :]
             finally:
                 os.close(fd)
             os.rename(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

@@ -59,8 +59,13 @@ class WriterProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, env.get("PYTHONPATH")) if p)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hpkv.storage.writer", str(pool_fd), str(nice)], pass_fds=(pool_fd,),
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
+                [sys.executable, "-m", "hpkv.storage.writer", str(pool_fd), str(nice)],
+                pass_fds=(pool_fd,),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+                close_fds=True,
+            )
         except OSError as exc:
             raise WriterUnavailable(f"cannot start a write-through process: {exc}") from None
         hello = self._read_reply()
@@ -68,7 +73,8 @@ class WriterProcess:
             self.kill()
             raise WriterUnavailable(
                 f"the write-through process answered {hello!r}, expected protocol {PROTOCOL_VERSION} "
-                f"(is another hpkv installed for {sys.executable}?)")
+                f"(is another hpkv installed for {sys.executable}?)"
+            )
 
     @property
     def pid(self) -> int:
@@ -167,17 +173,30 @@ class WriterPool:
         self.num_died = 0
         self.num_start_failures = 0
 
-    def write(self, ns: str, key: bytes, offset: int, length: int, target: FileTarget,
-              fsync: str, version: int = fmt.VERSION) -> OSError | None:
+    def write(
+        self, ns: str, key: bytes, offset: int, length: int, target: FileTarget, fsync: str, version: int = fmt.VERSION
+    ) -> OSError | None:
         """Write one entry file from the pool slot at `offset`, in file format `version` (the
         aligned one is written with O_DIRECT). Raises WriterUnavailable when no writer can be
         started (nothing was written then)."""
         proc = self._idle.get()
         try:
             proc = self._ready(proc)
-            error = proc.write({"ns": ns, "key": key.hex(), "offset": offset, "length": length,
-                                "final": target.final, "tmp": target.tmp, "directory": target.directory,
-                                "mkdir": target.mkdir, "root": target.root, "fsync": fsync, "format": version})
+            error = proc.write(
+                {
+                    "ns": ns,
+                    "key": key.hex(),
+                    "offset": offset,
+                    "length": length,
+                    "final": target.final,
+                    "tmp": target.tmp,
+                    "directory": target.directory,
+                    "mkdir": target.mkdir,
+                    "root": target.root,
+                    "fsync": fsync,
+                    "format": version,
+                }
+            )
             if not proc.alive():
                 with self._lock:
                     killed = self._closed and proc not in self._procs
@@ -214,8 +233,11 @@ class WriterPool:
                 self.num_start_failures += 1
                 self._unavailable = str(exc)
                 self._retry_at = time.monotonic() + self.RETRY_S
-            log.warning("%s; write-throughs without a process run in the server process, and another start is "
-                        "tried in %.0f s", exc, self.RETRY_S)
+            log.warning(
+                "%s; write-throughs without a process run in the server process, and another start is tried in %.0f s",
+                exc,
+                self.RETRY_S,
+            )
             raise
         with self._lock:
             closed = self._closed
@@ -234,8 +256,14 @@ class WriterPool:
 
     def stats(self) -> WriterStats:
         with self._lock:
-            return WriterStats(processes=len(self._procs), started=self.num_started, died=self.num_died,
-                               start_failures=self.num_start_failures, unavailable=self._unavailable, nice=self.nice)
+            return WriterStats(
+                processes=len(self._procs),
+                started=self.num_started,
+                died=self.num_died,
+                start_failures=self.num_start_failures,
+                unavailable=self._unavailable,
+                nice=self.nice,
+            )
 
     def kill(self) -> None:
         """Kill every process now: a job in hand fails (EIO), and no other starts."""
@@ -255,6 +283,7 @@ class WriterPool:
 
 
 # -- the child ----------------------------------------------------------------------------------
+
 
 def _serve(pool_fd: int, nice: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C stops the server, which closes our stdin

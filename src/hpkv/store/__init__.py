@@ -7,5 +7,12 @@ from .reservations import HOLD_QUARANTINE_S
 from .tiered import TieredStore
 from .writethrough import write_threads
 
-__all__ = ["BACKLOG_LIMIT_SHARE", "HOLD_QUARANTINE_S", "Lease", "PrefixOrder", "StorePolicy", "TieredStore",
-           "write_threads"]
+__all__ = [
+    "BACKLOG_LIMIT_SHARE",
+    "HOLD_QUARANTINE_S",
+    "Lease",
+    "PrefixOrder",
+    "StorePolicy",
+    "TieredStore",
+    "write_threads",
+]

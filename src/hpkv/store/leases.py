@@ -76,9 +76,18 @@ class _Pinned:
 
 
 class Leases:
-    def __init__(self, lock: threading.Lock, dram: DramTier, storage: StorageTier | None, region: PoolRegion,
-                 held: HeldSlots[DramEntry], counters: StoreCounters, lookups: Lookups, order: PrefixOrder,
-                 reclaim: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        lock: threading.Lock,
+        dram: DramTier,
+        storage: StorageTier | None,
+        region: PoolRegion,
+        held: HeldSlots[DramEntry],
+        counters: StoreCounters,
+        lookups: Lookups,
+        order: PrefixOrder,
+        reclaim: Callable[[], None],
+    ) -> None:
         self._lock = lock
         self._dram = dram
         self._storage = storage
@@ -124,8 +133,9 @@ class Leases:
         if num_touches > 1:  # the first key last evicted across rounds too (no I/O)
             self._tier.touch(ns, [entry.key for entry, _ in reversed(pinned.reads)])
         with self._lock:
-            lease = Lease(next(self._ids), ns, owner, pinned.entries, pinned.promotions, pinned.reads,
-                          self._held.clock())
+            lease = Lease(
+                next(self._ids), ns, owner, pinned.entries, pinned.promotions, pinned.reads, self._held.clock()
+            )
             self._leases[lease.id] = lease
             self._held.leased(owner, len(pinned.entries) * slot_bytes)
             self._counters.leases += 1
@@ -134,13 +144,14 @@ class Leases:
             self.start_reads(lease)
         return lease
 
-    def _pin_round(self, ns: str, keys: Sequence[bytes], owner: int, probe: Probe, pinned: _Pinned,
-                   slot_bytes: int) -> int:
+    def _pin_round(
+        self, ns: str, keys: Sequence[bytes], owner: int, probe: Probe, pinned: _Pinned, slot_bytes: int
+    ) -> int:
         """Pin the next keys up to a miss; the number of keys left past the owner's cap."""
         with self._lock:
             self._reclaim()
             room = self._held.room(owner) - len(pinned.entries) * slot_bytes
-            for key in keys[len(pinned.entries):] if pinned.entries else keys:
+            for key in keys[len(pinned.entries) :] if pinned.entries else keys:
                 if room < slot_bytes:  # the rest is a miss: the caller recomputes it
                     return len(keys) - len(pinned.entries)
                 room -= slot_bytes
@@ -153,8 +164,7 @@ class Leases:
                     pinned.reads.append((entry, new))
         return 0
 
-    def _pin_for_read(self, ns: str, key: bytes, probe: Probe
-                      ) -> tuple[DramEntry | None, Future | None, Future | None]:
+    def _pin_for_read(self, ns: str, key: bytes, probe: Probe) -> tuple[DramEntry | None, Future | None, Future | None]:
         """(entry, its promotion or None, that promotion again if it is new and must be queued).
         Caller holds the lock."""
         entry = self._dram.get(ns, key)

@@ -25,8 +25,9 @@ NOWHERE: Probe = (b"", frozenset().__contains__)  # the storage index of a store
 
 
 class Lookups:
-    def __init__(self, lock: threading.Lock, dram: DramTier, storage: StorageTier | None,
-                 counters: StoreCounters) -> None:
+    def __init__(
+        self, lock: threading.Lock, dram: DramTier, storage: StorageTier | None, counters: StoreCounters
+    ) -> None:
         self._lock = lock
         self._dram = dram
         self._storage = storage
@@ -67,7 +68,7 @@ class Lookups:
         prefix, on_storage = self.probe(ns)
         while True:
             with self._lock:
-                for key in keys[len(tiers):] if tiers else keys:
+                for key in keys[len(tiers) :] if tiers else keys:
                     entry = index.get(key)
                     if entry is not None and entry.ready:
                         tiers.append(Tier.DRAM)

@@ -29,8 +29,16 @@ HOLD_QUARANTINE_S = 30.0  # what is taken back stays unusable this long: a copy 
 
 
 class Reservations:
-    def __init__(self, lock: threading.Lock, dram: DramTier, held: HeldSlots[DramEntry], counters: StoreCounters,
-                 leases: Leases, writes: WriteThrough | None, order: PrefixOrder) -> None:
+    def __init__(
+        self,
+        lock: threading.Lock,
+        dram: DramTier,
+        held: HeldSlots[DramEntry],
+        counters: StoreCounters,
+        leases: Leases,
+        writes: WriteThrough | None,
+        order: PrefixOrder,
+    ) -> None:
         self._lock = lock
         self._dram = dram
         self._held = held
@@ -150,8 +158,12 @@ class Reservations:
         leases past the clients' limit: quarantined first, as their holder may still be copying
         (a stalled process); and end the quarantines that are over. Caller holds the lock."""
         held = self._held
-        expired = [entry for name, part in held.holds.expired(HOLD_TIMEOUT_S, joining) for key in part.keys
-                   if (entry := held.pop(part.owner, Reserved(part.ns, key, name))) is not None]
+        expired = [
+            entry
+            for name, part in held.holds.expired(HOLD_TIMEOUT_S, joining)
+            for key in part.keys
+            if (entry := held.pop(part.owner, Reserved(part.ns, key, name))) is not None
+        ]
         expired += [entry for _, _, entry in held.expired_reservations()]
         held.quarantined.add(expired, False, HOLD_QUARANTINE_S)
         self._counters.aborts += len(expired)

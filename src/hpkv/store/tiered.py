@@ -43,8 +43,14 @@ class TieredStore:
     STALLED_S = 30.0  # at close, give up the storage writes when none has ended for this long
     storage_unusable: str | None = None  # why the storage tier is off though enabled (`open`)
 
-    def __init__(self, region: PoolRegion, storage: StorageTier | None, slab_bytes: int | None = None,
-                 write_processes: bool = False, policy: StorePolicy | None = None) -> None:
+    def __init__(
+        self,
+        region: PoolRegion,
+        storage: StorageTier | None,
+        slab_bytes: int | None = None,
+        write_processes: bool = False,
+        policy: StorePolicy | None = None,
+    ) -> None:
         policy = policy if policy is not None else StorePolicy()
         self.region = region
         self.storage = storage
@@ -55,19 +61,35 @@ class TieredStore:
         pool_bytes = self.dram.alloc.num_slabs * self.dram.alloc.slab_bytes
         # In process (no `write_processes`, or while no writer process can start) the writes run
         # on the write threads.
-        self.writes = None if storage is None else WriteThrough(
-            self._lock, self.dram, storage, region, self.counters, policy.backlog_limit(pool_bytes), write_processes)
+        self.writes = (
+            None
+            if storage is None
+            else WriteThrough(
+                self._lock, self.dram, storage, region, self.counters, policy.backlog_limit(pool_bytes), write_processes
+            )
+        )
         # The write-through processes (None in process, or without a storage tier).
         self.writers: WriterPool | None = self.writes.writers if self.writes is not None else None
         self.lookups = Lookups(self._lock, self.dram, storage, self.counters)
-        self.leases = Leases(self._lock, self.dram, storage, region, self.held, self.counters, self.lookups,
-                             policy.order, reclaim=lambda: self.reservations.reclaim())
-        self.reservations = Reservations(self._lock, self.dram, self.held, self.counters, self.leases, self.writes,
-                                         policy.order)
+        self.leases = Leases(
+            self._lock,
+            self.dram,
+            storage,
+            region,
+            self.held,
+            self.counters,
+            self.lookups,
+            policy.order,
+            reclaim=lambda: self.reservations.reclaim(),
+        )
+        self.reservations = Reservations(
+            self._lock, self.dram, self.held, self.counters, self.leases, self.writes, policy.order
+        )
 
     @classmethod
-    def open(cls, pool: PoolConfig, storage: StorageConfig, slab_bytes: int | None = None,
-             policy: StorePolicy | None = None) -> TieredStore:
+    def open(
+        cls, pool: PoolConfig, storage: StorageConfig, slab_bytes: int | None = None, policy: StorePolicy | None = None
+    ) -> TieredStore:
         """Create the pool file and start the storage tier (when enabled). A storage directory
         that cannot be used as it stands (`StorageUnusable`: read-only, not writable) leaves the
         store with its DRAM tier alone and `storage_unusable` saying why; a storage path that can
@@ -86,8 +108,11 @@ class TieredStore:
                 except StorageUnusable as exc:  # DRAM alone beats no server: said in the log, status, doctor
                     tier.close(wait=False)
                     tier, unusable = None, str(exc)
-                    log.warning("%s. Until then the server runs with the DRAM tier only: no KV is read from or "
-                                "written to storage (fix it, then restart the server)", exc)
+                    log.warning(
+                        "%s. Until then the server runs with the DRAM tier only: no KV is read from or "
+                        "written to storage (fix it, then restart the server)",
+                        exc,
+                    )
             store = cls(region, tier, slab_bytes, write_processes=True, policy=policy)
             store.storage_unusable = unusable
             return store
@@ -178,13 +203,20 @@ class TieredStore:
 
     def stats(self) -> StoreStats:
         with self._lock:
-            stats = StoreStats(store=StoreCounterStats(**vars(self.counters)),
-                               dram=self.dram.stats(self.region.locked_in_memory), namespaces=self.lookups.stats(),
-                               leases=len(self.leases), reservations=self.held.num_reservations,
-                               limits=self.held.stats(), quarantined=len(self.held.quarantined),
-                               holds=len(self.held.holds),
-                               write_backlog=self.writes.stats() if self.writes is not None else None,
-                               storage=None, storage_unusable=self.storage_unusable, writers=None)
+            stats = StoreStats(
+                store=StoreCounterStats(**vars(self.counters)),
+                dram=self.dram.stats(self.region.locked_in_memory),
+                namespaces=self.lookups.stats(),
+                leases=len(self.leases),
+                reservations=self.held.num_reservations,
+                limits=self.held.stats(),
+                quarantined=len(self.held.quarantined),
+                holds=len(self.held.holds),
+                write_backlog=self.writes.stats() if self.writes is not None else None,
+                storage=None,
+                storage_unusable=self.storage_unusable,
+                writers=None,
+            )
         # Outside the lock: the storage tier and the writers keep their own.
         stats.storage = self.storage.stats() if self.storage is not None else None
         writers = self.writers

@@ -38,8 +38,16 @@ def write_threads(io_threads: int, cpus: int | None = None) -> int:
 
 
 class WriteThrough:
-    def __init__(self, lock: threading.Lock, dram: DramTier, storage: StorageTier, region: PoolRegion,
-                 counters: StoreCounters, limit_bytes: float, write_processes: bool) -> None:
+    def __init__(
+        self,
+        lock: threading.Lock,
+        dram: DramTier,
+        storage: StorageTier,
+        region: PoolRegion,
+        counters: StoreCounters,
+        limit_bytes: float,
+        write_processes: bool,
+    ) -> None:
         self._lock = lock
         self._dram = dram
         self._storage = storage
@@ -177,8 +185,13 @@ class WriteThrough:
         length, fsync, writers = self._dram.entry_bytes(entry.ns), self._storage.config.fsync, self.writers
         assert writers is not None
         version = self._storage.write_version(length)
-        self._storage.publish(entry.ns, entry.key, length, version, lambda target: writers.write(
-            entry.ns, entry.key, entry.offset, length, target, fsync, version))
+        self._storage.publish(
+            entry.ns,
+            entry.key,
+            length,
+            version,
+            lambda target: writers.write(entry.ns, entry.key, entry.offset, length, target, fsync, version),
+        )
 
     def close(self, abandon: threading.Event | None, stalled_s: float) -> bool:
         """Finish the writes queued and deferred (entries committed from now on are not written),
@@ -192,8 +205,9 @@ class WriteThrough:
                 done, progress_at = self._num_ended, time.monotonic()
             stalled = time.monotonic() - progress_at > stalled_s
             if stalled or (abandon is not None and abandon.is_set()):
-                self._abandon(f"storage has finished no write for {stalled_s:.0f} s" if stalled
-                              else "asked to stop again")
+                self._abandon(
+                    f"storage has finished no write for {stalled_s:.0f} s" if stalled else "asked to stop again"
+                )
                 break
         self._executor.shutdown(wait=not self.abandoned)
         if self.writers is not None:
@@ -209,11 +223,18 @@ class WriteThrough:
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.writers is not None:
             self.writers.kill()  # a job in hand fails at once, even on a device that does not answer
-        log.warning("%s: stopping without writing the %d entries still waiting for storage (they are lost with "
-                    "the pool)", why, waiting)
+        log.warning(
+            "%s: stopping without writing the %d entries still waiting for storage (they are lost with the pool)",
+            why,
+            waiting,
+        )
 
     def stats(self) -> WriteBacklogStats:
         """`stats().write_backlog`. Caller holds the lock."""
         # The limit is a whole number of bytes, or inf where a benchmark's policy lifts it.
-        return WriteBacklogStats(entries=self.num_entries, bytes=self.num_bytes,
-                                 limit_bytes=cast(int, self.limit_bytes), deferred=len(self._deferred))
+        return WriteBacklogStats(
+            entries=self.num_entries,
+            bytes=self.num_bytes,
+            limit_bytes=cast(int, self.limit_bytes),
+            deferred=len(self._deferred),
+        )

@@ -47,8 +47,11 @@ class CudaPinning:
         # thread's, another engine's) registered this mapping first; it is pinned all the same.
         if int(code) in (0, 712):
             return True
-        log.warning("could not register the HPKV pool as pinned memory (cuda error %s); copies to and "
-                    "from the GPU will be slower", code)
+        log.warning(
+            "could not register the HPKV pool as pinned memory (cuda error %s); copies to and "
+            "from the GPU will be slower",
+            code,
+        )
         return False
 
     def unregister(self, tensor: torch.Tensor) -> None:
@@ -178,8 +181,13 @@ def _runs(block_ids: list[int], offsets: list[int]) -> list[tuple[int, int, int,
         j = i + 1
         if j < n:
             block_step, offset_step = block_ids[j] - block_ids[i], offsets[j] - offsets[i]
-            while (j < n and block_ids[j] - block_ids[j - 1] == block_step
-                   and offsets[j] - offsets[j - 1] == offset_step and block_step > 0 and offset_step > 0):
+            while (
+                j < n
+                and block_ids[j] - block_ids[j - 1] == block_step
+                and offsets[j] - offsets[j - 1] == offset_step
+                and block_step > 0
+                and offset_step > 0
+            ):
                 j += 1
             if j == i + 1:
                 block_step, offset_step = 1, 1
@@ -243,8 +251,10 @@ class BlockCopier:
         first_block, block_step, first_offset, offset_step, length = run
         stop = first_block + block_step * (length - 1) + 1
         for view, layer_offset, page in zip(self.layer_views, self.layer_offsets, self.page_bytes):
-            yield view[first_block:stop:block_step], pool.as_strided((length, page), (offset_step, 1),
-                                                                      first_offset + layer_offset)
+            yield (
+                view[first_block:stop:block_step],
+                pool.as_strided((length, page), (offset_step, 1), first_offset + layer_offset),
+            )
 
     def _pages(self, pool: torch.Tensor, singles: list[tuple[int, int]], to_pool: bool) -> list[tuple[int, int, int]]:
         """(dst address, src address, bytes) of every (block, layer) page of `singles`."""

@@ -37,8 +37,9 @@ class HpkvStorage(HiCacheStorage):
         extra = storage_config.extra_config or {}
         if not extra.get("interface_v1"):
             raise ConfigError(
-                "HPKV's SGLang backend needs the zero-copy v1 interface: add \"interface_v1\": 1 to "
-                f"--hicache-storage-backend-extra-config (or use --enable-ct-hpkv), e.g. {backend_config(1204)}")
+                'HPKV\'s SGLang backend needs the zero-copy v1 interface: add "interface_v1": 1 to '
+                f"--hicache-storage-backend-extra-config (or use --enable-ct-hpkv), e.g. {backend_config(1204)}"
+            )
         self.storage_config = storage_config
         settings = load_settings()
         if getattr(storage_config, "tp_rank", 0) == 0:
@@ -64,18 +65,30 @@ class HpkvStorage(HiCacheStorage):
         if model is None and self.model_override:
             model = lay.ModelId(override_identity(self.model_override).id, "auto", "HPKV_MODEL_ID")
         if model is None and self.storage_config.tp_rank == 0:
-            log.warning("SGLang's server arguments are not published in this process, so HPKV names the model by "
-                        "its served name %r only: give every model (and every fine-tune, quantization or KV dtype "
-                        "of it) its own --served-model-name, or set HPKV_MODEL_ID, or HPKV may load another "
-                        "model's KV", self.storage_config.model_name)
+            log.warning(
+                "SGLang's server arguments are not published in this process, so HPKV names the model by "
+                "its served name %r only: give every model (and every fine-tune, quantization or KV dtype "
+                "of it) its own --served-model-name, or set HPKV_MODEL_ID, or HPKV may load another "
+                "model's KV",
+                self.storage_config.model_name,
+            )
         self.desc = desc = lay.namespace(self.storage_config, layout, model)
         self.ns = desc.ns
         self.io.bind(desc, layout)
         if model is not None and model.identity is not None and self.storage_config.tp_rank == 0:
-            log.info("HPKV model identity: %s; model %s; namespace model %s", model.identity.describe(),
-                     model.model_path, desc.model)
-        log.info("HPKV storage for SGLang: namespace %s (%s), %d bytes per page, pool %s", self.ns,
-                 desc.to_json(), layout.entry_bytes, self.pool_dir)
+            log.info(
+                "HPKV model identity: %s; model %s; namespace model %s",
+                model.identity.describe(),
+                model.model_path,
+                desc.model,
+            )
+        log.info(
+            "HPKV storage for SGLang: namespace %s (%s), %d bytes per page, pool %s",
+            self.ns,
+            desc.to_json(),
+            layout.entry_bytes,
+            self.pool_dir,
+        )
         config = self.storage_config
         if layout.layer_sharded and config.is_mla_model and config.tp_size > 1:
             # Each TP rank holds other layers, so each has its own namespace; but SGLang treats
@@ -83,9 +96,11 @@ class HpkvStorage(HiCacheStorage):
             # hit, and the hit every rank agrees on is theirs.
             self._store_nothing()
             if config.tp_rank == 0:
-                log.warning("HPKV cannot serve MLA KV whose layers are split over the TP ranks: SGLang saves only "
-                            "TP rank 0's layers, so no rank ever has a whole page. HPKV stores nothing for this "
-                            "engine; run it without layer sharding to use HPKV")
+                log.warning(
+                    "HPKV cannot serve MLA KV whose layers are split over the TP ranks: SGLang saves only "
+                    "TP rank 0's layers, so no rank ever has a whole page. HPKV stores nothing for this "
+                    "engine; run it without layer sharding to use HPKV"
+                )
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
@@ -100,8 +115,11 @@ class HpkvStorage(HiCacheStorage):
         self._pools_registered = True
         side = [name for name in getattr(self, "registered_pools", {}) if str(name) != "kv"]
         if side:
-            log.warning("HPKV stores the KV pool only; this model's side pools %s are not stored, so SGLang finds "
-                        "no L3 hits for it and HPKV stores none of its pages", [str(name) for name in side])
+            log.warning(
+                "HPKV stores the KV pool only; this model's side pools %s are not stored, so SGLang finds "
+                "no L3 hits for it and HPKV stores none of its pages",
+                [str(name) for name in side],
+            )
 
     def _store_nothing(self) -> None:
         """Report every page stored without storing it: SGLang then neither retries nor keeps the
@@ -141,8 +159,9 @@ class HpkvStorage(HiCacheStorage):
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return False
 
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
-                  target_sizes: Any = None) -> bool:
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
         return False
 
     # -- the v2 (hybrid models) interface: side pools are not stored, so every call is a miss --
@@ -167,13 +186,15 @@ class HpkvStorage(HiCacheStorage):
         the scheduler waits for it CLEAR_WAIT_S at most, then leaves it to finish."""
         if self.ns is None or self.io.closed or not self.storage_config.is_storage_writer:
             return
-        worker = threading.Thread(target=self.io.run, args=("clear", None, self.io.clear), name="hpkv-clear",
-                                  daemon=True)
+        worker = threading.Thread(
+            target=self.io.run, args=("clear", None, self.io.clear), name="hpkv-clear", daemon=True
+        )
         worker.start()
         worker.join(CLEAR_WAIT_S)
         if worker.is_alive():
-            log.warning("HPKV is still clearing namespace %s after %.0f s; it goes on in the background",
-                        self.ns, CLEAR_WAIT_S)
+            log.warning(
+                "HPKV is still clearing namespace %s after %.0f s; it goes on in the background", self.ns, CLEAR_WAIT_S
+            )
 
     def get_stats(self):
         """SGLang's StorageMetrics since the last call; None unless SGLang's metrics are on."""

@@ -76,8 +76,13 @@ def rewrite_argv(argv: Sequence[str], threshold: int | None = None) -> list[str]
 
 def backend_config(threshold: int) -> dict:
     """The keys of the extra-config that select HPKV's backend with the zero-copy v1 interface."""
-    return {"backend_name": BACKEND_NAME, "module_path": BACKEND_MODULE, "class_name": BACKEND_CLASS,
-            "interface_v1": 1, "prefetch_threshold": threshold}
+    return {
+        "backend_name": BACKEND_NAME,
+        "module_path": BACKEND_MODULE,
+        "class_name": BACKEND_CLASS,
+        "interface_v1": 1,
+        "prefetch_threshold": threshold,
+    }
 
 
 def token_threshold() -> int:
@@ -86,10 +91,13 @@ def token_threshold() -> int:
 
     threshold = load_settings().token_threshold
     if threshold is None:
-        log.warning("VLLM_HPKV_TOKEN_THRESHOLD=auto has no cost model under SGLang (SGLang loads HPKV's pages "
-                    "while a request waits, not on the step that computes it, and HPKV sees no step to learn "
-                    "from): SGLang's prefetch_threshold is %d tokens; set a number to tune it (docs/sglang.md, "
-                    "Tuning)", DOCUMENTED_THRESHOLD)
+        log.warning(
+            "VLLM_HPKV_TOKEN_THRESHOLD=auto has no cost model under SGLang (SGLang loads HPKV's pages "
+            "while a request waits, not on the step that computes it, and HPKV sees no step to learn "
+            "from): SGLang's prefetch_threshold is %d tokens; set a number to tune it (docs/sglang.md, "
+            "Tuning)",
+            DOCUMENTED_THRESHOLD,
+        )
         return DOCUMENTED_THRESHOLD
     return threshold
 
@@ -105,8 +113,13 @@ def _set_extra_config(argv: list[str], threshold: int) -> None:
     except ValueError:
         theirs = None
     if not isinstance(theirs, dict):
-        log.warning("--enable-ct-hpkv: %s is not an inline JSON object (%.60s); it is left as given, so it must "
-                    "name HPKV's backend itself: %s", _EXTRA, given, json.dumps(ours))
+        log.warning(
+            "--enable-ct-hpkv: %s is not an inline JSON object (%.60s); it is left as given, so it must "
+            "name HPKV's backend itself: %s",
+            _EXTRA,
+            given,
+            json.dumps(ours),
+        )
         return
     _replace_value(argv, _EXTRA, json.dumps({**ours, **theirs}))
 
@@ -167,7 +180,7 @@ def _value(argv: list[str], name: str) -> str | None:
         if arg == name and i + 1 < len(argv):
             found = argv[i + 1]
         elif arg.startswith(name + "="):
-            found = arg[len(name) + 1:]
+            found = arg[len(name) + 1 :]
     return found
 
 

@@ -64,7 +64,8 @@ def page_layout(host_pool) -> PageLayout:
     except (ValueError, NotImplementedError, AttributeError) as exc:
         raise ValueError(
             f"HPKV cannot store pages of the SGLang host pool {type(host_pool).__name__} with layout "
-            f"{host_pool.layout!r}: {exc}. Use --hicache-mem-layout page_first (or leave it unset)") from None
+            f"{host_pool.layout!r}: {exc}. Use --hicache-mem-layout page_first (or leave it unset)"
+        ) from None
     return PageLayout(
         page_size=page_size,
         num_layers=int(host_pool.layer_num),
@@ -130,8 +131,11 @@ def namespace(config, layout: PageLayout, model: ModelId | None) -> NamespaceDes
     replicated = bool(config.is_mla_model) and not layout.layer_sharded
     tp_size, tp_rank = (1, 0) if replicated else (config.tp_size, config.tp_rank)
     cp_size, cp_rank = max(1, config.attn_cp_size), config.attn_cp_rank
-    extra = [("kv", "rank-replicated" if replicated else "tp-sharded"), ("geometry", layout.geometry),
-             ("layers", layout.layers)]
+    extra = [
+        ("kv", "rank-replicated" if replicated else "tp-sharded"),
+        ("geometry", layout.geometry),
+        ("layers", layout.layers),
+    ]
     if layout.format_tag:
         extra.append(("format", layout.format_tag))
     if model is not None and model.source:

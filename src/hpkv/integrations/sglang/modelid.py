@@ -25,9 +25,23 @@ import uuid
 from ...identity import ModelIdentity, NoContentIdentity, content_identity, loader_identity, unreadable_identity
 
 # Loaders that read the weights from --model-path (or its hub snapshot) as given.
-LOCAL_LOAD_FORMATS = frozenset(("auto", "pt", "safetensors", "instanttensor", "npcache", "sharded_state",
-                                "presharded", "gguf", "bitsandbytes", "mistral", "layered", "fastsafetensors",
-                                "runai_streamer"))
+LOCAL_LOAD_FORMATS = frozenset(
+    (
+        "auto",
+        "pt",
+        "safetensors",
+        "instanttensor",
+        "npcache",
+        "sharded_state",
+        "presharded",
+        "gguf",
+        "bitsandbytes",
+        "mistral",
+        "layered",
+        "fastsafetensors",
+        "runai_streamer",
+    )
+)
 # Server arguments that change a model's numerics on load, with the values that change nothing.
 NUMERICS_ARGS = (("quantization", None), ("modelopt_quant", None), ("dtype", "auto"), ("qsa_indexer_dtype", "auto"))
 # Server arguments that take weights or config from outside --model-path.
@@ -90,7 +104,6 @@ def lora_adapters(lora_paths) -> list[tuple[str, str]]:
                 name, path = entry.lora_name, entry.lora_path
             items.append((name, path))
     return sorted((str(name), str(path)) for name, path in items)
-
 
 
 def model_text(args, identity: ModelIdentity) -> str:

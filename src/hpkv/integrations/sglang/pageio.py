@@ -94,8 +94,9 @@ class PageIO:
                 except HpkvError:
                     pass  # a vanished server's reservations vanish with it
                 raise
-        self.stats.saved(len(held), len(keys) - len(held), len(held) * layout.entry_bytes,
-                         time.perf_counter() - started)
+        self.stats.saved(
+            len(held), len(keys) - len(held), len(held) * layout.entry_bytes, time.perf_counter() - started
+        )
         return [True] * len(keys)
 
     def clear(self) -> None:
@@ -134,8 +135,9 @@ class PageIO:
         """A client for this thread. SGLang restarts its storage threads (on /flush_cache, for
         one), so the clients of threads that ended are closed here."""
         this = threading.current_thread()
-        client = Client(self.pool_dir, kind=f"sglang-{this.name}", prefault=self.prefault,
-                        trusted_uids=self.trusted_uids)
+        client = Client(
+            self.pool_dir, kind=f"sglang-{this.name}", prefault=self.prefault, trusted_uids=self.trusted_uids
+        )
         with self._lock:
             if self.closed:
                 raise ServerUnavailable("the HPKV storage backend is closed")
@@ -165,11 +167,19 @@ class PageIO:
             log.debug("HPKV %s failed: %s", what, exc, exc_info=unexpected)
             return
         if unexpected:
-            log.error("HPKV %s failed unexpectedly, SGLang recomputes (next %.0f s of such failures logged at "
-                      "debug)", what, FAULT_LOG_INTERVAL_S, exc_info=exc)
+            log.error(
+                "HPKV %s failed unexpectedly, SGLang recomputes (next %.0f s of such failures logged at debug)",
+                what,
+                FAULT_LOG_INTERVAL_S,
+                exc_info=exc,
+            )
         else:
-            log.warning("HPKV %s failed, SGLang recomputes (next %.0f s of such faults logged at debug): %s",
-                        what, FAULT_LOG_INTERVAL_S, exc)
+            log.warning(
+                "HPKV %s failed, SGLang recomputes (next %.0f s of such faults logged at debug): %s",
+                what,
+                FAULT_LOG_INTERVAL_S,
+                exc,
+            )
 
 
 def _wait(client: Client, lease) -> int:

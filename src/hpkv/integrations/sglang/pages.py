@@ -35,9 +35,11 @@ class PageBuffers:
         ptrs, sizes = host_pool.get_page_buffer_meta(host_indices)
         n = layout.num_regions
         if len(ptrs) != num_pages * n or tuple(sizes) != layout.region_bytes * num_pages:
-            raise ValueError(f"the host pool describes {num_pages} pages as {len(ptrs)} regions of sizes "
-                             f"{sorted(set(sizes))}; expected {n} regions per page of sizes {layout.region_bytes}")
-        return cls([list(ptrs[p * n:(p + 1) * n]) for p in range(num_pages)], layout.region_bytes)
+            raise ValueError(
+                f"the host pool describes {num_pages} pages as {len(ptrs)} regions of sizes "
+                f"{sorted(set(sizes))}; expected {n} regions per page of sizes {layout.region_bytes}"
+            )
+        return cls([list(ptrs[p * n : (p + 1) * n]) for p in range(num_pages)], layout.region_bytes)
 
 
 def save(region: PoolRegion, offsets: list[int], pages: PageBuffers, which: list[int]) -> None:

@@ -6,8 +6,19 @@ from __future__ import annotations
 
 import threading
 
-_COUNTERS = ("lookups", "lookup_pages", "hit_pages_dram", "hit_pages_storage", "loaded_pages",
-             "load_missed_pages", "loaded_bytes", "saved_pages", "save_skipped_pages", "saved_bytes", "faults")
+_COUNTERS = (
+    "lookups",
+    "lookup_pages",
+    "hit_pages_dram",
+    "hit_pages_storage",
+    "loaded_pages",
+    "load_missed_pages",
+    "loaded_bytes",
+    "saved_pages",
+    "save_skipped_pages",
+    "saved_bytes",
+    "faults",
+)
 
 
 class BackendStats:

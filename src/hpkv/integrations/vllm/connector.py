@@ -46,7 +46,8 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         if not settings.enable_vllm:
             raise ConfigError(
                 "HpkvConnectorV1 was requested in --kv-transfer-config but HPKV is not enabled: set "
-                "VLLM_ENABLE_HPKV=1 (environment or HPKV config file), or remove the connector")
+                "VLLM_ENABLE_HPKV=1 (environment or HPKV config file), or remove the connector"
+            )
         self._scheduler: GuardedScheduler | None = None
         self._worker: HpkvWorker | None = None
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
@@ -61,8 +62,13 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             from .worker import HpkvWorker
 
             async_saves = extra.get("hpkv.async_save")  # default: asynchronous on accelerators
-            self._worker = HpkvWorker(vllm_config, kv_cache_config, settings, _this_rank(vllm_config),
-                                      None if async_saves is None else bool(async_saves))
+            self._worker = HpkvWorker(
+                vllm_config,
+                kv_cache_config,
+                settings,
+                _this_rank(vllm_config),
+                None if async_saves is None else bool(async_saves),
+            )
 
     @property
     def requires_kv_delivery(self) -> bool:

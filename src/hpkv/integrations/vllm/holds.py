@@ -84,8 +84,9 @@ class SaveHolds:
     def abandon(self) -> list[Settle]:
         """Every hold not settled yet, all its keys to abort (the engine is stopping: their
         steps' outputs will not come)."""
-        settles = [Settle(self.name(seq), [key for h in held for key in h.keys], {})
-                   for seq, held in self._steps.items()]
+        settles = [
+            Settle(self.name(seq), [key for h in held for key in h.keys], {}) for seq, held in self._steps.items()
+        ]
         self._steps.clear()
         return settles
 

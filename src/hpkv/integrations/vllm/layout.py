@@ -49,9 +49,11 @@ def block_layout(vllm_config, kv_cache_config) -> BlockLayout:
     """The layout of an entry, from the first KV cache group (full attention)."""
     _refuse_context_parallel(vllm_config.parallel_config)
     if len(kv_cache_config.kv_cache_groups) > 1:  # vLLM turns its hybrid manager off for us; else
-        raise ConfigError(f"HpkvConnectorV1 supports one KV cache group; this model has "
-                          f"{len(kv_cache_config.kv_cache_groups)} (a hybrid model, or "
-                          "--no-disable-hybrid-kv-cache-manager): run it without the HPKV connector")
+        raise ConfigError(
+            f"HpkvConnectorV1 supports one KV cache group; this model has "
+            f"{len(kv_cache_config.kv_cache_groups)} (a hybrid model, or "
+            "--no-disable-hybrid-kv-cache-manager): run it without the HPKV connector"
+        )
     group = kv_cache_config.kv_cache_groups[0]
     group_spec = group.kv_cache_spec
     per_layer = getattr(group_spec, "kv_cache_specs", None) or {}
@@ -59,12 +61,15 @@ def block_layout(vllm_config, kv_cache_config) -> BlockLayout:
     for name in group.layer_names:
         spec = per_layer.get(name, group_spec)
         pages.append(spec.page_size_bytes)
-        spec_text = (f"{type(spec).__name__}:kv_heads={getattr(spec, 'num_kv_heads', '?')},"
-                     f"head={getattr(spec, 'head_size', '?')},dtype={getattr(spec, 'dtype', '?')}")
+        spec_text = (
+            f"{type(spec).__name__}:kv_heads={getattr(spec, 'num_kv_heads', '?')},"
+            f"head={getattr(spec, 'head_size', '?')},dtype={getattr(spec, 'dtype', '?')}"
+        )
     block_size = vllm_config.cache_config.block_size
     hash_block_size = kv_cache_config.hash_block_size or block_size
-    return BlockLayout(tuple(group.layer_names), tuple(pages), block_size,
-                       max(1, block_size // hash_block_size), spec_text)
+    return BlockLayout(
+        tuple(group.layer_names), tuple(pages), block_size, max(1, block_size // hash_block_size), spec_text
+    )
 
 
 def _refuse_context_parallel(parallel) -> None:
@@ -72,13 +77,17 @@ def _refuse_context_parallel(parallel) -> None:
     block hashes) that many times longer than --block-size; HPKV's entries and keys assume one
     block per hash boundary and one shard per tensor/pipeline rank, so they would load the wrong
     blocks. Refused at start rather than giving wrong tokens."""
-    sizes = {name: getattr(parallel, name, 1) or 1
-             for name in ("decode_context_parallel_size", "prefill_context_parallel_size")}
+    sizes = {
+        name: getattr(parallel, name, 1) or 1
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size")
+    }
     used = {name: size for name, size in sizes.items() if size > 1}
     if used:
         flags = ", ".join(f"--{name.replace('_', '-')} {size}" for name, size in used.items())
-        raise ConfigError(f"HpkvConnectorV1 does not support context parallelism ({flags}): run this engine without "
-                          "it, or without the HPKV connector")
+        raise ConfigError(
+            f"HpkvConnectorV1 does not support context parallelism ({flags}): run this engine without "
+            "it, or without the HPKV connector"
+        )
 
 
 def world_ranks(vllm_config) -> int:
@@ -96,9 +105,13 @@ def namespaces(vllm_config, layout: BlockLayout, identity: ModelIdentity) -> lis
     parallel = vllm_config.parallel_config
     counts = _stage_layer_counts(vllm_config)
     if counts is not None and (counts[0] != len(layout.layer_names) or len(set(layout.page_bytes)) != 1):
-        log.warning("HPKV cannot tell the KV layers of each pipeline stage (the first has %d, vLLM's partition "
-                    "says %d): hits are looked up as if every stage had the first one's; stages with other "
-                    "layers miss", len(layout.layer_names), counts[0])
+        log.warning(
+            "HPKV cannot tell the KV layers of each pipeline stage (the first has %d, vLLM's partition "
+            "says %d): hits are looked up as if every stage had the first one's; stages with other "
+            "layers miss",
+            len(layout.layer_names),
+            counts[0],
+        )
         counts = None
     descs = []
     for rank in range(world_ranks(vllm_config)):
@@ -106,8 +119,11 @@ def namespaces(vllm_config, layout: BlockLayout, identity: ModelIdentity) -> lis
         pp_rank = rank // parallel.tensor_parallel_size
         if counts is not None and counts[pp_rank] != len(layout.layer_names):
             num = counts[pp_rank]
-            stage_layout = dataclasses.replace(layout, layer_names=tuple(f"stage{pp_rank}.{i}" for i in range(num)),
-                                               page_bytes=layout.page_bytes[:1] * num)
+            stage_layout = dataclasses.replace(
+                layout,
+                layer_names=tuple(f"stage{pp_rank}.{i}" for i in range(num)),
+                page_bytes=layout.page_bytes[:1] * num,
+            )
         descs.append(namespace(vllm_config, stage_layout, rank, identity))
     return descs
 
@@ -123,8 +139,11 @@ def _stage_layer_counts(vllm_config) -> list[int] | None:
         total = vllm_config.model_config.get_total_num_hidden_layers()
         counts = [end - start for start, end in (get_pp_indices(total, r, pp_size) for r in range(pp_size))]
     except Exception as exc:  # noqa: BLE001 (a vLLM without it, or a bad VLLM_PP_LAYER_PARTITION)
-        log.warning("HPKV cannot tell the layers of each pipeline stage (%s): stages after the first are "
-                    "taken to have the first one's layers", exc)
+        log.warning(
+            "HPKV cannot tell the layers of each pipeline stage (%s): stages after the first are "
+            "taken to have the first one's layers",
+            exc,
+        )
         return None
     return counts if counts else None
 
@@ -137,16 +156,17 @@ def namespace(vllm_config, layout: BlockLayout, rank: int, identity: ModelIdenti
     return NamespaceDesc(
         engine=ENGINE,
         model=modelid.model_text(vllm_config, identity),
-        dtype=str(vllm_config.cache_config.cache_dtype if vllm_config.cache_config.cache_dtype != "auto"
-                  else model.dtype),
+        dtype=str(
+            vllm_config.cache_config.cache_dtype if vllm_config.cache_config.cache_dtype != "auto" else model.dtype
+        ),
         layout=f"{REQUIRED_LAYOUT};{layout.spec};pages={','.join(map(str, layout.page_bytes))}",
         block_size=layout.block_size,
         num_layers=len(layout.layer_names),
         entry_bytes=layout.entry_bytes,
         tp_size=parallel.tensor_parallel_size,
         pp_size=parallel.pipeline_parallel_size,
-        cp_size=max(1, getattr(parallel, "prefill_context_parallel_size", 1)) *
-        max(1, getattr(parallel, "decode_context_parallel_size", 1)),
+        cp_size=max(1, getattr(parallel, "prefill_context_parallel_size", 1))
+        * max(1, getattr(parallel, "decode_context_parallel_size", 1)),
         rank=rank,
         extra=(("model_source", identity.source),),
     )

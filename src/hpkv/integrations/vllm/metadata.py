@@ -46,9 +46,22 @@ class HpkvConnectorMetadata(KVConnectorMetadata):
 
 
 _COUNTERS = (
-    "lookups", "hit_tokens_dram", "hit_tokens_storage", "skipped_below_threshold", "skipped_tokens",
-    "loaded_blocks", "loaded_bytes", "load_time_s", "saved_blocks", "saved_bytes", "save_time_s",
-    "load_failures", "server_errors", "save_wait_s", "save_fences", "held_saves_aborted",
+    "lookups",
+    "hit_tokens_dram",
+    "hit_tokens_storage",
+    "skipped_below_threshold",
+    "skipped_tokens",
+    "loaded_blocks",
+    "loaded_bytes",
+    "load_time_s",
+    "saved_blocks",
+    "saved_bytes",
+    "save_time_s",
+    "load_failures",
+    "server_errors",
+    "save_wait_s",
+    "save_fences",
+    "held_saves_aborted",
 )
 
 

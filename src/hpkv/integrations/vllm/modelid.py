@@ -22,9 +22,23 @@ import uuid
 from ...identity import ModelIdentity, NoContentIdentity, content_identity, loader_identity, unreadable_identity
 
 # Loaders that read the weights from the model directory (or hub snapshot) as given.
-LOCAL_LOAD_FORMATS = frozenset(("auto", "hf", "safetensors", "pt", "npcache", "fastsafetensors", "instanttensor",
-                                "mistral", "sharded_state", "runai_streamer", "runai_streamer_sharded", "gguf",
-                                "bitsandbytes"))
+LOCAL_LOAD_FORMATS = frozenset(
+    (
+        "auto",
+        "hf",
+        "safetensors",
+        "pt",
+        "npcache",
+        "fastsafetensors",
+        "instanttensor",
+        "mistral",
+        "sharded_state",
+        "runai_streamer",
+        "runai_streamer_sharded",
+        "gguf",
+        "bitsandbytes",
+    )
+)
 _PROCESS_SCOPE = uuid.uuid4().hex[:12]  # a vLLM without instance_id: private to this process
 
 
@@ -38,8 +52,9 @@ def model_identity(vllm_config, override: str | None) -> ModelIdentity:
     if decided is not None:
         return decided
     if getattr(model, "model_weights", ""):
-        return unreadable_identity("weights from object storage", scope,
-                                   f"the weights stream from {model.model_weights}")
+        return unreadable_identity(
+            "weights from object storage", scope, f"the weights stream from {model.model_weights}"
+        )
     try:
         identity = content_identity(model.model, model.revision, load.download_dir)
         if not identity.num_weight_files:
@@ -64,7 +79,6 @@ def _other_models(vllm_config) -> list[tuple[str, str, str | None]]:
     if draft is not None and getattr(draft, "model", None) and draft.model != model.model:
         out.append(("draft", draft.model, getattr(draft, "revision", None)))
     return out
-
 
 
 def model_text(vllm_config, identity: ModelIdentity) -> str:

@@ -66,8 +66,10 @@ def _settle_holds(sched: HpkvScheduler, seqs: set[int], failed: set[int]) -> Non
                 state.saved_blocks = min(state.saved_blocks, first)
         if settle.abort:
             sched.stats.add("held_saves_aborted", len(settle.abort))
-            log.warning("HPKV: %d saved blocks were not published: computed on KV that failed to load, or not "
-                        "copied in full", len(settle.abort))
+            log.warning(
+                "HPKV: %d saved blocks were not published: computed on KV that failed to load, or not copied in full",
+                len(settle.abort),
+            )
 
 
 def allocated_blocks(scheduler_output) -> list[int]:

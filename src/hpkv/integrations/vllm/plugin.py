@@ -23,8 +23,7 @@ def register() -> None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
         if CONNECTOR_NAME not in KVConnectorFactory._registry:
-            KVConnectorFactory.register_connector(
-                CONNECTOR_NAME, "hpkv.integrations.vllm.connector", CONNECTOR_NAME)
+            KVConnectorFactory.register_connector(CONNECTOR_NAME, "hpkv.integrations.vllm.connector", CONNECTOR_NAME)
         for name in _OUR_ENV:
             # Known to vLLM, so its check of VLLM_* variables doesn't call them unknown. The getter
             # gives None, not the value: vLLM hashes every getter's value into its compile cache

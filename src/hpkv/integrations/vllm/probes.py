@@ -101,29 +101,44 @@ def kappa_of(hf_text_config) -> float:
     try:
         heads = int(c.num_attention_heads)
         head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
-        return attention_kappa(int(c.hidden_size), heads, int(getattr(c, "num_key_value_heads", None) or heads),
-                               head_dim, int(c.intermediate_size))
+        return attention_kappa(
+            int(c.hidden_size),
+            heads,
+            int(getattr(c, "num_key_value_heads", None) or heads),
+            head_dim,
+            int(c.intermediate_size),
+        )
     except (AttributeError, TypeError, ValueError, ZeroDivisionError):
         return 0.0
 
 
-def auto_threshold(storage: StorageConfig, model_config, block_size: int, entry_bytes: int, num_ranks: int,
-                   empty_lookup) -> AutoThreshold:
+def auto_threshold(
+    storage: StorageConfig, model_config, block_size: int, entry_bytes: int, num_ranks: int, empty_lookup
+) -> AutoThreshold:
     """VLLM_HPKV_TOKEN_THRESHOLD=auto for one engine, seeded by this machine's figures;
     `empty_lookup()` is one round trip to the server."""
     rtt_s = round_trip_s(empty_lookup)
     storage_cost = None
     if storage.enabled:  # a promotion: the lease, a poll, then one read per block and rank
         storage_cost = storage_read_cost(storage.path, 2 * rtt_s)
-    model = CostModel(block_size, entry_bytes, num_ranks, kappa_of(model_config.hf_text_config),
-                      prefill=AffineCost(0.0, 0.0), storage=storage_cost,
-                      # on a load's critical path: the scheduler's lease, the worker's lease and release
-                      dram=copy_cost(3 * rtt_s))
+    model = CostModel(
+        block_size,
+        entry_bytes,
+        num_ranks,
+        kappa_of(model_config.hf_text_config),
+        prefill=AffineCost(0.0, 0.0),
+        storage=storage_cost,
+        # on a load's critical path: the scheduler's lease, the worker's lease and release
+        dram=copy_cost(3 * rtt_s),
+    )
     model.seed_prefill(DEFAULT_THRESHOLD)
-    return AutoThreshold(model, model_config.max_model_len,
-                         f"start-up estimates: server round trip {rtt_s * 1e3:.2f} ms, a host copy, a "
-                         f"storage read; prefill set to break even at the documented {DEFAULT_THRESHOLD} "
-                         f"tokens until the engine has computed a prompt")
+    return AutoThreshold(
+        model,
+        model_config.max_model_len,
+        f"start-up estimates: server round trip {rtt_s * 1e3:.2f} ms, a host copy, a "
+        f"storage read; prefill set to break even at the documented {DEFAULT_THRESHOLD} "
+        f"tokens until the engine has computed a prompt",
+    )
 
 
 def load_policy(settings: Settings, model_config, layout, num_ranks: int, lookup) -> FixedThreshold | AutoThreshold:

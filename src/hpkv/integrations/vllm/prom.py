@@ -11,8 +11,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 _COUNTERS = {
     "hit_tokens_dram": "Prompt tokens loaded from HPKV's DRAM pool",
     "hit_tokens_storage": "Prompt tokens loaded from HPKV's storage tier",
-    "skipped_tokens": ("HPKV-hit tokens recomputed because loading them would not pay: below "
-                       "VLLM_HPKV_TOKEN_THRESHOLD, or slower than recomputing under auto"),
+    "skipped_tokens": (
+        "HPKV-hit tokens recomputed because loading them would not pay: below "
+        "VLLM_HPKV_TOKEN_THRESHOLD, or slower than recomputing under auto"
+    ),
     "loaded_blocks": "Blocks copied from HPKV into the engine's KV cache",
     "saved_blocks": "Blocks saved from the engine's KV cache into HPKV",
     "loaded_bytes": "Bytes copied from HPKV into the engine's KV cache",

@@ -37,17 +37,28 @@ class HpkvScheduler:
         self.block_size = self.layout.block_size
         identity = modelid.model_identity(vllm_config, settings.model_id)
         self.descs = lay.namespaces(vllm_config, self.layout, identity)
-        log.info("HPKV model identity: %s; model %s; namespace model %s", identity.describe(),
-                 vllm_config.model_config.model, self.descs[0].model)
+        log.info(
+            "HPKV model identity: %s; model %s; namespace model %s",
+            identity.describe(),
+            vllm_config.model_config.model,
+            self.descs[0].model,
+        )
         self._lora_logged = getattr(vllm_config, "lora_config", None) is not None
         if self._lora_logged:
-            log.info("HPKV does not cache requests with a LoRA adapter (vLLM keys their KV by the adapter's name "
-                     "and path, not its content): they are computed by vLLM alone; base-model requests are cached")
+            log.info(
+                "HPKV does not cache requests with a LoRA adapter (vLLM keys their KV by the adapter's name "
+                "and path, not its content): they are computed by vLLM alone; base-model requests are cached"
+            )
         self.client = Client(settings.pool.dir, kind="vllm-scheduler", trusted_uids=settings.server_allow_uids)
         self.stats = HpkvConnectorStats()
         self._ns: list[str] | None = None
-        self.policy = probes.load_policy(settings, vllm_config.model_config, self.layout, len(self.descs),
-                                         lambda: self.client.lookup(self._namespaces()[0], []))
+        self.policy = probes.load_policy(
+            settings,
+            vllm_config.model_config,
+            self.layout,
+            len(self.descs),
+            lambda: self.client.lookup(self._namespaces()[0], []),
+        )
         self._reqs: dict[str, RequestState] = {}
         self._pending_loads: list[LoadJob] = []
         self._seq = 0  # steps built
@@ -106,8 +117,10 @@ class HpkvScheduler:
         state.uncached = True
         if not self._lora_logged:
             self._lora_logged = True
-            log.info("HPKV does not cache requests with a LoRA adapter (their KV is keyed by the adapter's name "
-                     "and path, not its content): they are computed by vLLM alone")
+            log.info(
+                "HPKV does not cache requests with a LoRA adapter (their KV is keyed by the adapter's name "
+                "and path, not its content): they are computed by vLLM alone"
+            )
         return True
 
     def _lease(self, state: RequestState, start: int, stop: int) -> int | None:
@@ -119,8 +132,13 @@ class HpkvScheduler:
         num_hit = min(hit.num_hit for hit in hits)
         tiers = tuple(max(hit.tiers[i] for hit in hits) for i in range(num_hit))
         if not num_hit:
-            log.debug("request %s: no HPKV hit: block %d (of %d looked up) is in no tier (never saved with "
-                      "these settings, or evicted)", state.request.request_id, start, stop - start)
+            log.debug(
+                "request %s: no HPKV hit: block %d (of %d looked up) is in no tier (never saved with "
+                "these settings, or evicted)",
+                state.request.request_id,
+                start,
+                stop - start,
+            )
         num_load = self.policy.plan(start * self.block_size, tiers)
         _count_skipped(self, state, num_hit, num_load)
         if not num_load:
@@ -145,8 +163,11 @@ class HpkvScheduler:
                 return 0
             counts.append(self.client.wait(lease, timeout_s=_POLL_S))
         if time.monotonic() - state.leased_at > PROMOTION_DEADLINE_S and None in counts:
-            log.warning("HPKV promotions for request %s took over %.0f s; recomputing",
-                        state.request.request_id, PROMOTION_DEADLINE_S)
+            log.warning(
+                "HPKV promotions for request %s took over %.0f s; recomputing",
+                state.request.request_id,
+                PROMOTION_DEADLINE_S,
+            )
             state.release(self.client)
             return 0
         if None in counts:
@@ -166,15 +187,20 @@ class HpkvScheduler:
             return
         num_blocks = num_external_tokens // self.block_size
         block_ids = blocks.get_block_ids()[0][state.lease_start : state.lease_start + num_blocks]
-        keys = lay.block_keys(state.request.block_hashes, self.layout, state.lease_start,
-                              state.lease_start + num_blocks)
+        keys = lay.block_keys(
+            state.request.block_hashes, self.layout, state.lease_start, state.lease_start + num_blocks
+        )
         self._pending_loads.append(LoadJob(request.request_id, keys, list(block_ids)))
         tiers = state.tiers[:num_blocks]
         self.stats.add("hit_tokens_dram", tiers.count(Tier.DRAM) * self.block_size)
         self.stats.add("hit_tokens_storage", tiers.count(Tier.STORAGE) * self.block_size)
-        log.debug("request %s: loading %d tokens from HPKV (%d from DRAM, %d from storage)", request.request_id,
-                  num_external_tokens, tiers.count(Tier.DRAM) * self.block_size,
-                  tiers.count(Tier.STORAGE) * self.block_size)
+        log.debug(
+            "request %s: loading %d tokens from HPKV (%d from DRAM, %d from storage)",
+            request.request_id,
+            num_external_tokens,
+            tiers.count(Tier.DRAM) * self.block_size,
+            tiers.count(Tier.STORAGE) * self.block_size,
+        )
 
     def forget_lookup(self, request) -> None:
         """vLLM got no answer for `request` (a bug): what it leased is not needed."""
@@ -198,19 +224,25 @@ class HpkvScheduler:
         if state is None or num_external_tokens <= 0:
             return {}
         tiers = state.tiers[: num_external_tokens // self.block_size]
-        return {"host": tiers.count(Tier.DRAM) * self.block_size,
-                "disk": tiers.count(Tier.STORAGE) * self.block_size}
+        return {"host": tiers.count(Tier.DRAM) * self.block_size, "disk": tiers.count(Tier.STORAGE) * self.block_size}
 
     # -- saves --------------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output) -> HpkvConnectorMetadata:
         self._seq += 1
         self._step_loads, self._pending_loads = self._pending_loads, []
-        meta = HpkvConnectorMetadata(loads=self._step_loads, allocated=outputs.allocated_blocks(scheduler_output),
-                                     seq=self._seq, hold=self.holds.begin_step(self._seq, bool(self._step_loads)))
+        meta = HpkvConnectorMetadata(
+            loads=self._step_loads,
+            allocated=outputs.allocated_blocks(scheduler_output),
+            seq=self._seq,
+            hold=self.holds.begin_step(self._seq, bool(self._step_loads)),
+        )
         if meta.loads:
-            self._loading[self._seq] = [(job.req_id, self._reqs[job.req_id].leases, job.block_ids)
-                                        for job in meta.loads if job.req_id in self._reqs]
+            self._loading[self._seq] = [
+                (job.req_id, self._reqs[job.req_id].leases, job.block_ids)
+                for job in meta.loads
+                if job.req_id in self._reqs
+            ]
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
@@ -239,8 +271,9 @@ class HpkvScheduler:
         on still run, nothing is saved. What the step allocated is still needed: without it the
         workers cannot fence an earlier step's save, which could publish a block being
         overwritten; a vLLM whose step this cannot read is better stopped."""
-        return HpkvConnectorMetadata(loads=self._step_loads, allocated=outputs.allocated_blocks(scheduler_output),
-                                     seq=self._seq)
+        return HpkvConnectorMetadata(
+            loads=self._step_loads, allocated=outputs.allocated_blocks(scheduler_output), seq=self._seq
+        )
 
     def update_connector_output(self, connector_output) -> None:
         """A step's output is back, with the workers' stats of that step (summed over ranks):
@@ -248,8 +281,9 @@ class HpkvScheduler:
         try:
             outputs.settle(self, connector_output)
         except Exception:  # a bug here must not stop the engine: the holds time out on the server
-            log.exception("HPKV could not settle this step's held saves; the server aborts them after %.0f s",
-                          HOLD_TIMEOUT_S)
+            log.exception(
+                "HPKV could not settle this step's held saves; the server aborts them after %.0f s", HOLD_TIMEOUT_S
+            )
         if not self.policy.learns:
             return
         data = getattr(connector_output.kv_connector_stats, "data", None) or {}
@@ -315,15 +349,22 @@ class HpkvScheduler:
 def _warn_if_hashes_unstable(vllm_config) -> None:
     algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
     if algo.startswith("xxhash") and os.environ.get("PYTHONHASHSEED") is None:
-        log.warning("--prefix-caching-hash-algo %s without PYTHONHASHSEED makes vLLM's block hashes random per "
-                    "process: KV saved by HPKV will never hit after a restart or from another engine. Fix: "
-                    "export PYTHONHASHSEED=<one value for every engine> or use sha256", algo)
+        log.warning(
+            "--prefix-caching-hash-algo %s without PYTHONHASHSEED makes vLLM's block hashes random per "
+            "process: KV saved by HPKV will never hit after a restart or from another engine. Fix: "
+            "export PYTHONHASHSEED=<one value for every engine> or use sha256",
+            algo,
+        )
 
 
 def _count_skipped(sched: HpkvScheduler, state: RequestState, num_hit: int, num_load: int) -> None:
     if num_load < num_hit:
         sched.stats.add("skipped_below_threshold", 1)
         sched.stats.add("skipped_tokens", (num_hit - num_load) * sched.block_size)
-        log.debug("request %s: HPKV hit of %d tokens, loading %d under %s; recomputing the rest",
-                  state.request.request_id, num_hit * sched.block_size, num_load * sched.block_size,
-                  sched.policy.describe())
+        log.debug(
+            "request %s: HPKV hit of %d tokens, loading %d under %s; recomputing the rest",
+            state.request.request_id,
+            num_hit * sched.block_size,
+            num_load * sched.block_size,
+            sched.policy.describe(),
+        )

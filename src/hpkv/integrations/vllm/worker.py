@@ -69,18 +69,26 @@ def block_rows(name: str, cache: torch.Tensor, num_blocks: int, page_bytes: int,
     # the row takes it along, as vLLM's own page does.
     if cache.dim() == 4 and block.is_contiguous() and block.numel() * elem <= page_bytes <= cache.stride(0) * elem:
         return torch.tensor([], dtype=torch.int8, device=cache.device).set_(
-            cache.untyped_storage(), cache.storage_offset() * elem, (num_blocks, page_bytes),
-            (cache.stride(0) * elem, 1))
+            cache.untyped_storage(),
+            cache.storage_offset() * elem,
+            (num_blocks, page_bytes),
+            (cache.stride(0) * elem, 1),
+        )
     if cache.dim() != 4:
-        why = (f"its blocks are split in {cache.shape[1]} kernel blocks each (the attention backend's kernel block "
-               "size is below --block-size); set --block-size to the attention backend's kernel block size")
+        why = (
+            f"its blocks are split in {cache.shape[1]} kernel blocks each (the attention backend's kernel block "
+            "size is below --block-size); set --block-size to the attention backend's kernel block size"
+        )
     else:
-        why = (f"vLLM chose the KV cache layout {layout or 'unknown'} (strides {tuple(cache.stride())} for the "
-               f"(blocks, heads, tokens, content) shape {tuple(cache.shape)}), not {lay.REQUIRED_LAYOUT}, where "
-               f"a block's bytes are one run; unset VLLM_KV_CACHE_LAYOUT or set it to {lay.REQUIRED_LAYOUT}, or "
-               "pick an attention backend that supports that layout (--attention-backend)")
-    raise ConfigError(f"HpkvConnectorV1 cannot store layer {name}: {why}; or run this engine without the HPKV "
-                      "connector")
+        why = (
+            f"vLLM chose the KV cache layout {layout or 'unknown'} (strides {tuple(cache.stride())} for the "
+            f"(blocks, heads, tokens, content) shape {tuple(cache.shape)}), not {lay.REQUIRED_LAYOUT}, where "
+            f"a block's bytes are one run; unset VLLM_KV_CACHE_LAYOUT or set it to {lay.REQUIRED_LAYOUT}, or "
+            "pick an attention backend that supports that layout (--attention-backend)"
+        )
+    raise ConfigError(
+        f"HpkvConnectorV1 cannot store layer {name}: {why}; or run this engine without the HPKV connector"
+    )
 
 
 @dataclass
@@ -97,16 +105,22 @@ class _Save:
 
 
 class HpkvWorker:
-    def __init__(self, vllm_config, kv_cache_config, settings: Settings, rank: int,
-                 async_saves: bool | None = None) -> None:
+    def __init__(
+        self, vllm_config, kv_cache_config, settings: Settings, rank: int, async_saves: bool | None = None
+    ) -> None:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.rank = rank
         self.layout = lay.block_layout(vllm_config, kv_cache_config)
-        self.desc = lay.namespace(vllm_config, self.layout, rank,
-                                  modelid.model_identity(vllm_config, settings.model_id))
-        self.client = Client(settings.pool.dir, kind=f"vllm-worker-{rank}", prefault=settings.pool.prefault,
-                             trusted_uids=settings.server_allow_uids)
+        self.desc = lay.namespace(
+            vllm_config, self.layout, rank, modelid.model_identity(vllm_config, settings.model_id)
+        )
+        self.client = Client(
+            settings.pool.dir,
+            kind=f"vllm-worker-{rank}",
+            prefault=settings.pool.prefault,
+            trusted_uids=settings.server_allow_uids,
+        )
         self.ns: str | None = None
         self.copier: BlockCopier | None = None
         self.stats = HpkvConnectorStats()
@@ -125,27 +139,44 @@ class HpkvWorker:
         from vllm.v1.kv_cache_interface import group_kernel_blocks
 
         num_blocks = self.kv_cache_config.num_blocks
-        views = [block_rows(name, group_kernel_blocks(kv_caches[name], num_blocks), num_blocks, page,
-                            getattr(self.vllm_config.cache_config, "kv_cache_layout", None))
-                 for name, page in zip(self.layout.layer_names, self.layout.page_bytes)]
+        views = [
+            block_rows(
+                name,
+                group_kernel_blocks(kv_caches[name], num_blocks),
+                num_blocks,
+                page,
+                getattr(self.vllm_config.cache_config, "kv_cache_layout", None),
+            )
+            for name, page in zip(self.layout.layer_names, self.layout.page_bytes)
+        ]
         self.copier = BlockCopier(views, self.layout.layer_offsets)
         device = self.copier.device.type
         if self.async_saves is None:
             # On the CPU a saver thread would take cores from the forward pass it overlaps.
             self.async_saves = device != "cpu"
         if self.async_saves and writes_reused_blocks_early(self.vllm_config, self.layout, self.kv_cache_config):
-            log.warning("HPKV: saves are synchronous: vLLM's V2 model runner zeroes or copies into reused KV "
-                        "blocks before HPKV can fence them")
+            log.warning(
+                "HPKV: saves are synchronous: vLLM's V2 model runner zeroes or copies into reused KV "
+                "blocks before HPKV can fence them"
+            )
             self.async_saves = False
         device_mod = getattr(torch, device, None)
-        if self.async_saves and device != "cpu" and not all(
-                hasattr(device_mod, name) for name in ("Event", "Stream", "stream", "current_stream")):
+        if (
+            self.async_saves
+            and device != "cpu"
+            and not all(hasattr(device_mod, name) for name in ("Event", "Stream", "stream", "current_stream"))
+        ):
             log.warning("HPKV: torch.%s has no streams and events; saves are synchronous", device)
             self.async_saves = False
         self._connect()
-        log.info("HPKV worker rank %d: %d layers, %d bytes per block entry, namespace %s, %s saves", self.rank,
-                 len(views), self.layout.entry_bytes, self.ns,
-                 "asynchronous" if self.async_saves else "synchronous")
+        log.info(
+            "HPKV worker rank %d: %d layers, %d bytes per block entry, namespace %s, %s saves",
+            self.rank,
+            len(views),
+            self.layout.entry_bytes,
+            self.ns,
+            "asynchronous" if self.async_saves else "synchronous",
+        )
 
     def _add(self, name: str, value: float) -> None:
         with self._stats_lock:
@@ -204,8 +235,14 @@ class HpkvWorker:
             finally:
                 self._release_later(lease)
                 if log.isEnabledFor(logging.DEBUG):
-                    log.debug("request %s: lease %.1f ms, wait %.1f ms, copy of %d blocks %.1f ms", job.req_id,
-                              (leased - started) * 1e3, (ready - leased) * 1e3, num_ready, (copied - ready) * 1e3)
+                    log.debug(
+                        "request %s: lease %.1f ms, wait %.1f ms, copy of %d blocks %.1f ms",
+                        job.req_id,
+                        (leased - started) * 1e3,
+                        (ready - leased) * 1e3,
+                        num_ready,
+                        (copied - ready) * 1e3,
+                    )
         except HpkvError as exc:
             self._add("server_errors", 1)
             log.warning("HPKV load failed; vLLM recomputes those blocks: %s", exc)
@@ -271,8 +308,9 @@ class HpkvWorker:
             return
         offsets = {i: offset for i, offset in enumerate(reservation.offsets) if offset is not None}
         if offsets:
-            save = _Save(ns, reservation, [keys[i] for i in offsets], [block_ids[i] for i in offsets],
-                         list(offsets.values()))
+            save = _Save(
+                ns, reservation, [keys[i] for i in offsets], [block_ids[i] for i in offsets], list(offsets.values())
+            )
             if meta.hold:
                 # The scheduler settles the hold once this step's output is back, so the copy must
                 # be done by then: in this step, not beside the next one. Not committed here.
