@@ -1,8 +1,10 @@
 """The dependency rule of docs/architecture.md: an engine process imports nothing server-side."""
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 ENGINE_MODULES = [
     "hpkv.integrations.vllm.plugin",
@@ -34,3 +36,33 @@ def test_an_engine_process_imports_nothing_from_the_store_or_the_storage_tier():
     assert set(ENGINE_MODULES) <= set(loaded)
     leaked = [m for m in loaded if any(m == s or m.startswith(s + ".") for s in SERVER_SIDE)]
     assert leaked == []
+
+
+# Classes whose methods an engine's interface dictates, each method a delegation.
+ENGINE_INTERFACES = {"HpkvConnectorV1": "vLLM's KVConnectorBase_V1"}
+
+
+def _methods(node) -> list[str]:
+    def is_property(f) -> bool:
+        return any(getattr(d, "id", getattr(d, "attr", None)) in ("property", "setter") for d in f.decorator_list)
+
+    return [
+        f.name
+        for f in node.body
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and not (f.name.startswith("__") and f.name.endswith("__"))
+        and not is_property(f)
+    ]
+
+
+def test_every_module_holds_one_concept_of_at_most_about_400_lines_and_20_methods_a_class():
+    src = Path(__file__).resolve().parents[1] / "src" / "hpkv"
+    too_long, too_wide = [], []
+    for path in sorted(src.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > 400:
+            too_long.append(f"{path.relative_to(src)} ({text.count(chr(10))} lines)")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.name not in ENGINE_INTERFACES and len(_methods(node)) > 20:
+                too_wide.append(f"{path.relative_to(src)}: {node.name} ({len(_methods(node))} methods)")
+    assert too_long == [] and too_wide == []

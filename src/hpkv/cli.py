@@ -17,10 +17,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from hpkv import __version__
-from hpkv.config import KEYS, Setting, Settings, load_settings, parse_size
+from hpkv import __version__, configview
+from hpkv.config import Settings, load_settings, parse_size
 from hpkv.errors import HpkvError
-from hpkv.units import exact_bytes
 
 # Exit status for a problem the user must fix (bad config, paths, space); click uses 2 for
 # usage errors, which are the same kind of thing.
@@ -46,60 +45,6 @@ def main() -> None:
 
 # --- hpkv config ---------------------------------------------------------------------------
 
-_KIND = {spec.name: spec.kind for spec in KEYS}
-_DOC = {spec.name: spec.doc for spec in KEYS}
-
-
-_NONE_WORDS = {"HPKV_KV_STORAGE_WRITE_BUDGET": "unlimited"}  # what None means for a key; "auto" elsewhere
-
-
-def _show(setting: Setting) -> str:
-    value = setting.value
-    if value is None:
-        return _NONE_WORDS.get(setting.key, "auto")
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if _KIND[setting.key] == "size":
-        assert isinstance(value, int)  # what a "size" key parses to
-        return f"{exact_bytes(value)} ({value} bytes)"
-    return str(value)
-
-
-def _json_value(setting: Setting) -> object:
-    value = setting.value
-    if value is None:
-        return _NONE_WORDS.get(setting.key, "auto")
-    return str(value) if isinstance(value, Path) else value
-
-
-def _source_text(setting: Setting) -> str:
-    return f"file {setting.where}" if setting.where not in ("env", "default") else setting.where
-
-
-def _print_table(settings: Settings) -> None:
-    # Off a terminal (pipes, tests) rich would assume 80 columns and cut paths; never cut them.
-    console = Console(width=None if sys.stdout.isatty() else 1000, highlight=False)
-    table = Table(title=Text(f"HPKV settings (config file: {settings.config_file})"))
-    table.add_column("key", no_wrap=True)
-    table.add_column("value", no_wrap=True)
-    table.add_column("source", no_wrap=True)
-    table.add_column("meaning")
-    for setting in settings.settings:
-        table.add_row(*(Text(cell) for cell in (setting.key, _show(setting), _source_text(setting), _DOC[setting.key])))
-    console.print(table)
-    for warning in settings.warnings:
-        console.print(f"warning: {warning}", style="yellow", markup=False)
-
-
-def _print_json(settings: Settings) -> None:
-    document = {
-        "settings": {
-            s.key: {"value": _json_value(s), "source": s.source.value, "where": s.where} for s in settings.settings
-        },
-        "warnings": list(settings.warnings),
-    }
-    click.echo(json.dumps(document, indent=2))
-
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
@@ -107,9 +52,9 @@ def config(as_json: bool) -> None:
     """Show every setting, its value and where it came from (file, env, default)."""
     settings = load_settings()
     if as_json:
-        _print_json(settings)
+        click.echo(configview.as_json(settings))
     else:
-        _print_table(settings)
+        configview.print_table(settings)
 
 
 # --- hpkv bench ----------------------------------------------------------------------------

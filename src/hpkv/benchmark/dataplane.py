@@ -21,7 +21,6 @@ directories made here are removed here.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import tempfile
 import time
@@ -39,6 +38,7 @@ from ..storage.tier import StorageTier
 from ..store import TieredStore
 from ..units import whole_unit_bytes as human_bytes  # the name report.py and storage_peers.py import
 from . import lookup, machine
+from .disk import disk_limit
 
 GB = 1e9
 TARGET_RATIO = 0.7
@@ -356,41 +356,6 @@ def _tier_read(tier: StorageTier, ns: str, keys: list[Key], dst: memoryview) -> 
     reads = [tier.submit(tier.read_into, ns, key, dst[i * size : (i + 1) * size]) for i, key in enumerate(keys)]
     if not all(read.result() for read in reads):
         raise RuntimeError("the storage tier missed a benchmark entry it had written (see the log)")
-
-
-def disk_limit(
-    path: Path, src: memoryview, dst: memoryview, size: int, fsync: str, between=None
-) -> tuple[float, float]:
-    """Seconds to write `src` to one new file sequentially, `size` bytes a call, then read it back;
-    `between` (untimed) runs in between, e.g. to drop the page cache."""
-    started = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        for start in range(0, len(src), size):
-            _write_all(fd, src[start : start + size])
-        if fsync != "off":
-            os.fdatasync(fd)
-    finally:
-        os.close(fd)
-    written = time.perf_counter()
-    if between is not None:
-        between()
-    reading = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        for start in range(0, len(dst), size):
-            if os.preadv(fd, [dst[start : start + size]], start) != size:
-                raise RuntimeError(f"short read of {path}")
-    finally:
-        os.close(fd)
-    read = time.perf_counter()
-    os.unlink(path)
-    return written - started, read - reading
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    while data:
-        data = data[os.write(fd, data) :]
 
 
 # -- lookup ---------------------------------------------------------------------------------
