@@ -13,7 +13,7 @@ Engine processes read stats through `Client.stats()`, so this module imports not
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -24,8 +24,16 @@ class StatsMismatch(HpkvError):
     """A snapshot and this schema disagree: a field missing, mistyped, or not in the schema."""
 
 
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def zeroed(cls: type[S]) -> S:
+    """A struct of counters, every one 0: what a component counts into from its start."""
+    return cls(**dict.fromkeys(cls.__struct_fields__, 0))
+
+
 class StoreCounters(msgspec.Struct):
-    """The store's own counters since the server started."""
+    """The store's own counters since the server started (the store counts into one: `zeroed`)."""
 
     lookups: int
     lookup_keys: int

@@ -1,30 +1,13 @@
-"""The store's counters: plain dataclasses the store's parts bump under the store's lock.
+"""Per-namespace hit counters, which the lookups bump under the store's lock.
 
-Owns: `StoreCounters` (the whole store's: `StoreStats.store`) and `NamespaceHits` (one per
-namespace: `StoreStats.namespaces[ns]`, beside its description). Field names are stats keys.
+Owns: `NamespaceHits` (one per namespace: `StoreStats.namespaces[ns]`, beside its description;
+the whole store's counters are `hpkv.stats.StoreCounters` itself). Field names are stats keys.
 Must not know: the lock, the tiers, or who reads the stats.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-
-@dataclass
-class StoreCounters:
-    lookups: int = 0
-    lookup_keys: int = 0
-    hit_keys_dram: int = 0
-    hit_keys_storage: int = 0
-    commits: int = 0
-    aborts: int = 0
-    skipped_present: int = 0
-    leases: int = 0
-    promotions: int = 0
-    promotion_failures: int = 0
-    write_through_skipped: int = 0
-    write_through_deferred: int = 0
-    write_through_lost: int = 0
 
 
 @dataclass

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from ..limits import HeldSlots
 from ..pool.region import PoolRegion
 from ..pool.tier import DramEntry, DramTier
+from ..stats import StoreCounters
 from ..storage.tier import StorageTier
-from .counters import StoreCounters
 from .lookup import Lookups, Probe
 from .policies import PrefixOrder
 

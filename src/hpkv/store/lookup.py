@@ -15,10 +15,10 @@ from collections.abc import Callable, Sequence
 
 from ..keys import NamespaceDesc
 from ..pool.tier import DramTier
-from ..stats import NamespaceStats
+from ..stats import NamespaceStats, StoreCounters
 from ..storage.tier import StorageTier
 from ..types import Lookup, Tier
-from .counters import NamespaceHits, StoreCounters
+from .counters import NamespaceHits
 
 Probe = tuple[bytes, Callable[[bytes], bool]]  # the storage tier's `index_probe(ns)`
 NOWHERE: Probe = (b"", frozenset().__contains__)  # the storage index of a store without a storage tier

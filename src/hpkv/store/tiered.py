@@ -17,19 +17,19 @@ import logging
 import threading
 from collections.abc import Sequence
 
+import msgspec
+
 from ..config import PoolConfig, StorageConfig
 from ..fsinfo import MEMORY_FS, mount_of
 from ..keys import NamespaceDesc
 from ..limits import HeldSlots
 from ..pool.region import PoolRegion
 from ..pool.tier import DramEntry, DramTier
-from ..stats import StoreCounters as StoreCounterStats
-from ..stats import StoreStats
+from ..stats import StoreCounters, StoreStats, zeroed
 from ..storage.root import StorageUnusable
 from ..storage.tier import StorageTier
 from ..storage.writer import WriterPool
 from ..types import Lookup
-from .counters import StoreCounters
 from .leases import Lease, Leases
 from .lookup import Lookups
 from .policies import StorePolicy
@@ -55,7 +55,7 @@ class TieredStore:
         self.region = region
         self.storage = storage
         self.dram = DramTier(region.size_bytes, slab_bytes, room=policy.room)
-        self.counters = StoreCounters()
+        self.counters = zeroed(StoreCounters)
         self.held: HeldSlots[DramEntry] = HeldSlots()  # reservations by owner, and the limits the server sets
         self._lock = threading.Lock()
         pool_bytes = self.dram.alloc.num_slabs * self.dram.alloc.slab_bytes
@@ -204,7 +204,7 @@ class TieredStore:
     def stats(self) -> StoreStats:
         with self._lock:
             stats = StoreStats(
-                store=StoreCounterStats(**vars(self.counters)),
+                store=msgspec.structs.replace(self.counters),  # a copy
                 dram=self.dram.stats(self.region.locked_in_memory),
                 namespaces=self.lookups.stats(),
                 leases=len(self.leases),

@@ -23,10 +23,9 @@ from typing import cast
 
 from ..pool.region import PoolRegion
 from ..pool.tier import DramEntry, DramTier
-from ..stats import WriteBacklogStats
+from ..stats import StoreCounters, WriteBacklogStats
 from ..storage.tier import StorageTier
 from ..storage.writer import WriterPool, WriterUnavailable
-from .counters import StoreCounters
 
 log = logging.getLogger(__name__)
 
