@@ -6,6 +6,7 @@ import logging
 
 import pytest
 
+from helpers.clock import FakeClock
 from hpkv.costmodel import (
     AffineCost,
     AutoThreshold,
@@ -159,14 +160,6 @@ def test_the_affine_cost_learns_a_faster_copy_and_its_fixed_part():
     assert cost.num_observed == 90
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def step(
     policy: AutoThreshold,
     clock: FakeClock,
@@ -193,7 +186,7 @@ def seeded_policy(caplog, clock: FakeClock) -> tuple[CostModel, AutoThreshold]:
 
 
 def test_auto_learns_the_prefill_rate_from_the_engines_steps_and_logs_the_new_break_even(caplog):
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     with caplog.at_level(logging.INFO, logger="hpkv.vllm.costmodel"):
         m, policy = seeded_policy(caplog, clock)
         assert not policy.plan(0, [D] * 20)
@@ -213,7 +206,7 @@ def test_auto_learns_the_prefill_rate_from_the_engines_steps_and_logs_the_new_br
 
 def test_auto_learns_the_dram_rate_from_the_workers_loads_and_storage_from_promotions():
     m = cpu_engine()
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     policy = AutoThreshold(m, 32768, "test", clock=clock)
     for _ in range(30):
         step(policy, clock, [(8192, 1)], 0.05, connector_s=0.02, load_s=0.02, load_bytes=64 << 20, num_load_jobs=1)
@@ -226,7 +219,7 @@ def test_auto_learns_the_dram_rate_from_the_workers_loads_and_storage_from_promo
 
 def test_steps_that_overlap_are_timed_from_the_end_of_the_previous_one():
     m = cpu_engine()
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     policy = AutoThreshold(m, 32768, "test", clock=clock)
     for _ in range(30):  # async scheduling: the next step is built before this one's output is back
         policy.step_built([(0, 2600)], 0)
@@ -260,7 +253,7 @@ def test_auto_does_not_log_a_break_even_that_moves_by_one_block(caplog):
     """Prefill rates that wander put the storage break-even at one block or two, back and forth:
     logged once, not at every swing; a move of two blocks is logged again."""
     with caplog.at_level(logging.INFO, logger="hpkv.vllm.costmodel"):
-        _, policy = seeded_policy(caplog, FakeClock())
+        _, policy = seeded_policy(caplog, FakeClock(100.0))
         logged = {"tokens": 1216}
         policy._thresholds = lambda: {D: logged["tokens"]}
         lines = []
@@ -278,7 +271,7 @@ def test_storage_reads_that_grow_slow_make_storage_hits_recomputed_without_faili
     break-even past the longest prompt: from then on they are recomputed, and the log says so
     (the engine's scheduler calls this: it must not raise)."""
     with caplog.at_level(logging.INFO, logger="hpkv.vllm.costmodel"):
-        m, policy = seeded_policy(caplog, FakeClock())
+        m, policy = seeded_policy(caplog, FakeClock(100.0))
         assert m.break_even(S, 32768) is not None
 
         for _ in range(20):  # 64 MiB a promotion, at 1 MB/s

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from helpers.clock import FakeClock
 from helpers.config import make_pool_config, make_storage_config
 from helpers.keys import desc, entry_key, entry_keys, payload
 from helpers.server import Node
@@ -26,16 +27,10 @@ POOL = 16 << 20  # 256 entries, in 32 slabs of 8
 TIMEOUT_S = 300.0
 
 
-class Clock:
-    """Time that moves only when the test says so."""
-
-    def __init__(self) -> None:
-        # Where the store's own clock is (what was held before keeps its age), in whole seconds:
-        # steps that add up to the time limit then reach it exactly.
-        self.now = float(math.ceil(time.monotonic()))
-
-    def __call__(self) -> float:
-        return self.now
+def stopped_clock() -> FakeClock:
+    # Where the store's own clock is (what was held before keeps its age), in whole seconds:
+    # steps that add up to the time limit then reach it exactly.
+    return FakeClock(float(math.ceil(time.monotonic())))
 
 
 @pytest.fixture
@@ -44,7 +39,7 @@ def store(shm_dir, storage_dir):
     store = TieredStore.open(
         make_pool_config(shm_dir, POOL), dataclasses.replace(make_storage_config(storage_dir), enabled=False)
     )
-    store.held.clock = Clock()
+    store.held.clock = stopped_clock()
     yield store
     store.close()
 
@@ -188,7 +183,7 @@ def test_a_client_that_keeps_what_it_reserved_and_leased_leaves_the_other_engine
     assert None not in res.offsets  # room left for the other engine
     engine.abort(ns, mine, reservation=res)
 
-    clock = node.server.store.held.clock = Clock()
+    clock = node.server.store.held.clock = stopped_clock()
     clock.now += 300
     more = [entry_key("more", i) for i in range(128)]
     res = engine.reserve(ns, more)  # takes the hog's holds back; their slots wait out the quarantine

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from helpers import storage_stories as stories
+from helpers.clock import FakeClock
 from helpers.config import make_storage_config
 from helpers.storage_stories import (
     NS,
     FailingIO,
-    FakeClock,
     file_bytes,
     held_scan,
     key,

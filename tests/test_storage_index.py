@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from helpers import storage_stories as stories
-from helpers.storage_stories import NS, OTHER_NS, FakeClock, age, file_bytes, key, write
+from helpers.clock import FakeClock
+from helpers.storage_stories import NS, OTHER_NS, age, file_bytes, key, write
 from hpkv.storage.index import MAX_FILE_BYTES, FileIndex, UnreadableMarks, size_of, used_minute_s
 
 open_tier = stories.open_tier

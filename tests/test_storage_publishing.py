@@ -14,8 +14,9 @@ import threading
 import pytest
 
 from helpers import storage_stories as stories
+from helpers.clock import FakeClock
 from helpers.config import make_storage_config
-from helpers.storage_stories import ENTRY, NS, FailingIO, FakeClock, file_bytes, key, payload, read, temps, write
+from helpers.storage_stories import ENTRY, NS, FailingIO, file_bytes, key, payload, read, temps, write
 from hpkv.storage import format as fmt
 from hpkv.storage.fileio import FileIO, FileTarget, direct_supported, write_entry_file
 from hpkv.storage.tier import StorageTier

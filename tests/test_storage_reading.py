@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from helpers import storage_stories as stories
+from helpers.clock import FakeClock
 from helpers.storage_stories import (
     ENTRY,
     NS,
     OTHER_NS,
     FailingIO,
-    FakeClock,
     RefusedOpens,
     file_bytes,
     key,

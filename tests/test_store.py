@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.clock import FakeClock
 from helpers.config import make_pool_config, make_storage_config
 from hpkv.config import StorageConfig
 from hpkv.keys import NamespaceDesc, make_key
@@ -35,16 +36,6 @@ def desc(model: str = "tiny", entry_bytes: int = ENTRY, rank: int = 0) -> Namesp
         entry_bytes=entry_bytes,
         rank=rank,
     )
-
-
-class Clock:
-    """Time that moves only when the test says so (the store's `held.clock`)."""
-
-    def __init__(self) -> None:
-        self.now = time.monotonic()  # what was held before keeps its age
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def keys(n: int, prefix: str = "req") -> list[bytes]:
@@ -208,7 +199,7 @@ def test_a_hold_nobody_settles_is_aborted_after_the_timeout(open_store):
     from hpkv.types import HOLD_TIMEOUT_S
 
     store = open_store()
-    clock = store.held.clock = Clock()
+    clock = store.held.clock = FakeClock(time.monotonic())  # what was held before keeps its age
     ns = store.register(desc())
     ks = keys(3)
     store.reserve(ns, ks, owner=1, hold="forgotten")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.clock import FakeClock
 from helpers.config import make_storage_config
 from hpkv.keys import make_key
 from hpkv.storage import format as fmt
@@ -25,19 +26,6 @@ from hpkv.storage.tier import StorageTier
 NS = "0123456789abcdef" * 2
 OTHER_NS = "fedcba9876543210" * 2
 ENTRY = 16 << 10
-
-
-class FakeClock:
-    """A monotonic clock the story moves (`advance`): expiries without waiting."""
-
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def key(i: int | str) -> bytes:
