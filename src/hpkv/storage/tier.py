@@ -27,7 +27,7 @@ from ..stats import StorageStats
 from . import root as storage_root
 from . import scan, startup, tree
 from .budget import WriteBudget
-from .capacity import AUTO_CAPACITY_FRACTION, SMALL_AUTO_CAPACITY, CapacityPolicy
+from .capacity import CapacityPolicy
 from .counters import ErrorLog, StorageCounters
 from .eviction import Evictor
 from .fileio import FileIO, FileTarget, direct_supported
@@ -35,8 +35,6 @@ from .index import FileIndex
 from .layout import Layout
 from .publishing import Publisher
 from .reading import Reader
-
-__all__ = ["AUTO_CAPACITY_FRACTION", "SMALL_AUTO_CAPACITY", "StorageCounters", "StorageTier"]
 
 log = logging.getLogger(__name__)
 
