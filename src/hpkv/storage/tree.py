@@ -31,6 +31,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
+from ..safefs import kind as kind_of  # what a file of st_mode `mode` is, in words
+
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK  # added to every open of a file in the tree
 CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -75,22 +77,6 @@ class Untrusted(OSError):
             path,
         )
         self.what = what
-
-
-def kind_of(mode: int) -> str:
-    """What a file of st_mode `mode` is, in words."""
-    for test, words in (
-        (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISREG, "a regular file"),
-    ):
-        if test(mode):
-            return words
-    return "not a regular file"
 
 
 def is_regular(st: os.stat_result) -> bool:
