@@ -207,14 +207,16 @@ def moosefs(work: Path) -> Iterator[Shared]:
 
 
 @contextlib.contextmanager
-def netfs_beds() -> Iterator[dict[str, Shared | str]]:
-    """Both file systems, up: name -> `Shared`, or -> why it is not up (a line to skip with)."""
+def netfs_beds(names: tuple[str, ...] = ("glusterfs", "moosefs")) -> Iterator[dict[str, Shared | str]]:
+    """The file systems `names`, up: name -> `Shared`, or -> why it is not up (a line to skip with)."""
     reason = why_not()
     beds: dict[str, Shared | str] = {}
     with contextlib.ExitStack() as stack:
         work = Path(tempfile.mkdtemp(prefix="hpkv-netfs-"))
         stack.callback(shutil.rmtree, work, True)
         for name, packages, bed in (("glusterfs", GLUSTER_PACKAGES, gluster), ("moosefs", MOOSE_PACKAGES, moosefs)):
+            if name not in names:
+                continue
             why = reason or install(packages)
             if why is None:
                 try:
