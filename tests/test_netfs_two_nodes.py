@@ -227,3 +227,15 @@ def _age_files(root: tuple[Path, Path], age_s: float) -> bool:
 def _files(root: Path, n: int) -> list[Path]:
     """The files of the LRU story's first `n` keys, by name (a listing through the other mount may lag)."""
     return [root / NS / k.hex()[:2] / k.hex()[2:4] / f"{k.hex()}.kv" for k in entry_keys(n, "l")]
+
+
+def test_doctor_checks_the_shared_mount(root, tmp_path):
+    env = hpkv_env(tmp_path / "pool", root[0], tmp_path)
+
+    result = hpkv(env, "doctor", "--json")
+
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    shared = checks["storage directory: shared by nodes"]
+    assert shared["verdict"] == "ok", shared
+    assert "storage directory: this node's name" in checks
+    assert not [p for p in root[1].iterdir() if p.name.startswith(".doctor-probe")]  # its probes removed
