@@ -1,5 +1,5 @@
 """Two nodes sharing one storage directory over a real network file system: GlusterFS with its
-default client caching, and MooseFS, each mounted twice on this machine (`helpers.netfs`). Node A
+default client caching, and MooseFS, each mounted twice on this machine (`bench.harness.netfs`). Node A
 and node B are processes with their own host names, each with a real `StorageTier` on its own
 mount (`helpers.netfs_node`). The stories: what A writes B reads byte-identical; both writing the
 same keys while both read gives never a wrong byte and never an exception; a clear and an
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.harness.netfs import Shared, netfs_beds
 from helpers.cli import hpkv, hpkv_env
 from helpers.keys import entry_keys
-from helpers.netfs import Shared, netfs_beds
 from helpers.netfs_node import ENTRY_BYTES, NS
 from helpers.waiting import wait_for
 

@@ -1,50 +1,25 @@
 """A real vLLM on each of two nodes sharing HPKV's storage tier over GlusterFS (default client
-caching; `helpers.netfs`): node A computes a long prompt, and node B, with its own HPKV server,
+caching; `bench.harness.netfs`): node A computes a long prompt, and node B, with its own HPKV server,
 pool and host name and the same model, gets it from storage, with the output of vLLM's own
 prefix-cache hit (A's second send of it)."""
 
 from __future__ import annotations
 
 import shutil
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
-from helpers.cli import HPKV_SCRIPT
+from bench.harness.netfs import NodeServer, netfs_beds
 from helpers.env import without_hpkv
-from helpers.netfs import netfs_beds
-from helpers.server import kill_server
 from helpers.storage import settled_files
 from helpers.vllm import Engine, num_saved_blocks, same_output, start_all, without_hpkv_environ
 from hpkv.demo.model import prompt_text
-from hpkv.server.autostart import answers
 
 pytestmark = pytest.mark.vllm_e2e
 
 LONG = prompt_text(1500, seed=24)  # about 1500 tokens: over the documented threshold of 1204
-
-
-class NodeServer:
-    """`hpkv server` in its own UTS namespace, host name `host` (its temporaries say so)."""
-
-    def __init__(self, host: str, env: dict[str, str], log_path: Path) -> None:
-        command = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$1" server', host, str(HPKV_SCRIPT)]
-        with open(log_path, "ab") as log:
-            self.proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-        sock = Path(env["HPKV_SHARE_MEM_FILE_PATH"]) / "hpkv.sock"
-        deadline = time.monotonic() + 30
-        while not answers(sock, timeout_s=0.2):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                kill_server(self.proc.pid)
-                pytest.fail(f"node {host}'s hpkv server did not start: {log_path.read_text()[-2000:]}")
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        kill_server(self.proc.pid)
-        self.proc.wait()
 
 
 @pytest.fixture(scope="module")

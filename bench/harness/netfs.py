@@ -2,6 +2,9 @@
 each with its own client and cache): a one-brick GlusterFS volume (default client caching) and a
 MooseFS file system (master, one chunkserver), from Debian's packages, through FUSE.
 
+`NodeServer` is an `hpkv server` as one node runs it: in its own UTS namespace, with a host name
+of its own (temporaries are named by it).
+
 `netfs_beds()` installs what is missing (apt, idempotent: nothing is run when installed), starts
 both, and yields a `Shared` per file system; everything it started is stopped and unmounted on
 the way out, whatever happened inside. `why_not()` says in one line why this machine cannot
@@ -23,6 +26,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -226,3 +230,32 @@ def netfs_beds(names: tuple[str, ...] = ("glusterfs", "moosefs")) -> Iterator[di
             if why is not None:
                 beds[name] = why
         yield beds
+
+
+class NodeServer:
+    """`hpkv server` (the script beside this Python) in its own UTS namespace, host name `host`,
+    with `env`; up once its socket answers. `stop()` ends it (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, host: str, env: dict[str, str], log_path: Path) -> None:
+        from hpkv.server.autostart import answers
+
+        script = str(Path(sys.executable).parent / "hpkv")
+        command = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$1" server', host, script]
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        sock = Path(env["HPKV_SHARE_MEM_FILE_PATH"]) / "hpkv.sock"
+        deadline = time.monotonic() + 30
+        while not answers(sock, timeout_s=0.2):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"node {host}'s hpkv server did not start: {log_path.read_text()[-2000:]}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc.wait()
