@@ -6,7 +6,8 @@ through the same mounts.
 Sets up GlusterFS (default client caching) and MooseFS, each mounted twice on this machine
 (`bench.harness.netfs`, as root), plus a local directory as a baseline, and measures per file
 system, with 1 MiB entries: node A's tier writing (`write_from`: checksums, temporary, rename)
-against a plain copy (write a temporary, rename it, no fsync) through A's mount; node B's tier
+against a plain copy of the same files (into the same fan-out directories, made as needed: write
+a temporary, rename it, no fsync) through A's mount; node B's tier
 reading what A wrote (`read_into`: open, read, verify) against a plain first read of the plain
 copy's files through B's mount. Each round writes new files; the best round counts. Target:
 the tier at 0.7x the plain copy or better in each direction. Targets print PASS/MISS, never
@@ -54,23 +55,31 @@ def _tier(root: Path) -> StorageTier:
     return tier
 
 
-def _plain_write(directory: Path, data: bytes, n: int) -> float:
+def _plain_path(directory: Path, key: bytes) -> Path:
+    """The tier's layout (`<ab>/<cd>/<hex>`), so both make the same directories."""
+    name = key.hex()
+    return directory / name[:2] / name[2:4] / name
+
+
+def _plain_write(directory: Path, data: bytes, keys: list[bytes]) -> float:
     started = time.perf_counter()
-    for i in range(n):
-        tmp = directory / f".{i}.tmp"
+    for key in keys:
+        path = _plain_path(directory, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
         with open(tmp, "wb") as f:
             f.write(data)
-        os.rename(tmp, directory / f"{i}.bin")
-    return n * len(data) / MIB / (time.perf_counter() - started)
+        os.rename(tmp, path)
+    return len(keys) * len(data) / MIB / (time.perf_counter() - started)
 
 
-def _plain_read(directory: Path, n: int) -> float:
+def _plain_read(directory: Path, keys: list[bytes]) -> float:
     buf = bytearray(MIB)
     started = time.perf_counter()
-    for i in range(n):
-        with open(directory / f"{i}.bin", "rb", buffering=0) as f:
+    for key in keys:
+        with open(_plain_path(directory, key), "rb", buffering=0) as f:
             assert f.readinto(buf) == MIB
-    return n * MIB / (time.perf_counter() - started)
+    return len(keys) * MIB / MIB / (time.perf_counter() - started)
 
 
 def _round(a_root: Path, b_root: Path, n: int) -> tuple[float, float, float, float]:
@@ -82,7 +91,7 @@ def _round(a_root: Path, b_root: Path, n: int) -> tuple[float, float, float, flo
     keys = [secrets.token_bytes(16) for _ in range(n)]
     a, b = _tier(a_root / f"tier-{tag}"), None
     try:
-        plain_w = _plain_write(plain_a, data, n)
+        plain_w = _plain_write(plain_a, data, keys)
         started = time.perf_counter()
         for k in keys:
             assert a.write_from(NS, k, memoryview(data))
@@ -94,7 +103,7 @@ def _round(a_root: Path, b_root: Path, n: int) -> tuple[float, float, float, flo
         for k in keys:
             assert b.contains(NS, k) and b.read_into(NS, k, memoryview(dest))
         tier_r = n / (time.perf_counter() - started)
-        plain_r = _plain_read(plain_b, n)
+        plain_r = _plain_read(plain_b, keys)
         return tier_w, plain_w, tier_r, plain_r
     finally:
         for tier in (a, b):
