@@ -47,6 +47,7 @@ def doctor_json(env: dict[str, str]) -> tuple[int, dict[str, dict]]:
 def test_doctor_reports_the_running_server_and_exits_0(server, env):
     code, checks = doctor_json(env)
     assert code == 0
+    assert "storage directory: shared by nodes" not in checks  # a local directory: no network checks
     s = checks["server"]
     assert s["verdict"] == "ok"
     assert f"pid {server.proc.pid}" in s["detail"] and "managed" in s["detail"]

@@ -19,6 +19,7 @@ from ..storage.capacity import AUTO_CAPACITY_FRACTION, auto_capacity_bytes, litt
 from ..storage.fileio import direct_supported
 from .check import Check, ServerProbe, Verdict
 from .pool import pool_file_bytes
+from .shared import check_shared_storage
 
 NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "fuse.sshfs", "sshfs", "9p"})
 
@@ -59,6 +60,7 @@ def check_storage(storage: StorageConfig, server: ServerProbe, pool: PoolConfig 
     if checks[0].verdict is not Verdict.FAIL:
         checks.append(check_storage_writers(storage))
         checks.append(check_storage_fs(storage))
+        checks.extend(check_shared_storage(storage))
         if checks[-1].verdict is not Verdict.FAIL:
             checks.append(check_storage_space(storage, server, pool))
         if storage.direct_io and Path(storage.path).is_dir():

@@ -110,6 +110,16 @@ def _open_regular(io: FileIO, dir_fd: int, relpath: str, flags: int) -> tuple[in
     return fd, st
 
 
+def close_quietly(io: FileIO, fd: int) -> None:
+    """Close a descriptor opened for reading. An error here (ESTALE on a network file system
+    whose file was replaced meanwhile, EIO) changes nothing of what was read and checked: the
+    descriptor is gone all the same (Linux frees it whatever close returns)."""
+    try:
+        io.close(fd)
+    except OSError:
+        pass
+
+
 def aligned(buf) -> bool:
     """Whether a writable buffer's address and length suit O_DIRECT."""
     try:

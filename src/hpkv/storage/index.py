@@ -287,9 +287,11 @@ class FileIndex:
         return True
 
     def scan_merged(self) -> None:
-        """The start-up scan is in: stop keeping what left the index for it."""
+        """The start-up scan is in: stop keeping what left the index for it (later walks of the
+        root, `rescan`, add what they find now)."""
         with self.lock:
             self._gone = None
+            self._cleared = set()
 
     def _removed_since(self, removals: int) -> set[bytes] | None:
         """The prefixes removed since `removals` (None: all namespaces). Caller holds the lock."""

@@ -26,7 +26,7 @@ import time
 from . import format as fmt
 from . import tree
 from .counters import ErrorLog, StorageCounters
-from .fileio import O_DIRECT, aligned, aligned_buffer, open_in_tree, read_full
+from .fileio import O_DIRECT, aligned, aligned_buffer, close_quietly, open_in_tree, read_full
 from .index import MAX_FILE_BYTES, NEVER, FileIndex
 from .layout import Layout
 
@@ -50,7 +50,23 @@ class Reader:
 
     def read_into(self, ns: str, key: bytes, dest: memoryview) -> bool:
         """Read and verify (ns, key) into `dest` (exactly the payload size). False is a miss; the
-        content of `dest` is then undefined and must not be used."""
+        content of `dest` is then undefined and must not be used. A stale handle (another node
+        replaced the file while it was opened or read) is read again by name, once."""
+        verdict = self._read_by_name(ns, key, dest)
+        if verdict is None:
+            verdict = self._read_by_name(ns, key, dest, last=True)
+        if isinstance(verdict, str):
+            self._discard(ns, key, verdict)
+            return False
+        if verdict:
+            self._counters.reads += 1
+            self._counters.read_bytes += len(dest)
+            self._index.was_read(self._index.key(ns, key))
+        return bool(verdict)
+
+    def _read_by_name(self, ns: str, key: bytes, dest: memoryview, last: bool = False) -> bool | str | None:
+        """One open and read of (ns, key): True, good; False, a miss already counted; a str, why
+        the file is bad; None, a stale handle to try again (unless `last`)."""
         direct = self.direct and aligned(dest)
         try:
             fd, st = open_in_tree(
@@ -71,24 +87,20 @@ class Reader:
                         "KV files go through the page cache from now on",
                         self._layout.root,
                     )
-                return self.read_into(ns, key, dest)
-            self._read_failed(ns, key, exc)
-            return False
+                return self._read_by_name(ns, key, dest, last)
+            return self._failed_once(ns, key, exc, last)
         try:
-            verdict = self._read(ns, key, fd, st, dest, direct)
+            return self._read(ns, key, fd, st, dest, direct)
         except OSError as exc:
-            self._read_failed(ns, key, exc)
-            return False
+            return self._failed_once(ns, key, exc, last)
         finally:
-            self._layout.io.close(fd)
-        if isinstance(verdict, str):
-            self._discard(ns, key, verdict)
-            return False
-        if verdict:
-            self._counters.reads += 1
-            self._counters.read_bytes += len(dest)
-            self._index.was_read(self._index.key(ns, key))
-        return verdict
+            close_quietly(self._layout.io, fd)
+
+    def _failed_once(self, ns: str, key: bytes, exc: OSError, last: bool) -> bool | None:
+        if exc.errno == errno.ESTALE and not last:
+            return None
+        self._read_failed(ns, key, exc)
+        return False
 
     def _read(self, ns: str, key: bytes, fd: int, st: os.stat_result, dest: memoryview, direct: bool) -> bool | str:
         """Read the open file into `dest` and check it: True, good; False, a miss already

@@ -2,7 +2,8 @@
 
 A facade over the concepts of the package: `layout` (where files live), `index` (what counts as
 a hit, in LRU order), `capacity` (how much may be held; HPKV_KV_STORAGE_SIZE), `eviction`,
-`reading`, `publishing`, `startup` (the index rebuilt from the start-up `scan`), `budget`
+`reading`, `publishing`, `startup` (the index rebuilt from the start-up `scan`), `rescan` (other
+nodes' files learned by walking again), `budget`
 (HPKV_KV_STORAGE_WRITE_BUDGET). Files are immutable once published; a reader sees a whole file or
 none, checked, and a bad file is a miss that deletes it; nothing below the root is followed
 (`tree`). Several tiers (nodes) may share one root: a lookup adopts files others wrote.
@@ -24,8 +25,8 @@ from pathlib import Path
 
 from ..config import StorageConfig
 from ..stats import StorageStats
+from . import rescan, scan, startup, tree
 from . import root as storage_root
-from . import scan, startup, tree
 from .budget import WriteBudget
 from .capacity import CapacityPolicy
 from .counters import ErrorLog, StorageCounters
@@ -69,6 +70,8 @@ class StorageTier:
             self.scan_done,
         )
         self._lock = self.index.lock  # held for long by evictions and removes
+        self._closed = threading.Event()
+        self._shared_fs = False  # on a file system other nodes mount (`rescan`)
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="hpkv-io")
 
     # -- life ---------------------------------------------------------------------------------
@@ -87,11 +90,14 @@ class StorageTier:
                 "go through the page cache instead",
                 self.root,
             )
+        self._shared_fs = self.evictor.shared = rescan.shared_root(self.root)  # others read there too
         threading.Thread(target=self._scan, name="hpkv-storage-scan", daemon=True).start()
 
     def _scan(self) -> None:
+        """The start-up scan, then the walks that learn other nodes' files (`rescan`)."""
         startup.rebuild(self.root, self.layout.node, self.index, self.capacity, self.evictor, self.counters)
         self.scan_done.set()
+        rescan.run(self, self._shared_fs, self._closed)
 
     def close(self, wait: bool = True) -> None:
         """Finish queued writes, then stop the I/O threads; without `wait`, drop what is queued

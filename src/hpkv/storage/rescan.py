@@ -1,0 +1,136 @@
+"""Learning what other nodes did in a shared storage root: a walk of the root again and again
+(`scan.walk`), so that each node's index, and so its capacity, counts every node's files, and the
+nodes sharing a directory hold at most its capacity together.
+
+A walk indexes the files this tier does not know (at the old end, oldest first, as the start-up
+scan does: known as used SLACK_MINUTES before the walk, so a read elsewhere since spares one from
+an eviction), forgets indexed files that are gone (another node evicted or cleared them: one
+`stat` each, to tell a file gone from a listing that lagged), and evicts what is then over the
+capacity. It runs where the root is on a file system other nodes mount (`on_shared_fs`), or once
+a lookup has found a file another tier wrote (`Evictor.shared`), every RESCAN_S, or
+RESCAN_COST_FACTOR times the last walk's duration where that is longer (a large directory on a
+slow file system): between two walks, a node does not count what the others wrote since.
+
+Primitives: `once`, `run`, `on_shared_fs`, `SHARED_FS`.
+Must not know: how files are read or written, the pool, engines.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..fsinfo import Mount, mount_of
+from . import scan, startup
+from .counters import StorageCounters
+from .eviction import SLACK_MINUTES
+from .index import MAX_FILE_BYTES
+
+if TYPE_CHECKING:
+    from .tier import StorageTier
+
+log = logging.getLogger("hpkv.storage.tier")
+
+RESCAN_S = 30.0
+RESCAN_COST_FACTOR = 10.0
+# File systems other nodes mount: network, parallel and distributed ones.
+SHARED_FS = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "9p",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "ceph",
+        "fuse.ceph",
+        "fuse.ceph-fuse",
+        "glusterfs",
+        "fuse.glusterfs",
+        "fuse.mfs",
+        "fuse.moosefs",
+        "fuse.juicefs",
+        "fuse.3fs",
+        "fuse.hf3fs",
+        "weka",
+        "wekafs",
+    }
+)
+
+
+def on_shared_fs(mount: Mount) -> bool:
+    """Whether other nodes may mount this file system (MooseFS says only "fuse"; its source,
+    `mfs#host:port`, says more, the `#` escaped as in /proc/self/mountinfo)."""
+    source = mount.source.replace("\\043", "#")
+    return mount.fs_type in SHARED_FS or (mount.fs_type.startswith("fuse") and source.startswith("mfs#"))
+
+
+def shared_root(root: Path) -> bool:
+    try:
+        return on_shared_fs(mount_of(root))
+    except OSError:
+        return False
+
+
+def once(tier: StorageTier) -> tuple[int, int]:
+    """One walk: (files of others indexed, indexed files found gone)."""
+    index = tier.index
+    before = {ik for ik, _ in index.items()}
+    counters = StorageCounters()  # the tier's own count the start-up scan (`hpkv status`)
+    known_s = time.time() - SLACK_MINUTES * 60
+    found = scan.walk(
+        tier.root,
+        tier.layout.node,
+        index.key,
+        lambda size: index.value_of(size, known_s) if size <= MAX_FILE_BYTES else None,
+        counters,
+    )
+    tier.counters.temps_removed += counters.temps_removed
+    new = scan.Found()
+    for mtime, ik, value in zip(found.mtimes, found.keys, found.values):
+        if ik not in before and ik not in index.marks and not index.being_evicted(ik):
+            new.mtimes.append(mtime)
+            new.keys.append(ik)
+            new.values.append(value)
+    startup.merge(index, new)
+    gone = [ik for ik in before.difference(found.keys) if index.holds(ik) and _gone(tier, ik)]
+    for ik in gone:
+        index.forget(ik)
+    if new.keys:
+        tier.evictor.shared = True
+    tier.evictor.evict(lambda freed: tier.capacity.excess(index.used_bytes))
+    return len(new.keys), len(gone)
+
+
+def _gone(tier: StorageTier, ik: bytes) -> bool:
+    try:
+        tier.io.stat_path(tier.path_of(*tier.index.split(ik)))
+    except OSError as exc:
+        return exc.errno in (errno.ENOENT, errno.ENOTDIR)
+    return False
+
+
+def run(tier: StorageTier, shared_fs: bool, stop: threading.Event) -> None:
+    """Walk again every RESCAN_S (or longer, see above) until `stop`, while the root is on a
+    shared file system or a lookup found another tier's file. Never raises: a walk that fails
+    is said and tried again next time."""
+    wait_s = RESCAN_S
+    while not stop.wait(wait_s):
+        if not (shared_fs or tier.evictor.shared):
+            continue
+        started = time.monotonic()
+        try:
+            added, gone = once(tier)
+        except Exception:  # a thread's boundary: the tier goes on without this walk
+            log.exception("walking %s for other nodes' files failed; trying again later", tier.root)
+            continue
+        took_s = time.monotonic() - started
+        wait_s = max(RESCAN_S, RESCAN_COST_FACTOR * took_s)
+        if added or gone:
+            log.debug("%s: %d files of other nodes indexed, %d gone, in %.2f s", tier.root, added, gone, took_s)

@@ -1,0 +1,78 @@
+"""A real vLLM on each of two nodes sharing HPKV's storage tier over GlusterFS (default client
+caching; `bench.harness.netfs`): node A computes a long prompt, and node B, with its own HPKV server,
+pool and host name and the same model, gets it from storage, with the output of vLLM's own
+prefix-cache hit (A's second send of it)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from bench.harness.netfs import NodeServer, netfs_beds
+from helpers.env import without_hpkv
+from helpers.storage import settled_files
+from helpers.vllm import Engine, num_saved_blocks, same_output, start_all, without_hpkv_environ
+from hpkv.demo.model import prompt_text
+
+pytestmark = pytest.mark.vllm_e2e
+
+LONG = prompt_text(1500, seed=24)  # about 1500 tokens: over the documented threshold of 1204
+
+
+@pytest.fixture(scope="module")
+def gluster():
+    with netfs_beds(("glusterfs",)) as beds:
+        bed = beds["glusterfs"]
+        if isinstance(bed, str):
+            pytest.skip(bed)
+        yield bed
+
+
+@pytest.fixture(scope="module")
+def two_nodes(gluster, model):
+    """Engines A and B, each with its node's HPKV server, on the two mounts of one directory."""
+    work = Path(tempfile.mkdtemp(prefix="hpkv-netfs-vllm-"))
+    (gluster.mount_a / "kv").mkdir()
+    servers, engines, pools = [], [], []
+    try:
+        for name, mount in (("a", gluster.mount_a), ("b", gluster.mount_b)):
+            pools.append(tempfile.mkdtemp(prefix=f"hpkv-node{name}-", dir="/dev/shm"))
+            env = {
+                "VLLM_ENABLE_HPKV": "1",
+                "HPKV_KV_MEM_POOL_SIZE": "256m",
+                "HPKV_SHARE_MEM_FILE_PATH": pools[-1],
+                "HPKV_KV_STORAGE_PATH": str(mount / "kv"),
+                "HPKV_CONFIG_FILE_PATH": str(work / "no-config.ini"),
+            }
+            servers.append(NodeServer(f"node{name}", {**without_hpkv(), **env}, work / f"server-{name}.log"))
+            engines.append(Engine(name, model, env, work))
+        with without_hpkv_environ():
+            start_all(engines)
+        yield engines[0], engines[1], gluster
+    finally:
+        for engine in engines:
+            engine.stop()
+        for server in servers:
+            server.stop()
+        for path in (*pools, work):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def test_what_node_a_computes_node_b_loads_from_storage_with_vllms_own_output(two_nodes):
+    a, b, fs = two_nodes
+    first = a.complete(LONG)
+    reference = a.reference(LONG)  # A's second send: vLLM's own prefix-cache hit
+    settled_files(fs.mount_b / "kv", at_least=num_saved_blocks(first), timeout_s=120)
+    names = {p.name for p in (fs.mount_b / "kv").rglob("*")}
+    assert not any(n.endswith(".tmp") for n in names)
+    before = b.counters()
+
+    answer = b.complete(LONG)  # B never saw this prompt: its DRAM pool is its own
+
+    got = b.counters() - before
+    assert got["disk"] > 0
+    assert got["host"] == got["device"] == 0
+    assert same_output(answer, reference)
