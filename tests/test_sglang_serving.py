@@ -17,6 +17,8 @@ import json
 import os
 import shutil
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -129,19 +131,23 @@ def test_a_prompt_below_the_token_threshold_is_not_loaded_from_hpkv(first, refer
 
 
 def _flush_and_send(engine, texts, during=None):
-    """/flush_cache, then each prompt in turn; `during()` runs once the first has answered."""
+    """/flush_cache, then each prompt in turn (one at a time: a batch could change the
+    numerics); `during()` runs while the second is in flight, its L3 lookup under way."""
     engine.flush_cache()
     out = []
-    for i, text in enumerate(texts):
-        out.append(engine.complete(text))
-        if i == 0 and during is not None:
-            during()
+    with ThreadPoolExecutor(1) as pool:
+        for i, text in enumerate(texts):
+            sent = pool.submit(engine.complete, text)
+            if i == 1 and during is not None:
+                time.sleep(0.05)
+                during()
+            out.append(sent.result())  # an HTTP error fails the test here
     return out
 
 
 def test_the_hpkv_server_killed_during_requests_fails_none_and_changes_no_output(first, references, work):
     _, shm, _ = work
-    names = ["a", "long", "b"]
+    names = ["a", "b", "long"]
     texts = [references[n][0] for n in names]
     control = _flush_and_send(first, texts)
     assert all(c.cached.get("storage", 0) > 0 for c in control), [c.cached for c in control]
