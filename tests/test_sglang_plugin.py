@@ -87,6 +87,32 @@ def test_the_documented_ascend_command_parses_and_leaves_io_and_layout_to_sglang
     assert extra_config(args)["interface_v1"] == 1
 
 
+@pytest.mark.parametrize("device", [["--device", "cpu"], ["--device=cpu"], ["--dev", "cpu"]])
+def test_on_a_cpu_the_flag_picks_a_layout_and_io_backend_that_have_cpu_copies(device):
+    """SGLang's `kernel` io backend (the one page_first needs) has no CPU build: it dies at the
+    first backup. `direct` with page_first_direct keeps HPKV's two regions per page."""
+    args = parse(su.GPU_ARGV + device)
+    assert args.device == "cpu"
+    assert (args.hicache_mem_layout, args.hicache_io_backend) == ("page_first_direct", "direct")
+    assert args.hicache_storage_backend == "dynamic" and extra_config(args)["interface_v1"] == 1
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        (["--hicache-mem-layout", "layer_first"], ("layer_first", "direct")),
+        (["--hicache-io-backend", "direct"], ("page_first", "direct")),  # SGLang's default, resolved by SGLang
+        (["--hicache-io-backend", "kernel", "--hicache-mem-layout", "layer_first"], ("layer_first", "kernel")),
+    ],
+)
+def test_on_a_cpu_a_layout_or_io_backend_the_user_gave_is_kept(given, expected):
+    argv = flag.rewrite_argv(su.GPU_ARGV + ["--device", "cpu"] + given)
+    assert argv.count("--hicache-mem-layout") <= 1 and argv.count("--hicache-io-backend") <= 1
+    args = parse(su.GPU_ARGV + ["--device", "cpu"] + given)
+    assert (args.hicache_mem_layout, args.hicache_io_backend) == expected
+    assert flag.rewrite_argv(argv) == argv
+
+
 def test_hicache_flags_the_user_gave_are_kept():
     argv = su.GPU_ARGV + [
         "--hicache-ratio",

@@ -358,22 +358,32 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
 )
 @click.option("--prompt-words", default=2000, show_default=True, help="Length of the long prompt.")
 @click.option("--pool-size", default="1g", show_default=True, help="HPKV_KV_MEM_POOL_SIZE for the demo.")
-def demo(model: str | None, workdir: Path | None, prompt_words: int, pool_size: str) -> None:
-    """Walk the quick-start scenarios on a real vLLM: cold, DRAM hit, storage hit."""
+@click.option(
+    "--engine",
+    type=click.Choice(["vllm", "sglang"]),
+    default="vllm",
+    show_default=True,
+    help="The engine to walk the scenarios on (sglang: run where SGLang is installed; `make demo-sglang` on a CPU).",
+)
+def demo(model: str | None, workdir: Path | None, prompt_words: int, pool_size: str, engine: str) -> None:
+    """Walk the quick-start scenarios on a real vLLM or SGLang: cold, DRAM hit, storage hit."""
     import tempfile
 
     from hpkv.demo.scenario import DemoConfig, has_accelerator, passed, run_demo
+    from hpkv.demo.sglang_scenario import run_sglang_demo
 
     console = _stdout_console()
     if model is None and has_accelerator():
         console.print("an accelerator is present: pass --model PATH to run the walk on a real model")
     workdir = workdir or Path(tempfile.mkdtemp(prefix="hpkv-demo-"))
-    console.print(f"HPKV demo in {workdir} (vLLM log: {workdir / 'vllm.log'})")
-    steps = run_demo(
+    name = {"vllm": "vLLM", "sglang": "SGLang"}[engine]
+    console.print(f"HPKV demo in {workdir} ({name} log: {workdir / (engine + '.log')})")
+    walk = run_sglang_demo if engine == "sglang" else run_demo
+    steps = walk(
         DemoConfig(workdir=workdir, model=model, prompt_words=prompt_words, pool_size=pool_size, log=console.print)
     )
-    table = Table(title="HPKV quick-start scenarios on vLLM")
-    for column in ("step", "hit tier", "hit tokens", "TTFT (ms)", "identical to vLLM's own prefix-cache hit"):
+    table = Table(title=f"HPKV quick-start scenarios on {name}")
+    for column in ("step", "hit tier", "hit tokens", "TTFT (ms)", f"identical to {name}'s own prefix-cache hit"):
         table.add_column(column)
     for step in steps:
         table.add_row(

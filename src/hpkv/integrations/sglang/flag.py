@@ -16,6 +16,9 @@ Rules:
   spelled out first, as argparse resolves them, so they count as given.
 - `--hicache-mem-layout page_first` pins the layout (part of HPKV's namespaces) across SGLang
   upgrades; on Ascend, or with `--hicache-io-backend`, the layout is SGLang's to choose.
+- `--device cpu`: SGLang's `kernel` io backend has no CPU build (the `page_first` layout needs
+  it), so `--hicache-io-backend direct` unless an io backend was given, and the layout
+  `page_first_direct` (the same two regions per page for HPKV) unless a layout or io backend was.
 - `--model-path --enable-ct-hpkv /path/to/model` works: dropping the flag leaves the path.
 
 Primitives: `FLAG`, `wants_hpkv(argv)`, `rewrite_argv(argv, threshold)`, `token_threshold()`.
@@ -69,9 +72,18 @@ def rewrite_argv(argv: Sequence[str], threshold: int | None = None) -> list[str]
         log.warning("--enable-ct-hpkv: %s %s was given, so HPKV is not SGLang's storage backend", _BACKEND, backend)
         return argv
     _set_extra_config(argv, threshold)
-    if not _on_npu(argv) and _value(argv, _LAYOUT) is None and _value(argv, _IO) is None:
-        argv += [_LAYOUT, "page_first"]
+    if not _on_npu(argv):
+        argv += _host_layout(argv)
     return argv
+
+
+def _host_layout(argv: list[str]) -> list[str]:
+    """The host layout and io backend flags HPKV adds: none the user gave (see the rules above)."""
+    layout_given, io_given = _value(argv, _LAYOUT) is not None, _value(argv, _IO) is not None
+    if _value(argv, "--device") != "cpu":
+        return [] if layout_given or io_given else [_LAYOUT, "page_first"]
+    added = [] if layout_given or io_given else [_LAYOUT, "page_first_direct"]
+    return added + ([] if io_given else [_IO, "direct"])
 
 
 def backend_config(threshold: int) -> dict:

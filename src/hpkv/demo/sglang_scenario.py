@@ -1,0 +1,123 @@
+"""The quick-start scenarios walked on a real SGLang: what `hpkv demo --engine sglang` runs.
+
+1. Start SGLang as documented (`sglang serve --model-path MODEL --enable-ct-hpkv ...`, the
+   HPKV_* variables; SGLang's CPU flags where there is no accelerator).
+2. A long request, cold: computed; its pages reach HPKV after the response.
+3. The same request: SGLang's own device-cache hit, the reference every hit is compared with.
+4. POST /flush_cache (it empties SGLang's device and host caches), the same request: loaded
+   from HPKV's DRAM pool.
+5. Restart the engine (the auto-started HPKV server exits with it, emptying DRAM), the same
+   request: loaded from HPKV's storage.
+SGLang reports every HPKV hit as a `storage` hit (its L3); HPKV's per-namespace counters say
+which of HPKV's tiers served it. The engine runs with `--hicache-storage-prefetch-policy
+wait_complete`: under SGLang's default `timeout` policy, the first lookup after a start can give
+up while HPKV's server is still starting, and the walk would show a miss.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from ..server import protocol
+from ..server.client import Client
+from .model import build_model, prompt_text
+from .scenario import DemoConfig, Step, _wait_for_hpkv_server_exit, documented_env, has_accelerator
+from .sglang_engine import SglangCompletion, SglangServer
+
+WAIT_FLAGS = ("--hicache-storage-prefetch-policy", "wait_complete")
+
+
+def run_sglang_demo(cfg: DemoConfig) -> list[Step]:
+    cfg.workdir.mkdir(parents=True, exist_ok=True)
+    model = cfg.model or str(build_model(cfg.workdir / "tiny-qwen2"))
+    storage = cfg.workdir / "storage"
+    shutil.rmtree(storage, ignore_errors=True)
+    pool_dir = Path(tempfile.mkdtemp(prefix="hpkv-demo-", dir="/dev/shm"))
+    env = {
+        k: v for k, v in documented_env(cfg.pool_size, pool_dir, storage, cfg.workdir).items() if k.startswith("HPKV_")
+    }
+    for key, value in env.items():
+        cfg.log(f"  export {key}={value}")
+    prompt = prompt_text(cfg.prompt_words, seed=2024)
+    steps: list[Step] = []
+    try:
+        with _engine(model, env, cfg) as engine:
+            cold = engine.complete(prompt)
+            steps.append(Step("cold request (computed)", "-", 0, cold.ttft_s * 1e3, "-"))
+            _wait_stored(engine, cold)
+            files = sum(1 for _ in storage.rglob("*.kv"))
+            steps.append(Step(f"KV files under {storage}", "storage", files, 0.0, "-"))
+            reference = engine.complete(prompt)
+            steps.append(
+                Step(
+                    "same request: SGLang's own device cache",
+                    "device",
+                    int(reference.cached.get("device", 0)),
+                    reference.ttft_s * 1e3,
+                    "reference",
+                )
+            )
+            engine.flush_cache()
+            steps.append(_hit_step("POST /flush_cache, same request", "dram", engine, pool_dir, prompt, reference))
+        _wait_for_hpkv_server_exit(pool_dir)
+        with _engine(model, env, cfg) as engine:
+            steps.append(_hit_step("engine restarted, same request", "storage", engine, pool_dir, prompt, reference))
+    finally:
+        shutil.rmtree(pool_dir, ignore_errors=True)
+    return steps
+
+
+def _engine(model: str, env: dict[str, str], cfg: DemoConfig) -> SglangServer:
+    cpu = not has_accelerator()
+    cfg.log(
+        "starting SGLang (sglang serve --model-path MODEL --enable-ct-hpkv ..."
+        + (" --device cpu --attention-backend torch_native ..." if cpu else "")
+        + ") ..."
+    )
+    return SglangServer(
+        model, env, launcher="serve", cpu=cpu, extra_flags=WAIT_FLAGS, log_path=cfg.workdir / "sglang.log"
+    )
+
+
+def _wait_stored(engine: SglangServer, cold: SglangCompletion, timeout_s: float = 60.0) -> None:
+    """Pages reach HPKV after the response: wait for SGLang's count of tokens written to it."""
+    deadline = time.monotonic() + timeout_s
+    while engine.backed_up_tokens() < cold.prompt_tokens // engine.page_size * engine.page_size:
+        if time.monotonic() > deadline:
+            raise RuntimeError("SGLang did not write the cold request's pages to HPKV in time")
+        time.sleep(0.2)
+
+
+def _tier_hits(pool_dir: Path) -> dict[str, int]:
+    """HPKV's hit counters for SGLang's namespaces, read from the running server."""
+    with Client(pool_dir, kind="demo", autostart=False) as client:
+        stats = client.stats()
+    out = {"dram": 0, "storage": 0}
+    for ns in stats.namespaces.values():
+        if json.loads(ns.desc).get("engine") == "sglang":
+            out["dram"] += ns.hit_keys_dram
+            out["storage"] += ns.hit_keys_storage
+    return out
+
+
+def _hit_step(
+    name: str, tier: str, engine: SglangServer, pool_dir: Path, prompt: str, reference: SglangCompletion
+) -> Step:
+    before = _tier_hits(pool_dir) if (pool_dir / protocol.SOCKET_NAME).exists() else {"dram": 0, "storage": 0}
+    completion = engine.complete(prompt)
+    after = _tier_hits(pool_dir)
+    pages = after[tier] - before[tier]
+    loaded = int(completion.cached.get("storage", 0))
+    same = completion.token_ids == reference.token_ids and completion.logprobs == reference.logprobs
+    label = {"dram": "DRAM", "storage": "storage"}[tier]
+    return Step(
+        name,
+        label if loaded and pages else f"{label}: none",
+        loaded if pages else 0,
+        completion.ttft_s * 1e3,
+        "yes" if same else "no",
+    )
