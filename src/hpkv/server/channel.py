@@ -4,7 +4,9 @@ Owns the socket (one, calls serialised by a lock), the Hello/Welcome handshake, 
 (a pool directory no other uid can replace names in; a server running as this uid, root or a
 uid in HPKV_SERVER_ALLOW_UIDS, by SO_PEERCRED), the mapping of the pool file the server passes
 as a descriptor (never opened by name: a name can be swapped), reconnection with doubling
-backoff up to MAX_RETRY_S (a server that cannot start must not cost a start-up a second), the
+backoff up to MAX_RETRY_S (a server that cannot start must not cost a start-up a second), cut
+short as soon as a server binds the socket anew (a `stat` of it at most every PROBE_S: a server
+restarted after a crash is used again within a second of being ready, not after the backoff), the
 re-registering of known namespaces on a new connection, and the epoch, which bumps when a
 connection ends so handles made on it are known void.
 Primitives: `_call`/`_ask` (one request and its reply), `_drop`, `_region`, `_deadline`.
@@ -46,6 +48,7 @@ class ServerError(HpkvError):
 
 
 MAX_RETRY_S = 30.0
+PROBE_S = 0.25  # while waiting to retry, how often the socket is looked at for a new server
 
 # (server pid, device, inode, prefaulted) -> the mapping this process's clients share. Weak:
 # the last client or handle to let go of a mapping unmaps it. The inode cannot be reused while
@@ -116,6 +119,8 @@ class Channel:
         self._retry_at = 0.0
         self._failures = 0  # in a row: each doubles the wait before the next attempt
         self._last_error = ""
+        self._failed_socket: tuple[int, int] | None = None  # the socket file when the last attempt failed
+        self._probe_at = 0.0
         self._namespaces: dict[str, tuple[str, int]] = {}  # ns -> (desc json, entry bytes)
 
     def connect(self) -> None:
@@ -142,7 +147,7 @@ class Channel:
         if self._sock is not None:
             return self._sock
         now = time.monotonic()
-        if now < self._retry_at:
+        if now < self._retry_at and not self._socket_renewed(now):
             raise ServerUnavailable(
                 f"HPKV server unavailable ({self._last_error}); retrying in {self._retry_at - now:.1f} s"
             )
@@ -228,6 +233,16 @@ class Channel:
         self._drop(message)
         raise ServerUnavailable(message)
 
+    def _socket_renewed(self, now: float) -> bool:
+        """Whether a server has bound the socket since the last attempt failed (a new file where
+        the dead server's, or none, was); looked at most every PROBE_S, so a server that keeps
+        failing to start costs a request one clock read."""
+        if now < self._probe_at:
+            return False
+        self._probe_at = now + PROBE_S
+        seen = _socket_file(self.directory)
+        return seen is not None and seen != self._failed_socket
+
     def _drop(self, reason: str) -> None:
         sock = self._sock
         if sock is not None:
@@ -237,6 +252,8 @@ class Channel:
             self._sock = None
             sock.close()
         self._last_error = reason
+        self._failed_socket = _socket_file(self.directory)
+        self._probe_at = time.monotonic() + PROBE_S
         wait = self.retry_interval_s * 2 ** min(max(self._failures - 1, 0), 16)
         self._retry_at = time.monotonic() + min(wait, max(self.retry_interval_s, MAX_RETRY_S))
 
@@ -276,6 +293,16 @@ class Channel:
         """When a handle asked for now stops being held: the server's time limit counts from
         when it got the request, later than now, so the client lets go first."""
         return time.monotonic() + self.slot_timeout_s if self.slot_timeout_s > 0 else math.inf
+
+
+def _socket_file(directory: Path) -> tuple[int, int] | None:
+    """The socket file's identity (inode, change time), None if there is none. A server binds
+    a new file: a dead server's socket stays the same file until the next server replaces it."""
+    try:
+        st = os.stat(directory / p.SOCKET_NAME)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_ctime_ns)
 
 
 def _expect(reply: p.Reply, reply_type: type[_R]) -> _R:
