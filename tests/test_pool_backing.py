@@ -13,11 +13,17 @@ from pathlib import Path
 
 import pytest
 
+from helpers.server import Node
+from helpers.stats import stats_from
 from helpers.swap import with_swap_configured
+from helpers.waiting import wait_for
+from hpkv.config import load_settings
 from hpkv.pool.backing import CHUNK_BYTES, FIRST_BYTES, swap_needs_lock
 from hpkv.pool.region import PoolRegion
 from hpkv.pool.slots import SlotAllocator
 from hpkv.pool.tier import DramTier
+from hpkv.server import daemon
+from hpkv.server.autostart import answers
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -126,3 +132,44 @@ def test_where_swap_is_configured_the_pages_are_locked_in_the_background(shm_dir
     assert result.returncode == 0, result.stderr
     assert f"'locked_bytes': {size}" in result.stdout and "'no_lock_why': None" in result.stdout
     assert int(result.stdout.split("vmlck_kib")[1]) << 10 >= size
+
+
+def _status_text(stats) -> str:
+    import io
+
+    from rich.console import Console
+
+    from hpkv.status import print_status
+
+    console = Console(file=io.StringIO(), width=250)
+    print_status(stats, console)
+    return console.file.getvalue()
+
+
+def test_status_says_how_much_of_the_pool_is_ready_and_why_it_is_not_locked():
+    filling = {"capacity_bytes": 4 * GiB, "ready_bytes": GiB, "locked_bytes": GiB, "locked_in_memory": False}
+    unswappable = {"capacity_bytes": 4 * GiB, "ready_bytes": 4 * GiB, "locked_bytes": 4 * GiB}
+    unswappable["no_lock_why"] = "no swap is configured"
+
+    assert "reserving pages: 1.0 GiB ready" in _status_text(stats_from({"dram": filling}))
+    assert "never swapped (no swap is configured)" in _status_text(stats_from({"dram": unswappable}))
+
+
+def test_a_server_answers_before_its_pool_is_reserved_and_logs_when_it_is(shm_dir, tmp_path, caplog):
+    node = Node(shm_dir, tmp_path, HPKV_KV_MEM_POOL_SIZE="1g", HPKV_KV_STORAGE_ENABLE="0")
+    server = daemon.Server(load_settings(node.env))
+    thread = threading.Thread(target=server.run, name="hpkv-server", daemon=True)
+    with caplog.at_level(logging.INFO):
+        thread.start()
+        try:
+            wait_for(lambda: answers(node.socket_path), what="the server answers")
+            with node.client("status") as client:
+                wait_for(lambda: client.stats().dram.ready_bytes == GiB, timeout_s=60, what="the whole pool")
+                assert client.stats().dram.locked_bytes == GiB or swap_needs_lock("tmpfs") is None
+        finally:
+            server.stop()
+            thread.join(60)
+    messages = [r.getMessage() for r in caplog.records]
+    ready = next(m for m in messages if m.startswith("HPKV server ready"))
+    assert f"{GiB} bytes, {FIRST_BYTES} with pages now, the rest reserved in the background" in ready
+    assert any(m.startswith("pool of 1.0 GiB ready in") for m in messages)
