@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -171,5 +172,27 @@ def test_a_server_answers_before_its_pool_is_reserved_and_logs_when_it_is(shm_di
             thread.join(60)
     messages = [r.getMessage() for r in caplog.records]
     ready = next(m for m in messages if m.startswith("HPKV server ready"))
-    assert f"{GiB} bytes, {FIRST_BYTES} with pages now, the rest reserved in the background" in ready
+    now = re.search(rf"\({GiB} bytes, (\d+) with pages now, the rest reserved in the background", ready)
+    assert now is not None and FIRST_BYTES <= int(now.group(1)) <= GiB, ready
     assert any(m.startswith("pool of 1.0 GiB ready in") for m in messages)
+
+
+def test_a_prefault_stops_once_its_mapping_is_closed_or_let_go(shm_dir):
+    """A client's background prefault holds its mapping weakly: the pool of a server that is gone,
+    which its clients let go of, is unmapped rather than populated on to its end."""
+    owner = PoolRegion.create(shm_dir, GiB)
+    try:
+        for close in (True, False):
+            fd = os.open(owner.path, os.O_RDWR | os.O_CLOEXEC)
+            attached = PoolRegion.attach(fd, GiB, owner.path)
+            attached.prefault()
+            if close:
+                attached.close()
+            del attached
+            wait_for(
+                lambda: not any(t.name == "hpkv-prefault" and t.is_alive() for t in threading.enumerate()),
+                timeout_s=10,
+                what="the prefault thread to stop",
+            )
+    finally:
+        owner.close()

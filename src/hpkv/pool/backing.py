@@ -29,6 +29,7 @@ import os
 import resource
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import PoolError
@@ -41,6 +42,8 @@ CHUNK_BYTES = 32 << 20
 # its first slabs (at most 256 MiB each) ready for the first writes, at a cost that does not grow.
 FIRST_BYTES = 256 << 20
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
+POPULATE_STEP = 64 << 20
 
 
 def swap_needs_lock(fs_type: str) -> str | None:
@@ -65,6 +68,36 @@ def _cgroup_swap_max() -> str | None:
         return (CGROUP_ROOT / line.strip()[3:].lstrip("/") / "memory.swap.max").read_text().strip()
     except OSError:
         return None
+
+
+def populate(populate_range: Callable[[], Callable[[int, int], bool] | None], size_bytes: int) -> None:
+    """Map every page of a pool mapping into this process, POPULATE_STEP at a time, through
+    `populate_range()` (a weak method: None once its region is gone), until it says to stop."""
+    for start in range(0, size_bytes, POPULATE_STEP):
+        step = populate_range()
+        if step is None or not step(start, min(POPULATE_STEP, size_bytes - start)):
+            return
+        del step  # no hold on the region between steps
+
+
+def populate_range(buf: mmap.mmap, start: int, length: int) -> bool:
+    """MADV_POPULATE_WRITE over [start, start + length) of `buf`, the GIL released (`mmap.madvise`
+    holds it, for tens of milliseconds a step on 4 KiB pages: an engine's other threads would
+    stall). False where it failed (an older kernel, the pool closed, its mount full)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    try:
+        address = ctypes.c_void_p.from_buffer(buf)
+    except (ValueError, TypeError):  # closed
+        return False
+    try:
+        result = libc.madvise(
+            ctypes.c_void_p(ctypes.addressof(address) + start), ctypes.c_size_t(length), MADV_POPULATE_WRITE
+        )
+    finally:
+        del address
+    if result != 0:
+        log.debug("pool prefault stopped at %d: %s", start, os.strerror(ctypes.get_errno()))
+    return result == 0
 
 
 def size_file(fd: int, path: Path, size_bytes: int) -> None:

@@ -27,6 +27,7 @@ import mmap
 import os
 import stat
 import threading
+import weakref
 from pathlib import Path
 
 from .. import safefs
@@ -42,13 +43,12 @@ from ..fsinfo import (
 )
 from ..units import human_bytes
 from . import directory as pool_directory
-from .backing import Backing, size_file
+from .backing import Backing, populate, populate_range, size_file
 
 log = logging.getLogger(__name__)
 
 POOL_FILE_NAME = "hpkv.pool"
 MIN_POOL_BYTES = 1 << 20
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
 
 
 class PoolRegion:
@@ -172,16 +172,17 @@ class PoolRegion:
         """Map every page of the pool into this process now, in a background thread, so copies
         into and out of it do not take a page fault per 4 KiB (16,384 faults for a 64 MiB load:
         a third of its time here). Costs page tables, 2 MiB per GiB of pool; best effort."""
-        threading.Thread(target=self._populate, name="hpkv-prefault", daemon=True).start()
+        # Holds the region weakly: a pool its clients let go of (a dead server's) is unmapped,
+        # not populated on to the end.
+        target, args = populate, (weakref.WeakMethod(self._populate_range), self.size_bytes)
+        threading.Thread(target=target, args=args, name="hpkv-prefault", daemon=True).start()
 
     def _populate(self) -> None:
-        step = 64 << 20
-        for start in range(0, self.size_bytes, step):
-            try:
-                self._map.madvise(MADV_POPULATE_WRITE, start, min(step, self.size_bytes - start))
-            except (OSError, ValueError) as exc:  # an older kernel (EINVAL), or the pool closed
-                log.debug("pool prefault stopped at %d of %d bytes: %s", start, self.size_bytes, exc)
-                return
+        """What `prefault` runs in its thread."""
+        populate(weakref.WeakMethod(self._populate_range), self.size_bytes)
+
+    def _populate_range(self, start: int, length: int) -> bool:
+        return not self._closed and populate_range(self._map, start, length)
 
     def unbacked_bytes(self) -> int:
         """Bytes of the pool file with no pages (or blocks) behind them yet: those the background
