@@ -5,9 +5,9 @@ Owns the socket (one, calls serialised by a lock), the Hello/Welcome handshake, 
 uid in HPKV_SERVER_ALLOW_UIDS, by SO_PEERCRED), the mapping of the pool file the server passes
 as a descriptor (never opened by name: a name can be swapped), reconnection with doubling
 backoff up to MAX_RETRY_S (a server that cannot start must not cost a start-up a second), cut
-short as soon as a server binds the socket anew (a `stat` of it at most every PROBE_S: a server
-restarted after a crash is used again within a second of being ready, not after the backoff), the
-re-registering of known namespaces on a new connection, and the epoch, which bumps when a
+short once the server this channel lost is dead and another answers on the socket (looked at
+most every PROBE_S: a server restarted after a crash is used again within a second of answering,
+not after the backoff), the re-registering of known namespaces on a new connection, and the epoch, which bumps when a
 connection ends so handles made on it are known void.
 Primitives: `_call`/`_ask` (one request and its reply), `_drop`, `_region`, `_deadline`.
 Knows nothing of what the requests mean.
@@ -31,9 +31,9 @@ from .. import safefs
 from ..errors import HpkvError, PoolError
 from ..pool import directory as pool_directory
 from ..pool.region import POOL_FILE_NAME, PoolRegion
-from ..procs import peer_ids
+from ..procs import peer_ids, pid_running
 from . import protocol as p
-from .autostart import ServerUnavailable, check_socket, ensure_server
+from .autostart import ServerUnavailable, answers, check_socket, ensure_server
 
 _R = TypeVar("_R")
 _C = TypeVar("_C", bound="Channel")
@@ -119,7 +119,7 @@ class Channel:
         self._retry_at = 0.0
         self._failures = 0  # in a row: each doubles the wait before the next attempt
         self._last_error = ""
-        self._failed_socket: tuple[int, int] | None = None  # the socket file when the last attempt failed
+        self._lost_pid = 0  # the server whose connection ended last (0: none yet)
         self._probe_at = 0.0
         self._namespaces: dict[str, tuple[str, int]] = {}  # ns -> (desc json, entry bytes)
 
@@ -234,14 +234,13 @@ class Channel:
         raise ServerUnavailable(message)
 
     def _socket_renewed(self, now: float) -> bool:
-        """Whether a server has bound the socket since the last attempt failed (a new file where
-        the dead server's, or none, was); looked at most every PROBE_S, so a server that keeps
-        failing to start costs a request one clock read."""
-        if now < self._probe_at:
+        """Whether the server this channel lost is dead and another answers on the socket:
+        looked at most every PROBE_S, so a server that keeps failing to start costs a request a
+        clock read. A live server that failed a call (overloaded, say) gets the whole backoff."""
+        if now < self._probe_at or not self._lost_pid:
             return False
         self._probe_at = now + PROBE_S
-        seen = _socket_file(self.directory)
-        return seen is not None and seen != self._failed_socket
+        return not pid_running(self._lost_pid) and answers(self.directory / p.SOCKET_NAME)
 
     def _drop(self, reason: str) -> None:
         sock = self._sock
@@ -252,7 +251,8 @@ class Channel:
             self._sock = None
             sock.close()
         self._last_error = reason
-        self._failed_socket = _socket_file(self.directory)
+        if sock is not None:
+            self._lost_pid = self.server_pid
         self._probe_at = time.monotonic() + PROBE_S
         wait = self.retry_interval_s * 2 ** min(max(self._failures - 1, 0), 16)
         self._retry_at = time.monotonic() + min(wait, max(self.retry_interval_s, MAX_RETRY_S))
@@ -293,16 +293,6 @@ class Channel:
         """When a handle asked for now stops being held: the server's time limit counts from
         when it got the request, later than now, so the client lets go first."""
         return time.monotonic() + self.slot_timeout_s if self.slot_timeout_s > 0 else math.inf
-
-
-def _socket_file(directory: Path) -> tuple[int, int] | None:
-    """The socket file's identity (inode, change time), None if there is none. A server binds
-    a new file: a dead server's socket stays the same file until the next server replaces it."""
-    try:
-        st = os.stat(directory / p.SOCKET_NAME)
-    except OSError:
-        return None
-    return (st.st_ino, st.st_ctime_ns)
 
 
 def _expect(reply: p.Reply, reply_type: type[_R]) -> _R:
