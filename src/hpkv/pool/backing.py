@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -70,6 +71,12 @@ def _cgroup_swap_max() -> str | None:
         return None
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library, found once (`find_library` runs ldconfig)."""
+    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
 def populate(populate_range: Callable[[], Callable[[int, int], bool] | None], size_bytes: int) -> None:
     """Map every page of a pool mapping into this process, POPULATE_STEP at a time, through
     `populate_range()` (a weak method: None once its region is gone), until it says to stop."""
@@ -84,7 +91,7 @@ def populate_range(buf: mmap.mmap, start: int, length: int) -> bool:
     """MADV_POPULATE_WRITE over [start, start + length) of `buf`, the GIL released (`mmap.madvise`
     holds it, for tens of milliseconds a step on 4 KiB pages: an engine's other threads would
     stall). False where it failed (an older kernel, the pool closed, its mount full)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc = _libc()
     try:
         address = ctypes.c_void_p.from_buffer(buf)
     except (ValueError, TypeError):  # closed
@@ -201,7 +208,7 @@ class Backing:
             return False
 
     def _mlock(self, start: int, length: int) -> bool:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc = _libc()
         address = ctypes.c_void_p.from_buffer(self._buf)
         try:
             result = libc.mlock(ctypes.c_void_p(ctypes.addressof(address) + start), ctypes.c_size_t(length))
