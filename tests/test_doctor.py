@@ -307,7 +307,7 @@ def test_hash_stability_is_a_note_without_pythonhashseed():
 
 def test_memlock_trusts_what_the_running_server_says(pool_dir):
     pool = PoolConfig(dir=pool_dir, size_bytes=64 << 20)
-    stats = stats_from({"server": {"pid": 42}, "dram": {"locked_in_memory": False}})
+    stats = stats_from({"server": {"pid": 42}, "dram": {"locked_in_memory": False, "locked_bytes": 0}})
     check = check_memlock(pool, ServerProbe(Path(pool_dir) / "hpkv.sock", stats=stats))
     assert check.verdict is Verdict.WARN and "pid 42" in check.detail and "LimitMEMLOCK" in check.fix
 
@@ -414,3 +414,17 @@ def test_storage_on_ramfs_leaves_out_a_pool_on_tmpfs_too_less_what_its_file_alre
     (shm_dir / POOL_FILE_NAME).write_bytes(b"\1" * (1 << 20))  # a stale pool file, its pages taken
     stale = check_storage_space(storage, probe, PoolConfig(dir=shm_dir, size_bytes=2 << 20))
     assert "less the 1.0 MiB DRAM pool" in stale.detail, stale.detail
+
+
+def test_memlock_is_ok_where_no_lock_is_needed_or_while_the_server_locks_in_the_background(pool_dir):
+    pool = PoolConfig(dir=pool_dir, size_bytes=64 << 20)
+    unneeded = {"locked_in_memory": True, "no_lock_why": "no swap is configured"}
+    locking = {"locked_in_memory": False, "ready_bytes": 32 << 20, "locked_bytes": 32 << 20}
+    for dram in (unneeded, locking):
+        stats = stats_from({"server": {"pid": 42}, "dram": dram})
+        check = check_memlock(pool, ServerProbe(Path(pool_dir) / "hpkv.sock", stats=stats))
+        assert check.verdict is Verdict.OK, check
+    assert (
+        "no swap is configured"
+        in check_memlock(pool, ServerProbe(Path(pool_dir) / "hpkv.sock", stats=stats_from({"dram": unneeded}))).detail
+    )

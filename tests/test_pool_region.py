@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from helpers.mappings import resident_bytes
+from helpers.swap import with_swap_configured
 from helpers.users import NOBODY, as_other_uid
 from hpkv.errors import PoolError
+from hpkv.pool.backing import swap_needs_lock
 from hpkv.pool.region import POOL_FILE_NAME, PoolRegion
 
 MiB = 1 << 20
@@ -307,16 +309,15 @@ region.close()
 """
 
 
-def test_without_the_right_to_lock_memory_the_pool_warns_and_goes_on(shm_dir):
+def test_without_the_right_to_lock_memory_the_pool_warns_and_goes_on(shm_dir, tmp_path):
     # A process without CAP_IPC_LOCK and with a 64 KiB memlock limit, as in many containers.
     if shutil.which("setpriv") is None:
         pytest.skip("setpriv (util-linux) is needed to drop CAP_IPC_LOCK")
-    result = subprocess.run(
-        ["setpriv", "--bounding-set=-ipc_lock", sys.executable, "-c", LOCK_WITHOUT_PRIVILEGE, str(shm_dir)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    command = ["setpriv", "--bounding-set=-ipc_lock", sys.executable, "-c", LOCK_WITHOUT_PRIVILEGE, str(shm_dir)]
+    if swap_needs_lock("tmpfs") is not None:  # nothing to lock where no swap is configured: show one
+        result = with_swap_configured(tmp_path, *command)
+    else:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=60)
 
     assert result.returncode == 0, result.stderr
     assert "locked_in_memory False" in result.stdout

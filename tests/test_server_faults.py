@@ -291,6 +291,42 @@ def test_a_client_without_autostart_picks_up_a_server_an_operator_restarted(node
     assert engine.call("lookup", prefix="prompt", n=2)["tiers"] == [STORAGE] * 2
 
 
+def test_a_server_restarted_after_a_crash_is_used_within_a_second_whatever_the_backoff(node):
+    """The wait before the next attempt (30 s here) is cut short once a new server binds the
+    socket: the engine pays a stat of it at most every PROBE_S, never a connect per request."""
+    server = node.start_server()
+    engine = node.agent("scheduler", autostart=False, retry_interval_s=30.0)
+    engine.call("register", rank=0)
+    engine.call("save", prefix="prompt", n=2)
+    kill(server.pid)
+    wait_gone(server.pid)
+    assert engine.try_call("lookup", prefix="prompt", n=2)["error"] == "ServerUnavailable"
+    time.sleep(0.6)
+    waiting = engine.try_call("lookup", prefix="prompt", n=2)  # the dead server's socket: no attempt
+    assert waiting["error"] == "ServerUnavailable" and "retrying in 2" in waiting["message"]
+
+    new = node.start_server()  # returns once the new server answers
+    ready = time.monotonic()
+    wait_for(lambda: "error" not in engine.try_call("lookup", prefix="prompt", n=2), timeout_s=5.0, what="reconnect")
+    assert time.monotonic() - ready < 1.0
+    assert engine.call("lookup", prefix="prompt", n=2)["server_pid"] == new.pid
+
+
+def test_a_client_that_finds_its_server_replaced_under_it_reconnects_at_its_next_call(node):
+    """The server dies and another is up before the client calls again: that call fails (its
+    connection is to the dead one), and the next, a moment later, goes to the new server."""
+    server = node.start_server()
+    engine = node.agent("scheduler", autostart=False, retry_interval_s=30.0)
+    engine.call("register", rank=0)
+    kill(server.pid)
+    wait_gone(server.pid)
+    new = node.start_server()
+
+    assert engine.try_call("lookup", prefix="prompt", n=2)["error"] == "ServerUnavailable"
+    time.sleep(0.3)
+    assert engine.call("lookup", prefix="prompt", n=2)["server_pid"] == new.pid
+
+
 def test_a_server_that_stops_answering_costs_a_call_its_timeout_not_a_hang(node):
     server = node.start_server()
     engine = node.agent("scheduler", autostart=False, timeout_s=1.0, retry_interval_s=0.5)

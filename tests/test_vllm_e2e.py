@@ -23,6 +23,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -437,6 +438,49 @@ def test_a_killed_hpkv_server_costs_hits_not_requests(engine_b, node, plain):
     assert got["host"] > 0
     assert same_output(answer, plain.reference(SERVED_AGAIN))
     assert server_pid(node.shm) == new_pid
+
+
+def test_after_a_kill_9_dram_hits_return_within_5_s_of_the_next_server_being_ready(engine_b, node, plain):
+    """The engine's clients do not sit out a backoff once a new server answers: the next server
+    (auto-started by the engine's next call) serves a DRAM hit within 5 s of answering."""
+    old_pid = server_pid(node.shm)
+    assert old_pid is not None
+    os.kill(old_pid, signal.SIGKILL)
+    wait_gone(old_pid)
+    ready: list[float] = []
+    done = threading.Event()
+
+    def watch() -> None:  # when the next server answers on the socket
+        while not done.is_set() and not ready:
+            if server_pid(node.shm) not in (None, old_pid) and answers(node.shm / protocol.SOCKET_NAME):
+                ready.append(time.monotonic())
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    seeds = iter(range(300, 10_000))
+
+    def dram_hit():
+        prompt = prompt_text(1300, seed=next(seeds))  # fresh: only the new server can have it
+        engine_b.complete(prompt)  # saved, once HPKV is back
+        engine_b.reset_prefix_cache()
+        before = engine_b.counters()
+        sent = time.monotonic()
+        answer = engine_b.complete(prompt)
+        return (answer, prompt, sent) if (engine_b.counters() - before)["host"] > 0 else None
+
+    try:
+        answer, prompt, sent = wait_for(
+            dram_hit, timeout_s=120, interval_s=0.05, what="a DRAM hit from the next server"
+        )
+    finally:
+        done.set()
+        watcher.join()
+    assert ready, "no new HPKV server answered"
+    # Each try is two prefills of a fresh prompt on this CPU: the hit is the request sent within
+    # 5 s of the server answering (a save and a hit, not a backoff).
+    assert sent - ready[0] < 5.0, f"the first DRAM hit was sent {sent - ready[0]:.1f} s after the server answered"
+    assert same_output(answer, plain.reference(prompt))
 
 
 # -- configuration mistakes -----------------------------------------------------------------

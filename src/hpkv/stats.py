@@ -60,7 +60,10 @@ class DramStats(msgspec.Struct):
     evictions: int
     slab_moves: int
     reserve_failures: int
-    locked_in_memory: bool
+    locked_in_memory: bool  # every page locked, or where nothing can swap
+    ready_bytes: int = 0  # from the pool's start, pages reserved: what slots are handed out from
+    locked_bytes: int = 0  # pages that cannot be swapped out (locked, or nothing can swap)
+    no_lock_why: str | None = None  # why no lock is needed (no swap configured, ramfs); None: it is
 
 
 class StorageStats(msgspec.Struct):

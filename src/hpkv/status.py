@@ -52,7 +52,12 @@ def _used(tier: DramStats | StorageStats) -> str:
 
 
 def _pool_state(stats: ServerStats) -> str:
-    if stats.dram.locked_in_memory:
+    dram = stats.dram
+    if dram.ready_bytes < dram.capacity_bytes and dram.locked_bytes >= dram.ready_bytes:
+        return f"reserving pages: {human_bytes(dram.ready_bytes)} ready"
+    if dram.no_lock_why:
+        return f"never swapped ({dram.no_lock_why})"
+    if dram.locked_in_memory:
         return "locked in memory"
     try:
         on_ramfs = mount_of(stats.server.pool_path).fs_type == "ramfs"

@@ -19,6 +19,8 @@ ZERO_STATS: dict = {
         "slab_moves": 0,
         "reserve_failures": 0,
         "locked_in_memory": True,
+        "ready_bytes": 64 << 20,
+        "locked_bytes": 64 << 20,
     },
     "namespaces": {},
     "leases": 0,

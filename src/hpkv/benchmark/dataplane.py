@@ -215,6 +215,7 @@ def dram_rows(pool_dir: Path, entry_bytes: int, buffers: _Buffers, reps: int) ->
         pool = np.frombuffer(store.region.view(0, pool_bytes), dtype=np.uint8)
         try:
             pool.fill(0)  # first touch of every page, before any timing
+            store.region.wait_ready()  # every slot can be handed out (pages reserved in the background)
             # Store and limit take turns within each round, so that other work on the machine
             # weighs on both alike.
             for round_ in range(reps + 1):

@@ -5,9 +5,11 @@ processes `attach` to a descriptor of it and copy bytes in and out of the offset
 out. Why each choice:
 - `O_CREAT|O_EXCL` and an exclusive `flock` held for the owner's lifetime: two owners would hand
   out the same slots; a file whose lock can be taken is a dead owner's, and is replaced.
-- `posix_fallocate`: a full tmpfs would otherwise kill a writer with SIGBUS mid-copy; reserving
-  every page turns that into an error at start.
-- `mlock` on tmpfs (whose pages can be swapped); without `RLIMIT_MEMLOCK` it warns and goes on.
+- The free space is checked at start and the file sized at once; its pages are reserved
+  (`posix_fallocate`: a full tmpfs would otherwise kill a writer with SIGBUS mid-copy) and, where
+  they could be swapped, locked, by a background thread (`pool.backing`): `ready_bytes` is the
+  prefix done, and nothing beyond it may be handed out. A start that waited for every page would
+  grow with the pool.
 - Handed over as a descriptor (`share_fd()`), never re-opened by name, which someone able to
   write the directory could swap. `share_fd` is a second open file description (through
   /proc/self/fd), so mappings made from it do not share the owner's `flock`: a client that
@@ -19,16 +21,13 @@ Must not know: slots, entries, the protocol.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import errno
 import fcntl
 import logging
 import mmap
 import os
-import resource
 import stat
 import threading
+import weakref
 from pathlib import Path
 
 from .. import safefs
@@ -44,12 +43,12 @@ from ..fsinfo import (
 )
 from ..units import human_bytes
 from . import directory as pool_directory
+from .backing import Backing, populate, populate_range, size_file
 
 log = logging.getLogger(__name__)
 
 POOL_FILE_NAME = "hpkv.pool"
 MIN_POOL_BYTES = 1 << 20
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
 
 
 class PoolRegion:
@@ -60,16 +59,17 @@ class PoolRegion:
         self.path = path
         self.size_bytes = size_bytes
         self.owner = owner
-        self.locked_in_memory = False
+        self.backing: Backing | None = None  # the owner's: reserves and locks pages in the background
         self._closed = False
         self._fd = fd
         self._share_fd = -1
         self._map = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         try:
-            # Huge pages halve the cost of TLB misses in large copies. Only a tmpfs mounted
-            # huge=within_size or huge=always gives them to the pool: shmem_enabled does not apply
-            # to a tmpfs mount, and under huge=advise the pages were already allocated (by
-            # posix_fallocate in `create`) before this advice (docs/operations.md).
+            # Huge pages halve the cost of TLB misses in large copies, and make reserving and
+            # locking 512 times fewer faults. Only a tmpfs mounted huge=within_size or huge=always
+            # gives them to the pool: shmem_enabled does not apply to a tmpfs mount, and the
+            # background posix_fallocate that allocates the pages sees no advice
+            # (docs/operations.md).
             self._map.madvise(mmap.MADV_HUGEPAGE)
         except (AttributeError, OSError):
             pass
@@ -95,7 +95,7 @@ class PoolRegion:
         try:
             # Only now: a stale pool left by a crashed owner has been removed and frees its space.
             _check_space(directory, size_bytes)
-            _reserve(fd, path, size_bytes)
+            size_file(fd, path, size_bytes)
             share_fd = _reopen(fd, path)
             try:
                 region = cls(path, fd, size_bytes, owner=True)
@@ -108,8 +108,33 @@ class PoolRegion:
                 os.unlink(path)
             os.close(fd)
             raise
-        region._lock_in_memory(mount_of(directory).fs_type)
+        region.backing = Backing(fd, region._map, size_bytes, path, mount_of(directory).fs_type)
+        region.backing.start()
         return region
+
+    @property
+    def ready_bytes(self) -> int:
+        """The owner's: bytes from the start of the pool with pages reserved (and locked where
+        needed); no slot beyond may be handed out. Grows only."""
+        return self.backing.ready_bytes if self.backing is not None else self.size_bytes
+
+    @property
+    def locked_in_memory(self) -> bool:
+        return self.backing is not None and self.backing.locked_in_memory
+
+    def backing_stats(self) -> dict:
+        """The `DramStats` fields of the pages behind the pool."""
+        b = self.backing
+        return {
+            "locked_in_memory": self.locked_in_memory,
+            "ready_bytes": self.ready_bytes,
+            "locked_bytes": b.locked_bytes if b is not None else 0,
+            "no_lock_why": b.no_lock_why if b is not None else None,
+        }
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Whether every page is reserved (and locked where needed) within `timeout_s`."""
+        return self.backing is None or self.backing.wait(timeout_s)
 
     def share_fd(self) -> int:
         """The owner's descriptor to hand to other processes (SCM_RIGHTS, `pass_fds`); it stays
@@ -147,22 +172,22 @@ class PoolRegion:
         """Map every page of the pool into this process now, in a background thread, so copies
         into and out of it do not take a page fault per 4 KiB (16,384 faults for a 64 MiB load:
         a third of its time here). Costs page tables, 2 MiB per GiB of pool; best effort."""
-        threading.Thread(target=self._populate, name="hpkv-prefault", daemon=True).start()
+        # Holds the region weakly: a pool its clients let go of (a dead server's) is unmapped,
+        # not populated on to the end.
+        target, args = populate, (weakref.WeakMethod(self._populate_range), self.size_bytes)
+        threading.Thread(target=target, args=args, name="hpkv-prefault", daemon=True).start()
 
     def _populate(self) -> None:
-        step = 64 << 20
-        for start in range(0, self.size_bytes, step):
-            try:
-                self._map.madvise(MADV_POPULATE_WRITE, start, min(step, self.size_bytes - start))
-            except (OSError, ValueError) as exc:  # an older kernel (EINVAL), or the pool closed
-                log.debug("pool prefault stopped at %d of %d bytes: %s", start, self.size_bytes, exc)
-                return
+        """What `prefault` runs in its thread."""
+        populate(weakref.WeakMethod(self._populate_range), self.size_bytes)
+
+    def _populate_range(self, start: int, length: int) -> bool:
+        return not self._closed and populate_range(self._map, start, length)
 
     def unbacked_bytes(self) -> int:
-        """Bytes of the pool file with no pages (or blocks) behind them yet. On ramfs, which has
-        no fallocate, glibc's posix_fallocate touches every page (none are left), while other C
-        libraries fail it and `_reserve` only sizes the file (all are: they arrive on first touch,
-        and until then the memory available still counts them)."""
+        """Bytes of the pool file with no pages (or blocks) behind them yet: those the background
+        reservation has not reached, and on ramfs, which has no fallocate, all those not touched
+        yet (they arrive on first touch; until then the memory available still counts them)."""
         return max(0, self.size_bytes - os.fstat(self._fd).st_blocks * 512)
 
     def view(self, offset: int, num_bytes: int) -> memoryview:
@@ -173,6 +198,8 @@ class PoolRegion:
         if self._closed:
             return
         self._closed = True
+        if self.backing is not None:
+            self.backing.stop()  # before the map and descriptor it works on go
         self.buf.release()
         try:
             self._map.close()
@@ -197,27 +224,6 @@ class PoolRegion:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def _lock_in_memory(self, fs_type: str) -> None:
-        if fs_type == "ramfs":
-            self.locked_in_memory = True  # ramfs pages are never swapped
-            return
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        address = ctypes.c_void_p.from_buffer(self._map)
-        result = libc.mlock(ctypes.c_void_p(ctypes.addressof(address)), ctypes.c_size_t(self.size_bytes))
-        del address
-        if result != 0:
-            soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-            limit = "unlimited" if soft == resource.RLIM_INFINITY else human_bytes(soft)
-            log.warning(
-                "cannot lock the %s pool in memory (%s; RLIMIT_MEMLOCK is %s): it may be swapped. "
-                "Fix: raise the memlock limit (ulimit -l unlimited, LimitMEMLOCK=infinity) or mount ramfs",
-                human_bytes(self.size_bytes),
-                os.strerror(ctypes.get_errno()),
-                limit,
-            )
-            return
-        self.locked_in_memory = True
 
 
 def prepare_directory(directory: Path) -> None:
@@ -384,16 +390,3 @@ def _reopen(fd: int, path: Path) -> int:
         os.close(share)
         raise PoolError(f"/proc/self/fd/{fd} is not the pool file {path}; the HPKV server needs a real /proc")
     return share
-
-
-def _reserve(fd: int, path: Path, size_bytes: int) -> None:
-    try:
-        os.posix_fallocate(fd, 0, size_bytes)
-    except OSError as exc:
-        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-            os.ftruncate(fd, size_bytes)  # ramfs has no fallocate; its pages are allocated on touch
-            return
-        raise PoolError(
-            f"cannot reserve {human_bytes(size_bytes)} for the pool file {path}: {exc.strerror}; lower "
-            "HPKV_KV_MEM_POOL_SIZE or free space on that mount"
-        ) from None

@@ -6,11 +6,16 @@ by namespaces with different entry sizes do not fragment (the memcached scheme).
 
 Primitives: `slot_bytes_for`, `alloc`, `free`, `release_slab`, `slab_of`, `num_used_in_slab`,
 `used_in_slab`.
+A slab is handed out only once the pool's pages behind it are ready (`ready`: the bytes from the
+start of the pool whose pages are reserved, growing while the owner reserves them in the
+background); free slabs go lowest first, so those are the ones already backed.
 Mechanism only: which entry to evict when `alloc` fails is the caller's decision.
 Not thread-safe: the owner serialises calls.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 SLOT_ALIGN = 4096  # page-aligned slots: device DMA and O_DIRECT want aligned buffers
 MIN_SLAB_BYTES = 1 << 20
@@ -37,7 +42,7 @@ class _Slab:
 
 
 class SlotAllocator:
-    def __init__(self, pool_bytes: int, slab_bytes: int | None = None) -> None:
+    def __init__(self, pool_bytes: int, slab_bytes: int | None = None, ready: Callable[[], int] | None = None) -> None:
         self.slab_bytes = slab_bytes or default_slab_bytes(pool_bytes)
         if self.slab_bytes % SLOT_ALIGN:
             # Slot offsets are slab starts plus multiples of the slot size: an odd slab misaligns them all.
@@ -48,6 +53,8 @@ class SlotAllocator:
         self._free_slabs = list(range(self.num_slabs - 1, -1, -1))
         self._slabs: dict[int, _Slab] = {}
         self._partial: dict[int, dict[int, _Slab]] = {}  # slot_bytes -> slabs with a free slot
+        self._ready = ready  # None: every page is there
+        self._all_ready = ready is None
 
     def slot_bytes_for(self, entry_bytes: int) -> int:
         return -(-entry_bytes // SLOT_ALIGN) * SLOT_ALIGN
@@ -60,7 +67,7 @@ class SlotAllocator:
         partial = self._partial.setdefault(slot_bytes, {})
         if partial:
             slab = next(iter(partial.values()))
-        elif self._free_slabs:
+        elif self._free_slabs and self._backed(self._free_slabs[-1]):
             index = self._free_slabs.pop()
             slab = self._slabs[index] = _Slab(index, slot_bytes, self.slab_bytes)
             partial[index] = slab
@@ -71,6 +78,17 @@ class SlotAllocator:
         if not slab.free:
             del partial[slab.index]
         return offset
+
+    def _backed(self, index: int) -> bool:
+        """Whether slab `index` has pages behind it. The free slabs never handed out are the
+        list's head, highest first, so the last free slab is the lowest of them or one handed
+        out before: if it is not backed, no free slab is."""
+        if self._all_ready:
+            return True
+        assert self._ready is not None
+        ready = self._ready()
+        self._all_ready = ready >= self.num_slabs * self.slab_bytes
+        return (index + 1) * self.slab_bytes <= ready
 
     def free(self, offset: int) -> None:
         slab = self._slabs[offset // self.slab_bytes]

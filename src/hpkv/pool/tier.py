@@ -16,6 +16,7 @@ refer to a `PoolRegion` someone else maps. Not thread-safe: the store serialises
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import PoolError
@@ -52,8 +53,16 @@ class DramCounters:
 
 
 class DramTier:
-    def __init__(self, pool_bytes: int, slab_bytes: int | None = None, room: RoomPolicy | None = None) -> None:
-        self.alloc = SlotAllocator(pool_bytes, slab_bytes)
+    def __init__(
+        self,
+        pool_bytes: int,
+        slab_bytes: int | None = None,
+        room: RoomPolicy | None = None,
+        ready: Callable[[], int] | None = None,
+    ) -> None:
+        """`ready`: the bytes from the pool's start with pages behind them (`PoolRegion.ready_bytes`);
+        None: all."""
+        self.alloc = SlotAllocator(pool_bytes, slab_bytes, ready)
         self.room = room if room is not None else OldestFirst()
         self.counters = DramCounters()
         self._entry_bytes: dict[str, int] = {}
@@ -160,8 +169,9 @@ class DramTier:
     def num_entries(self) -> int:
         return sum(len(i) for i in self._index.values())
 
-    def stats(self, locked_in_memory: bool = False) -> DramStats:
-        """The tier's snapshot; whether the region is locked in memory is its mapper's to say."""
+    def stats(self, backing: dict | None = None) -> DramStats:
+        """The tier's snapshot; `backing`, the region's pages (`PoolRegion.backing_stats`), is its
+        mapper's to say."""
         return DramStats(
             capacity_bytes=self.alloc.num_slabs * self.alloc.slab_bytes,
             used_bytes=self._used_bytes,
@@ -170,7 +180,7 @@ class DramTier:
             evictions=self.counters.evictions,
             slab_moves=self.counters.slab_moves,
             reserve_failures=self.counters.reserve_failures,
-            locked_in_memory=locked_in_memory,
+            **(backing or {"locked_in_memory": False, "ready_bytes": self.alloc.num_slabs * self.alloc.slab_bytes}),
         )
 
     def _free_if_unheld(self, entry: DramEntry) -> None:

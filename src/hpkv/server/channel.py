@@ -4,8 +4,10 @@ Owns the socket (one, calls serialised by a lock), the Hello/Welcome handshake, 
 (a pool directory no other uid can replace names in; a server running as this uid, root or a
 uid in HPKV_SERVER_ALLOW_UIDS, by SO_PEERCRED), the mapping of the pool file the server passes
 as a descriptor (never opened by name: a name can be swapped), reconnection with doubling
-backoff up to MAX_RETRY_S (a server that cannot start must not cost a start-up a second), the
-re-registering of known namespaces on a new connection, and the epoch, which bumps when a
+backoff up to MAX_RETRY_S (a server that cannot start must not cost a start-up a second), cut
+short once the server this channel lost is dead and another answers on the socket (looked at
+most every PROBE_S: a server restarted after a crash is used again within a second of answering,
+not after the backoff), the re-registering of known namespaces on a new connection, and the epoch, which bumps when a
 connection ends so handles made on it are known void.
 Primitives: `_call`/`_ask` (one request and its reply), `_drop`, `_region`, `_deadline`.
 Knows nothing of what the requests mean.
@@ -29,9 +31,9 @@ from .. import safefs
 from ..errors import HpkvError, PoolError
 from ..pool import directory as pool_directory
 from ..pool.region import POOL_FILE_NAME, PoolRegion
-from ..procs import peer_ids
+from ..procs import peer_ids, pid_running
 from . import protocol as p
-from .autostart import ServerUnavailable, check_socket, ensure_server
+from .autostart import ServerUnavailable, answers, check_socket, ensure_server
 
 _R = TypeVar("_R")
 _C = TypeVar("_C", bound="Channel")
@@ -46,6 +48,7 @@ class ServerError(HpkvError):
 
 
 MAX_RETRY_S = 30.0
+PROBE_S = 0.25  # while waiting to retry, how often the socket is looked at for a new server
 
 # (server pid, device, inode, prefaulted) -> the mapping this process's clients share. Weak:
 # the last client or handle to let go of a mapping unmaps it. The inode cannot be reused while
@@ -116,6 +119,8 @@ class Channel:
         self._retry_at = 0.0
         self._failures = 0  # in a row: each doubles the wait before the next attempt
         self._last_error = ""
+        self._lost_pid = 0  # the server whose connection ended last (0: none yet)
+        self._probe_at = 0.0
         self._namespaces: dict[str, tuple[str, int]] = {}  # ns -> (desc json, entry bytes)
 
     def connect(self) -> None:
@@ -142,7 +147,7 @@ class Channel:
         if self._sock is not None:
             return self._sock
         now = time.monotonic()
-        if now < self._retry_at:
+        if now < self._retry_at and not self._socket_renewed(now):
             raise ServerUnavailable(
                 f"HPKV server unavailable ({self._last_error}); retrying in {self._retry_at - now:.1f} s"
             )
@@ -228,6 +233,15 @@ class Channel:
         self._drop(message)
         raise ServerUnavailable(message)
 
+    def _socket_renewed(self, now: float) -> bool:
+        """Whether the server this channel lost is dead and another answers on the socket:
+        looked at most every PROBE_S, so a server that keeps failing to start costs a request a
+        clock read. A live server that failed a call (overloaded, say) gets the whole backoff."""
+        if now < self._probe_at or not self._lost_pid:
+            return False
+        self._probe_at = now + PROBE_S
+        return not pid_running(self._lost_pid) and answers(self.directory / p.SOCKET_NAME)
+
     def _drop(self, reason: str) -> None:
         sock = self._sock
         if sock is not None:
@@ -237,6 +251,9 @@ class Channel:
             self._sock = None
             sock.close()
         self._last_error = reason
+        if sock is not None:
+            self._lost_pid = self.server_pid
+        self._probe_at = time.monotonic() + PROBE_S
         wait = self.retry_interval_s * 2 ** min(max(self._failures - 1, 0), 16)
         self._retry_at = time.monotonic() + min(wait, max(self.retry_interval_s, MAX_RETRY_S))
 

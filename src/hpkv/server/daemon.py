@@ -132,11 +132,16 @@ class Server:
 
             self.metrics = Metrics(self)
             self.metrics.start(self.settings.metrics_host, self.settings.metrics_port)
+        region = self.store.region
+        backing = region.backing_stats()
         log.info(
-            "HPKV server ready: socket %s, pool %s (%d bytes)",
+            "HPKV server ready: socket %s, pool %s (%d bytes, %d with pages now, the rest reserved in the "
+            "background; %s)",
             self.socket_path,
-            self.store.region.path,
-            self.store.region.size_bytes,
+            region.path,
+            region.size_bytes,
+            backing["ready_bytes"],
+            f"no lock needed: {backing['no_lock_why']}" if backing["no_lock_why"] else "locked in memory as it goes",
         )
 
     def _accept_loop(self) -> None:

@@ -212,6 +212,12 @@ def _tier_families(stats: ServerStats) -> Iterator[Metric]:
         "1 when the pool is locked in memory (mlock); a ramfs pool is never swapped and shows 0.",
         int(dram.locked_in_memory),
     )
+    yield _gauge(
+        "dram_ready_bytes",
+        "Pool bytes with pages reserved (slots are handed out from these); the rest is reserved in the background.",
+        dram.ready_bytes,
+    )
+    yield _gauge("dram_locked_bytes", "Pool bytes that cannot be swapped out (locked, or no swap).", dram.locked_bytes)
     yield _gauge("dram_free_slabs", "Pool slabs not yet given to any entry size.", dram.free_slabs)
     yield _counter("dram_slab_moves", "Slabs moved from one entry size to another.", dram.slab_moves)
     yield _counter("dram_reserve_failures", "Reservations that found no free or evictable slot.", dram.reserve_failures)

@@ -54,7 +54,7 @@ class TieredStore:
         policy = policy if policy is not None else StorePolicy()
         self.region = region
         self.storage = storage
-        self.dram = DramTier(region.size_bytes, slab_bytes, room=policy.room)
+        self.dram = DramTier(region.size_bytes, slab_bytes, room=policy.room, ready=lambda: region.ready_bytes)
         self.counters = zeroed(StoreCounters)
         self.held: HeldSlots[DramEntry] = HeldSlots()  # reservations by owner, and the limits the server sets
         self._lock = threading.Lock()
@@ -205,7 +205,7 @@ class TieredStore:
         with self._lock:
             stats = StoreStats(
                 store=msgspec.structs.replace(self.counters),  # a copy
-                dram=self.dram.stats(self.region.locked_in_memory),
+                dram=self.dram.stats(self.region.backing_stats()),
                 namespaces=self.lookups.stats(),
                 leases=len(self.leases),
                 reservations=self.held.num_reservations,
