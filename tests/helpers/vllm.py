@@ -241,7 +241,7 @@ def failing_load(self, job, _load=load, _flag={flag!r}):
         os.unlink(_flag)
     except FileNotFoundError:
         return _load(self, job)
-    for view in self.copier.layer_views:
+    for view in self.copiers[job.group].layer_views:
         view[job.block_ids] = 0
     return 0
 module.HpkvWorker._load = failing_load
