@@ -153,7 +153,8 @@ class HpkvWorker:
         for job in meta.loads:
             started = time.perf_counter()
             num_loaded = self._load(job)
-            if num_loaded < len(job.block_ids):
+            # An asynchronous job with no keys is one the scheduler could not plan: failed, whole.
+            if num_loaded < len(job.block_ids) or job.notify and not job.keys:
                 if job.notify:  # vLLM recomputes the whole request: every group's loads with it
                     self._recving[1].add(job.req_id)
                 else:
