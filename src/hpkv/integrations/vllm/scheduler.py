@@ -185,11 +185,11 @@ class HpkvScheduler:
         timed = state.take_promotion_time(_POLL_S) if state.num_promoting else None
         if timed is not None:  # (storage blocks, seconds)
             self.policy.promoted(timed[0] * lay.moved_per_block(self.layouts).entry_bytes * self.num_ranks, timed[1])
-        if self.async_loads:  # all or nothing: every group's entries of the boundary, or a miss
-            if any(count != state.lease_sizes.get(i) for i, count in zip(state.leases, counts)):
-                state.release(self.client)
-                return 0
+        if all(count == state.lease_sizes.get(i) for i, count in zip(state.leases, counts)):
             return len(state.tiers)
+        if self.async_loads or self.layout.window_blocks:  # all or nothing per boundary: a miss
+            state.release(self.client)
+            return 0
         return min(c for c in counts if c is not None)  # none is None by now
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
