@@ -2,7 +2,9 @@
 
 Owns each request's lookup and leases (`requests.RequestState`), the load decision (the
 policy from `probes.load_policy`: a fixed threshold or `auto`) and the save jobs of every
-step; reading a step's output and settling its held saves is in `outputs.py`.
+step; reading a step's output and settling its held saves is in `outputs.py`, what each KV
+cache group of a hybrid model loads and saves in `groups.py` (all groups of a hit, or none; such
+loads are asynchronous to vLLM, so that a failure reaches it as failed_recving).
 Primitives: `Client.lookup/lease/wait/settle`. A load is announced only once every promotion
 is done (None, "ask again", until then), so the worker copies from pinned memory and a load
 cannot fail for want of an entry. HPKV faults make a lookup a miss: the engine recomputes.

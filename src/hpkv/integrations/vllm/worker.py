@@ -10,7 +10,9 @@ next step runs meanwhile; with synchronous saves (the default on the CPU, or
 overwritten: vLLM writes only into blocks it allocated for the step, which the metadata lists, so
 `fence` (from `handle_preemptions`) waits for the saves that still read any of them.
 A save that cannot happen (server gone, pool full) is skipped: a future miss, never an error; a
-load that cannot happen is reported as failed blocks, which vLLM recomputes.
+load that cannot happen is reported as failed blocks, which vLLM recomputes (a hybrid model's,
+asynchronous to vLLM, as a failed request: `take_recving`). Each KV cache group has its
+namespace and copier.
 Must not know: what to load or save (the scheduler half), the store.
 """
 
