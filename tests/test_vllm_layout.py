@@ -135,7 +135,7 @@ def test_the_scheduler_looks_up_each_pipeline_stage_in_the_namespace_its_workers
 
     config = _config(28, pp_size=3, tp_size=2)
 
-    descs = namespaces(config, _stage(9), MODEL)
+    descs = namespaces(config, [_stage(9)], MODEL)
 
     workers = [namespace(config, _stage(layers), rank, MODEL) for rank, layers in enumerate([9, 9, 10, 10, 9, 9])]
     assert descs == workers
@@ -148,7 +148,7 @@ def test_one_stage_is_named_from_its_own_layers():
 
     config = _config(28, pp_size=1, tp_size=2)
 
-    assert namespaces(config, _stage(28), MODEL) == [namespace(config, _stage(28), rank, MODEL) for rank in (0, 1)]
+    assert namespaces(config, [_stage(28)], MODEL) == [namespace(config, _stage(28), rank, MODEL) for rank in (0, 1)]
 
 
 def test_a_padded_page_is_one_row_with_its_padding_after_the_block():

@@ -171,3 +171,20 @@ def test_a_block_that_failed_to_load_is_no_prefix_hit_for_later_prompts(node):
     connector.update_connector_output(KVConnectorOutput(invalid_block_ids={block_ids[1]}))
 
     assert cache.get_computed_blocks(request("b"))[1] == BS
+
+
+def test_a_sliding_window_model_leases_only_the_window_and_loads_the_whole_hit(node):
+    """A model whose one KV cache group is a sliding window (vLLM's hybrid manager on): a hit of 4
+    blocks leases and loads only the 2 window blocks before its end (vLLM gives the others the
+    null block), and the hit stays 4 blocks long."""
+    from hpkv.integrations.vllm.layout import BlockLayout
+
+    scheduler = scheduler_half(node, 1)
+    scheduler.layout = scheduler.layouts[0] = BlockLayout(("l0",), (1,), BS, 1, "", window_blocks=2)
+    request = prompt(node, scheduler, 4)
+
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (4 * BS, False)
+    assert list(scheduler._reqs["r"].lease_sizes.values()) == [2]
+    scheduler.update_state_after_alloc(request, blocks(0, 0, 12, 13, 14), 4 * BS)
+    (job,) = scheduler._pending_loads
+    assert (job.keys, job.block_ids) == (request.block_hashes[2:4], [12, 13])

@@ -46,6 +46,8 @@ def worker(shm_dir, tmp_path):
     w.layers = [torch.randint(-128, 128, (NUM_BLOCKS, PAGE), dtype=torch.int8) for _ in range(LAYERS)]
     w.copier = BlockCopier(w.layers, (0, PAGE))
     w.ns = w.client.register(w.desc)
+    # One KV cache group; w.desc, w.ns and w.copier name its namespace and copier for the tests.
+    w.layouts, w.descs, w.nss, w.copiers, w._recving = [w.layout], [w.desc], [w.ns], [w.copier], (set(), set())
     try:
         yield w, node
     finally:

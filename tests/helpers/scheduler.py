@@ -14,6 +14,7 @@ def scheduler_half(node, num_ranks: int):
     """The half as vLLM's engine core holds it, loading every hit (threshold 0)."""
     from hpkv.costmodel import FixedThreshold
     from hpkv.integrations.vllm.holds import SaveHolds
+    from hpkv.integrations.vllm.layout import BlockLayout
     from hpkv.integrations.vllm.metadata import HpkvConnectorStats
     from hpkv.integrations.vllm.scheduler import HpkvScheduler
 
@@ -23,7 +24,8 @@ def scheduler_half(node, num_ranks: int):
     scheduler.descs = [desc(r) for r in range(num_ranks)]
     scheduler.stats, scheduler.holds, scheduler.policy = HpkvConnectorStats(), SaveHolds(), FixedThreshold(0, BS)
     scheduler._seq, scheduler._loading, scheduler._reqs, scheduler._pending_loads = 0, {}, {}, []
-    scheduler.block_size, scheduler.layout = BS, SimpleNamespace(hashes_per_block=1)
+    scheduler.block_size, scheduler.layout = BS, BlockLayout(("l0",), (1,), BS, 1, "")
+    scheduler.layouts, scheduler.num_ranks, scheduler.async_loads = [scheduler.layout], num_ranks, False
     scheduler.kv_cache_manager = None
     return scheduler
 

@@ -25,6 +25,10 @@ from hpkv.demo.engine import Completion, VllmServer
 BLOCK_SIZE = 32
 # The engine tests' tiny random Qwen2, kept between runs: vLLM caches its compile by model path.
 MODEL_DIR = Path(tempfile.gettempdir()) / f"hpkv-e2e-model-{os.getuid()}"
+# A tiny random Gemma 3 text model (sliding window of 128 tokens on every other layer): with vLLM's
+# hybrid KV cache manager on, a sliding-window group beside a full-attention one.
+GEMMA3_DIR = Path(tempfile.gettempdir()) / f"hpkv-e2e-gemma3-{os.getuid()}"
+GEMMA3_WINDOW = 128
 _COUNTER_PREFIX = {
     "source": "vllm:prompt_tokens_cached_by_source_total{",
     "hpkv": "vllm:hpkv_",
@@ -53,6 +57,24 @@ def reseed(model: Path, seed: int) -> None:
         scale = tensor.float().std().item() if tensor.numel() > 1 else 1.0
         new[name] = (torch.randn(tensor.shape, generator=generator) * (scale or 1.0)).to(tensor.dtype)
     save_file(new, path, metadata={"format": "pt"})
+
+
+def build_gemma3(path: Path = GEMMA3_DIR) -> Path:
+    """The tiny random Gemma 3 (`bench.harness.hybrid_model`), window GEMMA3_WINDOW."""
+    from bench.harness.hybrid_model import TINY
+    from bench.harness.hybrid_model import build_gemma3 as build
+
+    assert TINY.window == GEMMA3_WINDOW
+    return build(path, TINY)
+
+
+def kv_cache_tokens(engine: Engine) -> int:
+    """The KV cache size vLLM reports at start ("KV cache size: N tokens"), the last if several."""
+    import re
+
+    sizes = re.findall(r"KV cache size: ([\d,]+) tokens", engine.log_text())
+    assert sizes, f"engine {engine.name} logged no KV cache size"
+    return int(sizes[-1].replace(",", ""))
 
 
 def same_output(a: Completion, b: Completion) -> bool:
@@ -241,7 +263,7 @@ def failing_load(self, job, _load=load, _flag={flag!r}):
         os.unlink(_flag)
     except FileNotFoundError:
         return _load(self, job)
-    for view in self.copier.layer_views:
+    for view in self.copiers[job.group].layer_views:
         view[job.block_ids] = 0
     return 0
 module.HpkvWorker._load = failing_load

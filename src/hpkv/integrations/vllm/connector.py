@@ -19,6 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from ...config import load_settings
@@ -35,8 +37,10 @@ log = logging.getLogger("hpkv.vllm")
 _H = TypeVar("_H")
 
 
-class HpkvConnectorV1(KVConnectorBase_V1):
-    # Every method is KVConnectorBase_V1's (vLLM calls each): each delegates to a half.
+class HpkvConnectorV1(KVConnectorBase_V1, SupportsHMA):
+    # Every method is KVConnectorBase_V1's or SupportsHMA's (vLLM calls each): each delegates to
+    # a half. SupportsHMA keeps vLLM's hybrid KV cache manager on: one KV cache group per kind of
+    # layer (full attention, sliding window), each in namespaces of its own (layout.py).
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         settings = load_settings()
@@ -107,6 +111,11 @@ class HpkvConnectorV1(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker else set()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # Hybrid models' loads are asynchronous: a failed one ends in failed_recving (recomputed).
+        done, failed = self._worker.take_recving() if self._worker else (set(), set())
+        return KVConnectorTransferResults(finished_sending=set(), finished_recving=done | failed, failed_recving=failed)
+
     def build_connector_worker_meta(self):
         # The step's number, for the scheduler to settle the holds of its saves (holds.py).
         meta = getattr(self, "_connector_metadata", None) if self._worker else None
@@ -151,6 +160,11 @@ class HpkvConnectorV1(KVConnectorBase_V1):
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         _side(self._scheduler, "scheduler").request_finished(request)
         return False, None
+
+    def request_finished_all_groups(
+        self, request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def reset_cache(self) -> bool | None:
         return _side(self._scheduler, "scheduler").reset_cache()

@@ -1,7 +1,9 @@
 """What one HPKV entry is for a vLLM engine: the layers of one block, and its namespace.
 
-An entry holds one vLLM block (all layers of the first KV cache group, this rank's shard): the
-bytes of each layer's page, concatenated in the group's layer order. Both connector halves
+An entry holds one vLLM block of one KV cache group (all layers of that group, this rank's
+shard): the bytes of each layer's page, concatenated in the group's layer order. Each group has
+its namespace (a hybrid model's sliding-window groups beside its full-attention ones), all keyed
+by the same block hashes, as vLLM's own `BlockHashWithGroupId`. Both connector halves
 derive the same description from the engine's config and `KVCacheConfig` (and the model's
 identity, `modelid.py`), so the scheduler can look up the keys each worker rank writes without
 asking the workers.
@@ -31,6 +33,11 @@ class BlockLayout:
     block_size: int
     hashes_per_block: int  # vLLM block hashes per block (block_size / hash_block_size)
     spec: str  # the attention spec's geometry, for the namespace
+    group: int = 0  # the KV cache group's index in vLLM's KVCacheConfig
+    num_groups: int = 1
+    # Sliding-window groups: the blocks before a hit's boundary that the window reads (vLLM's
+    # own count, cdiv(window - 1, block_size)); 0 for full attention (every block is read).
+    window_blocks: int = 0
 
     @property
     def entry_bytes(self) -> int:
@@ -44,32 +51,79 @@ class BlockLayout:
             total += page
         return tuple(offsets)
 
+    def needed(self, start: int, stop: int) -> int:
+        """The first block of [start, stop) a hit ending at `stop` loads into this group."""
+        return max(start, stop - self.window_blocks) if self.window_blocks else start
+
 
 def block_layout(vllm_config, kv_cache_config) -> BlockLayout:
-    """The layout of an entry, from the first KV cache group (full attention)."""
+    """The layout of the first KV cache group's entries."""
+    return group_layouts(vllm_config, kv_cache_config)[0]
+
+
+def group_layouts(vllm_config, kv_cache_config) -> list[BlockLayout]:
+    """One layout per KV cache group: full attention (MLA included) and sliding windows; a group
+    HPKV cannot cache (linear attention, chunked local attention, ...) is refused at start."""
     _refuse_context_parallel(vllm_config.parallel_config)
-    if len(kv_cache_config.kv_cache_groups) > 1:  # vLLM turns its hybrid manager off for us; else
+    groups = kv_cache_config.kv_cache_groups
+    hash_block_size = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
+    layouts = []
+    for index, group in enumerate(groups):
+        per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None) or {}
+        specs = [per_layer.get(name, group.kv_cache_spec) for name in group.layer_names]
+        window = _window_blocks(specs[0], len(groups)) if specs else 0
+        # One group: exactly as before hybrid models (vLLM's --block-size, the spec text of the last layer).
+        block_size = vllm_config.cache_config.block_size if len(groups) == 1 else specs[0].block_size
+        layouts.append(
+            BlockLayout(
+                tuple(group.layer_names),
+                tuple(spec.page_size_bytes for spec in specs),
+                block_size,
+                max(1, block_size // hash_block_size),
+                _spec_text(specs[-1], window) if specs else "",
+                index,
+                len(groups),
+                window,
+            )
+        )
+    if len({layout.block_size for layout in layouts}) > 1:
         raise ConfigError(
-            f"HpkvConnectorV1 supports one KV cache group; this model has "
-            f"{len(kv_cache_config.kv_cache_groups)} (a hybrid model, or "
-            "--no-disable-hybrid-kv-cache-manager): run it without the HPKV connector"
+            "HpkvConnectorV1 needs one block size for every KV cache group; this model's groups have "
+            f"{sorted({layout.block_size for layout in layouts})}: run it without the HPKV connector"
         )
-    group = kv_cache_config.kv_cache_groups[0]
-    group_spec = group.kv_cache_spec
-    per_layer = getattr(group_spec, "kv_cache_specs", None) or {}
-    pages, spec_text = [], ""
-    for name in group.layer_names:
-        spec = per_layer.get(name, group_spec)
-        pages.append(spec.page_size_bytes)
-        spec_text = (
-            f"{type(spec).__name__}:kv_heads={getattr(spec, 'num_kv_heads', '?')},"
-            f"head={getattr(spec, 'head_size', '?')},dtype={getattr(spec, 'dtype', '?')}"
-        )
-    block_size = vllm_config.cache_config.block_size
-    hash_block_size = kv_cache_config.hash_block_size or block_size
-    return BlockLayout(
-        tuple(group.layer_names), tuple(pages), block_size, max(1, block_size // hash_block_size), spec_text
+    return layouts
+
+
+def moved_per_block(layouts: list[BlockLayout]) -> BlockLayout:
+    """What a hit moves per block, for the load policy's costs: the entries of the full-attention
+    groups (a sliding window's few blocks per hit are left out); the one group's layout itself
+    for a model with one."""
+    if len(layouts) == 1:
+        return layouts[0]
+    full = [page for layout in layouts if not layout.window_blocks for page in layout.page_bytes]
+    return dataclasses.replace(layouts[0], page_bytes=(sum(full) or layouts[0].entry_bytes,))
+
+
+def _window_blocks(spec, num_groups: int) -> int:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    if isinstance(spec, SlidingWindowSpec):
+        return max(1, -(-(spec.sliding_window - 1) // spec.block_size))
+    if isinstance(spec, FullAttentionSpec) or num_groups == 1 and not isinstance(spec, MambaSpec):
+        return 0
+    kind = "linear-attention (Mamba, GDN) state" if isinstance(spec, MambaSpec) else type(spec).__name__
+    raise ConfigError(
+        f"HpkvConnectorV1 does not cache {kind} layers; this model has them in a KV cache group of its "
+        "own (docs/vllm.md lists the supported model families): run it without the HPKV connector"
     )
+
+
+def _spec_text(spec, window: int) -> str:
+    text = (
+        f"{type(spec).__name__}:kv_heads={getattr(spec, 'num_kv_heads', '?')},"
+        f"head={getattr(spec, 'head_size', '?')},dtype={getattr(spec, 'dtype', '?')}"
+    )
+    return f"{text},window={spec.sliding_window}" if window else text
 
 
 def _refuse_context_parallel(parallel) -> None:
@@ -95,7 +149,18 @@ def world_ranks(vllm_config) -> int:
     return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
 
 
-def namespaces(vllm_config, layout: BlockLayout, identity: ModelIdentity) -> list[NamespaceDesc]:
+def namespaces(vllm_config, layouts: list[BlockLayout], identity: ModelIdentity) -> list[NamespaceDesc]:
+    """Every rank's namespace of every group, rank-major (rank r's group g at r * groups + g)."""
+    if len(layouts) == 1:
+        return _stage_namespaces(vllm_config, layouts[0], identity)
+    # Hybrid models under pipeline parallelism: every stage is taken to have the first one's groups
+    # (a stage with others misses: a worker leases in the namespaces of its own layers).
+    return [
+        namespace(vllm_config, layout, rank, identity) for rank in range(world_ranks(vllm_config)) for layout in layouts
+    ]
+
+
+def _stage_namespaces(vllm_config, layout: BlockLayout, identity: ModelIdentity) -> list[NamespaceDesc]:
     """Every rank's namespace, as the scheduler half sees them. vLLM gives it the first pipeline
     stage's `KVCacheConfig` only; a later stage with another number of layers (28 over 3 stages:
     9, 10, 9) has other entries. Their layer counts follow vLLM's own partition (`get_pp_indices`)
@@ -168,7 +233,8 @@ def namespace(vllm_config, layout: BlockLayout, rank: int, identity: ModelIdenti
         cp_size=max(1, getattr(parallel, "prefill_context_parallel_size", 1))
         * max(1, getattr(parallel, "decode_context_parallel_size", 1)),
         rank=rank,
-        extra=(("model_source", identity.source),),
+        extra=(("model_source", identity.source),)
+        + ((("kv_group", f"{layout.group}/{layout.num_groups}"),) if layout.num_groups > 1 else ()),
     )
 
 

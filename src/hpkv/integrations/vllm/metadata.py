@@ -21,6 +21,10 @@ class LoadJob:
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
+    group: int = 0  # the KV cache group (and namespace) of the blocks
+    # An asynchronous load (hybrid models): the request waits for it, and the workers report it
+    # in finished_recving, with failed_recving when it failed (vLLM then recomputes it).
+    notify: bool = False
 
 
 @dataclass
@@ -30,6 +34,7 @@ class SaveJob:
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
+    group: int = 0
 
 
 @dataclass

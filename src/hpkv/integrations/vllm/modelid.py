@@ -10,16 +10,21 @@ a later engine. `model_text` adds what changes the numerics on load, which neith
 nor vLLM's block hashes cover: online quantization, config overrides, another config directory,
 another model class, sliding window disabled, layers kept out of KV quantization, a draft model.
 
-Primitives: `model_identity(vllm_config, override)`, `model_text(vllm_config, identity)`.
+Primitives: `model_identity(vllm_config, override)`, `model_text(vllm_config, identity)`,
+`warn_if_hashes_unstable` (vLLM block hashes that change with every process).
 Must not know: pools, clients, layouts.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import uuid
 
 from ...identity import ModelIdentity, NoContentIdentity, content_identity, loader_identity, unreadable_identity
+
+log = logging.getLogger("hpkv.vllm.scheduler")
 
 # Loaders that read the weights from the model directory (or hub snapshot) as given.
 LOCAL_LOAD_FORMATS = frozenset(
@@ -112,3 +117,14 @@ def _json(value) -> str:
     if hasattr(value, "__dict__") and not isinstance(value, dict):
         value = vars(value)
     return json.dumps(value, sort_keys=True, default=str)
+
+
+def warn_if_hashes_unstable(vllm_config) -> None:
+    algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+    if algo.startswith("xxhash") and os.environ.get("PYTHONHASHSEED") is None:
+        log.warning(
+            "--prefix-caching-hash-algo %s without PYTHONHASHSEED makes vLLM's block hashes random per "
+            "process: KV saved by HPKV will never hit after a restart or from another engine. Fix: "
+            "export PYTHONHASHSEED=<one value for every engine> or use sha256",
+            algo,
+        )

@@ -28,6 +28,13 @@ def settle(sched: HpkvScheduler, connector_output) -> None:
     invalid = set(connector_output.invalid_block_ids or ())
     if invalid:
         _fail_loads(sched, invalid)
+    for req_id in getattr(connector_output, "failed_recving", None) or ():
+        # An asynchronous load failed: vLLM frees its blocks (never cached) and recomputes the
+        # request from its start, with no KV computed on the failed blocks meanwhile.
+        state = sched._reqs.get(req_id)
+        if state is not None:
+            state.load_failed = True
+            state.release(sched.client)
     meta = connector_output.kv_connector_worker_meta
     seqs, failed = (meta.seqs, meta.failed) if isinstance(meta, HpkvWorkerMeta) else (set(), set())
     _settle_holds(sched, seqs, failed)
@@ -75,12 +82,10 @@ def _settle_holds(sched: HpkvScheduler, seqs: set[int], failed: set[int]) -> Non
 def allocated_blocks(scheduler_output) -> list[int]:
     """Every block given to a request in this step (new, resumed or grown), tracked or not."""
     blocks: list[int] = []
-    for new in scheduler_output.scheduled_new_reqs:
-        if new.block_ids:
-            blocks.extend(new.block_ids[0])
-    for new_ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
-        if new_ids:
-            blocks.extend(new_ids[0])
+    groups = [new.block_ids for new in scheduler_output.scheduled_new_reqs]
+    for group_ids in groups + list(scheduler_output.scheduled_cached_reqs.new_block_ids):
+        for ids in group_ids or ():  # every KV cache group's (hybrid models have several)
+            blocks.extend(ids)
     return blocks
 
 

@@ -23,10 +23,12 @@ NEVER = 1 << 62  # saved_blocks of a request whose KV may rest on a block that f
 @dataclass
 class RequestState:
     request: Any  # vLLM's Request
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # of KV cache group 0
+    other_block_ids: list[list[int]] = field(default_factory=list)  # of groups 1.. (hybrid models)
     saved_blocks: int = 0
     lease_start: int = -1
-    leases: dict[int, LeaseHandle] = field(default_factory=dict)
+    leases: dict[int, LeaseHandle] = field(default_factory=dict)  # by namespace index
+    lease_sizes: dict[int, int] = field(default_factory=dict)  # the keys each lease asked for
     tiers: tuple[Tier, ...] = ()
     leased_at: float = 0.0
     num_load_blocks: int = 0
@@ -34,9 +36,25 @@ class RequestState:
     asked_at: float = 0.0  # perf_counter before the lease
     polled_at: float = 0.0  # perf_counter of the last poll that saw promotions running
     uncached: bool = False  # neither looked up nor saved (a LoRA request)
+    load_failed: bool = False  # an asynchronous load of it failed: vLLM recomputes it all
+
+    def set_blocks(self, block_ids) -> None:
+        """The request's blocks, one list per KV cache group, as vLLM's scheduler output gives them."""
+        lists = [list(ids) for ids in block_ids or ()]
+        self.block_ids = lists[0] if lists else []
+        self.other_block_ids = lists[1:]
+
+    def add_blocks(self, new_block_ids) -> None:
+        self.block_ids.extend(new_block_ids[0])
+        for ids, new in zip(self.other_block_ids, new_block_ids[1:]):
+            ids.extend(new)
+
+    def group_block_ids(self) -> list[list[int]]:
+        return [self.block_ids, *self.other_block_ids]
 
     def release(self, client: Client) -> None:
         leases, self.leases, self.lease_start = self.leases, {}, -1
+        self.lease_sizes = {}
         for lease in leases.values():
             try:
                 client.release(lease)

@@ -2,7 +2,9 @@
 
 Owns each request's lookup and leases (`requests.RequestState`), the load decision (the
 policy from `probes.load_policy`: a fixed threshold or `auto`) and the save jobs of every
-step; reading a step's output and settling its held saves is in `outputs.py`.
+step; reading a step's output and settling its held saves is in `outputs.py`, what each KV
+cache group of a hybrid model loads and saves in `groups.py` (all groups of a hit, or none; such
+loads are asynchronous to vLLM, so that a failure reaches it as failed_recving).
 Primitives: `Client.lookup/lease/wait/settle`. A load is announced only once every promotion
 is done (None, "ask again", until then), so the worker copies from pinned memory and a load
 cannot fail for want of an entry. HPKV faults make a lookup a miss: the engine recomputes.
@@ -12,17 +14,16 @@ Knows nothing of the worker's copies or of the server's store.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 from ...config import Settings
 from ...errors import HpkvError
 from ...server.client import Client
 from ...types import HOLD_TIMEOUT_S, Tier
+from . import groups, modelid, outputs, probes
 from . import layout as lay
-from . import modelid, outputs, probes
 from .holds import SaveHolds
-from .metadata import HpkvConnectorMetadata, HpkvConnectorStats, LoadJob, SaveJob
+from .metadata import HpkvConnectorMetadata, HpkvConnectorStats, LoadJob
 from .requests import RequestState
 
 log = logging.getLogger("hpkv.vllm.scheduler")
@@ -33,10 +34,15 @@ _POLL_S = 0.002
 
 class HpkvScheduler:
     def __init__(self, vllm_config, kv_cache_config, settings: Settings) -> None:
-        self.layout = lay.block_layout(vllm_config, kv_cache_config)
+        self.layouts = lay.group_layouts(vllm_config, kv_cache_config)
+        self.layout = self.layouts[0]
         self.block_size = self.layout.block_size
+        self.num_ranks = lay.world_ranks(vllm_config)
+        # Hybrid models load asynchronously: vLLM takes load failures of several groups only as
+        # failed_recving, for requests waiting for their load.
+        self.async_loads = len(self.layouts) > 1
         identity = modelid.model_identity(vllm_config, settings.model_id)
-        self.descs = lay.namespaces(vllm_config, self.layout, identity)
+        self.descs = lay.namespaces(vllm_config, self.layouts, identity)
         log.info(
             "HPKV model identity: %s; model %s; namespace model %s",
             identity.describe(),
@@ -55,8 +61,8 @@ class HpkvScheduler:
         self.policy = probes.load_policy(
             settings,
             vllm_config.model_config,
-            self.layout,
-            len(self.descs),
+            lay.moved_per_block(self.layouts),
+            self.num_ranks,
             lambda: self.client.lookup(self._namespaces()[0], []),
         )
         self._reqs: dict[str, RequestState] = {}
@@ -67,7 +73,7 @@ class HpkvScheduler:
         self._step_loads: list[LoadJob] = []  # the loads of the step being built
         self.kv_cache_manager = None  # vLLM's, once bound: to un-hash blocks that failed to load
         self.holds = SaveHolds()
-        _warn_if_hashes_unstable(vllm_config)
+        modelid.warn_if_hashes_unstable(vllm_config)
 
     def _namespaces(self) -> list[str]:
         if self._ns is None:
@@ -81,6 +87,8 @@ class HpkvScheduler:
         if state is None:
             state = self._reqs[request.request_id] = RequestState(request)
         if self._uncached(request, state):  # first: a LoRA request is not saved either
+            return 0, False
+        if state.load_failed:  # recomputed once, not looked up again (a broken entry would loop)
             return 0, False
         if getattr(request, "skip_reading_prefix_cache", False):  # e.g. prompt logprobs: vLLM drops any hit
             state.release(self.client)
@@ -106,7 +114,7 @@ class HpkvScheduler:
             state.release(self.client)
             return 0, False
         state.num_load_blocks = num_load
-        return num_load * self.block_size, False
+        return num_load * self.block_size, self.async_loads
 
     def _uncached(self, request, state: RequestState) -> bool:
         """LoRA requests are neither looked up nor saved: vLLM's block hashes name the adapter by
@@ -146,8 +154,11 @@ class HpkvScheduler:
         state.tiers = tiers[:num_load]
         state.num_promoting = state.tiers.count(Tier.STORAGE)
         state.asked_at = state.polled_at = time.perf_counter()
-        for rank, ns in enumerate(namespaces):  # one at a time, so a fault releases those taken
-            state.leases[rank] = self.client.lease(ns, keys[:num_load])
+        ranges = groups.lease_ranges(self.layouts, self.num_ranks, num_load)
+        for i, ns in enumerate(namespaces):  # one at a time, so a fault releases those taken
+            first, stop = ranges[i]
+            state.leases[i] = self.client.lease(ns, keys[first:stop])
+            state.lease_sizes[i] = stop - first
         state.lease_start = start
         state.leased_at = time.monotonic()
         return self._ready(state)
@@ -175,7 +186,12 @@ class HpkvScheduler:
             return None
         timed = state.take_promotion_time(_POLL_S) if state.num_promoting else None
         if timed is not None:  # (storage blocks, seconds)
-            self.policy.promoted(timed[0] * self.layout.entry_bytes * len(self.descs), timed[1])
+            self.policy.promoted(timed[0] * lay.moved_per_block(self.layouts).entry_bytes * self.num_ranks, timed[1])
+        if all(count == state.lease_sizes.get(i) for i, count in zip(state.leases, counts)):
+            return len(state.tiers)
+        if self.async_loads or self.layout.window_blocks:  # all or nothing per boundary: a miss
+            state.release(self.client)
+            return 0
         return min(c for c in counts if c is not None)  # none is None by now
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -186,11 +202,18 @@ class HpkvScheduler:
             state.release(self.client)
             return
         num_blocks = num_external_tokens // self.block_size
-        block_ids = blocks.get_block_ids()[0][state.lease_start : state.lease_start + num_blocks]
         keys = lay.block_keys(
             state.request.block_hashes, self.layout, state.lease_start, state.lease_start + num_blocks
         )
-        self._pending_loads.append(LoadJob(request.request_id, keys, list(block_ids)))
+        self._pending_loads += groups.load_jobs(
+            request.request_id,
+            self.layouts,
+            keys,
+            blocks.get_block_ids(),
+            state.lease_start,
+            self._null_block(),
+            self.async_loads,
+        )
         tiers = state.tiers[:num_blocks]
         self.stats.add("hit_tokens_dram", tiers.count(Tier.DRAM) * self.block_size)
         self.stats.add("hit_tokens_storage", tiers.count(Tier.STORAGE) * self.block_size)
@@ -217,7 +240,8 @@ class HpkvScheduler:
         state = self._reqs.get(request.request_id)
         start = state.lease_start if state is not None and state.lease_start >= 0 else 0
         stop = start + -(-num_external_tokens // self.block_size)
-        self._pending_loads.append(LoadJob(request.request_id, [], list(blocks.get_block_ids()[0][start:stop])))
+        job = LoadJob(request.request_id, [], list(blocks.get_block_ids()[0][start:stop]), notify=self.async_loads)
+        self._pending_loads.append(job)
 
     def hit_sources(self, request, num_external_tokens: int) -> dict[str, int]:
         state = self._reqs.get(request.request_id)
@@ -248,7 +272,7 @@ class HpkvScheduler:
             state = self._reqs.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            state.set_blocks(new.block_ids)
             state.saved_blocks = max(state.saved_blocks, new.num_computed_tokens // self.block_size)
             self._add_saves(meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
@@ -258,9 +282,9 @@ class HpkvScheduler:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids else []
+                state.set_blocks(new_ids)
             elif new_ids:
-                state.block_ids.extend(new_ids[0])
+                state.add_blocks(new_ids)
             self._add_saves(meta, req_id, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         if self.policy.learns:
             self.policy.step_built(outputs.chunks(scheduler_output), len(meta.loads))
@@ -287,7 +311,7 @@ class HpkvScheduler:
         if not self.policy.learns:
             return
         data = getattr(connector_output.kv_connector_stats, "data", None) or {}
-        ranks = len(self.descs)
+        ranks = self.num_ranks
         # The time the step waited for saves (asynchronous saves run beside the next step).
         load_s, save_s = data.get("load_time_s", 0) / ranks, data.get("save_wait_s", 0) / ranks
         self.policy.step_done(load_s + save_s, load_s, data.get("loaded_bytes", 0) / ranks)
@@ -295,11 +319,14 @@ class HpkvScheduler:
     def _add_saves(self, meta: HpkvConnectorMetadata, req_id: str, state: RequestState, num_tokens: int) -> None:
         if state.uncached:
             return
-        full = min(num_tokens // self.block_size, len(state.block_ids))
-        keys = lay.block_keys(state.request.block_hashes, self.layout, state.saved_blocks, full)
+        group_ids = state.group_block_ids()
+        full = min(num_tokens // self.block_size, *(len(ids) for ids in group_ids))
+        keys, jobs = groups.save_jobs(
+            req_id, self.layouts, state.request.block_hashes, group_ids, state.saved_blocks, full, self._null_block()
+        )
         if keys:
             stop = state.saved_blocks + len(keys)
-            meta.saves.append(SaveJob(req_id, keys, state.block_ids[state.saved_blocks : stop]))
+            meta.saves += jobs
             if meta.hold:
                 self.holds.add(meta.seq, req_id, keys, state.block_ids[:stop], state.saved_blocks)
             state.saved_blocks = stop
@@ -323,6 +350,11 @@ class HpkvScheduler:
             log.warning("HPKV reset: the server is not reachable (%s); its DRAM tier is gone with it", exc)
         return True
 
+    def _null_block(self) -> int:
+        """The id of vLLM's null block (no memory: the blocks a sliding window no longer reads)."""
+        pool = getattr(self.kv_cache_manager, "block_pool", None)
+        return pool.null_block.block_id if pool is not None else 0
+
     def _fault(self, state: RequestState, exc: HpkvError) -> None:
         self.stats.add("server_errors", 1)
         log.warning("HPKV lookup failed, recomputing: %s", exc)
@@ -344,17 +376,6 @@ class HpkvScheduler:
             except HpkvError:
                 break
         self.client.close()
-
-
-def _warn_if_hashes_unstable(vllm_config) -> None:
-    algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
-    if algo.startswith("xxhash") and os.environ.get("PYTHONHASHSEED") is None:
-        log.warning(
-            "--prefix-caching-hash-algo %s without PYTHONHASHSEED makes vLLM's block hashes random per "
-            "process: KV saved by HPKV will never hit after a restart or from another engine. Fix: "
-            "export PYTHONHASHSEED=<one value for every engine> or use sha256",
-            algo,
-        )
 
 
 def _count_skipped(sched: HpkvScheduler, state: RequestState, num_hit: int, num_load: int) -> None:

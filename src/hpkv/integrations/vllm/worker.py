@@ -10,7 +10,9 @@ next step runs meanwhile; with synchronous saves (the default on the CPU, or
 overwritten: vLLM writes only into blocks it allocated for the step, which the metadata lists, so
 `fence` (from `handle_preemptions`) waits for the saves that still read any of them.
 A save that cannot happen (server gone, pool full) is skipped: a future miss, never an error; a
-load that cannot happen is reported as failed blocks, which vLLM recomputes.
+load that cannot happen is reported as failed blocks, which vLLM recomputes (a hybrid model's,
+asynchronous to vLLM, as a failed request: `take_recving`). Each KV cache group has its
+namespace and copier.
 Must not know: what to load or save (the scheduler half), the store.
 """
 
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 
 from ...config import Settings
-from ...errors import ConfigError, HpkvError
+from ...errors import HpkvError
 from ...server.client import Client, Reservation
 from ...transfer.blocks import BlockCopier
 from . import layout as lay
@@ -34,6 +36,7 @@ from . import modelid
 from .holds import HpkvWorkerMeta
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats
 from .savequeue import SaveQueue
+from .views import block_rows, writes_reused_blocks_early
 
 log = logging.getLogger("hpkv.vllm.worker")
 
@@ -43,59 +46,12 @@ LOAD_WAIT_S = 10.0  # promotions the scheduler saw done; only a server restart m
 SAVER_JOIN_S = 30.0  # at shutdown, for the saves in flight
 
 
-def writes_reused_blocks_early(vllm_config, layout: lay.BlockLayout, kv_cache_config) -> bool:
-    """Whether vLLM zeroes reused blocks (mixed KV precisions) or copies into them (hash blocks
-    smaller than a block: copy-on-write) before the saves' fence. Its V2 model runner does that
-    as it updates the step's requests, before `handle_preemptions` (the V1 runner after it), so
-    an asynchronous save still copying such a block would publish zeros or another request's
-    bytes."""
-    writes = layout.hashes_per_block > 1 or bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
-    return writes and bool(getattr(vllm_config, "use_v2_model_runner", True))
-
-
-def block_rows(name: str, cache: torch.Tensor, num_blocks: int, page_bytes: int, layout: str | None) -> torch.Tensor:
-    """One layer's cache as `(num_blocks, page_bytes)` bytes, one row per block, in the byte order
-    every HPKV engine stores (`lay.REQUIRED_LAYOUT`: each block's heads, tokens, content).
-
-    `cache` is vLLM's logical (B, H, N, C) view whose strides follow the layout vLLM chose. vLLM
-    takes the connector's layout only as a wish: an attention backend that does not support it
-    (or VLLM_KV_CACHE_LAYOUT) gets another, and a kernel block size below --block-size splits
-    each block in kernel blocks. A block whose bytes are not one run in that order would be
-    saved as garbage, or loaded over other blocks, or read by another engine in another order:
-    wrong tokens. Refused at start instead, with the fix."""
-    elem = cache.element_size()
-    block = cache[0]
-    # A padded page (vLLM pads pages to one size across layers) has its padding after the block:
-    # the row takes it along, as vLLM's own page does.
-    if cache.dim() == 4 and block.is_contiguous() and block.numel() * elem <= page_bytes <= cache.stride(0) * elem:
-        return torch.tensor([], dtype=torch.int8, device=cache.device).set_(
-            cache.untyped_storage(),
-            cache.storage_offset() * elem,
-            (num_blocks, page_bytes),
-            (cache.stride(0) * elem, 1),
-        )
-    if cache.dim() != 4:
-        why = (
-            f"its blocks are split in {cache.shape[1]} kernel blocks each (the attention backend's kernel block "
-            "size is below --block-size); set --block-size to the attention backend's kernel block size"
-        )
-    else:
-        why = (
-            f"vLLM chose the KV cache layout {layout or 'unknown'} (strides {tuple(cache.stride())} for the "
-            f"(blocks, heads, tokens, content) shape {tuple(cache.shape)}), not {lay.REQUIRED_LAYOUT}, where "
-            f"a block's bytes are one run; unset VLLM_KV_CACHE_LAYOUT or set it to {lay.REQUIRED_LAYOUT}, or "
-            "pick an attention backend that supports that layout (--attention-backend)"
-        )
-    raise ConfigError(
-        f"HpkvConnectorV1 cannot store layer {name}: {why}; or run this engine without the HPKV connector"
-    )
-
-
 @dataclass
 class _Save:
     """One step's saves, reserved and waiting to be copied and committed."""
 
     ns: str  # the namespace they were reserved in
+    group: int  # the KV cache group of the blocks
     reservation: Reservation
     keys: list[bytes]
     block_ids: list[int]
@@ -111,20 +67,20 @@ class HpkvWorker:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.rank = rank
-        self.layout = lay.block_layout(vllm_config, kv_cache_config)
-        self.desc = lay.namespace(
-            vllm_config, self.layout, rank, modelid.model_identity(vllm_config, settings.model_id)
-        )
+        self.layouts = lay.group_layouts(vllm_config, kv_cache_config)
+        identity = modelid.model_identity(vllm_config, settings.model_id)
+        self.descs = [lay.namespace(vllm_config, layout, rank, identity) for layout in self.layouts]
         self.client = Client(
             settings.pool.dir,
             kind=f"vllm-worker-{rank}",
             prefault=settings.pool.prefault,
             trusted_uids=settings.server_allow_uids,
         )
-        self.ns: str | None = None
-        self.copier: BlockCopier | None = None
+        self.nss: list[str] | None = None  # one per KV cache group, once registered
+        self.copiers: list[BlockCopier] = []
         self.stats = HpkvConnectorStats()
         self._failed_blocks: set[int] = set()
+        self._recving: tuple[set[str], set[str]] = (set(), set())  # asynchronous loads: done, failed
         self._failed_holds: set[int] = set()  # steps whose held saves were not all copied here
         # The metadata built for the step running now, when it was built before its saves ran
         # (vLLM with speculative decoding finalizes saves after building it): failures go there.
@@ -139,22 +95,18 @@ class HpkvWorker:
         from vllm.v1.kv_cache_interface import group_kernel_blocks
 
         num_blocks = self.kv_cache_config.num_blocks
-        views = [
-            block_rows(
-                name,
-                group_kernel_blocks(kv_caches[name], num_blocks),
-                num_blocks,
-                page,
-                getattr(self.vllm_config.cache_config, "kv_cache_layout", None),
-            )
-            for name, page in zip(self.layout.layer_names, self.layout.page_bytes)
-        ]
-        self.copier = BlockCopier(views, self.layout.layer_offsets)
-        device = self.copier.device.type
+        kv_layout = getattr(self.vllm_config.cache_config, "kv_cache_layout", None)
+        for layout in self.layouts:
+            views = [
+                block_rows(name, group_kernel_blocks(kv_caches[name], num_blocks), num_blocks, page, kv_layout)
+                for name, page in zip(layout.layer_names, layout.page_bytes)
+            ]
+            self.copiers.append(BlockCopier(views, layout.layer_offsets))
+        device = self.copiers[0].device.type
         if self.async_saves is None:
             # On the CPU a saver thread would take cores from the forward pass it overlaps.
             self.async_saves = device != "cpu"
-        if self.async_saves and writes_reused_blocks_early(self.vllm_config, self.layout, self.kv_cache_config):
+        if self.async_saves and writes_reused_blocks_early(self.vllm_config, self.layouts[0], self.kv_cache_config):
             log.warning(
                 "HPKV: saves are synchronous: vLLM's V2 model runner zeroes or copies into reused KV "
                 "blocks before HPKV can fence them"
@@ -170,11 +122,11 @@ class HpkvWorker:
             self.async_saves = False
         self._connect()
         log.info(
-            "HPKV worker rank %d: %d layers, %d bytes per block entry, namespace %s, %s saves",
+            "HPKV worker rank %d: %s layers, %s bytes per block entry, namespace %s, %s saves",
             self.rank,
-            len(views),
-            self.layout.entry_bytes,
-            self.ns,
+            "+".join(str(len(layout.layer_names)) for layout in self.layouts),
+            "+".join(str(layout.entry_bytes) for layout in self.layouts),
+            ",".join(self.nss or ["(server unavailable)"]),
             "asynchronous" if self.async_saves else "synchronous",
         )
 
@@ -182,19 +134,20 @@ class HpkvWorker:
         with self._stats_lock:
             self.stats.add(name, value)
 
-    def _connect(self) -> str | None:
-        """Register this rank's namespace; None while the server is unavailable."""
+    def _connect(self) -> list[str] | None:
+        """Register this rank's namespaces (one per KV cache group); None while the server is unavailable."""
         try:
-            self.ns = self.client.register(self.desc)
-            return self.ns
+            self.nss = [self.client.register(desc) for desc in self.descs]
+            return self.nss
         except HpkvError as exc:
             log.warning("HPKV server unavailable for worker rank %d: %s", self.rank, exc)
             self._add("server_errors", 1)
             return None
 
-    def _namespace(self) -> str | None:
-        """This rank's namespace, registered on first need; None while the server is unavailable."""
-        return self.ns if self.ns is not None else self._connect()
+    def _namespace(self, group: int) -> str | None:
+        """This rank's namespace of `group`, registered on first need; None while the server is unavailable."""
+        nss = self.nss if self.nss is not None else self._connect()
+        return nss[group] if nss is not None else None
 
     # -- loads --------------------------------------------------------------------------------
 
@@ -202,17 +155,23 @@ class HpkvWorker:
         for job in meta.loads:
             started = time.perf_counter()
             num_loaded = self._load(job)
-            if num_loaded < len(job.block_ids):
-                self._failed_blocks.update(job.block_ids[num_loaded:])
+            # An asynchronous job with no keys is one the scheduler could not plan: failed, whole.
+            if num_loaded < len(job.block_ids) or job.notify and not job.keys:
+                if job.notify:  # vLLM recomputes the whole request: every group's loads with it
+                    self._recving[1].add(job.req_id)
+                else:
+                    self._failed_blocks.update(job.block_ids[num_loaded:])
                 self._add("load_failures", len(job.block_ids) - num_loaded)
+            if job.notify:
+                self._recving[0].add(job.req_id)
             self._add("load_time_s", time.perf_counter() - started)
             self._add("loaded_blocks", num_loaded)
-            self._add("loaded_bytes", num_loaded * self.layout.entry_bytes)
+            self._add("loaded_bytes", num_loaded * self.layouts[job.group].entry_bytes)
 
     def _load(self, job) -> int:
         """Copy the leading entries that are still there; returns how many blocks were loaded."""
         try:
-            ns = self._namespace()
+            ns = self._namespace(job.group)
             if ns is None:
                 return 0
             started = leased = ready = copied = time.perf_counter()
@@ -226,9 +185,8 @@ class HpkvWorker:
                     waited = self.client.wait(lease, timeout_s=LOAD_WAIT_S)
                 num_ready = min(waited or 0, len(job.block_ids))
                 ready = time.perf_counter()
-                if num_ready:
-                    assert self.copier is not None  # vLLM registers its KV caches before any load
-                    self.copier.load(lease.region, job.block_ids[:num_ready], lease.offsets[:num_ready])
+                if num_ready:  # vLLM registers its KV caches before any load
+                    self.copiers[job.group].load(lease.region, job.block_ids[:num_ready], lease.offsets[:num_ready])
                 copied = time.perf_counter()
                 # Only bytes copied while our lease pinned them can be trusted.
                 return num_ready if self.client.holds(lease) else 0
@@ -285,18 +243,30 @@ class HpkvWorker:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
+    def take_recving(self) -> tuple[set[str], set[str]]:
+        """The requests whose asynchronous loads ended since the last call, and those that failed."""
+        recving, self._recving = self._recving, (set(), set())
+        return recving
+
     # -- saves --------------------------------------------------------------------------------
 
     def wait_for_save(self, meta: HpkvConnectorMetadata) -> None:
-        keys, block_ids = [], []
+        by_group: dict[int, tuple[list[bytes], list[int]]] = {}
         for job in meta.saves:
+            keys, block_ids = by_group.setdefault(job.group, ([], []))
             keys.extend(job.keys)
             block_ids.extend(job.block_ids)
-        if not keys or self.copier is None:
+        if not self.copiers:
             return
         started = time.perf_counter()
+        for group, (keys, block_ids) in sorted(by_group.items()):
+            if keys:
+                self._save_group(meta, group, keys, block_ids)
+        self._add("save_wait_s", time.perf_counter() - started)
+
+    def _save_group(self, meta: HpkvConnectorMetadata, group: int, keys: list[bytes], block_ids: list[int]) -> None:
         try:
-            ns = self._namespace()
+            ns = self._namespace(group)
             if ns is None:
                 return
             reservation = self.client.reserve(ns, keys, hold=meta.hold)
@@ -307,31 +277,30 @@ class HpkvWorker:
                 self._hold_failed(meta.seq)
             return
         offsets = {i: offset for i, offset in enumerate(reservation.offsets) if offset is not None}
-        if offsets:
-            save = _Save(
-                ns, reservation, [keys[i] for i in offsets], [block_ids[i] for i in offsets], list(offsets.values())
-            )
-            if meta.hold:
-                # The scheduler settles the hold once this step's output is back, so the copy must
-                # be done by then: in this step, not beside the next one. Not committed here.
-                save.hold = meta.hold
-                if not self._save(save):
-                    self._hold_failed(meta.seq)
-            elif self.async_saves:
-                save.event = self._forward_done_event()
-                self.saves.put(save)
-            else:
-                self._save(save)
-        self._add("save_wait_s", time.perf_counter() - started)
+        if not offsets:
+            return
+        save = _Save(
+            ns, group, reservation, [keys[i] for i in offsets], [block_ids[i] for i in offsets], list(offsets.values())
+        )
+        if meta.hold:
+            # The scheduler settles the hold once this step's output is back, so the copy must
+            # be done by then: in this step, not beside the next one. Not committed here.
+            save.hold = meta.hold
+            if not self._save(save):
+                self._hold_failed(meta.seq)
+        elif self.async_saves:
+            save.event = self._forward_done_event()
+            self.saves.put(save)
+        else:
+            self._save(save)
 
     def _save(self, save: _Save) -> bool:
         """Copy the blocks into their reserved slots and publish them (or leave that to the
         hold they were reserved in). A copy that fails gives the slots back, held or not, and
         returns False: a hold must not commit bytes that were never copied."""
         started = time.perf_counter()
-        copier = self.copier
+        copier = self.copiers[save.group]
         try:
-            assert copier is not None  # wait_for_save queues no save without one
             if not self.client.holds(save.reservation):
                 return False  # the connection that reserved the slots is gone, and the slots with it
             if save.event is None:
@@ -357,7 +326,7 @@ class HpkvWorker:
             return False
         self._add("save_time_s", time.perf_counter() - started)
         self._add("saved_blocks", len(save.keys))
-        self._add("saved_bytes", len(save.keys) * self.layout.entry_bytes)
+        self._add("saved_bytes", len(save.keys) * self.layouts[save.group].entry_bytes)
         return True
 
     def _give_back(self, save: _Save) -> None:
@@ -369,11 +338,12 @@ class HpkvWorker:
     def _forward_done_event(self):
         """An event on the engine's current stream, after the forward pass's writes (None on
         the CPU, where the forward pass is done when wait_for_save runs)."""
-        if self.copier.device.type == "cpu":
+        device = self.copiers[0].device
+        if device.type == "cpu":
             return None
-        device_mod = getattr(torch, self.copier.device.type)
+        device_mod = getattr(torch, device.type)
         event = device_mod.Event()
-        event.record(device_mod.current_stream(self.copier.device))
+        event.record(device_mod.current_stream(device))
         return event
 
     def fence(self, block_ids: list[int]) -> None:

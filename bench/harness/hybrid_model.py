@@ -1,0 +1,64 @@
+"""A random Gemma 3 text model (`Gemma3ForCausalLM`), built locally with the demo's tokenizer:
+layers alternating a sliding window and full attention, so that vLLM's hybrid KV cache manager
+keeps a sliding-window KV cache group beside a full-attention one. The tests serve the tiny
+shape, the hybrid benchmark a wider one. Primitives: `build_gemma3(path, shape)`, `TINY`, `BENCH`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Gemma3Shape:
+    hidden_size: int = 192
+    intermediate_size: int = 384
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    window: int = 128
+
+
+TINY = Gemma3Shape()
+BENCH = Gemma3Shape(hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16, num_kv_heads=4)
+
+
+def build_gemma3(path: Path, shape: Gemma3Shape = TINY) -> Path:
+    """Write the model to `path` (skipped if that shape is built there already)."""
+    from hpkv.demo.model import SEED, _build_tokenizer
+
+    path = Path(path)
+    marker = path / "hpkv-model.json"
+    spec = {"family": "gemma3", "shape": asdict(shape), "seed": SEED}
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        return path
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _build_tokenizer(path)
+    torch.manual_seed(SEED)
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        query_pre_attn_scalar=shape.head_dim,
+        sliding_window=shape.window,
+        layer_types=["sliding_attention", "full_attention"] * (shape.num_layers // 2),
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    Gemma3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    marker.write_text(json.dumps(spec))
+    return path

