@@ -5,8 +5,8 @@ Reads refresh a file's mtime on every node (at most every minute), so the order 
 and is shared by nodes. Once this tier has seen another write to its directory (`shared`: it
 adopted a file it did not write, or its root is on a file system other nodes mount), a victim's
 mtime is looked at before it is removed (a `stat`, a round trip on a parallel file system, so
-not before): one read elsewhere since the minute the index knew goes to the recent end instead. At most SPARE_CHECKS_PER_PASS victims are looked at
-per eviction, each once, so an eviction ends.
+not before): one read elsewhere since the minute the index knew goes to the recent end instead.
+At most SPARE_CHECKS_PER_PASS victims are looked at per eviction, each once, so an eviction ends.
 
 Primitives: `Evictor.evict(excess)`, `evict_bytes`, `shared`.
 Must not know: capacity (it is told the excess), how files are read or written, the pool.
