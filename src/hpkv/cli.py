@@ -360,15 +360,21 @@ def demo(model: str | None, workdir: Path | None, prompt_words: int, pool_size: 
     workdir = workdir or Path(tempfile.mkdtemp(prefix="hpkv-demo-"))
     console.print(f"HPKV demo in {workdir} (vLLM log: {workdir / 'vllm.log'})")
     steps = run_demo(
-        DemoConfig(workdir=workdir, model=model, prompt_words=prompt_words, pool_size=pool_size, log=console.print)
+        DemoConfig(
+            workdir=workdir,
+            model=model,
+            prompt_words=prompt_words,
+            pool_size=pool_size,
+            log=console.print,
+            console=console,
+        )
     )
     table = Table(title="HPKV quick-start scenarios on vLLM")
     for column in ("step", "hit tier", "hit tokens", "TTFT (ms)", "identical to vLLM's own prefix-cache hit"):
         table.add_column(column)
     for step in steps:
-        table.add_row(
-            step.name, step.tier, str(step.hit_tokens), f"{step.ttft_ms:.0f}" if step.ttft_ms else "-", step.identical
-        )
+        tokens = "-" if step.num_files is not None else str(step.hit_tokens)
+        table.add_row(step.name, step.tier, tokens, f"{step.ttft_ms:.0f}" if step.ttft_ms else "-", step.identical)
     console.print(table)
     if not passed(steps):
         console.print("[red]the demo did not show every documented hit with identical output[/red]")
