@@ -3,6 +3,7 @@ version, the range and what may break, and the plugin still registers (no engine
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import pytest
@@ -37,8 +38,15 @@ def test_the_vllm_range_by_version_string(version, inside):
     assert (versions.outside_tested("vLLM", version) is None) is inside
 
 
-def test_the_running_vllm_and_sglang_are_inside_the_range():
+needs_sglang = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs SGLang installed")
+
+
+def test_the_running_vllm_is_inside_the_range():
     assert versions.outside_tested("vLLM", vllm_plugin.vllm_version()) is None
+
+
+@needs_sglang
+def test_the_installed_sglang_is_inside_the_range():
     assert versions.outside_tested("SGLang", sglang_plugin.sglang_version()) is None
 
 
@@ -61,12 +69,14 @@ def test_vllm_outside_the_range_says_one_line_and_still_registers(monkeypatch, c
     assert vllm_plugin.CONNECTOR_NAME in KVConnectorFactory._registry
 
 
+@needs_sglang
 def test_sglang_inside_the_range_says_nothing(caplog):
     with caplog.at_level(logging.DEBUG, logger="hpkv"):
         sglang_plugin.register()
     assert _lines(caplog) == []
 
 
+@needs_sglang
 def test_sglang_outside_the_range_says_one_line(monkeypatch, tmp_path, caplog):
     """Another SGLang's package metadata first on the path, as an other install would be."""
     dist = tmp_path / "sglang-0.6.0.dist-info"
