@@ -15,6 +15,7 @@ from helpers.clock import FakeClock
 from helpers.config import make_storage_config
 from helpers.storage_stories import NS, CountedStats, key, read, write
 from helpers.waiting import wait_for
+from hpkv.storage.retention import Retention
 from hpkv.storage.tier import StorageTier
 from hpkv.types import Tier
 
@@ -22,35 +23,36 @@ HOUR = 3600.0
 open_tier = stories.open_tier
 
 
-def _tier(storage_dir, clock: FakeClock, retention_s: float = HOUR) -> StorageTier:
-    config = dataclasses.replace(make_storage_config(storage_dir), retention_s=retention_s)
-    tier = StorageTier(config, wall_clock=clock)
+def _tier(storage_dir, clock: FakeClock) -> tuple[StorageTier, Retention]:
+    """A real tier on a fake wall clock, and its retention, whose passes the story runs itself
+    (the tier's own thread is off: it would run them whenever it is scheduled)."""
+    tier = StorageTier(make_storage_config(storage_dir), wall_clock=clock)
     tier.start()
     tier.add_namespace(NS, '{"test": true}')
     assert tier.scan_done.wait(10)
-    return tier
+    return tier, Retention(HOUR, tier.index, tier.layout, tier.evictor, clock)
 
 
 def test_a_file_unused_past_the_retention_is_gone_and_a_newer_one_stays(storage_dir):
     clock = FakeClock(time.time())
-    tier = _tier(storage_dir, clock)
+    tier, retention = _tier(storage_dir, clock)
     try:
         assert write(tier, key("old"))
         clock.advance(50 * 60)
         assert write(tier, key("new"))
         clock.advance(20 * 60)  # old: 70 minutes unused; new: 20
-        assert tier.retention.expire_once() == 1
+        assert retention.expire_once() == 1
         assert not os.path.exists(tier.path_of(NS, key("old"))) and not tier.contains(NS, key("old"))
         assert read(tier, key("new")) is not None
-        assert (tier.stats().expired, tier.stats().retention_s) == (1, HOUR)
-        assert tier.retention.expire_once() == 0  # the oldest left is in use: nothing more looked at
+        assert retention.num_expired == 1
+        assert retention.expire_once() == 0  # the oldest left is in use: nothing more looked at
     finally:
         tier.close()
 
 
 def test_a_read_keeps_a_file_and_a_read_on_another_node_does_too(storage_dir):
     clock = FakeClock(time.time())
-    tier = _tier(storage_dir, clock)
+    tier, retention = _tier(storage_dir, clock)
     try:
         for name in ("read-here", "read-elsewhere", "unused"):
             assert write(tier, key(name))
@@ -59,7 +61,7 @@ def test_a_read_keeps_a_file_and_a_read_on_another_node_does_too(storage_dir):
         elsewhere = clock.now
         os.utime(tier.path_of(NS, key("read-elsewhere")), (elsewhere, elsewhere))  # what a read there does
         clock.advance(40 * 60)
-        assert tier.retention.expire_once() == 1
+        assert retention.expire_once() == 1
         assert not os.path.exists(tier.path_of(NS, key("unused")))
         assert tier.contains(NS, key("read-here")) and tier.contains(NS, key("read-elsewhere"))
     finally:
@@ -69,12 +71,12 @@ def test_a_read_keeps_a_file_and_a_read_on_another_node_does_too(storage_dir):
 def test_a_pass_looks_at_the_old_end_only(storage_dir):
     """Nothing past the retention: one file looked at, however many there are."""
     clock = FakeClock(time.time())
-    tier = _tier(storage_dir, clock)
+    tier, retention = _tier(storage_dir, clock)
     try:
         for i in range(50):
             assert write(tier, key(i))
         tier.io = counted = CountedStats()
-        assert tier.retention.expire_once() == 0
+        assert retention.expire_once() == 0
         assert counted.stats == 1
     finally:
         tier.close()
