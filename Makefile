@@ -62,4 +62,4 @@ $(VENV_OTHER)/.installed: pyproject.toml
 	$(VENV_OTHER)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec
 	touch $@
 test-vllm-other: $(VENV_OTHER)/.installed
-	$(VENV_OTHER)/bin/pytest -q -p no:cacheprovider tests/test_vllm_plugin.py tests/test_engine_versions.py tests/test_vllm_e2e.py
+	$(VENV_OTHER)/bin/pytest -q -p no:cacheprovider tests/test_vllm_plugin.py tests/test_engine_versions.py tests/test_vllm_optout.py tests/test_vllm_e2e.py
