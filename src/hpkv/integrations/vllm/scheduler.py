@@ -20,7 +20,7 @@ from ...errors import HpkvError
 from ...server.client import Client
 from ...types import HOLD_TIMEOUT_S, Tier
 from . import layout as lay
-from . import modelid, outputs, probes
+from . import modelid, optout, outputs, probes
 from .holds import SaveHolds
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats, LoadJob, SaveJob
 from .requests import RequestState
@@ -81,6 +81,8 @@ class HpkvScheduler:
         if state is None:
             state = self._reqs[request.request_id] = RequestState(request)
         if self._uncached(request, state):  # first: a LoRA request is not saved either
+            return 0, False
+        if not optout.may_load(request):  # kv_transfer_params {"hpkv_load": false}
             return 0, False
         if getattr(request, "skip_reading_prefix_cache", False):  # e.g. prompt logprobs: vLLM drops any hit
             state.release(self.client)
@@ -293,7 +295,7 @@ class HpkvScheduler:
         self.policy.step_done(load_s + save_s, load_s, data.get("loaded_bytes", 0) / ranks)
 
     def _add_saves(self, meta: HpkvConnectorMetadata, req_id: str, state: RequestState, num_tokens: int) -> None:
-        if state.uncached:
+        if state.uncached or not optout.may_save(state.request):  # {"hpkv_save": false}
             return
         full = min(num_tokens // self.block_size, len(state.block_ids))
         keys = lay.block_keys(state.request.block_hashes, self.layout, state.saved_blocks, full)
