@@ -11,7 +11,7 @@ looks at MAX_PER_PASS files at most, so a backlog after a long stop goes over se
 A file used since (on another node) goes to the recent end instead. Removal is the evictor's
 (`Evictor.remove`): a file written again meanwhile stays.
 
-Primitives: `Retention.expire_once()`, `run(stop)` (a pass every `period_s` until `stop` is set),
+Primitives: `Retention.expire_once()`, `run(stop, ready)` (a pass every `period_s` from `ready` until `stop`),
 `period_s`, `num_expired`.
 Must not know: capacity, how files are read or written, the pool.
 """
