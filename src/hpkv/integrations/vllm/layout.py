@@ -66,7 +66,12 @@ def block_layout(vllm_config, kv_cache_config) -> BlockLayout:
             f"head={getattr(spec, 'head_size', '?')},dtype={getattr(spec, 'dtype', '?')}"
         )
     block_size = vllm_config.cache_config.block_size
-    hash_block_size = kv_cache_config.hash_block_size or block_size
+    # vLLM 0.31's KVCacheConfig has no hash_block_size: there it is prefix_match_unit or the block size.
+    hash_block_size = (
+        getattr(kv_cache_config, "hash_block_size", None)
+        or getattr(vllm_config.cache_config, "prefix_match_unit", None)
+        or block_size
+    )
     return BlockLayout(
         tuple(group.layer_names), tuple(pages), block_size, max(1, block_size // hash_block_size), spec_text
     )
