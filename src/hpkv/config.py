@@ -80,6 +80,7 @@ class StorageConfig:
     write_nice: int = 10  # niceness of the write-through processes
     direct_io: bool = False  # O_DIRECT for entry files, where the file system takes it
     write_budget_bytes: int | None = None  # bytes the tier may write per day; None: unlimited
+    retention_s: float | None = None  # files unused longer than this are removed; None: kept
 
 
 @dataclass(frozen=True)
@@ -264,6 +265,7 @@ def _build(resolved: list[Setting], warnings: tuple[str, ...]) -> Settings:
             write_nice=v["HPKV_WRITE_NICE"],
             direct_io=v["HPKV_KV_STORAGE_DIRECT_IO"],
             write_budget_bytes=v["HPKV_KV_STORAGE_WRITE_BUDGET"],
+            retention_s=v["HPKV_KV_STORAGE_RETENTION"],
         ),
         token_threshold=v["VLLM_HPKV_TOKEN_THRESHOLD"],
         enable_vllm=v["VLLM_ENABLE_HPKV"],

@@ -91,6 +91,23 @@ def _parse_positive_seconds(text: str) -> float:
     return seconds
 
 
+_DURATION = re.compile(r"(\d+(?:\.\d*)?)\s*([smhd]?)", re.IGNORECASE)
+_DURATION_UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _parse_duration_or_off(text: str) -> float | None:
+    """`off` or `0` -> None; `3600`, `90m`, `12h`, `30d` -> seconds."""
+    if text.strip().lower() in ("off", "0"):
+        return None
+    match = _DURATION.fullmatch(text.strip())
+    if match is None:
+        raise ValueError("not a duration")
+    seconds = float(match.group(1)) * _DURATION_UNIT_S[match.group(2).lower()]
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError("out of range")
+    return seconds
+
+
 def _parse_share(text: str) -> float:
     try:
         share = float(text.strip())
@@ -255,6 +272,15 @@ KEYS: tuple[KeySpec, ...] = (
         "unlimited",
         "Bytes the storage tier may write per day (SSD wear); past it, new KV stays in DRAM only.",
         "'unlimited', or a size per day: " + _SIZE_WORDS,
+    ),
+    KeySpec(
+        "HPKV_KV_STORAGE_RETENTION",
+        "duration",
+        _parse_duration_or_off,
+        "off",
+        "Remove KV files unused for longer than this (by the server, oldest first); off keeps them "
+        "until capacity evicts them.",
+        "'off', or seconds, or a number with s, m, h or d (e.g. 12h, 30d)",
     ),
     KeySpec(
         "HPKV_POOL_PREFAULT",

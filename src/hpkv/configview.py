@@ -12,13 +12,16 @@ from rich.table import Table
 from rich.text import Text
 
 from .config import KEYS, Setting, Settings
-from .units import exact_bytes
+from .units import exact_bytes, short_duration
 
 _KIND = {spec.name: spec.kind for spec in KEYS}
 _DOC = {spec.name: spec.doc for spec in KEYS}
 
 
-_NONE_WORDS = {"HPKV_KV_STORAGE_WRITE_BUDGET": "unlimited"}  # what None means for a key; "auto" elsewhere
+_NONE_WORDS = {
+    "HPKV_KV_STORAGE_WRITE_BUDGET": "unlimited",
+    "HPKV_KV_STORAGE_RETENTION": "off",
+}  # what None means for a key; "auto" elsewhere
 
 
 def _show(setting: Setting) -> str:
@@ -30,6 +33,9 @@ def _show(setting: Setting) -> str:
     if _KIND[setting.key] == "size":
         assert isinstance(value, int)  # what a "size" key parses to
         return f"{exact_bytes(value)} ({value} bytes)"
+    if _KIND[setting.key] == "duration":
+        assert isinstance(value, float)
+        return f"{short_duration(value)} ({value:g} s)"
     return str(value)
 
 

@@ -89,6 +89,8 @@ class StorageStats(msgspec.Struct):
     temps_removed: int
     over_budget: int
     untrusted_files: int
+    retention_s: float | None = None  # HPKV_KV_STORAGE_RETENTION; None: off
+    expired: int = 0  # files removed for being unused longer than the retention
 
 
 class WriteBacklogStats(msgspec.Struct):

@@ -15,7 +15,7 @@ from rich.text import Text
 
 from .fsinfo import mount_of
 from .stats import DramStats, ServerStats, StorageStats
-from .units import human_bytes
+from .units import human_bytes, short_duration
 
 NS_PREFIX_CHARS = 12
 
@@ -133,6 +133,8 @@ def _storage_state(stats: ServerStats, storage: StorageStats) -> str:
             f"({human_bytes(storage.write_budget_available_bytes or 0)} left now, "
             f"{storage.over_budget} writes over it)"
         )
+    if storage.retention_s is not None:
+        state += f", retention {short_duration(storage.retention_s)} ({storage.expired} files expired)"
     backlog = stats.write_backlog
     if backlog is not None and backlog.entries:
         state += f", {backlog.entries} entries ({human_bytes(backlog.bytes)}) waiting to be written"

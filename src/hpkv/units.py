@@ -3,7 +3,8 @@
 Owns the one table of units and the three ways HPKV writes a size: `human_bytes` (one decimal:
 status, logs), `exact_bytes` (as few digits as the value needs: settings) and `whole_unit_bytes`
 (only a whole number of a unit, else bytes: benchmark entry sizes). Parsing sizes is
-`configkeys.parse_size`. Must not know where a size comes from.
+`configkeys.parse_size`. Also `short_duration`, for the one duration setting. Must not know
+where a size comes from.
 """
 
 from __future__ import annotations
@@ -33,3 +34,11 @@ def whole_unit_bytes(num_bytes: int) -> str:
         if num_bytes >= 1024**power and num_bytes % 1024**power == 0:
             return f"{num_bytes // 1024**power} {unit}"
     return f"{num_bytes} B"
+
+
+def short_duration(seconds: float) -> str:
+    """A duration as HPKV_KV_STORAGE_RETENTION takes it: 30d, 12h, 90m, 45s."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"

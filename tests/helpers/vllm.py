@@ -136,10 +136,10 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def complete(self, prompt: str | list[int], max_tokens: int = 16) -> Completion:
+    def complete(self, prompt: str | list[int], max_tokens: int = 16, **extra) -> Completion:
         with self._lock:
             self._num_requests += 1
-        return self.server.complete(prompt, max_tokens)
+        return self.server.complete(prompt, max_tokens, **extra)
 
     def reference(self, prompt: str | list[int], max_tokens: int = 16) -> Completion:
         """vLLM's own prefix-cache hit: the prompt sent twice, the second answer (memoized). Take

@@ -192,9 +192,11 @@ class VllmServer:
             raw = response.read()
         return json.loads(raw) if raw else None
 
-    def complete(self, prompt: str | list[int], max_tokens: int = 16) -> Completion:
-        """A greedy completion, streamed so the time to the first token is measured."""
+    def complete(self, prompt: str | list[int], max_tokens: int = 16, **extra) -> Completion:
+        """A greedy completion, streamed so the time to the first token is measured; `extra`
+        goes into the request body (e.g. kv_transfer_params)."""
         body = {
+            **extra,
             "model": self.served_name,
             "prompt": prompt,
             "max_tokens": max_tokens,

@@ -12,16 +12,19 @@ whether the output (token ids and logprobs) is identical to vLLM's own prefix-ca
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..server import protocol
 from .engine import Completion, VllmServer
 from .model import build_model, prompt_text
+from .progress import waiting
 
 
 @dataclass
@@ -31,6 +34,7 @@ class Step:
     hit_tokens: int
     ttft_ms: float
     identical: str  # "yes", "no", or "reference" / "-"
+    num_files: int | None = None  # the KV-files step: files found (no hit tokens)
 
 
 @dataclass
@@ -40,6 +44,7 @@ class DemoConfig:
     prompt_words: int = 2000
     pool_size: str = "1g"
     log: Callable[[str], None] = print
+    console: Any = None  # a rich Console: a spinner while vLLM starts, where it is a terminal
 
 
 def has_accelerator() -> bool:
@@ -79,7 +84,7 @@ def run_demo(cfg: DemoConfig) -> list[Step]:
             cold = _measure(engine, prompt)
             steps.append(Step("cold request (computed)", "-", 0, cold[0].ttft_s * 1e3, "-"))
             files = sum(1 for _ in storage.rglob("*.kv"))
-            steps.append(Step(f"KV files under {storage}", "storage", files, 0.0, "-"))
+            steps.append(Step(f"{files} KV files written under {storage}", "storage", 0, 0.0, "-", files))
             reference = _measure(engine, prompt)
             steps.append(
                 Step(
@@ -94,7 +99,7 @@ def run_demo(cfg: DemoConfig) -> list[Step]:
             dram = _measure(engine, prompt)
             steps.append(_hit_step("POST /reset_prefix_cache, same request", "host", dram, reference[0]))
         _wait_for_hpkv_server_exit(pool_dir)
-        with _engine(model, env, cfg) as engine:
+        with _engine(model, env, cfg, "restarting vLLM") as engine:
             disk = _measure(engine, prompt)
             steps.append(_hit_step("engine restarted, same request", "disk", disk, reference[0]))
     finally:
@@ -102,12 +107,19 @@ def run_demo(cfg: DemoConfig) -> list[Step]:
     return steps
 
 
-def _engine(model: str, env: dict[str, str], cfg: DemoConfig) -> VllmServer:
+@contextlib.contextmanager
+def _engine(model: str, env: dict[str, str], cfg: DemoConfig, what: str = "starting vLLM") -> Iterator[VllmServer]:
     cfg.log(
-        "starting vLLM (python -m vllm.entrypoints.openai.api_server ... --kv-transfer-config "
-        '\'{"kv_connector":"HpkvConnectorV1", "kv_role":"kv_both"}\') ...'
+        f"{what} (python -m vllm.entrypoints.openai.api_server ... --kv-transfer-config "
+        '\'{"kv_connector":"HpkvConnectorV1", "kv_role":"kv_both"}\')'
     )
-    return VllmServer(model, env, log_path=cfg.workdir / "vllm.log")
+    server = VllmServer(model, env, log_path=cfg.workdir / "vllm.log")
+    with waiting(what, cfg.log, cfg.console):
+        server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def _measure(engine: VllmServer, prompt: str) -> tuple[Completion, dict[str, float]]:
@@ -144,4 +156,4 @@ def _wait_for_hpkv_server_exit(pool_dir: Path, timeout_s: float = 120.0) -> None
 
 def passed(steps: list[Step]) -> bool:
     hits = [s for s in steps if s.identical in ("yes", "no")]
-    return bool(hits) and all(s.identical == "yes" and s.hit_tokens > 0 for s in hits) and steps[1].hit_tokens > 0
+    return bool(hits) and all(s.identical == "yes" and s.hit_tokens > 0 for s in hits) and bool(steps[1].num_files)

@@ -16,15 +16,18 @@ up while HPKV's server is still starting, and the walk would show a miss.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..server import protocol
 from ..server.client import Client
 from .model import build_model, prompt_text
+from .progress import waiting
 from .scenario import DemoConfig, Step, _wait_for_hpkv_server_exit, documented_env, has_accelerator
 from .sglang_engine import SglangCompletion, SglangServer
 
@@ -50,7 +53,7 @@ def run_sglang_demo(cfg: DemoConfig) -> list[Step]:
             steps.append(Step("cold request (computed)", "-", 0, cold.ttft_s * 1e3, "-"))
             _wait_stored(engine, cold)
             files = sum(1 for _ in storage.rglob("*.kv"))
-            steps.append(Step(f"KV files under {storage}", "storage", files, 0.0, "-"))
+            steps.append(Step(f"{files} KV files written under {storage}", "storage", 0, 0.0, "-", files))
             reference = engine.complete(prompt)
             steps.append(
                 Step(
@@ -64,23 +67,30 @@ def run_sglang_demo(cfg: DemoConfig) -> list[Step]:
             engine.flush_cache()
             steps.append(_hit_step("POST /flush_cache, same request", "dram", engine, pool_dir, prompt, reference))
         _wait_for_hpkv_server_exit(pool_dir)
-        with _engine(model, env, cfg) as engine:
+        with _engine(model, env, cfg, "restarting SGLang") as engine:
             steps.append(_hit_step("engine restarted, same request", "storage", engine, pool_dir, prompt, reference))
     finally:
         shutil.rmtree(pool_dir, ignore_errors=True)
     return steps
 
 
-def _engine(model: str, env: dict[str, str], cfg: DemoConfig) -> SglangServer:
+@contextlib.contextmanager
+def _engine(model: str, env: dict[str, str], cfg: DemoConfig, what: str = "starting SGLang") -> Iterator[SglangServer]:
     cpu = not has_accelerator()
     cfg.log(
-        "starting SGLang (sglang serve --model-path MODEL --enable-ct-hpkv ..."
+        f"{what} (sglang serve --model-path MODEL --enable-ct-hpkv ..."
         + (" --device cpu --attention-backend torch_native ..." if cpu else "")
-        + ") ..."
+        + ")"
     )
-    return SglangServer(
+    server = SglangServer(
         model, env, launcher="serve", cpu=cpu, extra_flags=WAIT_FLAGS, log_path=cfg.workdir / "sglang.log"
     )
+    with waiting(what, cfg.log, cfg.console):
+        server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def _wait_stored(engine: SglangServer, cold: SglangCompletion, timeout_s: float = 60.0) -> None:

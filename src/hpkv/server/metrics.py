@@ -89,6 +89,7 @@ _STORAGE_COUNTERS = (
         "over_budget",
         "Storage writes not made because HPKV_KV_STORAGE_WRITE_BUDGET was spent (the entry stayed in DRAM only).",
     ),
+    ("storage_expired", "expired", "Storage files removed for being unused longer than HPKV_KV_STORAGE_RETENTION."),
 )
 
 

@@ -8,7 +8,8 @@ mtime is looked at before it is removed (a `stat`, a round trip on a parallel fi
 not before): one read elsewhere since the minute the index knew goes to the recent end instead.
 At most SPARE_CHECKS_PER_PASS victims are looked at per eviction, each once, so an eviction ends.
 
-Primitives: `Evictor.evict(excess)`, `evict_bytes`, `shared`.
+Primitives: `Evictor.evict(excess)`, `evict_bytes`, `remove(victims)` (popped and looked at by
+the caller: retention), `shared`.
 Must not know: capacity (it is told the excess), how files are read or written, the pool.
 """
 
@@ -53,6 +54,11 @@ class Evictor:
                     continue
                 return
             freed += self._index.put_back(spared, removals)
+
+    def remove(self, victims: Victims) -> int:
+        """Unlink victims the caller popped and looked at already (no spare check); bytes freed."""
+        _, _, freed = self._settle(victims, {ik for ik, _ in victims})
+        return freed
 
     def _settle(self, victims: Victims, checked: set[bytes]) -> tuple[Victims, bool, int]:
         """Unlink, spare or keep each victim: (the spared with their new values, whether one was

@@ -12,7 +12,8 @@ does not bring it back).
 
 Primitives: `key`/`split`, `in`, `items`, `holds` (the bare membership test, for walks over many keys),
 `remember`, `forget`, `touch`, `was_read`, `pop_victims`/`evicted`/`unpop`/`put_back` (an
-eviction's steps), `remove`, `add_scanned`/`scan_merged`; `used_bytes`. Thread-safe: one lock
+eviction's steps), `oldest`/`pop_if_oldest`/`refresh` (retention's), `remove`,
+`add_scanned`/`scan_merged`; `used_bytes`. Thread-safe: one lock
 (`lock`), which the marks share.
 Must not know: the file system, capacity, how files are read or written.
 """
@@ -129,6 +130,7 @@ class FileIndex:
         # Until the start-up scan is merged: keys that left the index, namespaces removed (None: all).
         self._gone: set[bytes] | None = set()
         self._cleared: set[str | None] = set()
+        self.scan_known_s: float | None = None  # the time the start-up scan gave what it found
 
     def __contains__(self, ik: bytes) -> bool:
         return ik in self._lru
@@ -224,6 +226,30 @@ class FileIndex:
             if self._gone is not None:
                 self._gone.update(ik for ik, _ in victims)
         return victims, removals
+
+    def oldest(self) -> tuple[bytes, int] | None:
+        """(index key, index value) of the least recently used file, or None when empty."""
+        with self.lock:
+            return next(iter(self._lru.items()), None)
+
+    def pop_if_oldest(self, ik: bytes, value: int) -> bool:
+        """Pop `ik` as an eviction victim if it is still the least recently used, as `value`."""
+        with self.lock:
+            if next(iter(self._lru.items()), None) != (ik, value):
+                return False
+            self._lru.popitem(last=False)
+            self.used_bytes -= size_of(value)
+            self._evicting.add(ik)
+            if self._gone is not None:
+                self._gone.add(ik)
+        return True
+
+    def refresh(self, ik: bytes, value: int, used_s: float) -> None:
+        """`ik`, still `value`, was used at `used_s` (elsewhere): the most recently used now."""
+        with self.lock:
+            if self._lru.get(ik) == value:
+                self._lru[ik] = self.value_of(size_of(value), used_s)
+                self._lru.move_to_end(ik)
 
     def evicted(self, ik: bytes) -> None:
         """A victim settled (unlinked, spared or kept): no longer a miss to lookups."""

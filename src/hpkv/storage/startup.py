@@ -36,6 +36,7 @@ def rebuild(
     """Index every entry file under `root` and remove leftover temporaries (`scan.walk`)."""
     started = time.monotonic()
     known_s = time.time() - SLACK_MINUTES * 60
+    index.scan_known_s = known_s  # retention tells the scan's minute from a use by it
     found = scan.walk(
         root, node, index.key, lambda size: index.value_of(size, known_s) if size <= MAX_FILE_BYTES else None, counters
     )

@@ -3,8 +3,8 @@
 A facade over the concepts of the package: `layout` (where files live), `index` (what counts as
 a hit, in LRU order), `capacity` (how much may be held; HPKV_KV_STORAGE_SIZE), `eviction`,
 `reading`, `publishing`, `startup` (the index rebuilt from the start-up `scan`), `rescan` (other
-nodes' files learned by walking again), `budget`
-(HPKV_KV_STORAGE_WRITE_BUDGET). Files are immutable once published; a reader sees a whole file or
+nodes' files learned by walking again), `budget` (HPKV_KV_STORAGE_WRITE_BUDGET), `retention`
+(HPKV_KV_STORAGE_RETENTION: a thread of passes). Files are immutable once published; a reader sees a whole file or
 none, checked, and a bad file is a miss that deletes it; nothing below the root is followed
 (`tree`). Several tiers (nodes) may share one root: a lookup adopts files others wrote.
 
@@ -36,26 +36,39 @@ from .index import FileIndex
 from .layout import Layout
 from .publishing import Publisher
 from .reading import Reader
+from .retention import Retention
 
 log = logging.getLogger(__name__)
 
 
 class StorageTier:
     def __init__(
-        self, config: StorageConfig, io: FileIO | None = None, clock: Callable[[], float] = time.monotonic
+        self,
+        config: StorageConfig,
+        io: FileIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         """`clock`: the monotonic time of expiries (unreadable marks, a learned capacity, the
-        budget, repeated warnings); tests pass a fake one."""
+        budget, repeated warnings); `wall_clock`: the time of last uses (the index, retention);
+        tests pass fake ones."""
         self.root = Path(config.path)
         self.config = config
         self.counters = StorageCounters()
         self.scan_done = threading.Event()
         self.budget = WriteBudget(config.write_budget_bytes, clock)
         self.layout = Layout(self.root, io or FileIO())
-        self.index = FileIndex(str(self.root), clock)
+        self.index = FileIndex(str(self.root), clock, wall_clock)
         self.capacity = CapacityPolicy(self.root, config.capacity_bytes, clock)
         errors = ErrorLog(clock)
-        self.evictor = Evictor(self.index, self.layout, self.counters)
+        self.evictor = Evictor(self.index, self.layout, self.counters, wall_clock)
+        self.retention = (
+            Retention(config.retention_s, self.index, self.layout, self.evictor, wall_clock)
+            if config.retention_s
+            else None
+        )
+        self._stop = threading.Event()
+        self._retention_thread: threading.Thread | None = None
         self.reader = Reader(self.layout, self.index, self.counters, errors, config.direct_io)
         self.publisher = Publisher(
             self.layout,
@@ -92,6 +105,12 @@ class StorageTier:
             )
         self._shared_fs = self.evictor.shared = rescan.shared_root(self.root)  # others read there too
         threading.Thread(target=self._scan, name="hpkv-storage-scan", daemon=True).start()
+        if self.retention is not None:
+            args = (self._stop, self.scan_done)
+            self._retention_thread = threading.Thread(
+                target=self.retention.run, args=args, name="hpkv-storage-retention", daemon=True
+            )
+            self._retention_thread.start()
 
     def _scan(self) -> None:
         """The start-up scan, then the walks that learn other nodes' files (`rescan`)."""
@@ -102,6 +121,9 @@ class StorageTier:
     def close(self, wait: bool = True) -> None:
         """Finish queued writes, then stop the I/O threads; without `wait`, drop what is queued
         and do not wait for what runs (a device that does not answer)."""
+        self._stop.set()
+        if wait and self._retention_thread is not None:
+            self._retention_thread.join(timeout=10.0)  # a pass removes at most MAX_PER_PASS files
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
         if wait:  # else a thread may still be in a system call on it: the process is about to exit
             self.layout.close()
@@ -195,6 +217,8 @@ class StorageTier:
             write_budget_bytes=self.config.write_budget_bytes,
             write_budget_available_bytes=self.budget.available(),
             **vars(self.counters),
+            retention_s=self.config.retention_s,
+            expired=self.retention.num_expired if self.retention is not None else 0,
         )
 
     # -- views of the parts, and seams for tests and benchmarks ---------------------------------

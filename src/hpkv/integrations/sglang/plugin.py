@@ -10,7 +10,8 @@
   imported `prepare_server_args` by name, `launch_server`'s `__main__` included.
 
 The rewrite is idempotent, so both may run on one command line. Neither imports anything
-heavy: detectors run for every `sglang serve`, plugins in every SGLang process.
+heavy: detectors run for every `sglang serve`, plugins in every SGLang process. Outside the
+tested SGLang range (`hpkv.integrations.versions`) `register()` says so in one line first.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import sys
 
+from ..versions import warn_once
 from . import flag
 
 log = logging.getLogger("hpkv.sglang")
@@ -28,6 +30,7 @@ SERVE_BACKEND_API_VERSION = 1  # the sglang.serve_backends contract this module 
 
 def register() -> None:
     """The `sglang.srt.plugins` entry point: must never raise (SGLang logs and goes on)."""
+    warn_once(log, "SGLang", sglang_version())
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -35,6 +38,16 @@ def register() -> None:
     except Exception:
         log.exception("HPKV could not hook SGLang's argument parsing; --enable-ct-hpkv will be rejected")
     _log_level()
+
+
+def sglang_version() -> str:
+    """The installed SGLang's version, from its package metadata (importing sglang is heavy)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _log_level() -> None:

@@ -66,7 +66,12 @@ def group_layouts(vllm_config, kv_cache_config) -> list[BlockLayout]:
     HPKV cannot cache (linear attention, chunked local attention, ...) is refused at start."""
     _refuse_context_parallel(vllm_config.parallel_config)
     groups = kv_cache_config.kv_cache_groups
-    hash_block_size = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
+    # vLLM 0.31's KVCacheConfig has no hash_block_size: there it is prefix_match_unit or the block size.
+    hash_block_size = (
+        getattr(kv_cache_config, "hash_block_size", None)
+        or getattr(vllm_config.cache_config, "prefix_match_unit", None)
+        or vllm_config.cache_config.block_size
+    )
     layouts = []
     for index, group in enumerate(groups):
         per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None) or {}

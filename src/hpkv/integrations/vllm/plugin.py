@@ -4,12 +4,16 @@ point), so `"kv_connector":"HpkvConnectorV1"` works with no module path.
 vLLM calls this unguarded in every process: it must be idempotent, import nothing heavy and
 never raise. The name is always registered; whether HPKV may run is decided (and explained)
 by the connector itself, so a user who asks for it without VLLM_ENABLE_HPKV=1 gets a message
-naming the variable instead of "Unsupported connector type".
+naming the variable instead of "Unsupported connector type". Outside the tested vLLM range
+(`hpkv.integrations.versions`) it first says so in one line; a registration that then fails is
+one more line, not a traceback from inside vLLM.
 """
 
 from __future__ import annotations
 
 import logging
+
+from ..versions import outside_tested, warn_once
 
 log = logging.getLogger("hpkv.vllm")
 
@@ -18,6 +22,8 @@ _OUR_ENV = ("VLLM_ENABLE_HPKV", "VLLM_HPKV_TOKEN_THRESHOLD")
 
 
 def register() -> None:
+    version = vllm_version()
+    warn_once(log, "vLLM", version)
     try:
         from vllm import envs
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -31,8 +37,23 @@ def register() -> None:
             # recompile the model). HPKV reads them through hpkv.config.
             envs.environment_variables.setdefault(name, _none)
         _log_like_vllm()
-    except Exception:  # never break vLLM's start-up
-        log.exception("HPKV could not register %s with vLLM", CONNECTOR_NAME)
+    except Exception as exc:  # never break vLLM's start-up
+        if outside_tested("vLLM", version) is None:
+            log.exception("HPKV could not register %s with vLLM", CONNECTOR_NAME)
+        else:
+            log.warning(
+                "HPKV could not register %s with vLLM %s: %s: %s", CONNECTOR_NAME, version, type(exc).__name__, exc
+            )
+
+
+def vllm_version() -> str:
+    """The running vLLM's version string, read without importing more of vLLM than its package."""
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:  # an install too broken to say: the check calls it unreadable
+        return "unknown"
 
 
 def _none() -> None:

@@ -20,7 +20,7 @@ from ...config import Settings
 from ...errors import HpkvError
 from ...server.client import Client
 from ...types import HOLD_TIMEOUT_S, Tier
-from . import groups, modelid, outputs, probes
+from . import groups, modelid, optout, outputs, probes
 from . import layout as lay
 from .holds import SaveHolds
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats, LoadJob
@@ -89,6 +89,8 @@ class HpkvScheduler:
         if self._uncached(request, state):  # first: a LoRA request is not saved either
             return 0, False
         if state.load_failed:  # recomputed once, not looked up again (a broken entry would loop)
+            return 0, False
+        if not optout.may_load(request):  # kv_transfer_params {"hpkv_load": false}
             return 0, False
         if getattr(request, "skip_reading_prefix_cache", False):  # e.g. prompt logprobs: vLLM drops any hit
             state.release(self.client)
@@ -317,7 +319,7 @@ class HpkvScheduler:
         self.policy.step_done(load_s + save_s, load_s, data.get("loaded_bytes", 0) / ranks)
 
     def _add_saves(self, meta: HpkvConnectorMetadata, req_id: str, state: RequestState, num_tokens: int) -> None:
-        if state.uncached:
+        if state.uncached or not optout.may_save(state.request):  # {"hpkv_save": false}
             return
         group_ids = state.group_block_ids()
         full = min(num_tokens // self.block_size, *(len(ids) for ids in group_ids))

@@ -1,0 +1,91 @@
+"""Per-request opt-out on a real vLLM (`integrations/vllm/optout.py`): a request whose
+`kv_transfer_params` say `"hpkv_save": false` leaves nothing in HPKV; one that says
+`"hpkv_load": false` is recomputed though HPKV holds its whole prefix; both: neither. One engine
+start serves every story."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from helpers.server import kill_server, server_pid, server_stats
+from helpers.storage import kv_files, settled_files
+from helpers.vllm import Engine, num_saved_blocks, without_hpkv_environ
+from hpkv.demo.model import prompt_text
+
+pytestmark = [
+    pytest.mark.vllm_e2e,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install ct-hpkv[engines])"),
+    pytest.mark.timeout(1200),
+]
+
+NO_SAVE = {"kv_transfer_params": {"hpkv_save": False}}
+NO_LOAD = {"kv_transfer_params": {"hpkv_load": False}}
+NEITHER = {"kv_transfer_params": {"hpkv_load": False, "hpkv_save": False}}
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-optout")
+    shm = Path(tempfile.mkdtemp(prefix="hpkv-optout-", dir="/dev/shm"))
+    (root / "logs").mkdir()
+    with without_hpkv_environ():
+        yield root, shm
+    kill_server(server_pid(shm))
+    shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def engine(node, model):
+    root, shm = node
+    env = {
+        "VLLM_ENABLE_HPKV": "1",
+        "VLLM_HPKV_TOKEN_THRESHOLD": "256",
+        "HPKV_KV_MEM_POOL_SIZE": "256m",
+        "HPKV_SHARE_MEM_FILE_PATH": str(shm),
+        "HPKV_KV_STORAGE_PATH": str(root / "storage"),
+        "HPKV_CONFIG_FILE_PATH": str(root / "no-config.ini"),
+        "HPKV_SERVER_IDLE_EXIT_S": "2",
+    }
+    engine = Engine("optout", model, env, root / "logs").start()
+    yield engine
+    engine.stop()
+
+
+def _hpkv_tokens(engine: Engine, prompt: str, **extra) -> float:
+    """Reset vLLM's own prefix cache, send: the prompt tokens HPKV supplied (DRAM or storage)."""
+    engine.reset_prefix_cache()
+    before = engine.counters()
+    engine.complete(prompt, **extra)
+    got = engine.counters() - before
+    return got["host"] + got["disk"]
+
+
+def test_no_save_leaves_nothing_and_no_load_recomputes_a_held_prefix(engine, node):
+    root, shm = node
+    private, public, neither = (prompt_text(700, seed=s) for s in (221, 222, 223))
+
+    engine.complete(private, **NO_SAVE)
+    engine.complete(neither, **NEITHER)
+    answer = engine.complete(public)  # saved behind the others: once its files are in, theirs would be
+    files = settled_files(root / "storage", at_least=num_saved_blocks(answer))
+    assert len(files) == num_saved_blocks(answer)  # the public prompt's alone
+    assert server_stats(shm).dram.num_entries == num_saved_blocks(answer)
+
+    assert _hpkv_tokens(engine, public) > 0  # HPKV holds the public prefix...
+    assert _hpkv_tokens(engine, public, **NO_LOAD) == 0  # ...and a no-load request recomputes it
+    assert _hpkv_tokens(engine, public, **NEITHER) == 0
+    assert _hpkv_tokens(engine, private) == 0  # never saved: nothing to hit (this send saves it)
+    assert kv_files(root / "storage") >= files
+
+
+def test_every_vllm_series_the_dashboard_queries_is_exported_by_vllm(engine):
+    """docs/grafana/hpkv.json's vLLM panels read series this vLLM (with HPKV) exports."""
+    from helpers.dashboard import queried_series
+
+    exported = {name.split("{")[0] for name in engine.server.metrics()}
+    assert queried_series("vllm:") <= exported, queried_series("vllm:") - exported
