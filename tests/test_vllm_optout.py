@@ -62,7 +62,7 @@ def _hpkv_tokens(engine: Engine, prompt: str, **extra) -> float:
     before = engine.counters()
     engine.complete(prompt, **extra)
     got = engine.counters() - before
-    return got["host"] + got["disk"]
+    return got["hit_tokens_dram"] + got["hit_tokens_storage"]  # HPKV's own counters: every tested vLLM has them
 
 
 def test_no_save_leaves_nothing_and_no_load_recomputes_a_held_prefix(engine, node):
@@ -85,7 +85,13 @@ def test_no_save_leaves_nothing_and_no_load_recomputes_a_held_prefix(engine, nod
 
 def test_every_vllm_series_the_dashboard_queries_is_exported_by_vllm(engine):
     """docs/grafana/hpkv.json's vLLM panels read series this vLLM (with HPKV) exports."""
+    import vllm
+
     from helpers.dashboard import queried_series
+    from hpkv.integrations.versions import parse
 
     exported = {name.split("{")[0] for name in engine.server.metrics()}
-    assert queried_series("vllm:") <= exported, queried_series("vllm:") - exported
+    queried = queried_series("vllm:")
+    if (parse(vllm.__version__) or ()) < (0, 32):  # the hit-by-source panel says it needs vLLM 0.32
+        queried -= {"vllm:prompt_tokens_cached_by_source_total"}
+    assert queried <= exported, queried - exported

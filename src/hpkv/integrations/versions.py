@@ -18,7 +18,7 @@ import re
 # engine -> (lowest tested release, first release not tested): what `make test` runs. Another
 # vLLM minor joins once `make test-vllm-other VLLM_OTHER=...` passes (docs/vllm.md).
 TESTED: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
-    "vLLM": ((0, 32, 0), (0, 33, 0)),
+    "vLLM": ((0, 31, 0), (0, 33, 0)),
     "SGLang": ((0, 5, 23), (0, 5, 24)),
 }
 # What the engine's side of HPKV leans on, said in the line.
