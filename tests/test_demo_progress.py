@@ -44,3 +44,30 @@ def test_on_a_terminal_the_spinner_shows_the_elapsed_time():
         pass
     assert "starting vLLM ... 0 s" in out.getvalue()
     assert lines == ["starting vLLM: done after 0 s"]
+
+
+class _Server:
+    def __init__(self, fail_start: bool = False) -> None:
+        self.calls: list[str] = []
+        self.fail_start = fail_start
+
+    def start(self) -> None:
+        self.calls.append("start")
+        if self.fail_start:
+            raise RuntimeError("the engine exited")
+
+    def stop(self) -> None:
+        self.calls.append("stop")
+
+
+def test_a_running_server_is_stopped_when_the_walk_fails_and_a_failed_start_says_so():
+    lines: list[str] = []
+    server = _Server()
+    with pytest.raises(ValueError), progress.running(server, "starting SGLang", lines.append) as got:
+        assert got is server and server.calls == ["start"]
+        raise ValueError("a step failed")
+    assert server.calls == ["start", "stop"]
+    failing = _Server(fail_start=True)
+    with pytest.raises(RuntimeError), progress.running(failing, "restarting SGLang", lines.append):
+        pass
+    assert lines[-1] == "restarting SGLang: failed after 0 s"

@@ -1,7 +1,8 @@
 """What `hpkv demo` is doing while it waits: a spinner with the elapsed time on a terminal, a
 line every EVERY_S seconds elsewhere (logs, CI), and how long it took once done.
 
-Primitives: `waiting(what, log, console)` (a context manager). Must not know engines.
+Primitives: `waiting(what, log, console)` and `running(server, what, log, console)` (context
+managers). Must not know engines: a server is anything with `start()` and `stop()`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 EVERY_S = 30.0  # off a terminal: a line this often while waiting
 
@@ -47,3 +48,22 @@ def waiting(what: str, log: Callable[[str], None], console=None) -> Iterator[Non
                 ticker.join()
     finally:
         log(f"{what}: {'done' if ok else 'failed'} after {time.monotonic() - started:.0f} s")
+
+
+S = TypeVar("S", bound="_Startable")
+
+
+class _Startable(Protocol):
+    def start(self) -> Any: ...
+    def stop(self) -> Any: ...
+
+
+@contextlib.contextmanager
+def running(server: S, what: str, log: Callable[[str], None], console=None) -> Iterator[S]:
+    """`server` started (its start shown by `waiting`), stopped when the block ends."""
+    with waiting(what, log, console):
+        server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -16,7 +16,7 @@ import contextlib
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from typing import Any
 from ..server import protocol
 from .engine import Completion, VllmServer
 from .model import build_model, prompt_text
-from .progress import waiting
+from .progress import running
 
 
 @dataclass
@@ -107,19 +107,15 @@ def run_demo(cfg: DemoConfig) -> list[Step]:
     return steps
 
 
-@contextlib.contextmanager
-def _engine(model: str, env: dict[str, str], cfg: DemoConfig, what: str = "starting vLLM") -> Iterator[VllmServer]:
+def _engine(
+    model: str, env: dict[str, str], cfg: DemoConfig, what: str = "starting vLLM"
+) -> contextlib.AbstractContextManager[VllmServer]:
     cfg.log(
         f"{what} (python -m vllm.entrypoints.openai.api_server ... --kv-transfer-config "
         '\'{"kv_connector":"HpkvConnectorV1", "kv_role":"kv_both"}\')'
     )
     server = VllmServer(model, env, log_path=cfg.workdir / "vllm.log")
-    with waiting(what, cfg.log, cfg.console):
-        server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    return running(server, what, cfg.log, cfg.console)
 
 
 def _measure(engine: VllmServer, prompt: str) -> tuple[Completion, dict[str, float]]:

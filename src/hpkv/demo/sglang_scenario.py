@@ -21,13 +21,12 @@ import json
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from ..server import protocol
 from ..server.client import Client
 from .model import build_model, prompt_text
-from .progress import waiting
+from .progress import running
 from .scenario import DemoConfig, Step, _wait_for_hpkv_server_exit, documented_env, has_accelerator
 from .sglang_engine import SglangCompletion, SglangServer
 
@@ -74,8 +73,9 @@ def run_sglang_demo(cfg: DemoConfig) -> list[Step]:
     return steps
 
 
-@contextlib.contextmanager
-def _engine(model: str, env: dict[str, str], cfg: DemoConfig, what: str = "starting SGLang") -> Iterator[SglangServer]:
+def _engine(
+    model: str, env: dict[str, str], cfg: DemoConfig, what: str = "starting SGLang"
+) -> contextlib.AbstractContextManager[SglangServer]:
     cpu = not has_accelerator()
     cfg.log(
         f"{what} (sglang serve --model-path MODEL --enable-ct-hpkv ..."
@@ -85,12 +85,7 @@ def _engine(model: str, env: dict[str, str], cfg: DemoConfig, what: str = "start
     server = SglangServer(
         model, env, launcher="serve", cpu=cpu, extra_flags=WAIT_FLAGS, log_path=cfg.workdir / "sglang.log"
     )
-    with waiting(what, cfg.log, cfg.console):
-        server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    return running(server, what, cfg.log, cfg.console)
 
 
 def _wait_stored(engine: SglangServer, cold: SglangCompletion, timeout_s: float = 60.0) -> None:
