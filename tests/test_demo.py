@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.cli import assert_demo_walk
+
 HPKV = Path(sys.executable).with_name("hpkv")
 
 pytestmark = pytest.mark.engine  # `hpkv demo` starts vLLM twice
@@ -26,16 +28,4 @@ def test_hpkv_demo_shows_a_dram_hit_and_a_storage_hit_identical_to_vllms_own(tmp
     )
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
-    rows = {
-        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
-        for line in out.splitlines()
-        if line.startswith("│")
-    }
-    dram = rows["POST /reset_prefix_cache, same request"]
-    disk = rows["engine restarted, same request"]
-    assert dram[0] == "DRAM" and int(dram[1]) > 1000 and dram[3] == "yes"
-    assert disk[0] == "storage" and int(disk[1]) > 1000 and disk[3] == "yes"
-    [(files, cells)] = [(name, cells) for name, cells in rows.items() if " KV files written under " in name]
-    assert int(files.split()[0]) > 0 and cells[1] == "-"  # a file count in its own words, no hit tokens
-    assert "starting vLLM: done after" in out and "restarting vLLM: done after" in out
-    assert list((tmp_path / "storage").rglob("*.kv"))
+    assert_demo_walk(out, "vLLM", "POST /reset_prefix_cache, same request", tmp_path / "storage")

@@ -9,6 +9,7 @@ import subprocess
 import pytest
 
 from helpers import sglang_serving as ss
+from helpers.cli import assert_demo_walk
 
 pytestmark = pytest.mark.engine  # `hpkv demo --engine sglang` starts SGLang twice
 
@@ -26,15 +27,4 @@ def test_hpkv_demo_on_sglang_shows_a_dram_hit_and_a_storage_hit_identical_to_sgl
     )
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
-    rows = {
-        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
-        for line in out.splitlines()
-        if line.startswith("│")
-    }
-    dram = rows["POST /flush_cache, same request"]
-    disk = rows["engine restarted, same request"]
-    assert dram[0] == "DRAM" and int(dram[1]) > 1000 and dram[3] == "yes"
-    assert disk[0] == "storage" and int(disk[1]) > 1000 and disk[3] == "yes"
-    [(files, cells)] = [(name, cells) for name, cells in rows.items() if " KV files written under " in name]
-    assert int(files.split()[0]) > 0 and cells[1] == "-"  # a file count in its own words, no hit tokens
-    assert "starting SGLang: done after" in out and "restarting SGLang: done after" in out
+    assert_demo_walk(out, "SGLang", "POST /flush_cache, same request", tmp_path / "storage")

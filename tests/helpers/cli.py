@@ -122,3 +122,21 @@ def wait_for_storage(client: Client, num_entries: int, timeout_s: float = 10.0) 
         if stats.storage.num_entries >= num_entries or time.monotonic() > deadline:
             return stats
         time.sleep(0.02)
+
+
+def assert_demo_walk(out: str, engine: str, dram_step: str, storage: Path) -> None:
+    """`hpkv demo`'s table: a DRAM hit and a storage hit, each identical to `engine`'s own, a row
+    counting the KV files written, and the engine's start and restart reported."""
+    rows = {
+        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+        for line in out.splitlines()
+        if line.startswith("│")
+    }
+    dram = rows[dram_step]
+    disk = rows["engine restarted, same request"]
+    assert dram[0] == "DRAM" and int(dram[1]) > 1000 and dram[3] == "yes"
+    assert disk[0] == "storage" and int(disk[1]) > 1000 and disk[3] == "yes"
+    [(files, cells)] = [(name, cells) for name, cells in rows.items() if " KV files written under " in name]
+    assert int(files.split()[0]) > 0 and cells[1] == "-"  # a file count in its own words, no hit tokens
+    assert f"starting {engine}: done after" in out and f"restarting {engine}: done after" in out
+    assert list(storage.rglob("*.kv"))
