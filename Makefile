@@ -75,7 +75,7 @@ VLLM_OTHER ?= 0.31.0
 VENV_OTHER := .venv-vllm-$(VLLM_OTHER)
 # One engine start: the connector's saves, DRAM hits, per-request control and metrics. Add
 # tests/test_vllm_e2e.py for storage hits, restarts and faults (five more starts).
-VLLM_OTHER_TESTS ?= tests/test_vllm_plugin.py tests/test_vllm_optout.py
+VLLM_OTHER_TESTS ?= tests/test_vllm_plugin.py tests/test_engine_versions.py tests/test_vllm_optout.py
 .PHONY: test-vllm-other
 $(VENV_OTHER)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_OTHER)

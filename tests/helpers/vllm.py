@@ -9,6 +9,7 @@ vLLM's metrics have caught up with the requests sent.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import tempfile
@@ -34,6 +35,18 @@ _COUNTER_PREFIX = {
     "hpkv": "vllm:hpkv_",
     "finished": "vllm:request_success_total{",
 }
+_LOCAL_HITS = "vllm:prefix_cache_hits_total"
+
+
+@functools.cache
+def _has_sources() -> bool:
+    try:
+        import vllm
+    except ImportError:
+        return True
+    from hpkv.integrations.versions import parse
+
+    return (parse(vllm.__version__) or (0, 32)) >= (0, 32)
 
 
 def prompt(num_words: int, seed: int) -> str:
@@ -191,6 +204,14 @@ class Engine:
                 out[counter] = out.get(counter, 0.0) + value
             elif name.startswith(_COUNTER_PREFIX["finished"]):
                 out["finished"] += value
+            elif name.startswith(_LOCAL_HITS):
+                out["local_hits"] = out.get("local_hits", 0.0) + value
+        if not _has_sources():
+            # vLLM before 0.32 has no hit-by-source series: the same counts from vLLM's own
+            # prefix-cache hits and HPKV's connector counters.
+            out["device"] = out.get("local_hits", 0.0)
+            out["host"] = out.get("hit_tokens_dram", 0.0)
+            out["disk"] = out.get("hit_tokens_storage", 0.0)
         return out
 
 
