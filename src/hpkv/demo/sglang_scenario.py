@@ -51,7 +51,7 @@ def run_sglang_demo(cfg: DemoConfig) -> list[Step]:
             cold = engine.complete(prompt)
             steps.append(Step("cold request (computed)", "-", 0, cold.ttft_s * 1e3, "-"))
             _wait_stored(engine, cold)
-            files = sum(1 for _ in storage.rglob("*.kv"))
+            files = _wait_files(storage)
             steps.append(Step(f"{files} KV files written under {storage}", "storage", 0, 0.0, "-", files))
             reference = engine.complete(prompt)
             steps.append(
@@ -95,6 +95,15 @@ def _wait_stored(engine: SglangServer, cold: SglangCompletion, timeout_s: float 
         if time.monotonic() > deadline:
             raise RuntimeError("SGLang did not write the cold request's pages to HPKV in time")
         time.sleep(0.2)
+
+
+def _wait_files(storage: Path, timeout_s: float = 60.0) -> int:
+    """The entry files under `storage` once there are some: the server writes them through after
+    the pages reach its DRAM pool."""
+    deadline = time.monotonic() + timeout_s
+    while not (files := sum(1 for _ in storage.rglob("*.kv"))) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return files
 
 
 def _tier_hits(pool_dir: Path) -> dict[str, int]:
