@@ -4,12 +4,14 @@
     python -m bench.sglang_ttft [--prompt-words 2000 8000] [--repeats 3] [--workdir DIR] [--json]
 
 Runs from the repository (it needs `.venv-sglang`, `make setup`, and on a CPU the test-only
-layer tests/sglang_cpu/). One prefill-heavy random Qwen2 (`hpkv.demo.model.BENCH`, built under
-`--workdir` and kept for the next run) is served by a real `sglang serve` with SGLang's CPU
-flags, the same host layout and io backend (`page_first_direct`, `direct`), page size 64 and
-prefetch policy `wait_complete`, once with `--enable-ct-hpkv` and once with
-`--enable-hierarchical-cache --hicache-storage-backend file`. Two engine starts per backend;
-for each prompt length, in one run:
+layer tests/sglang_cpu/). A random Qwen2 with `hpkv.demo.model.BENCH`'s 8 KiB of KV per token
+(each hit moves as many bytes) but a quarter of its attention (`SHAPE`: SGLang's `torch_native`
+backend computes a hit's few new tokens as a causal attention over the whole prompt,
+`per_req_query_redudant`), built under `--workdir` and kept for the next run, is served by a
+real `sglang serve` with SGLang's CPU flags, the same host layout and io backend
+(`page_first_direct`, `direct`), page size 64 and prefetch policy `wait_complete`, once with
+`--enable-ct-hpkv` and once with `--enable-hierarchical-cache --hicache-storage-backend file`.
+Two engine starts per backend; for each prompt length, in one run:
 
 - cold: a prompt the engine has never seen (computed, then backed up to L3);
 - device hit: the same prompt again (SGLang's own prefix cache; the reference output);
@@ -40,7 +42,7 @@ from pathlib import Path
 
 from bench.harness.engine import wait_for_hpkv_server_exit
 from bench.harness.report import log, verdict
-from hpkv.demo.model import BENCH, build_model, prompt_text
+from hpkv.demo.model import ModelShape, build_model, prompt_text
 from hpkv.demo.sglang_engine import SglangCompletion, SglangServer
 from hpkv.server.client import Client
 
@@ -53,6 +55,7 @@ FILE_L3 = ("--enable-hierarchical-cache", "--hicache-storage-backend", "file")
 STEPS = {"cold": "cold", "device": "device hit", "flush": "L3 after /flush_cache", "restart": "L3 after restart"}
 WARM_WORDS = 1300  # just above the 1204-token L3 threshold: one cheap first lookup per engine
 PAGE = 64
+SHAPE = ModelShape(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=8, intermediate_size=1024)
 
 
 class Backend:
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="run-", dir=args.workdir))
-    model = build_model(args.workdir / "bench-qwen2", BENCH)
+    model = build_model(args.workdir / "qwen2-4x512", SHAPE)
     backends = measure(args, model, work)
     if args.json:
         print(
