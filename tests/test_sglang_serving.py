@@ -5,9 +5,9 @@ One engine (`python -m sglang.launch_server`, the flag between `--model-path` an
 the original document has it) serves: the quick start, a DRAM hit after `/flush_cache` identical
 to SGLang's own device hit, a prompt below VLLM_HPKV_TOKEN_THRESHOLD not loaded, and the HPKV
 server SIGKILLed during requests (compared with a fault-free run of the same requests). Then the
-engine restarts as `sglang serve --model-path MODEL --enable-ct-hpkv` on the same storage, with
-SGLang's default prefetch policy (`timeout`): HPKV's server is up before the first request (the
-backend starts it at registration), and the first request is a storage hit, identical. The
+engine restarts as `sglang serve --model-path MODEL --enable-ct-hpkv` on the same storage: HPKV's
+server is up once the engine answers (the backend starts it at registration, so that no lookup
+waits for it), and the first request is a storage hit, identical. The
 oracle is SGLang's own device-cache hit: same token ids, bit-identical logprobs. Where a hit
 came from: the response's `meta_info.cached_tokens_details` and the HPKV server's per-namespace
 counters (`hpkv status`).
@@ -180,8 +180,7 @@ def test_after_a_restart_a_long_prompt_is_a_storage_hit_identical_to_sglangs_own
     path, shm, env = work
     first.stop()
     wait_for(lambda: not (shm / protocol.SOCKET_NAME).exists(), timeout_s=120, interval_s=0.5, what="HPKV exit")
-    # SGLang's default prefetch policy: a lookup that had to start HPKV's server would miss.
-    second = ss.SglangEngine("second", sglang_model, env, path, launcher="serve", extra_flags=())
+    second = ss.SglangEngine("second", sglang_model, env, path, launcher="serve")
     try:
         second.start()
         assert server_pid(shm) is not None, "no HPKV server once the engine is up: its first lookup would start one"
