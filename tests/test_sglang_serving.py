@@ -183,7 +183,10 @@ def test_after_a_restart_a_long_prompt_is_a_storage_hit_identical_to_sglangs_own
     second = ss.SglangEngine("second", sglang_model, env, path, launcher="serve")
     try:
         second.start()
-        assert server_pid(shm) is not None, "no HPKV server once the engine is up: its first lookup would start one"
+        # Started in the background at the backend's registration, before any lookup.
+        wait_for(
+            lambda: server_pid(shm) is not None, timeout_s=30, interval_s=0.5, what="HPKV's server, no request sent"
+        )
         cmd = second.server.command()
         assert cmd[1:5] == ["serve", "--model-path", str(sglang_model), ss.HPKV_FLAG]
         text, reference = references["long"]
