@@ -5,10 +5,12 @@ One engine (`python -m sglang.launch_server`, the flag between `--model-path` an
 the original document has it) serves: the quick start, a DRAM hit after `/flush_cache` identical
 to SGLang's own device hit, a prompt below VLLM_HPKV_TOKEN_THRESHOLD not loaded, and the HPKV
 server SIGKILLed during requests (compared with a fault-free run of the same requests). Then the
-engine restarts as `sglang serve --model-path MODEL --enable-ct-hpkv` on the same storage: a
-storage hit, identical. The oracle is SGLang's own device-cache hit: same token ids, bit-identical
-logprobs. Where a hit came from: the response's `meta_info.cached_tokens_details` and the HPKV
-server's per-namespace counters (`hpkv status`).
+engine restarts as `sglang serve --model-path MODEL --enable-ct-hpkv` on the same storage: HPKV's
+server is up once the engine answers (the backend starts it at registration, so that no lookup
+waits for it), and the first request is a storage hit, identical. The
+oracle is SGLang's own device-cache hit: same token ids, bit-identical logprobs. Where a hit
+came from: the response's `meta_info.cached_tokens_details` and the HPKV server's per-namespace
+counters (`hpkv status`).
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ def sglang_model():
 
 @pytest.fixture(scope="module")
 def first(work, sglang_model):
-    """The first engine. Its first L3 lookup auto-starts HPKV's server, and waits for it: the
-    engines here run with `--hicache-storage-prefetch-policy wait_complete`."""
+    """The first engine, with `--hicache-storage-prefetch-policy wait_complete` (the helper's
+    default): no hit here depends on how loaded the machine is."""
     path, _, env = work
     engine = ss.SglangEngine("first", sglang_model, env, path, flag_after_model_path=True)
     try:
@@ -181,6 +183,10 @@ def test_after_a_restart_a_long_prompt_is_a_storage_hit_identical_to_sglangs_own
     second = ss.SglangEngine("second", sglang_model, env, path, launcher="serve")
     try:
         second.start()
+        # Started in the background at the backend's registration, before any lookup.
+        wait_for(
+            lambda: server_pid(shm) is not None, timeout_s=30, interval_s=0.5, what="HPKV's server, no request sent"
+        )
         cmd = second.server.command()
         assert cmd[1:5] == ["serve", "--model-path", str(sglang_model), ss.HPKV_FLAG]
         text, reference = references["long"]

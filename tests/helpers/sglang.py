@@ -67,19 +67,7 @@ ASCEND_ENV = {
     "STREAMS_PER_DEVICE": "32",
 }
 # The original document's order: the flag between --model-path and the path.
-ORIGINAL_ORDER_ARGV = [
-    "--model-path",
-    "--enable-ct-hpkv",
-    MODEL,
-    "--host",
-    "0.0.0.0",
-    "--port",
-    "8000",
-    "--page-size",
-    "64",
-    "--served-model-name",
-    SERVED,
-]
+ORIGINAL_ORDER_ARGV = ["--model-path", "--enable-ct-hpkv", MODEL, *GPU_ARGV[3:]]
 
 HOST_BUDGET_BYTES = 64 << 20
 
@@ -285,64 +273,31 @@ def host_pool(
 
 def _host_pool(kind, layout, page_size, num_layers, dtype, device_tokens, start_layer, options):
     sg = sglang_modules()
-    layers = {"start_layer": start_layer, "end_layer": start_layer + num_layers - 1}
+    common = dict(size=device_tokens, page_size=page_size, dtype=dtype, layer_num=num_layers, device="cpu")
+    common.update(enable_memory_saver=False, start_layer=start_layer, end_layer=start_layer + num_layers - 1)
     if kind == "mha":
-        device = sg.memory_pool.MHATokenToKVPool(
-            size=device_tokens,
-            page_size=page_size,
-            dtype=dtype,
-            head_num=2,
-            head_dim=8,
-            layer_num=num_layers,
-            device="cpu",
-            enable_memory_saver=False,
-            **layers,
-        )
-        info = device.get_device_pool_infos()[0].buffer_info
-        pool = sg.mha_host.MHATokenToKVPoolHost(
-            info,
-            2.0,
-            0,
-            page_size,
-            layout,
-            pin_memory=False,
-            device="cpu",
-            device_capacity_tokens=device.size,
-            start_layer=device.start_layer,
-            end_layer=device.end_layer,
-            **options,
-        )
+        device = sg.memory_pool.MHATokenToKVPool(head_num=2, head_dim=8, **common)
+        host_class, extra = sg.mha_host.MHATokenToKVPoolHost, {}
     elif kind == "mla":
-        device = sg.memory_pool.MLATokenToKVPool(
-            size=device_tokens,
-            page_size=page_size,
-            dtype=dtype,
-            kv_lora_rank=16,
-            qk_rope_head_dim=8,
-            layer_num=num_layers,
-            device="cpu",
-            enable_memory_saver=False,
-            **layers,
-        )
-        info = device.get_device_pool_infos()[0].buffer_info
-        pool = sg.mla_host.MLATokenToKVPoolHost(
-            info,
-            2.0,
-            0,
-            page_size,
-            layout,
-            pin_memory=False,
-            device="cpu",
-            device_capacity_tokens=device.size,
-            start_layer=device.start_layer,
-            end_layer=device.end_layer,
-            target_layer_num=device.layer_num,
-            override_kv_cache_dim=device.kv_cache_dim,
-            **options,
-        )
+        device = sg.memory_pool.MLATokenToKVPool(kv_lora_rank=16, qk_rope_head_dim=8, **common)
+        host_class = sg.mla_host.MLATokenToKVPoolHost
+        extra = {"target_layer_num": device.layer_num, "override_kv_cache_dim": device.kv_cache_dim}
     else:
         raise ValueError(kind)
-    return pool
+    return host_class(
+        device.get_device_pool_infos()[0].buffer_info,
+        2.0,
+        0,
+        page_size,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=device.size,
+        start_layer=device.start_layer,
+        end_layer=device.end_layer,
+        **extra,
+        **options,
+    )
 
 
 def page_bytes(pool, first_index: int) -> bytes:

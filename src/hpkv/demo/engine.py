@@ -4,6 +4,10 @@ It is started exactly as the documentation says (`VLLM_ENABLE_HPKV=1`, `HPKV_*` 
 documented flags), with `python -m vllm.entrypoints.openai.api_server` because the `vllm`
 console script of the CPU distribution fails on a version lookup. `--disable-log-requests` from
 the original documentation is left out: vLLM 0.32 rejects it (request logging is off by default).
+
+Primitives: `EngineProcess` (what every engine server here shares: launch and wait until it
+answers, stop its process group, `url`, `post`, `stream`, `metrics`), `VllmServer`, `free_port`,
+`wait_until_answers`. Must not know HPKV's internals; it speaks HTTP to the engine only.
 """
 
 from __future__ import annotations
@@ -18,8 +22,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
+
+_E = TypeVar("_E", bound="EngineProcess")
 
 HPKV_CONNECTOR = '{"kv_connector":"HpkvConnectorV1", "kv_role":"kv_both"}'
 
@@ -133,8 +141,96 @@ def wait_until_answers(
     raise TimeoutError(f"{what} did not answer within {timeout_s:.0f} s; log: {log_path}")
 
 
+class EngineProcess:
+    """An engine's HTTP server as a child process in a session of its own (a stop reaches its
+    workers too), spoken to on 127.0.0.1. Subclasses give `port`, `process`, `log_path`, `start`."""
+
+    port: int
+    process: subprocess.Popen | None
+    log_path: Path | None
+
+    def start(self: _E, timeout_s: float = 600.0) -> _E:
+        raise NotImplementedError
+
+    def _launch(self, cmd: list[str], env: dict[str, str], health_path: str, what: str, timeout_s: float) -> None:
+        """Start `cmd` and return once `health_path` answers from it; stopped again if it does not."""
+        log = open(self.log_path, "ab") if self.log_path else None
+        try:
+            self.process = subprocess.Popen(
+                cmd, env=env, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        finally:
+            if log is not None:
+                log.close()  # the child has its own copy
+        try:
+            wait_until_answers(self.process, self.url(health_path), timeout_s, what, self.log_path, 1.0, self.port)
+        except (TimeoutError, RuntimeError):
+            self.stop()
+            raise
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """SIGTERM to the server's process group (its workers too), SIGKILL after `timeout_s`."""
+        if self.process is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                self.process.poll()  # reaped, if it has not been
+                return
+            try:
+                self.process.wait(timeout_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def __enter__(self: _E) -> _E:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def post(self, path: str, body: dict | None = None, timeout_s: float = 600.0):
+        """POST `body` as JSON; the answer's JSON (its text where it is not JSON, None if empty)."""
+        data = json.dumps(body).encode() if body is not None else b""
+        request = urllib.request.Request(
+            self.url(path), data=data, method="POST", headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            raw = response.read()
+        try:
+            return json.loads(raw) if raw else None
+        except ValueError:
+            return raw.decode(errors="replace")
+
+    def stream(self, path: str, body: dict, timeout_s: float = 600.0) -> Iterator[dict]:
+        """POST `body` to a streaming endpoint: each server-sent event's JSON as it arrives."""
+        request = urllib.request.Request(
+            self.url(path), data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            for line in response:
+                line = line.strip()
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    yield json.loads(line[6:])
+
+    def metrics(self) -> dict[str, float]:
+        """The engine's /metrics, flattened: 'name{label="v",...}' -> value (no _created series)."""
+        text = urllib.request.urlopen(self.url("/metrics"), timeout=30).read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                if not name.split("{")[0].endswith("_created"):
+                    out[name] = out.get(name, 0.0) + float(value)
+        return out
+
+
 @dataclass
-class VllmServer:
+class VllmServer(EngineProcess):
     model: str
     env: dict[str, str]
     served_name: str = "hpkv-demo"
@@ -153,44 +249,8 @@ class VllmServer:
             "vllm.entrypoints.openai.api_server",
             *documented_flags(self.model, self.port, self.served_name, self.hpkv, self.block_size, self.extra_flags),
         ]
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            wait_until_answers(
-                self.process, self.url("/v1/models"), timeout_s, "vLLM", self.log_path, 1.0, port=self.port
-            )
-        except (TimeoutError, RuntimeError):
-            self.stop()
-            raise
+        self._launch(cmd, env, "/v1/models", "vLLM", timeout_s)
         return self
-
-    def stop(self, timeout_s: float = 60.0) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-
-    def __enter__(self) -> VllmServer:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def post(self, path: str, body: dict | None = None, timeout_s: float = 600.0):
-        data = json.dumps(body).encode() if body is not None else b""
-        request = urllib.request.Request(
-            self.url(path), data=data, method="POST", headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            raw = response.read()
-        return json.loads(raw) if raw else None
 
     def complete(self, prompt: str | list[int], max_tokens: int = 16, **extra) -> Completion:
         """A greedy completion, streamed so the time to the first token is measured; `extra`
@@ -206,46 +266,24 @@ class VllmServer:
             "stream_options": {"include_usage": True},
             "return_token_ids": True,
         }
-        request = urllib.request.Request(
-            self.url("/v1/completions"),
-            data=json.dumps(body).encode(),
-            method="POST",
-            headers={"Content-Type": "application/json"},
-        )
         started = time.perf_counter()
         ttft, text, prompt_tokens = None, "", 0
         token_ids: list[int] = []
         logprobs: list[float] = []
-        with urllib.request.urlopen(request, timeout=600) as response:
-            for line in response:
-                line = line.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                for choice in chunk.get("choices", []):
-                    if ttft is None:
-                        ttft = time.perf_counter() - started
-                    text += choice.get("text", "")
-                    token_ids += choice.get("token_ids") or []
-                    logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
-                if chunk.get("usage"):
-                    prompt_tokens = chunk["usage"]["prompt_tokens"]
+        for chunk in self.stream("/v1/completions", body):
+            for choice in chunk.get("choices", []):
+                if ttft is None:
+                    ttft = time.perf_counter() - started
+                text += choice.get("text", "")
+                token_ids += choice.get("token_ids") or []
+                logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
+            if chunk.get("usage"):
+                prompt_tokens = chunk["usage"]["prompt_tokens"]
         return Completion(text, token_ids or None, logprobs, prompt_tokens, ttft or 0.0, time.perf_counter() - started)
 
     def reset_prefix_cache(self, external: bool = False) -> bool:
         path = "/reset_prefix_cache" + ("?reset_external=true" if external else "")
         return bool((self.post(path) or {}).get("success", True))
-
-    def metrics(self) -> dict[str, float]:
-        """vLLM's /metrics, flattened: 'name{label="v",...}' -> value (no _created series)."""
-        text = urllib.request.urlopen(self.url("/metrics"), timeout=30).read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                if not name.split("{")[0].endswith("_created"):
-                    out[name] = float(value)
-        return out
 
     def cached_tokens_by_source(self) -> dict[str, float]:
         prefix = "vllm:prompt_tokens_cached_by_source_total"

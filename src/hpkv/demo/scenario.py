@@ -16,7 +16,7 @@ import contextlib
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,24 +68,47 @@ def documented_env(pool_size: str, pool_dir: Path, storage: Path, workdir: Path)
     }
 
 
-def run_demo(cfg: DemoConfig) -> list[Step]:
+@dataclass
+class Walk:
+    """What a walk runs on: the model, a fresh storage directory, a pool directory of its own,
+    the documented exports and the prompt."""
+
+    model: str
+    storage: Path
+    pool_dir: Path
+    env: dict[str, str]
+    prompt: str
+
+
+@contextlib.contextmanager
+def walk(cfg: DemoConfig, engine: str) -> Iterator[Walk]:
+    """A walk's set-up for `engine` ("vllm": with VLLM_ENABLE_HPKV=1; otherwise the HPKV_*
+    exports only), each export logged; its pool directory is removed afterwards."""
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     model = cfg.model or str(build_model(cfg.workdir / "tiny-qwen2"))
     storage = cfg.workdir / "storage"
     shutil.rmtree(storage, ignore_errors=True)
     pool_dir = Path(tempfile.mkdtemp(prefix="hpkv-demo-", dir="/dev/shm"))
-    env = documented_env(cfg.pool_size, pool_dir, storage, cfg.workdir)
-    for key, value in env.items():
-        cfg.log(f"  export {key}={value}")
-    prompt = prompt_text(cfg.prompt_words, seed=2024)
-    steps: list[Step] = []
     try:
-        with _engine(model, env, cfg) as engine:
-            cold = _measure(engine, prompt)
+        env = documented_env(cfg.pool_size, pool_dir, storage, cfg.workdir)
+        if engine != "vllm":
+            env = {k: v for k, v in env.items() if k.startswith("HPKV_")}
+        for key, value in env.items():
+            cfg.log(f"  export {key}={value}")
+        yield Walk(model, storage, pool_dir, env, prompt_text(cfg.prompt_words, seed=2024))
+    finally:
+        shutil.rmtree(pool_dir, ignore_errors=True)
+
+
+def run_demo(cfg: DemoConfig) -> list[Step]:
+    steps: list[Step] = []
+    with walk(cfg, "vllm") as w:
+        with _engine(w.model, w.env, cfg) as engine:
+            cold = _measure(engine, w.prompt)
             steps.append(Step("cold request (computed)", "-", 0, cold[0].ttft_s * 1e3, "-"))
-            files = sum(1 for _ in storage.rglob("*.kv"))
-            steps.append(Step(f"{files} KV files written under {storage}", "storage", 0, 0.0, "-", files))
-            reference = _measure(engine, prompt)
+            files = sum(1 for _ in w.storage.rglob("*.kv"))
+            steps.append(Step(f"{files} KV files written under {w.storage}", "storage", 0, 0.0, "-", files))
+            reference = _measure(engine, w.prompt)
             steps.append(
                 Step(
                     "same request: vLLM's own prefix cache",
@@ -96,14 +119,12 @@ def run_demo(cfg: DemoConfig) -> list[Step]:
                 )
             )
             engine.reset_prefix_cache()
-            dram = _measure(engine, prompt)
+            dram = _measure(engine, w.prompt)
             steps.append(_hit_step("POST /reset_prefix_cache, same request", "host", dram, reference[0]))
-        _wait_for_hpkv_server_exit(pool_dir)
-        with _engine(model, env, cfg, "restarting vLLM") as engine:
-            disk = _measure(engine, prompt)
+        wait_for_server_exit(w.pool_dir)
+        with _engine(w.model, w.env, cfg, "restarting vLLM") as engine:
+            disk = _measure(engine, w.prompt)
             steps.append(_hit_step("engine restarted, same request", "disk", disk, reference[0]))
-    finally:
-        shutil.rmtree(pool_dir, ignore_errors=True)
     return steps
 
 
@@ -138,7 +159,7 @@ def _hit_step(name: str, tier: str, measured: tuple[Completion, dict[str, float]
     )
 
 
-def _wait_for_hpkv_server_exit(pool_dir: Path, timeout_s: float = 120.0) -> None:
+def wait_for_server_exit(pool_dir: Path, timeout_s: float = 120.0) -> None:
     """An auto-started server exits HPKV_SERVER_IDLE_EXIT_S after its last client, removing its
     socket; until then DRAM is still warm. Only the socket file is watched: connecting to the
     server to ask would make it a client and keep it alive."""

@@ -13,9 +13,7 @@ Must not know: HPKV's internals; it speaks HTTP to SGLang only.
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .engine import Completion, free_port, wait_until_answers
+from .engine import Completion, EngineProcess, free_port
 
 HPKV_FLAG = "--enable-ct-hpkv"
 LAUNCHERS = ("launch_server", "serve")  # python -m sglang.launch_server / sglang serve
@@ -54,7 +52,7 @@ class SglangCompletion(Completion):
 
 
 @dataclass
-class SglangServer:
+class SglangServer(EngineProcess):
     model: str
     env: dict[str, str]
     hpkv: bool = True
@@ -84,52 +82,8 @@ class SglangServer:
 
     def start(self, timeout_s: float = 600.0) -> SglangServer:
         env = {**CPU_ENV, **os.environ, **self.env} if self.cpu else {**os.environ, **self.env}
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(
-            self.command(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            wait_until_answers(self.process, self.url("/health"), timeout_s, "SGLang", self.log_path, 1.0, self.port)
-        except (TimeoutError, RuntimeError):
-            self.stop()
-            raise
+        self._launch(self.command(), env, "/health", "SGLang", timeout_s)
         return self
-
-    def stop(self, timeout_s: float = 60.0) -> None:
-        """SIGTERM to the server's process group (its tokenizer and schedulers), SIGKILL after."""
-        if self.process is None:
-            return
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.process.wait(timeout_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-
-    def __enter__(self) -> SglangServer:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def post(self, path: str, body: dict | None = None, timeout_s: float = 600.0):
-        data = json.dumps(body).encode() if body is not None else b""
-        request = urllib.request.Request(
-            self.url(path), data=data, method="POST", headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            raw = response.read()
-        try:
-            return json.loads(raw) if raw else None
-        except ValueError:
-            return raw.decode(errors="replace")
 
     def complete(self, prompt: str | list[int], max_tokens: int = 16) -> SglangCompletion:
         """A greedy completion through `/generate`, streamed so the time to first token is measured;
@@ -140,19 +94,11 @@ class SglangServer:
             "return_logprob": True,
             "stream": True,
         }
-        request = urllib.request.Request(
-            self.url("/generate"), data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
         started = time.perf_counter()
         ttft, last = None, None
-        with urllib.request.urlopen(request, timeout=600) as response:
-            for line in response:
-                line = line.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                last = json.loads(line[6:])
-                if ttft is None:
-                    ttft = time.perf_counter() - started
+        for answer in self.stream("/generate", body):  # each event holds the whole answer so far
+            ttft = time.perf_counter() - started if ttft is None else ttft
+            last = answer
         if last is None:
             raise RuntimeError("SGLang's /generate streamed no answer")
         return _completion(last, ttft or 0.0, time.perf_counter() - started)
@@ -168,17 +114,6 @@ class SglangServer:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-
-    def metrics(self) -> dict[str, float]:
-        """SGLang's /metrics, flattened: 'name{label="v",...}' -> value."""
-        text = urllib.request.urlopen(self.url("/metrics"), timeout=30).read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                if not name.split("{")[0].endswith("_created"):
-                    out[name] = out.get(name, 0.0) + float(value)
-        return out
 
     def cached_tokens_by_source(self) -> dict[str, float]:
         """sglang:cached_tokens_total summed by cache_source ('device', 'host', 'storage')."""

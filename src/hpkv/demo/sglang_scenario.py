@@ -10,50 +10,36 @@
    request: loaded from HPKV's storage.
 SGLang reports every HPKV hit as a `storage` hit (its L3); HPKV's per-namespace counters say
 which of HPKV's tiers served it. The engine runs with `--hicache-storage-prefetch-policy
-wait_complete`: under SGLang's default `timeout` policy, the first lookup after a start can give
-up while HPKV's server is still starting, and the walk would show a miss.
+wait_complete`: SGLang's default `timeout` policy gives up on a load after about a second (plus
+0.25 s per 1K tokens), which a busy CPU can exceed, and the walk would show a miss.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 from ..server import protocol
 from ..server.client import Client
-from .model import build_model, prompt_text
 from .progress import running
-from .scenario import DemoConfig, Step, _wait_for_hpkv_server_exit, documented_env, has_accelerator
+from .scenario import DemoConfig, Step, has_accelerator, wait_for_server_exit, walk
 from .sglang_engine import SglangCompletion, SglangServer
 
 WAIT_FLAGS = ("--hicache-storage-prefetch-policy", "wait_complete")
 
 
 def run_sglang_demo(cfg: DemoConfig) -> list[Step]:
-    cfg.workdir.mkdir(parents=True, exist_ok=True)
-    model = cfg.model or str(build_model(cfg.workdir / "tiny-qwen2"))
-    storage = cfg.workdir / "storage"
-    shutil.rmtree(storage, ignore_errors=True)
-    pool_dir = Path(tempfile.mkdtemp(prefix="hpkv-demo-", dir="/dev/shm"))
-    env = {
-        k: v for k, v in documented_env(cfg.pool_size, pool_dir, storage, cfg.workdir).items() if k.startswith("HPKV_")
-    }
-    for key, value in env.items():
-        cfg.log(f"  export {key}={value}")
-    prompt = prompt_text(cfg.prompt_words, seed=2024)
     steps: list[Step] = []
-    try:
-        with _engine(model, env, cfg) as engine:
-            cold = engine.complete(prompt)
+    with walk(cfg, "sglang") as w:
+        with _engine(w.model, w.env, cfg) as engine:
+            cold = engine.complete(w.prompt)
             steps.append(Step("cold request (computed)", "-", 0, cold.ttft_s * 1e3, "-"))
             _wait_stored(engine, cold)
-            files = _wait_files(storage)
-            steps.append(Step(f"{files} KV files written under {storage}", "storage", 0, 0.0, "-", files))
-            reference = engine.complete(prompt)
+            files = _wait_files(w.storage)
+            steps.append(Step(f"{files} KV files written under {w.storage}", "storage", 0, 0.0, "-", files))
+            reference = engine.complete(w.prompt)
             steps.append(
                 Step(
                     "same request: SGLang's own device cache",
@@ -64,12 +50,12 @@ def run_sglang_demo(cfg: DemoConfig) -> list[Step]:
                 )
             )
             engine.flush_cache()
-            steps.append(_hit_step("POST /flush_cache, same request", "dram", engine, pool_dir, prompt, reference))
-        _wait_for_hpkv_server_exit(pool_dir)
-        with _engine(model, env, cfg, "restarting SGLang") as engine:
-            steps.append(_hit_step("engine restarted, same request", "storage", engine, pool_dir, prompt, reference))
-    finally:
-        shutil.rmtree(pool_dir, ignore_errors=True)
+            steps.append(_hit_step("POST /flush_cache, same request", "dram", engine, w.pool_dir, w.prompt, reference))
+        wait_for_server_exit(w.pool_dir)
+        with _engine(w.model, w.env, cfg, "restarting SGLang") as engine:
+            steps.append(
+                _hit_step("engine restarted, same request", "storage", engine, w.pool_dir, w.prompt, reference)
+            )
     return steps
 
 

@@ -2,7 +2,8 @@
 
 SGLang builds it through its `dynamic` storage backend with the zero-copy v1 interface (see
 `flag.py`), one per scheduler process (TP/PP rank), then hands it the host pool
-(`register_mem_pool_host`). Owns SGLang's interface: the namespace of this rank, which pages
+(`register_mem_pool_host`, where HPKV's server is reached, or started, in the background so
+that the first lookup can hit). Owns SGLang's interface: the namespace of this rank, which pages
 are worth storing (`stores_pages`: none where no page could ever hit), and `clear` (this
 namespace, by the ranks that write it, waiting CLEAR_WAIT_S at most on the scheduler thread).
 The transfers, a client per SGLang thread and the faults-as-misses are `pageio.PageIO`'s:
@@ -75,6 +76,7 @@ class HpkvStorage(HiCacheStorage):
         self.desc = desc = lay.namespace(self.storage_config, layout, model)
         self.ns = desc.ns
         self.io.bind(desc, layout)
+        self.io.connect_early()  # SGLang's first lookup must find a server, not start one
         if model is not None and model.identity is not None and self.storage_config.tp_rank == 0:
             log.info(
                 "HPKV model identity: %s; model %s; namespace model %s",

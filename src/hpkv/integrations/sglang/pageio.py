@@ -1,7 +1,9 @@
 """The page I/O of one SGLang rank against the node's HPKV server, every fault a miss.
 
 Owns a client per SGLang thread (so a timeout in one never closes another's connection in the
-middle of a copy; the clients of threads that ended are closed), and the three transfers:
+middle of a copy; the clients of threads that ended are closed), the first of them connected in
+the background at registration (`connect_early`, starting the server if none answers, so that
+SGLang's first lookup finds one ready within its prefetch timeout), and the three transfers:
 `exists` (leading pages held, DRAM or storage), `load` (lease, wait for promotions, copy into
 the host pages, release; only bytes copied while the lease held count), `save` (reserve, copy,
 commit; a page held already or without room is skipped). `run` turns HPKV faults and bugs into
@@ -41,10 +43,34 @@ class PageIO:
         self._local = threading.local()
         self._clients: dict[threading.Thread, Client] = {}
         self._lock = threading.Lock()
+        self._spare: Client | None = None  # connected early, for the first thread that asks
         self._fault_log = Throttle()  # by kind: HPKV faults (False), unexpected errors (True)
 
     def bind(self, desc: NamespaceDesc, layout: lay.PageLayout) -> None:
         self.desc, self.layout = desc, layout
+
+    def connect_early(self) -> threading.Thread:
+        """Connect and register one client in a thread of its own (a server start takes seconds:
+        not on SGLang's scheduler thread), parked for the first SGLang thread that needs one."""
+        worker = threading.Thread(target=self.run, args=("connect", None, self._park), name="hpkv-connect", daemon=True)
+        worker.start()
+        return worker
+
+    def _park(self) -> None:
+        assert self.desc is not None  # bound before
+        client = Client(self.pool_dir, kind="sglang-early", prefault=self.prefault, trusted_uids=self.trusted_uids)
+        try:
+            client.connect()
+            client.register(self.desc)
+        except BaseException:
+            client.close()
+            raise
+        with self._lock:
+            parked = not self.closed and self._spare is None
+            if parked:
+                self._spare = client
+        if not parked:
+            client.close()
 
     def exists(self, keys: list[str]) -> int:
         ns, _ = self._registered()
@@ -110,6 +136,9 @@ class PageIO:
         with self._lock:
             self.closed = True
             clients, self._clients = list(self._clients.values()), {}
+            if self._spare is not None:
+                clients.append(self._spare)
+                self._spare = None
         for client in clients:
             client.close()
 
@@ -122,30 +151,36 @@ class PageIO:
         """This thread's client, registered in this rank's namespace."""
         client = getattr(self._local, "client", None)
         if client is None:
-            client = self._new_client()
+            client, registered = self._new_client()
             self._local.client = client
-            self._local.registered = False
+            self._local.registered = registered
         if not self._local.registered:
             assert self.desc is not None  # register_mem_pool_host comes before any I/O
             client.register(self.desc)
             self._local.registered = True
         return client
 
-    def _new_client(self) -> Client:
-        """A client for this thread. SGLang restarts its storage threads (on /flush_cache, for
-        one), so the clients of threads that ended are closed here."""
+    def _new_client(self) -> tuple[Client, bool]:
+        """A client for this thread (the one connected early, if not taken yet), and whether it
+        is registered. SGLang restarts its storage threads (on /flush_cache, for one), so the
+        clients of threads that ended are closed here."""
         this = threading.current_thread()
-        client = Client(
-            self.pool_dir, kind=f"sglang-{this.name}", prefault=self.prefault, trusted_uids=self.trusted_uids
-        )
+        with self._lock:
+            client, self._spare = self._spare, None
+        registered = client is not None
+        if client is None:
+            client = Client(
+                self.pool_dir, kind=f"sglang-{this.name}", prefault=self.prefault, trusted_uids=self.trusted_uids
+            )
         with self._lock:
             if self.closed:
+                client.close()
                 raise ServerUnavailable("the HPKV storage backend is closed")
             ended = [thread for thread in self._clients if not thread.is_alive()]
             for thread in ended:
                 self._clients.pop(thread).close()
             self._clients[this] = client
-        return client
+        return client, registered
 
     def run(self, what: str, miss, fn, *args):
         """`fn(*args)`, or `miss` on any fault: SGLang's threads never get an exception."""
