@@ -304,7 +304,8 @@ def registration_scale(opts: Options) -> dict:
             server = PoolRegion.create(pool_dir, size)
             server.wait_ready()  # the pool's pages in place, as under a running server
             client = PoolRegion.attach(os.dup(server.share_fd()), size, server.path)
-            tensors = PoolTensors(torch.device(opts.device), CudaPinning() if opts.device == "cuda" else LockPinning())
+            device = torch.device(opts.device)
+            tensors = PoolTensors(device, CudaPinning(device) if device.type == "cuda" else LockPinning())
             started = time.perf_counter()
             _, pieces = tensors.get_pieces(client)
             handed_out = time.perf_counter() - started
@@ -377,7 +378,7 @@ def restart_check(opts: Options) -> dict:
         torch.randint(-128, 128, (opts.num_blocks, opts.page_bytes), dtype=torch.int8, device=device, generator=fill)
         for _ in range(opts.num_layers)
     ]
-    pinning = CountingPinning(CudaPinning() if device.type == "cuda" else None)
+    pinning = CountingPinning(CudaPinning(device) if device.type == "cuda" else None)
     copier = BlockCopier(views, tuple(i * opts.page_bytes for i in range(opts.num_layers)), pinning=pinning)
     log_path = pool_dir / "servers.log"
     server = start_server(env, log_path)

@@ -51,7 +51,7 @@ class PoolTensors:
 
     def __init__(self, device: torch.device, pinning=None, piece_bytes: int = PIECE_BYTES, sweep: bool = True) -> None:
         self.device = device
-        self.pinning = pinning if pinning is not None else CudaPinning() if device.type == "cuda" else None
+        self.pinning = pinning if pinning is not None else CudaPinning(device) if device.type == "cuda" else None
         self.piece_bytes, self.sweep = piece_bytes, sweep
         self._tokens: weakref.WeakKeyDictionary[PoolRegion, int] = weakref.WeakKeyDictionary()
         self._held: dict[int, tuple[torch.Tensor, PinnedPieces]] = {}  # token -> (tensor, its pieces)

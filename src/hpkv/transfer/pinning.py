@@ -32,12 +32,19 @@ _NOT, _REGISTERING, _REGISTERED, _FAILED = 0, 1, 2, 3
 
 
 class CudaPinning:
-    """Registers host memory with CUDA (`cudaHostRegister`)."""
+    """Registers host memory with CUDA (`cudaHostRegister`) for `device` (None: the calling
+    thread's device now), from whichever thread registers."""
+
+    def __init__(self, device=None) -> None:
+        import torch
+
+        self.device = torch.cuda.current_device() if device is None or device.index is None else device.index
 
     def register(self, address: int, nbytes: int) -> bool:
         import torch
 
-        result = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+        with torch.cuda.device(self.device):  # the registration thread's own device is cuda:0
+            result = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
         code = result[0] if isinstance(result, tuple) else result
         # 712, cudaErrorHostMemoryAlreadyRegistered: another copier in this process (another KV
         # cache group's, another engine's) registered this piece first; it is pinned all the same.
@@ -54,7 +61,8 @@ class CudaPinning:
     def unregister(self, address: int, nbytes: int) -> None:
         import torch
 
-        torch.cuda.cudart().cudaHostUnregister(address)
+        with torch.cuda.device(self.device):
+            torch.cuda.cudart().cudaHostUnregister(address)
 
 
 class LockPinning:
