@@ -21,7 +21,8 @@ entries indexed, and the write-through's CPU per GiB against the floor of the sa
   the same puts (reserve, commit) in a server with storage off, and its CPU for the benchmark's
   stats polls (one second of them alone, scaled to their number).
 
-    python -m bench.index_costs [--storage-entries 10000000] [--entry-mib 1 4] [--json]
+    python -m bench.index_costs [--storage-entries 10000000] [--entry-mib 1 4] [--storage-dir DIR]
+                               [--write-through-only] [--json]
 """
 
 from __future__ import annotations
@@ -246,12 +247,15 @@ def main() -> None:
     parser.add_argument(
         "--storage-dir", help="where the write-through's storage goes (default: the temporary directory)"
     )
+    parser.add_argument("--write-through-only", action="store_true", help="skip the two index measurements")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    log("costs: DRAM index")
-    dram = dram_index()
-    log("costs: storage index")
-    storage = storage_index(args.storage_entries)
+    dram = storage = None
+    if not args.write_through_only:
+        log("costs: DRAM index")
+        dram = dram_index()
+        log("costs: storage index")
+        storage = storage_index(args.storage_entries)
     writes = []
     for entry in args.entry_mib:
         log(f"costs: write-through, {entry} MiB entries")
@@ -259,15 +263,21 @@ def main() -> None:
     result = {"dram_index": dram, "storage_index": storage, "write_through": writes, "cpus": os.cpu_count()}
     if args.json:
         print(json.dumps(result, indent=2))
-        return
+    else:
+        print_report(result)
+
+
+def print_report(result: dict) -> None:
+    dram, storage, writes = result["dram_index"], result["storage_index"], result["write_through"]
     print(f"HPKV index and write-through costs ({result['cpus']} CPUs, load {os.getloadavg()[0]:.2f})")
-    print(f"  DRAM index: {dram['bytes_per_million'] / MiB:.0f} MiB of server memory per million entries")
-    big, small = storage["lookup_4096_ms"], storage["lookup_4096_ms_with_4096_indexed"]
-    print(
-        f"  storage index: {storage['bytes_per_million'] / MiB:.0f} MiB per million entries; a 4,096-key lookup"
-        f" with {storage['entries']:,} indexed: median {big['median']:.2f} ms, p99 {big['p99']:.2f} ms"
-        f" (with 4,096 indexed: {small['median']:.2f} ms = {big['median'] / small['median']:.2f}x)"
-    )
+    if dram is not None:
+        print(f"  DRAM index: {dram['bytes_per_million'] / MiB:.0f} MiB of server memory per million entries")
+        big, small = storage["lookup_4096_ms"], storage["lookup_4096_ms_with_4096_indexed"]
+        print(
+            f"  storage index: {storage['bytes_per_million'] / MiB:.0f} MiB per million entries; a 4,096-key lookup"
+            f" with {storage['entries']:,} indexed: median {big['median']:.2f} ms, p99 {big['p99']:.2f} ms"
+            f" (with 4,096 indexed: {small['median']:.2f} ms = {big['median'] / small['median']:.2f}x)"
+        )
     for w in writes:
         print(
             f"  write-through, {w['entry_bytes'] / MiB:g} MiB entries: {w['cpu_s_per_gib']:.2f} CPU s/GiB (server"
