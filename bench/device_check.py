@@ -22,6 +22,12 @@ Every copy is checked: the loaded blocks must equal the saved ones, byte for byt
    server generation; after the last, exactly one pool must be registered (cudaHostRegister)
    and mapped: every old one unregistered and unmapped once its handles were gone.
 
+6. worker registration against pool size (`--register-gib`, 1,4,16 by default, as far as
+   /dev/shm has room): a fresh pool attached as a worker attaches it, the time `PoolTensors`
+   takes to hand it out (what a worker's first copy waits for: registration runs in pieces in
+   the background) and the time until every piece is registered; the slopes per GiB.
+The copy rows of step 3 are measured once the pool is registered whole.
+
 Without CUDA it prints "no CUDA device: skipped" and exits 0. `--device cpu` runs the same logic
 with a CPU "device" (no pinning; the restart check counts registrations with a stand-in), to test
 the script itself; `--restart-only` runs step 5 alone. Figures are GB/s (10^9 bytes/s), the
@@ -66,6 +72,7 @@ class Options:
     json: bool
     restarts: int = 2  # server restarts under a running worker (step 5); 0: none
     restart_only: bool = False
+    register_gib: tuple[float, ...] = (1.0, 4.0, 16.0)  # pool sizes of the registration step
 
 
 @dataclass
@@ -92,6 +99,7 @@ def parse_args(argv: list[str]) -> Options:
     p.add_argument("--json", action="store_true")
     p.add_argument("--restarts", type=int, default=2, help="server restarts under a running worker (0: skip)")
     p.add_argument("--restart-only", action="store_true", help="only the restart check")
+    p.add_argument("--register-gib", default="1,4,16", help="pool sizes of the registration step ('': skip)")
     a = p.parse_args(argv)
     return Options(
         a.device,
@@ -104,6 +112,7 @@ def parse_args(argv: list[str]) -> Options:
         a.json,
         a.restarts,
         a.restart_only,
+        tuple(float(x) for x in a.register_gib.split(",") if x),
     )
 
 
@@ -161,17 +170,21 @@ def run(opts: Options) -> dict:
         ]
         copier = BlockCopier(views, tuple(i * opts.page_bytes for i in range(opts.num_layers)))
         started = time.perf_counter()
-        copier.pools.get(region)  # maps the pool and registers it, as the worker's first copy does
+        _, pieces = copier.pools.get_pieces(region)  # as the worker's first copy: registration starts
+        attach_s = time.perf_counter() - started
+        if pieces is not None:
+            pieces.wait_idle()  # the copies below are measured against a pool registered whole
         register_s = time.perf_counter() - started
         rows, checks = copier_rows(opts, copier, region, slot_bytes, sync, gen)
         rows += limit_rows(opts, views, slot_bytes, sync, gen)
-        pinned = copier.pools.pinned
+        pinned = pieces is not None and pieces.registered_bytes() == size
         copier.pools.close()  # unpinned before the pool is unmapped: no registration of dead pages
         del copier, views
         gc.collect()  # the pool's tensor views must be gone before it is unmapped
         return {
             "pool_bytes": size,
             "pool_pinned": pinned,
+            "attach_s": attach_s,
             "register_s": register_s,
             "entry_bytes": entry_bytes,
             "rows": rows,
@@ -258,14 +271,73 @@ class CountingPinning:
         self.inner = inner
         self.num_registered = self.num_unregistered = 0
 
-    def register(self, tensor) -> bool:
+    def register(self, address: int, nbytes: int) -> bool:
         self.num_registered += 1
-        return self.inner.register(tensor) if self.inner is not None else True
+        return self.inner.register(address, nbytes) if self.inner is not None else True
 
-    def unregister(self, tensor) -> None:
+    def unregister(self, address: int, nbytes: int) -> None:
         self.num_unregistered += 1
         if self.inner is not None:
-            self.inner.unregister(tensor)
+            self.inner.unregister(address, nbytes)
+
+
+def registration_scale(opts: Options) -> dict:
+    """Step 6: a worker's registration against pool size: how long handing the pool out takes
+    (what a worker's first copy waits for) and how long registering it whole takes in the
+    background, pools of `--register-gib` (those /dev/shm has room for). On the CPU the
+    registration is `LockPinning` (mlock), to test the script itself."""
+    import torch
+
+    from hpkv.pool.region import PoolRegion
+    from hpkv.transfer.blocks import PoolTensors
+    from hpkv.transfer.pinning import CudaPinning, LockPinning
+
+    rows, skipped = [], []
+    for gib in opts.register_gib:
+        size = int(gib * 2**30)
+        if size > shutil.disk_usage(SHM).free // 2:
+            skipped.append(gib)
+            continue
+        pool_dir = Path(tempfile.mkdtemp(prefix="hpkv-device-register-", dir=SHM))
+        server = client = None
+        try:
+            server = PoolRegion.create(pool_dir, size)
+            server.wait_ready()  # the pool's pages in place, as under a running server
+            client = PoolRegion.attach(os.dup(server.share_fd()), size, server.path)
+            device = torch.device(opts.device)
+            tensors = PoolTensors(device, CudaPinning(device) if device.type == "cuda" else LockPinning())
+            started = time.perf_counter()
+            _, pieces = tensors.get_pieces(client)
+            handed_out = time.perf_counter() - started
+            assert pieces is not None
+            pieces.wait_idle()
+            registered = time.perf_counter() - started
+            whole = pieces.registered_bytes() == size
+            tensors.close()
+            del pieces, tensors
+            gc.collect()
+            rows.append(
+                {"pool_gib": gib, "handed_out_ms": handed_out * 1e3, "registered_s": registered, "whole": whole}
+            )
+        finally:
+            for region in (client, server):
+                if region is not None:
+                    region.close()
+            shutil.rmtree(pool_dir, ignore_errors=True)
+    out: dict = {"registration": rows, "registration_skipped": skipped, "checks": {}}
+    if len(rows) >= 2:
+        first, last = rows[0], rows[-1]
+        span = last["pool_gib"] - first["pool_gib"]
+        out["registration_slope"] = {
+            "handed_out_ms_per_gib": (last["handed_out_ms"] - first["handed_out_ms"]) / span,
+            "registered_s_per_gib": (last["registered_s"] - first["registered_s"]) / span,
+        }
+    for row in rows:
+        out["checks"][f"registration: a {row['pool_gib']:g} GiB pool handed out within 100 ms"] = (
+            row["handed_out_ms"] < 100
+        )
+        out["checks"][f"registration: a {row['pool_gib']:g} GiB pool registered whole"] = row["whole"]
+    return out
 
 
 def pool_mappings(directory: Path) -> int:
@@ -283,7 +355,8 @@ def restart_check(opts: Options) -> dict:
     from hpkv.keys import NamespaceDesc, make_key
     from hpkv.server.autostart import ServerUnavailable
     from hpkv.server.client import Client
-    from hpkv.transfer.blocks import BlockCopier, CudaPinning
+    from hpkv.transfer.blocks import BlockCopier
+    from hpkv.transfer.pinning import CudaPinning
 
     device = torch.device(opts.device)
     entry_bytes = opts.num_layers * opts.page_bytes
@@ -305,7 +378,7 @@ def restart_check(opts: Options) -> dict:
         torch.randint(-128, 128, (opts.num_blocks, opts.page_bytes), dtype=torch.int8, device=device, generator=fill)
         for _ in range(opts.num_layers)
     ]
-    pinning = CountingPinning(CudaPinning() if device.type == "cuda" else None)
+    pinning = CountingPinning(CudaPinning(device) if device.type == "cuda" else None)
     copier = BlockCopier(views, tuple(i * opts.page_bytes for i in range(opts.num_layers)), pinning=pinning)
     log_path = pool_dir / "servers.log"
     server = start_server(env, log_path)
@@ -346,6 +419,7 @@ def restart_check(opts: Options) -> dict:
             lease = client.lease(ns, keys)
             ready = client.wait(lease, timeout_s=30)
             copier.load(lease.region, dst, lease.offsets)
+            copier.pools.get_pieces(lease.region)[1].wait_idle(60)  # its one piece registered
             same = same and ready == opts.num_moved and all(torch.equal(v[dst], v[src]) for v in views)
             client.release(lease)
             del res, lease
@@ -399,7 +473,8 @@ def print_report(head: dict, result: dict) -> None:
     print(
         f"pool: {result['pool_bytes'] / 2**30:.2f} GiB on /dev/shm; pinned (cudaHostRegister): "
         f"{'yes' if result['pool_pinned'] else 'no' if head['options']['device'] == 'cuda' else 'n/a (cpu)'}"
-        f" in {result['register_s'] * 1e3:.0f} ms; entry {result['entry_bytes'] / 2**10:.0f} KiB, "
+        f" (handed out in {result['attach_s'] * 1e3:.1f} ms, registered whole in the background after "
+        f"{result['register_s'] * 1e3:.0f} ms); entry {result['entry_bytes'] / 2**10:.0f} KiB, "
         f"{head['options']['num_moved']} blocks per copy"
     )
     print(f"{'measure':<58} {'blocks':<12} {'GB/s':>8} {'limit':>8} {'ratio':>6}")
@@ -410,7 +485,24 @@ def print_report(head: dict, result: dict) -> None:
     print_restart(result)
 
 
+def print_scale(result: dict) -> None:
+    for row in result.get("registration", []):
+        print(
+            f"registration, pool {row['pool_gib']:g} GiB: handed out in {row['handed_out_ms']:.1f} ms, "
+            f"registered whole in the background after {row['registered_s']:.2f} s"
+        )
+    if result.get("registration_slope"):
+        slope = result["registration_slope"]
+        print(
+            f"registration slope: {slope['handed_out_ms_per_gib']:+.2f} ms/GiB handed out (what a worker's "
+            f"start waits for), {slope['registered_s_per_gib']:.3f} s/GiB in the background"
+        )
+    for gib in result.get("registration_skipped", []):
+        print(f"registration, pool {gib:g} GiB: skipped (/dev/shm has too little room)")
+
+
 def print_restart(result: dict) -> None:
+    print_scale(result)
     if result.get("restart_s"):
         print(
             f"server restarts under a running worker: {len(result['restart_s'])}, each "
@@ -439,6 +531,10 @@ def main(argv: list[str] | None = None) -> int:
     if not opts.restart_only:
         attach_limits(result["rows"])
         result["rows"] = [{**row.__dict__, "ratio": row.ratio} for row in result["rows"]]
+    if opts.register_gib and not opts.restart_only:
+        scale = registration_scale(opts)
+        result["checks"].update(scale.pop("checks"))
+        result.update(scale)
     if opts.restarts:
         restart = restart_check(opts)
         result["checks"].update(restart.pop("checks"))

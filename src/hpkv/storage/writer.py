@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 3  # 3: the pool comes as a descriptor
 HELLO = "hpkv-writer"
+_OK_LINE = json.dumps({"ok": True}).encode() + b"\n"  # what `_answer` writes for a job done
 
 
 class WriterUnavailable(HpkvError):
@@ -109,6 +110,8 @@ class WriterProcess:
 
     def _read_reply(self) -> dict:
         line = self._stdout.readline()  # blocks without the GIL
+        if line == _OK_LINE:  # nearly every reply: no parse
+            return {"ok": True}
         if not line:
             code = self.proc.wait()
             return {"errno": errno.EIO, "error": f"the write-through process {self.proc.pid} exited ({code})"}

@@ -12,10 +12,13 @@ runs are copied page by page with `memmove` (ctypes), and a move of more than `S
 of tasks shared by the calling thread and one helper thread (both release the GIL; the caller
 takes tasks until none are left, so a descheduled helper costs nothing).
 
-The pool is mapped as a CPU tensor; on CUDA it is registered as pinned memory once per pool
-mapping, so device copies DMA straight into it (the stream is synchronized once, before
-`save`/`load` return). The registration lasts as long as the mapping's `PoolRegion`: once no client
-or handle refers to it (a restarted server's old pool) it is unregistered and its tensor dropped.
+The pool is mapped as a CPU tensor; on CUDA each pool mapping is registered as pinned memory in
+pieces, in the background (`pinning.PinnedPieces`), so a worker's first copy waits for no
+registration: a copy is cut where pieces end, goes as a DMA straight into a registered piece and
+as a pageable copy into one not registered yet (the stream is synchronized once, before
+`save`/`load` return). The registration lasts as long as the mapping's `PoolRegion`: once no
+client or handle refers to it (a restarted server's old pool) it is unregistered and its tensor
+dropped. Given a pinning on the CPU, copies take the same path (torch `copy_`).
 Must not know: the server, keys, namespaces.
 """
 
@@ -33,70 +36,50 @@ import numpy as np
 import torch
 
 from ..pool.region import PoolRegion
+from .pinning import PIECE_BYTES, CudaPinning, PinnedPieces
 
 log = logging.getLogger(__name__)
 
 
-class CudaPinning:
-    """Registers host memory with CUDA (`cudaHostRegister`), for `PoolTensors`."""
-
-    def register(self, tensor: torch.Tensor) -> bool:
-        result = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
-        code = result[0] if isinstance(result, tuple) else result
-        # 712, cudaErrorHostMemoryAlreadyRegistered: another copier in this process (the saver
-        # thread's, another engine's) registered this mapping first; it is pinned all the same.
-        if int(code) in (0, 712):
-            return True
-        log.warning(
-            "could not register the HPKV pool as pinned memory (cuda error %s); copies to and "
-            "from the GPU will be slower",
-            code,
-        )
-        return False
-
-    def unregister(self, tensor: torch.Tensor) -> None:
-        torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
-
-
 class PoolTensors:
     """The pool as an int8 CPU tensor. With a `pinning` (CUDA's by default on a CUDA device), one
-    tensor per live pool mapping, registered once and unregistered when the mapping's region is
+    tensor per live pool mapping, registered piece by piece in the background (`PinnedPieces`:
+    handing it out waits for no registration) and unregistered when the mapping's region is
     collected (no client or handle refers to it any more: its server is gone), then dropped so the
     mapping can go; elsewhere a view made per copy. The unregistering runs on the next `get` or
     `release_dead`, or at once when the collector runs it and no copy is under way here."""
 
-    def __init__(self, device: torch.device, pinning=None) -> None:
+    def __init__(self, device: torch.device, pinning=None, piece_bytes: int = PIECE_BYTES, sweep: bool = True) -> None:
         self.device = device
-        self.pinning = pinning if pinning is not None else CudaPinning() if device.type == "cuda" else None
+        self.pinning = pinning if pinning is not None else CudaPinning(device) if device.type == "cuda" else None
+        self.piece_bytes, self.sweep = piece_bytes, sweep
         self._tokens: weakref.WeakKeyDictionary[PoolRegion, int] = weakref.WeakKeyDictionary()
-        self._held: dict[int, tuple[torch.Tensor, bool]] = {}  # token -> (tensor, pinned)
+        self._held: dict[int, tuple[torch.Tensor, PinnedPieces]] = {}  # token -> (tensor, its pieces)
         self._dead: list[int] = []  # tokens of regions collected, their tensors not unregistered yet
         self._next_token = itertools.count(1)
         self._lock = threading.Lock()  # the forward thread's loads and the saver thread's saves
-        self.pinned = False  # whether the last tensor handed out is pinned
 
     def get(self, region: PoolRegion) -> torch.Tensor:
-        return self.get_pinned(region)[0]
+        return self.get_pieces(region)[0]
 
-    def get_pinned(self, region: PoolRegion) -> tuple[torch.Tensor, bool]:
-        """The pool's tensor, and whether it is registered as pinned memory."""
+    def get_pieces(self, region: PoolRegion) -> tuple[torch.Tensor, PinnedPieces | None]:
+        """The pool's tensor, and its registration (None: nothing is registered here)."""
         if self.pinning is None:
             # Nothing to register: a view made per copy keeps no pool mapped after its server
             # is gone (a restarted server's old pool keeps its memory while anything maps it).
-            return torch.frombuffer(region.buf, dtype=torch.int8), False
+            return torch.frombuffer(region.buf, dtype=torch.int8), None
         with self._lock:
             self._release_dead()
             token = self._tokens.get(region)
             if token is None:
                 tensor = torch.frombuffer(region.buf, dtype=torch.int8)
-                pinned = self.pinning.register(tensor)  # first: a raise must leave no token without a tensor
+                pieces = PinnedPieces(tensor.data_ptr(), tensor.numel(), self.pinning, self.piece_bytes, self.sweep)
                 token = self._tokens[region] = next(self._next_token)
-                self._held[token] = (tensor, pinned)
+                self._held[token] = (tensor, pieces)
                 # Holds neither the region nor the tensor: collecting the region is the signal.
                 # Not at exit: the process's mappings and registrations go with it.
                 weakref.finalize(region, self._died, token).atexit = False
-            tensor, self.pinned = self._held[token]
-            return tensor, self.pinned
+            return self._held[token]
 
     def num_held(self) -> int:
         """Pool mappings registered now."""
@@ -125,9 +108,8 @@ class PoolTensors:
     def _release_dead(self) -> None:
         while self._dead:
             held = self._held.pop(self._dead.pop(), None)  # none: gone with `close`
-            if held is not None and held[1]:
-                assert self.pinning is not None  # pinned: registered with it
-                self.pinning.unregister(held[0])  # before the tensor, the last hold on the mapping, goes
+            if held is not None:
+                held[1].close()  # before the tensor, the last hold on the mapping, goes
             del held
 
 
@@ -198,6 +180,25 @@ def _runs(block_ids: list[int], offsets: list[int]) -> list[tuple[int, int, int,
     return runs
 
 
+def _within_pieces(run: tuple[int, int, int, int, int], entry_bytes: int, piece_bytes: int):
+    """A run cut where the pool's pieces end: (part, piece) for parts whose entries lie in one
+    piece, (single entry, None) for an entry that straddles two."""
+    first_block, block_step, first_offset, offset_step, length = run
+    parts: list[tuple[tuple[int, int, int, int, int], int | None]] = []
+    i = 0
+    while i < length:
+        offset = first_offset + i * offset_step
+        piece = offset // piece_bytes
+        if (offset + entry_bytes - 1) // piece_bytes != piece:
+            parts.append(((first_block + i * block_step, 1, offset, 1, 1), None))
+            i += 1
+            continue
+        end = min(length, ((piece + 1) * piece_bytes - entry_bytes - first_offset) // offset_step + 1)
+        parts.append(((first_block + i * block_step, block_step, offset, offset_step, end - i), piece))
+        i = end
+    return parts
+
+
 class BlockCopier:
     def __init__(self, layer_views: list[torch.Tensor], layer_offsets: tuple[int, ...], pinning=None) -> None:
         """`pinning`: registers pool mappings (`CudaPinning` on a CUDA device, by default)."""
@@ -217,17 +218,45 @@ class BlockCopier:
         self._move(region, block_ids, offsets, to_pool=False)
 
     def _move(self, region: PoolRegion, block_ids: list[int], offsets: list[int], to_pool: bool) -> None:
-        pool, pinned = self.pools.get_pinned(region)
-        if self.device.type == "cpu":
-            self._move_cpu(pool, _runs(block_ids, offsets), to_pool)
+        pool, pieces = self.pools.get_pieces(region)
+        runs = _runs(block_ids, offsets)
+        if self.device.type == "cpu" and pieces is None:
+            self._move_cpu(pool, runs, to_pool)
             return
-        for run in _runs(block_ids, offsets):
-            for blocks, entries in self._pairs(pool, run):
-                if to_pool:
-                    entries.copy_(blocks, non_blocking=pinned)
+        for run in runs:
+            if pieces is None:
+                self._copy_run(pool, run, to_pool, pinned=False)
+                continue
+            for part, piece in _within_pieces(run, self.entry_bytes, pieces.piece_bytes):
+                if piece is None:
+                    self._copy_across(pool, pieces, part, to_pool)
                 else:
-                    blocks.copy_(entries, non_blocking=pinned)
+                    self._copy_run(pool, part, to_pool, pieces.ready(piece))
         self._sync()
+
+    def _copy_run(self, pool: torch.Tensor, run: tuple[int, int, int, int, int], to_pool: bool, pinned: bool) -> None:
+        """One run's layers, asynchronous where its piece of the pool is registered."""
+        for blocks, entries in self._pairs(pool, run):
+            if to_pool:
+                entries.copy_(blocks, non_blocking=pinned)
+            else:
+                blocks.copy_(entries, non_blocking=pinned)
+
+    def _copy_across(
+        self, pool: torch.Tensor, pieces: PinnedPieces, run: tuple[int, int, int, int, int], to_pool: bool
+    ) -> None:
+        """One entry that straddles pieces: each page cut where a piece ends, so that no copy
+        spans two registrations."""
+        block, offset = run[0], run[2]
+        for view, layer_offset, page in zip(self.layer_views, self.layer_offsets, self.page_bytes):
+            start = offset + layer_offset
+            for begin, end in pieces.split(start, start + page):
+                engine, stored = view[block, begin - start : end - start], pool[begin:end]
+                pinned = pieces.ready(pieces.piece_of(begin))
+                if to_pool:
+                    stored.copy_(engine, non_blocking=pinned)
+                else:
+                    engine.copy_(stored, non_blocking=pinned)
 
     def _move_cpu(self, pool: torch.Tensor, runs: list[tuple[int, int, int, int, int]], to_pool: bool) -> None:
         """Each long run's layers as numpy strided copies, the other blocks page by page with
