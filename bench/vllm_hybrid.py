@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     cap = out["kv_cache_tokens"]
     print(
         f"KV cache size: {cap['off']} tokens without HPKV, {cap['hpkv']} with ({verdict(cap['off'] == cap['hpkv'])}); "
-        f"{cap['manager_off']} with the hybrid manager off"
+        + (f"{cap['manager_off']} with the hybrid manager off" if cap["manager_off"] >= 0 else "")
     )
     stored = out["storage_bytes_per_token"]
     print(
