@@ -73,6 +73,8 @@ class Node:
             "HPKV_KV_STORAGE_PATH": str(self.storage),
             "HPKV_SERVER_IDLE_EXIT_S": "2",
             "HPKV_CONFIG_FILE_PATH": str(self.root / "no-config.ini"),
+            # Every hit loaded: the shared-prefix prompt's (960 tokens) is under the default 1204.
+            "VLLM_HPKV_TOKEN_THRESHOLD": "0",
         }
 
 
