@@ -280,3 +280,19 @@ def test_storage_reads_that_grow_slow_make_storage_hits_recomputed_without_faili
     assert m.break_even(S, 32768) is None
     assert "storage hits are recomputed" in caplog.text
     assert policy.plan(0, [S] * 100) == 0
+
+
+def test_a_hybrid_hit_costs_its_windows_and_states_once_not_per_block():
+    """A hybrid model's hit moves its full-attention blocks and, once, the sliding windows and
+    linear-attention states at its end: those bytes raise the break-even like a fixed cost."""
+    plain = model(2600, 0.5, 3.0, storage_gbps=0.2, storage_fixed_ms=5.0)
+    hybrid = model(2600, 0.5, 3.0, storage_gbps=0.2, storage_fixed_ms=5.0)
+    hybrid.hit_bytes = 64 << 20  # e.g. three Mamba states and a window, as one rank moves them
+
+    for tier in (D, S):
+        assert plain.break_even(tier) < hybrid.break_even(tier)
+    extra_s = hybrid.hit_fixed_s(S) - plain.hit_fixed_s(S)
+    assert extra_s == pytest.approx((64 << 20) * (1 / (0.5 * GB) + 1 / (0.2 * GB)))
+    n = hybrid.break_even(D) // BS
+    assert hybrid.pays(0, n) and not hybrid.pays(0, n - 1)
+    assert hybrid.plan(0, [D] * n) == n and hybrid.plan(0, [D] * (n - 1)) == 0

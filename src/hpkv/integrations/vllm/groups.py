@@ -3,8 +3,9 @@
 A hit of `num` blocks from block `start` is all-or-nothing per boundary: every group's entries
 that vLLM reads past that boundary are leased and loaded together, or none is (the request
 recomputes). Full-attention groups load every block of the hit; sliding-window groups only the
-window before the hit's end (vLLM gives the blocks before it no memory: the null block). Saves
-take every computed block of every group, so any later prefix can hit.
+window before the hit's end (vLLM gives the blocks before it no memory: the null block);
+linear-attention groups the one state block before it (`mamba.py`). Saves take every computed
+block of every attention group, so any later prefix can hit (state groups save what vLLM offers).
 Primitives: `BlockLayout.needed`, `lay.block_keys`. Knows nothing of the server or of leases.
 """
 
@@ -52,11 +53,14 @@ def save_jobs(
     full: int,
     null_block: int,
 ) -> tuple[list[bytes], list[SaveJob]]:
-    """The keys of blocks [saved, full) and one save job per group. A block vLLM gave no memory
-    (the null block) is not saved: a hit stops before it."""
+    """The keys of blocks [saved, full) and one save job per attention group. A block vLLM gave no
+    memory (the null block) is not saved: a hit stops before it. State groups are left out: their
+    block tables are not positional (`mamba.offered_saves`)."""
     keys = lay.block_keys(block_hashes, layouts[0], saved, full)
     jobs = []
     for layout, ids in zip(layouts, group_block_ids):
+        if layout.state:
+            continue
         pairs = [(key, block) for key, block in zip(keys, ids[saved : saved + len(keys)]) if block != null_block]
         if pairs:
             jobs.append(SaveJob(req_id, [k for k, _ in pairs], [b for _, b in pairs], layout.group))

@@ -36,8 +36,12 @@ class BlockLayout:
     group: int = 0  # the KV cache group's index in vLLM's KVCacheConfig
     num_groups: int = 1
     # Sliding-window groups: the blocks before a hit's boundary that the window reads (vLLM's
-    # own count, cdiv(window - 1, block_size)); 0 for full attention (every block is read).
+    # own count, cdiv(window - 1, block_size)); 0 for full attention (every block is read);
+    # 1 for a linear-attention group, whose block before a boundary holds the state there.
     window_blocks: int = 0
+    # A linear-attention (Mamba, GDN) group: an entry is the recurrent state at one block
+    # boundary, saved only where vLLM offers it (mamba.py), not every block.
+    state: bool = False
 
     @property
     def entry_bytes(self) -> int:
@@ -76,7 +80,7 @@ def group_layouts(vllm_config, kv_cache_config) -> list[BlockLayout]:
     for index, group in enumerate(groups):
         per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None) or {}
         specs = [per_layer.get(name, group.kv_cache_spec) for name in group.layer_names]
-        window = _window_blocks(specs[0], len(groups)) if specs else 0
+        window = _window_blocks(vllm_config, specs[0], len(groups)) if specs else 0
         # One group: exactly as before hybrid models (vLLM's --block-size, the spec text of the last layer).
         block_size = vllm_config.cache_config.block_size if len(groups) == 1 else specs[0].block_size
         layouts.append(
@@ -89,6 +93,7 @@ def group_layouts(vllm_config, kv_cache_config) -> list[BlockLayout]:
                 index,
                 len(groups),
                 window,
+                _is_state(specs[0]) if specs else False,
             )
         )
     if len({layout.block_size for layout in layouts}) > 1:
@@ -101,29 +106,73 @@ def group_layouts(vllm_config, kv_cache_config) -> list[BlockLayout]:
 
 def moved_per_block(layouts: list[BlockLayout]) -> BlockLayout:
     """What a hit moves per block, for the load policy's costs: the entries of the full-attention
-    groups (a sliding window's few blocks per hit are left out); the one group's layout itself
-    for a model with one."""
+    groups (a sliding window's few blocks and a linear-attention group's one state per hit are
+    left out); the one group's layout itself for a model with one."""
     if len(layouts) == 1:
         return layouts[0]
     full = [page for layout in layouts if not layout.window_blocks for page in layout.page_bytes]
     return dataclasses.replace(layouts[0], page_bytes=(sum(full) or layouts[0].entry_bytes,))
 
 
-def _window_blocks(spec, num_groups: int) -> int:
+def moved_per_hit(layouts: list[BlockLayout]) -> int:
+    """What a hit moves besides its blocks, for the load policy's costs: each sliding-window
+    group's window and each linear-attention group's one state (at most; a hit shorter than a
+    window moves less)."""
+    if len(layouts) == 1:
+        return 0
+    return sum(layout.window_blocks * layout.entry_bytes for layout in layouts)
+
+
+def _is_state(spec) -> bool:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return isinstance(spec, MambaSpec)
+
+
+def _window_blocks(vllm_config, spec, num_groups: int) -> int:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     if isinstance(spec, SlidingWindowSpec):
         return max(1, -(-(spec.sliding_window - 1) // spec.block_size))
-    if isinstance(spec, FullAttentionSpec) or num_groups == 1 and not isinstance(spec, MambaSpec):
+    if isinstance(spec, MambaSpec):
+        _refuse_state(vllm_config, spec)
+        return 1
+    if isinstance(spec, FullAttentionSpec) or num_groups == 1:
         return 0
-    kind = "linear-attention (Mamba, GDN) state" if isinstance(spec, MambaSpec) else type(spec).__name__
     raise ConfigError(
-        f"HpkvConnectorV1 does not cache {kind} layers; this model has them in a KV cache group of its "
-        "own (docs/vllm.md lists the supported model families): run it without the HPKV connector"
+        f"HpkvConnectorV1 does not cache {type(spec).__name__} layers; this model has them in a KV cache "
+        "group of its own (docs/vllm.md lists the supported model families): run it without the HPKV connector"
     )
 
 
+def _refuse_state(vllm_config, spec) -> None:
+    """A linear-attention group is cached only where vLLM keeps a state per block boundary
+    (prefix caching's `align` mode), and not for Mamba-2 on the CPU, whose scan there keeps no
+    per-chunk states (vLLM 0.32 itself fails such a model's first long request)."""
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    mamba_type = getattr(getattr(spec, "mamba_type", None), "name", str(getattr(spec, "mamba_type", "")))
+    if mode != "align":
+        raise ConfigError(
+            f"HpkvConnectorV1 caches linear-attention (Mamba, GDN) layers only with vLLM's "
+            f"mamba_cache_mode 'align' (a state at each block boundary); this engine has '{mode}': "
+            "enable prefix caching and leave --mamba-cache-mode unset (or 'align'), or run it "
+            "without the HPKV connector"
+        )
+    if mamba_type == "MAMBA2" and vllm_config.device_config.device_type == "cpu":
+        raise ConfigError(
+            "HpkvConnectorV1 does not cache Mamba-2 layers (Nemotron-H, Granite 4, Jamba-style) on "
+            "vLLM's CPU build: its scan there keeps no per-chunk states, which prefix caching's 'align' "
+            "mode needs (vLLM 0.32 fails such a model's first long request with prefix caching on); "
+            "run it without the HPKV connector"
+        )
+
+
 def _spec_text(spec, window: int) -> str:
+    if _is_state(spec):
+        shapes = ";".join("x".join(map(str, shape)) for shape in spec.shapes)
+        dtypes = ",".join(str(dtype) for dtype in spec.dtypes)
+        kind = getattr(spec.mamba_type, "name", spec.mamba_type)
+        return f"MambaSpec:type={kind},shapes={shapes},dtypes={dtypes}"
     text = (
         f"{type(spec).__name__}:kv_heads={getattr(spec, 'num_kv_heads', '?')},"
         f"head={getattr(spec, 'head_size', '?')},dtype={getattr(spec, 'dtype', '?')}"

@@ -113,10 +113,17 @@ def kappa_of(hf_text_config) -> float:
 
 
 def auto_threshold(
-    storage: StorageConfig, model_config, block_size: int, entry_bytes: int, num_ranks: int, empty_lookup
+    storage: StorageConfig,
+    model_config,
+    block_size: int,
+    entry_bytes: int,
+    num_ranks: int,
+    empty_lookup,
+    hit_bytes: int = 0,
 ) -> AutoThreshold:
     """VLLM_HPKV_TOKEN_THRESHOLD=auto for one engine, seeded by this machine's figures;
-    `empty_lookup()` is one round trip to the server."""
+    `empty_lookup()` is one round trip to the server; a hit moves `entry_bytes` per block and
+    `hit_bytes` more (a hybrid model's windows and states), per rank."""
     rtt_s = round_trip_s(empty_lookup)
     storage_cost = None
     if storage.enabled:  # a promotion: the lease, a poll, then one read per block and rank
@@ -130,6 +137,7 @@ def auto_threshold(
         storage=storage_cost,
         # on a load's critical path: the scheduler's lease, the worker's lease and release
         dram=copy_cost(3 * rtt_s),
+        hit_bytes=hit_bytes,
     )
     model.seed_prefill(DEFAULT_THRESHOLD)
     return AutoThreshold(
@@ -141,9 +149,13 @@ def auto_threshold(
     )
 
 
-def load_policy(settings: Settings, model_config, layout, num_ranks: int, lookup) -> FixedThreshold | AutoThreshold:
+def load_policy(
+    settings: Settings, model_config, layout, num_ranks: int, lookup, hit_bytes: int = 0
+) -> FixedThreshold | AutoThreshold:
     """The load decision: VLLM_HPKV_TOKEN_THRESHOLD if set, else `auto` from start-up estimates."""
     if settings.token_threshold is not None:
         log.info("HPKV loads hits of at least %d tokens (VLLM_HPKV_TOKEN_THRESHOLD)", settings.token_threshold)
         return FixedThreshold(settings.token_threshold, layout.block_size)
-    return auto_threshold(settings.storage, model_config, layout.block_size, layout.entry_bytes, num_ranks, lookup)
+    return auto_threshold(
+        settings.storage, model_config, layout.block_size, layout.entry_bytes, num_ranks, lookup, hit_bytes
+    )

@@ -20,7 +20,7 @@ from ...config import Settings
 from ...errors import HpkvError
 from ...server.client import Client
 from ...types import HOLD_TIMEOUT_S, Tier
-from . import groups, modelid, optout, outputs, probes
+from . import groups, mamba, modelid, optout, outputs, probes
 from . import layout as lay
 from .holds import SaveHolds
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats, LoadJob
@@ -64,6 +64,7 @@ class HpkvScheduler:
             lay.moved_per_block(self.layouts),
             self.num_ranks,
             lambda: self.client.lookup(self._namespaces()[0], []),
+            lay.moved_per_hit(self.layouts),
         )
         self._reqs: dict[str, RequestState] = {}
         self._pending_loads: list[LoadJob] = []
@@ -137,10 +138,9 @@ class HpkvScheduler:
         state.release(self.client)
         keys = lay.block_keys(state.request.block_hashes, self.layout, start, stop)
         namespaces = self._namespaces()
-        hits = [self.client.lookup(ns, keys) for ns in namespaces]
+        plan = lambda hit: self.policy.plan(start * self.block_size, hit)  # noqa: E731
+        num_hit, tiers = mamba.plan_hit(self.client, self.layouts, namespaces, keys, plan)
         self.stats.add("lookups", 1)
-        num_hit = min(hit.num_hit for hit in hits)
-        tiers = tuple(max(hit.tiers[i] for hit in hits) for i in range(num_hit))
         if not num_hit:
             log.debug(
                 "request %s: no HPKV hit: block %d (of %d looked up) is in no tier (never saved with "
@@ -149,11 +149,11 @@ class HpkvScheduler:
                 start,
                 stop - start,
             )
-        num_load = self.policy.plan(start * self.block_size, tiers)
+        num_load = len(tiers)
         _count_skipped(self, state, num_hit, num_load)
         if not num_load:
             return 0
-        state.tiers = tiers[:num_load]
+        state.tiers = tiers
         state.num_promoting = state.tiers.count(Tier.STORAGE)
         state.asked_at = state.polled_at = time.perf_counter()
         ranges = groups.lease_ranges(self.layouts, self.num_ranks, num_load)
@@ -270,13 +270,15 @@ class HpkvScheduler:
                 if job.req_id in self._reqs
             ]
         scheduled = scheduler_output.num_scheduled_tokens
+        offers = mamba.offers_of(scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
             if state is None:
                 continue
             state.set_blocks(new.block_ids)
             state.saved_blocks = max(state.saved_blocks, new.num_computed_tokens // self.block_size)
-            self._add_saves(meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            num_tokens = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+            self._add_saves(meta, new.req_id, state, num_tokens, offers.get(new.req_id, ()))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._reqs.get(req_id)
@@ -287,7 +289,8 @@ class HpkvScheduler:
                 state.set_blocks(new_ids)
             elif new_ids:
                 state.add_blocks(new_ids)
-            self._add_saves(meta, req_id, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+            num_tokens = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
+            self._add_saves(meta, req_id, state, num_tokens, offers.get(req_id, ()))
         if self.policy.learns:
             self.policy.step_built(outputs.chunks(scheduler_output), len(meta.loads))
         return meta
@@ -318,20 +321,23 @@ class HpkvScheduler:
         load_s, save_s = data.get("load_time_s", 0) / ranks, data.get("save_wait_s", 0) / ranks
         self.policy.step_done(load_s + save_s, load_s, data.get("loaded_bytes", 0) / ranks)
 
-    def _add_saves(self, meta: HpkvConnectorMetadata, req_id: str, state: RequestState, num_tokens: int) -> None:
+    def _add_saves(
+        self, meta: HpkvConnectorMetadata, req_id: str, state: RequestState, num_tokens: int, offers=()
+    ) -> None:
         if state.uncached or not optout.may_save(state.request):  # {"hpkv_save": false}
             return
         group_ids = state.group_block_ids()
-        full = min(num_tokens // self.block_size, *(len(ids) for ids in group_ids))
-        keys, jobs = groups.save_jobs(
-            req_id, self.layouts, state.request.block_hashes, group_ids, state.saved_blocks, full, self._null_block()
-        )
-        if keys:
-            stop = state.saved_blocks + len(keys)
-            meta.saves += jobs
-            if meta.hold:
-                self.holds.add(meta.seq, req_id, keys, state.block_ids[:stop], state.saved_blocks)
-            state.saved_blocks = stop
+        lens = (len(ids) for ids, layout in zip(group_ids, self.layouts) if not layout.state)
+        full = min(num_tokens // self.block_size, *lens)
+        hashes, null = state.request.block_hashes, self._null_block()
+        keys, jobs = groups.save_jobs(req_id, self.layouts, hashes, group_ids, state.saved_blocks, full, null)
+        jobs += mamba.offered_saves(req_id, self.layouts, hashes, offers, null)
+        stop = state.saved_blocks + len(keys)
+        meta.saves += jobs
+        if meta.hold and jobs:
+            held = list(dict.fromkeys(key for job in jobs for key in job.keys))
+            self.holds.add(meta.seq, req_id, held, state.block_ids[:stop], state.saved_blocks)
+        state.saved_blocks = stop
 
     # -- end of requests, resets, faults ------------------------------------------------------
 
