@@ -116,6 +116,14 @@ def _pid_in(path: Path) -> int | None:
         return None
 
 
+def _stopped(daemon: str, cfg: Path) -> bool:
+    """A MooseFS daemon's own `stop` (by its lock file's pid), from outside any namespace."""
+    try:
+        return subprocess.run([daemon, "-c", str(cfg), "stop"], capture_output=True, timeout=60).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
 def _wait_shared(a: Path, b: Path, timeout_s: float) -> None:
     """Until a file written through `a` reads back through `b`."""
     deadline = time.monotonic() + timeout_s
@@ -203,9 +211,10 @@ def moosefs(work: Path) -> Iterator[Shared]:
     finally:
         for m in ("a", "b"):
             _unmount(work / m)
-        for cfg, daemon in ((cs_cfg, "mfschunkserver"), (master_cfg, "mfsmaster")):
-            if cfg.exists():
-                subprocess.run([*ns, daemon, "-c", str(cfg), "stop"], capture_output=True, timeout=60)
+        # Stopped from outside the namespace: the holder may be gone (a signal to our process group).
+        for cfg, daemon, lock in ((cs_cfg, "mfschunkserver", "cs"), (master_cfg, "mfsmaster", "master")):
+            if cfg.exists() and not _stopped(daemon, cfg):
+                _kill(_pid_in(work / lock / f".{daemon}.lock"))
         holder.kill()
         holder.wait()
 
