@@ -124,6 +124,16 @@ def _stopped(daemon: str, cfg: Path) -> bool:
         return False
 
 
+def _wait_room(mount: Path, timeout_s: float) -> None:
+    """Until the mount reports free space: MooseFS reports none until its chunkserver has told the
+    master its disks' room, a little after it takes writes (a server's automatic size reads it)."""
+    deadline = time.monotonic() + timeout_s
+    while (st := os.statvfs(mount)).f_bavail * st.f_frsize < 1 << 30:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{mount} reports no free space after {timeout_s:.0f} s")
+        time.sleep(0.3)
+
+
 def _wait_shared(a: Path, b: Path, timeout_s: float) -> None:
     """Until a file written through `a` reads back through `b`."""
     deadline = time.monotonic() + timeout_s
@@ -207,6 +217,7 @@ def moosefs(work: Path) -> Iterator[Shared]:
         for m in ("a", "b"):
             _run(*ns, "mfsmount", str(work / m), "-H", MOOSE_ADDRESS)
         _wait_shared(work / "a", work / "b", 60)  # the chunkserver registers first
+        _wait_room(work / "a", 60)
         yield Shared("moosefs", work / "a", work / "b")
     finally:
         for m in ("a", "b"):
