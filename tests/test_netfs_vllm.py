@@ -1,7 +1,8 @@
 """A real vLLM on each of two nodes sharing HPKV's storage tier over GlusterFS (default client
-caching; `bench.harness.netfs`): node A computes a long prompt, and node B, with its own HPKV server,
-pool and host name and the same model, gets it from storage, with the output of vLLM's own
-prefix-cache hit (A's second send of it)."""
+caching) and over MooseFS (`bench.harness.netfs`), one file system after the other: node A
+computes a long prompt, and node B, with its own HPKV server, pool and host name and the same
+model, gets it from storage, with the output of vLLM's own prefix-cache hit (A's second send of
+it)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from bench.harness.netfs import NodeServer, netfs_beds
 from helpers.env import without_hpkv
 from helpers.storage import settled_files
-from helpers.vllm import Engine, num_saved_blocks, same_output, start_all, without_hpkv_environ
+from helpers.vllm import BLOCK_SIZE, Engine, same_output, start_all, without_hpkv_environ
 from hpkv.demo.model import prompt_text
 
 pytestmark = pytest.mark.vllm_e2e
@@ -22,23 +23,24 @@ pytestmark = pytest.mark.vllm_e2e
 LONG = prompt_text(1500, seed=24)  # about 1500 tokens: over the documented threshold of 1204
 
 
-@pytest.fixture(scope="module")
-def gluster():
-    with netfs_beds(("glusterfs",)) as beds:
-        bed = beds["glusterfs"]
+@pytest.fixture(scope="module", params=["glusterfs", "moosefs"])
+def shared(request):
+    """One network file system, mounted twice; the next is set up once this one is torn down."""
+    with netfs_beds((request.param,)) as beds:
+        bed = beds[request.param]
         if isinstance(bed, str):
             pytest.skip(bed)
         yield bed
 
 
 @pytest.fixture(scope="module")
-def two_nodes(gluster, model):
+def two_nodes(shared, model):
     """Engines A and B, each with its node's HPKV server, on the two mounts of one directory."""
     work = Path(tempfile.mkdtemp(prefix="hpkv-netfs-vllm-"))
-    (gluster.mount_a / "kv").mkdir()
+    (shared.mount_a / "kv").mkdir()
     servers, engines, pools = [], [], []
     try:
-        for name, mount in (("a", gluster.mount_a), ("b", gluster.mount_b)):
+        for name, mount in (("a", shared.mount_a), ("b", shared.mount_b)):
             pools.append(tempfile.mkdtemp(prefix=f"hpkv-node{name}-", dir="/dev/shm"))
             env = {
                 "VLLM_ENABLE_HPKV": "1",
@@ -51,7 +53,7 @@ def two_nodes(gluster, model):
             engines.append(Engine(name, model, env, work))
         with without_hpkv_environ():
             start_all(engines)
-        yield engines[0], engines[1], gluster
+        yield engines[0], engines[1], shared, work
     finally:
         for engine in engines:
             engine.stop()
@@ -61,11 +63,22 @@ def two_nodes(gluster, model):
             shutil.rmtree(path, ignore_errors=True)
 
 
+def landed(fs, work: Path, num_files: int) -> None:
+    """Until B's mount shows A's files; if not, what A's mount and A's server show."""
+    try:
+        settled_files(fs.mount_b / "kv", at_least=num_files, timeout_s=120)
+    except AssertionError as exc:
+        names = [p.name for p in (fs.mount_a / "kv").rglob("*")]
+        kv, tmp = sum(n.endswith(".kv") for n in names), sum(n.endswith(".tmp") for n in names)
+        log = (work / "server-a.log").read_text(errors="replace")[-3000:]
+        raise AssertionError(f"{exc}; A's mount: {kv} KV files, {tmp} temporaries; A's server:\n{log}") from None
+
+
 def test_what_node_a_computes_node_b_loads_from_storage_with_vllms_own_output(two_nodes):
-    a, b, fs = two_nodes
+    a, b, fs, work = two_nodes
     first = a.complete(LONG)
     reference = a.reference(LONG)  # A's second send: vLLM's own prefix-cache hit
-    settled_files(fs.mount_b / "kv", at_least=num_saved_blocks(first), timeout_s=120)
+    landed(fs, work, first.prompt_tokens // BLOCK_SIZE)  # the prompt's full blocks: what B can hit
     names = {p.name for p in (fs.mount_b / "kv").rglob("*")}
     assert not any(n.endswith(".tmp") for n in names)
     before = b.counters()

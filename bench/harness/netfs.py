@@ -116,6 +116,24 @@ def _pid_in(path: Path) -> int | None:
         return None
 
 
+def _stopped(daemon: str, cfg: Path) -> bool:
+    """A MooseFS daemon's own `stop` (by its lock file's pid), from outside any namespace."""
+    try:
+        return subprocess.run([daemon, "-c", str(cfg), "stop"], capture_output=True, timeout=60).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def _wait_room(mount: Path, timeout_s: float) -> None:
+    """Until the mount reports free space: MooseFS reports none until its chunkserver has told the
+    master its disks' room, a little after it takes writes (a server's automatic size reads it)."""
+    deadline = time.monotonic() + timeout_s
+    while (st := os.statvfs(mount)).f_bavail * st.f_frsize < 1 << 30:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{mount} reports no free space after {timeout_s:.0f} s")
+        time.sleep(0.3)
+
+
 def _wait_shared(a: Path, b: Path, timeout_s: float) -> None:
     """Until a file written through `a` reads back through `b`."""
     deadline = time.monotonic() + timeout_s
@@ -199,13 +217,15 @@ def moosefs(work: Path) -> Iterator[Shared]:
         for m in ("a", "b"):
             _run(*ns, "mfsmount", str(work / m), "-H", MOOSE_ADDRESS)
         _wait_shared(work / "a", work / "b", 60)  # the chunkserver registers first
+        _wait_room(work / "a", 60)
         yield Shared("moosefs", work / "a", work / "b")
     finally:
         for m in ("a", "b"):
             _unmount(work / m)
-        for cfg, daemon in ((cs_cfg, "mfschunkserver"), (master_cfg, "mfsmaster")):
-            if cfg.exists():
-                subprocess.run([*ns, daemon, "-c", str(cfg), "stop"], capture_output=True, timeout=60)
+        # Stopped from outside the namespace: the holder may be gone (a signal to our process group).
+        for cfg, daemon, lock in ((cs_cfg, "mfschunkserver", "cs"), (master_cfg, "mfsmaster", "master")):
+            if cfg.exists() and not _stopped(daemon, cfg):
+                _kill(_pid_in(work / lock / f".{daemon}.lock"))
         holder.kill()
         holder.wait()
 

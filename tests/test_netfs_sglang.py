@@ -1,0 +1,107 @@
+"""A real serving SGLang with `--enable-ct-hpkv` on each of two nodes sharing HPKV's storage tier
+over GlusterFS (default client caching; `bench.harness.netfs`): node A computes a long prompt,
+and node B, with its own HPKV server, pool and host name and the same model, gets it from
+storage, with the output of SGLang's own device-cache hit (A's second send, before anything was
+loaded from HPKV). Where B's hit came from: the response's `meta_info.cached_tokens_details`
+and B's HPKV server's counters (storage-tier hits).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+
+from bench.harness.netfs import NodeServer, netfs_beds
+from helpers import sglang_serving as ss
+from helpers.env import without_hpkv
+from helpers.server import server_stats
+from helpers.storage import settled_files
+from hpkv.demo.model import build_model, prompt_text
+
+pytestmark = pytest.mark.engine
+
+LONG = prompt_text(2000, seed=2424)  # about 2000 tokens: above the documented threshold of 1204
+
+
+@pytest.fixture(scope="module")
+def gluster():
+    ss.require_sglang_venv()
+    with netfs_beds(("glusterfs",)) as beds:
+        bed = beds["glusterfs"]
+        if isinstance(bed, str):
+            pytest.skip(bed)
+        yield bed
+
+
+@pytest.fixture(scope="module")
+def two_nodes(gluster):
+    """SGLang A and B, each with its node's HPKV server, on the two mounts of one directory."""
+    model = build_model(Path(tempfile.gettempdir()) / f"hpkv-sglang-model-{os.getuid()}")
+    work = Path(tempfile.mkdtemp(prefix="hpkv-netfs-sglang-"))
+    (gluster.mount_a / "kv").mkdir()
+    servers, engines, pools = [], [], []
+    try:
+        for name, mount in (("a", gluster.mount_a), ("b", gluster.mount_b)):
+            pools.append(Path(tempfile.mkdtemp(prefix=f"hpkv-node{name}-", dir="/dev/shm")))
+            env = {
+                "HPKV_KV_MEM_POOL_SIZE": "256m",
+                "HPKV_SHARE_MEM_FILE_PATH": str(pools[-1]),
+                "HPKV_KV_STORAGE_PATH": str(mount / "kv"),
+                "HPKV_CONFIG_FILE_PATH": str(work / "no-config.ini"),
+            }
+            servers.append(NodeServer(f"node{name}", {**without_hpkv(), **env}, work / f"server-{name}.log"))
+            engines.append(ss.SglangEngine(name, model, env, work))
+        _start_together(engines)
+        yield engines[0], engines[1], gluster, pools[1]
+    finally:
+        for engine in engines:
+            engine.stop()
+        for server in servers:
+            server.stop()
+        for path in (*pools, work):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _start_together(engines: list[ss.SglangEngine]) -> None:
+    """A start mostly waits (imports, loading): two overlap well on two cores."""
+    errors: list[BaseException] = []
+
+    def start(engine: ss.SglangEngine) -> None:
+        try:
+            engine.start()
+        except BaseException as exc:  # reported below, after every start has ended
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(e,)) for e in engines]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def test_what_node_a_computes_sglang_on_node_b_loads_from_storage_with_sglangs_own_output(two_nodes):
+    a, b, fs, b_pool = two_nodes
+    cold = a.complete(LONG)
+    assert cold.cached["total"] == 0, cold.cached
+    reference = a.complete(LONG)  # SGLang's own device-cache hit
+    assert reference.cached.get("device", 0) > 0, reference.cached
+    pages = ss.full_pages(reference.prompt_tokens) // ss.PAGE_SIZE
+    a.wait_backed_up(pages * ss.PAGE_SIZE)
+    settled_files(fs.mount_b / "kv", at_least=pages, timeout_s=120)
+
+    hit = b.complete(LONG)  # B never saw this prompt: its DRAM pool is its own
+
+    assert hit.cached.get("storage") == pages * ss.PAGE_SIZE, hit.cached
+    assert hit.cached.get("storage_backend") == "HpkvStorage", hit.cached
+    assert hit.cached.get("device", 0) == 0 and hit.cached.get("host", 0) == 0, hit.cached
+    assert ss.same_output(hit, reference), (hit, reference)
+    stats = server_stats(b_pool)  # B's own HPKV server read them from its storage tier
+    assert stats is not None
+    assert sum(ns.hit_keys_storage for ns in stats.namespaces.values()) >= pages
