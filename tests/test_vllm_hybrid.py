@@ -11,10 +11,6 @@ far longer than the window and for prompts that diverge from a saved one inside 
 from __future__ import annotations
 
 import importlib.util
-import shutil
-import tempfile
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
@@ -30,8 +26,8 @@ from helpers.vllm import (
     same_output,
     start_all,
     with_load_fault,
-    without_hpkv_environ,
 )
+from helpers.vllm_node import engine_node, stop_engines
 from helpers.waiting import wait_for
 from hpkv.demo.model import prompt_text
 
@@ -47,28 +43,6 @@ FAILING = prompt_text(1500, seed=103)
 DIVERGE_AT = 1450  # a prompt sharing LONG's first 1450 tokens: it diverges inside the window of its hit
 
 
-@dataclass(frozen=True)
-class Node:
-    root: Path
-    shm: Path
-    storage: Path
-    logs: Path
-
-    @property
-    def load_fault(self) -> Path:
-        return self.root / "fail-next-load"
-
-    def env(self) -> dict[str, str]:
-        return {
-            "VLLM_ENABLE_HPKV": "1",
-            "HPKV_KV_MEM_POOL_SIZE": "256m",
-            "HPKV_SHARE_MEM_FILE_PATH": str(self.shm),
-            "HPKV_KV_STORAGE_PATH": str(self.storage),
-            "HPKV_SERVER_IDLE_EXIT_S": "2",
-            "HPKV_CONFIG_FILE_PATH": str(self.root / "no-config.ini"),
-        }
-
-
 @pytest.fixture(scope="module")
 def gemma3():
     return build_gemma3()
@@ -76,24 +50,8 @@ def gemma3():
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm-hybrid")
-    shm = Path(tempfile.mkdtemp(prefix="hpkv-hybrid-", dir="/dev/shm"))
-    place = Node(root, shm, root / "storage", root / "logs")
-    for path in (place.storage, place.logs):
-        path.mkdir(parents=True)
-    with without_hpkv_environ():
+    with engine_node(tmp_path_factory.mktemp("vllm-hybrid"), "hpkv-hybrid-") as place:
         yield place
-    kill_server(server_pid(shm))
-    shutil.rmtree(shm, ignore_errors=True)
-
-
-def _stop(*engines: Engine, shm: Path) -> None:
-    pid = server_pid(shm)
-    for engine in engines:
-        engine.stop()
-    kill_server(pid)
-    if pid is not None:
-        wait_gone(pid, timeout_s=30)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +62,7 @@ def engines(node, gemma3):
     plain = Engine(
         "gemma3-plain",
         gemma3,
-        {"HPKV_CONFIG_FILE_PATH": str(node.root / "no-config.ini")},
+        node.no_config,
         node.logs,
         hpkv=False,
         extra_flags=("--prefix-cache-retention-interval", str(BLOCK_SIZE)),
@@ -113,7 +71,7 @@ def engines(node, gemma3):
         start_all([a, plain])
         yield a, plain
     finally:
-        _stop(a, plain, shm=node.shm)
+        stop_engines(a, plain, shm=node.shm)
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +168,7 @@ def restarted(node, gemma3, engine_a):
         b.start()
         yield b
     finally:
-        _stop(b, shm=node.shm)
+        stop_engines(b, shm=node.shm)
 
 
 def test_after_a_restart_the_prompt_is_served_from_storage(restarted, plain):

@@ -14,17 +14,15 @@ what vLLM's own prefix hit gives.
 from __future__ import annotations
 
 import importlib.util
-import shutil
-import tempfile
-from dataclasses import dataclass
-from pathlib import Path
+import re
 
 import pytest
 
 from helpers.processes import wait_gone
 from helpers.server import kill_server, server_pid
 from helpers.storage import kv_files, settled_files
-from helpers.vllm import Engine, build_qwen3_next, same_output, start_all, with_load_fault, without_hpkv_environ
+from helpers.vllm import Engine, build_qwen3_next, same_output, start_all, with_load_fault
+from helpers.vllm_node import engine_node, stop_engines
 from helpers.waiting import wait_for
 from hpkv.demo.model import prompt_text
 
@@ -47,35 +45,9 @@ SHARED = 1000  # a prompt sharing LONG's first 1000 tokens: a hit up to the stat
 
 def block_size(engine: Engine) -> int:
     """The block size vLLM chose ("Setting attention block size to N tokens")."""
-    import re
-
     sizes = re.findall(r"Setting attention block size to (\d+) tokens", engine.log_text())
     assert sizes, engine.log_tail()
     return int(sizes[-1])
-
-
-@dataclass(frozen=True)
-class Node:
-    root: Path
-    shm: Path
-    storage: Path
-    logs: Path
-
-    @property
-    def load_fault(self) -> Path:
-        return self.root / "fail-next-load"
-
-    def env(self) -> dict[str, str]:
-        return {
-            "VLLM_ENABLE_HPKV": "1",
-            "HPKV_KV_MEM_POOL_SIZE": "256m",
-            "HPKV_SHARE_MEM_FILE_PATH": str(self.shm),
-            "HPKV_KV_STORAGE_PATH": str(self.storage),
-            "HPKV_SERVER_IDLE_EXIT_S": "2",
-            "HPKV_CONFIG_FILE_PATH": str(self.root / "no-config.ini"),
-            # Every hit loaded: the shared-prefix prompt's (960 tokens) is under the default 1204.
-            "VLLM_HPKV_TOKEN_THRESHOLD": "0",
-        }
 
 
 @pytest.fixture(scope="module")
@@ -85,37 +57,21 @@ def model():
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm-mamba")
-    shm = Path(tempfile.mkdtemp(prefix="hpkv-mamba-", dir="/dev/shm"))
-    place = Node(root, shm, root / "storage", root / "logs")
-    for path in (place.storage, place.logs):
-        path.mkdir(parents=True)
-    with without_hpkv_environ():
+    # Every hit loaded: the shared-prefix prompt's (960 tokens) is under the default 1204.
+    with engine_node(tmp_path_factory.mktemp("vllm-mamba"), "hpkv-mamba-", {"VLLM_HPKV_TOKEN_THRESHOLD": "0"}) as place:
         yield place
-    kill_server(server_pid(shm))
-    shutil.rmtree(shm, ignore_errors=True)
-
-
-def _stop(*engines: Engine, shm: Path) -> None:
-    pid = server_pid(shm)
-    for engine in engines:
-        engine.stop()
-    kill_server(pid)
-    if pid is not None:
-        wait_gone(pid, timeout_s=30)
 
 
 @pytest.fixture(scope="module")
 def engines(node, model):
     env = with_load_fault(node.env(), node.root / "shim", node.load_fault)
     a = Engine("qwen3next-a", model, env, node.logs, extra_flags=FLAGS)
-    no_config = {"HPKV_CONFIG_FILE_PATH": str(node.root / "no-config.ini")}
-    plain = Engine("qwen3next-plain", model, no_config, node.logs, hpkv=False, extra_flags=FLAGS)
+    plain = Engine("qwen3next-plain", model, node.no_config, node.logs, hpkv=False, extra_flags=FLAGS)
     try:
         start_all([a, plain])
         yield a, plain
     finally:
-        _stop(a, plain, shm=node.shm)
+        stop_engines(a, plain, shm=node.shm)
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +157,7 @@ def restarted(node, model, engine_a):
         b.start()
         yield b
     finally:
-        _stop(b, shm=node.shm)
+        stop_engines(b, shm=node.shm)
 
 
 def test_after_a_restart_the_prompt_is_served_from_storage(restarted, plain):

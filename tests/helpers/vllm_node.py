@@ -1,0 +1,71 @@
+"""One node of a module's vLLM engine tests: a pool directory in /dev/shm, a storage tree and
+logs under the module's temporary directory, the documented variables pointing at them, and the
+stop that leaves no HPKV server behind. Knows nothing of the model or the scenarios."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from helpers.processes import wait_gone
+from helpers.server import kill_server, server_pid
+from helpers.vllm import Engine, without_hpkv_environ
+
+
+@dataclass(frozen=True)
+class EngineNode:
+    root: Path
+    shm: Path
+    storage: Path
+    logs: Path
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def load_fault(self) -> Path:
+        """Touch it and the next HPKV load of an engine started `with_load_fault` fails."""
+        return self.root / "fail-next-load"
+
+    @property
+    def no_config(self) -> dict[str, str]:
+        """For an engine without HPKV: no config file of the machine's is read."""
+        return {"HPKV_CONFIG_FILE_PATH": str(self.root / "no-config.ini")}
+
+    def env(self) -> dict[str, str]:
+        return {
+            "VLLM_ENABLE_HPKV": "1",
+            "HPKV_KV_MEM_POOL_SIZE": "256m",
+            "HPKV_SHARE_MEM_FILE_PATH": str(self.shm),
+            "HPKV_KV_STORAGE_PATH": str(self.storage),
+            "HPKV_SERVER_IDLE_EXIT_S": "2",
+            **self.no_config,
+            **self.extra_env,
+        }
+
+
+@contextlib.contextmanager
+def engine_node(root: Path, prefix: str, extra_env: Mapping[str, str] | None = None) -> Iterator[EngineNode]:
+    """A node under `root`, its pool directory named `prefix...`; removed with its server after."""
+    shm = Path(tempfile.mkdtemp(prefix=prefix, dir="/dev/shm"))
+    node = EngineNode(root, shm, root / "storage", root / "logs", dict(extra_env or {}))
+    for path in (node.storage, node.logs):
+        path.mkdir(parents=True)
+    try:
+        with without_hpkv_environ():
+            yield node
+    finally:
+        kill_server(server_pid(shm))
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def stop_engines(*engines: Engine, shm: Path) -> None:
+    """Stops the engines, then their HPKV server, and waits until it is gone."""
+    pid = server_pid(shm)
+    for engine in engines:
+        engine.stop()
+    kill_server(pid)
+    if pid is not None:
+        wait_gone(pid, timeout_s=30)
