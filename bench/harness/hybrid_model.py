@@ -31,40 +31,26 @@ BENCH = Gemma3Shape(hidden_size=1024, intermediate_size=2816, num_layers=8, num_
 
 def build_gemma3(path: Path, shape: Gemma3Shape = TINY) -> Path:
     """Write the model to `path` (skipped if that shape is built there already)."""
-    from hpkv.demo.model import SEED, _build_tokenizer
 
-    path = Path(path)
-    marker = path / "hpkv-model.json"
-    spec = {"family": "gemma3", "shape": asdict(shape), "seed": SEED}
-    if marker.exists() and json.loads(marker.read_text()) == spec:
-        return path
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    def model(vocab_size: int):
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    path.mkdir(parents=True, exist_ok=True)
-    tokenizer = _build_tokenizer(path)
-    torch.manual_seed(SEED)
-    config = Gemma3TextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        query_pre_attn_scalar=shape.head_dim,
-        sliding_window=shape.window,
-        layer_types=["sliding_attention", "full_attention"] * (shape.num_layers // 2),
-        max_position_embeddings=32768,
-        tie_word_embeddings=False,
-        torch_dtype="bfloat16",
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    Gemma3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
-    marker.write_text(json.dumps(spec))
-    return path
+        config = Gemma3TextConfig(
+            vocab_size=vocab_size,
+            hidden_size=shape.hidden_size,
+            intermediate_size=shape.intermediate_size,
+            num_hidden_layers=shape.num_layers,
+            num_attention_heads=shape.num_heads,
+            num_key_value_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            query_pre_attn_scalar=shape.head_dim,
+            sliding_window=shape.window,
+            layer_types=["sliding_attention", "full_attention"] * (shape.num_layers // 2),
+            **_COMMON,
+        )
+        return Gemma3ForCausalLM(config)
+
+    return _build(Path(path), {"family": "gemma3", "shape": asdict(shape)}, model)
 
 
 @dataclass(frozen=True)
@@ -84,44 +70,60 @@ BENCH_NEXT = Qwen3NextShape(hidden_size=1024, intermediate_size=2048, num_layers
 
 def build_qwen3_next(path: Path, shape: Qwen3NextShape = TINY_NEXT) -> Path:
     """Write the model to `path` (skipped if that shape is built there already)."""
+
+    def model(vocab_size: int):
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        config = Qwen3NextConfig(
+            vocab_size=vocab_size,
+            hidden_size=shape.hidden_size,
+            intermediate_size=shape.intermediate_size,
+            num_hidden_layers=shape.num_layers,
+            num_attention_heads=shape.num_heads,
+            num_key_value_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            linear_conv_kernel_dim=4,
+            num_experts=shape.num_experts,
+            num_experts_per_tok=2,
+            moe_intermediate_size=shape.intermediate_size // 4,
+            shared_expert_intermediate_size=shape.intermediate_size // 4,
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (shape.num_layers // 4),
+            **_COMMON,
+        )
+        return Qwen3NextForCausalLM(config)
+
+    return _build(Path(path), {"family": "qwen3_next", "shape": asdict(shape)}, model)
+
+
+# What every model here shares: long positions, its own head, bf16, token 0 for the specials.
+_COMMON = dict(
+    max_position_embeddings=32768,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+)
+
+
+def _build(path: Path, spec: dict, model) -> Path:
+    """The tokenizer, then `model(vocab_size)` with seeded random weights, saved with a marker
+    naming `spec` and the seed, so that a path already holding them is left as it is."""
     from hpkv.demo.model import SEED, _build_tokenizer
 
-    path = Path(path)
     marker = path / "hpkv-model.json"
-    spec = {"family": "qwen3_next", "shape": asdict(shape), "seed": SEED}
+    spec = {**spec, "seed": SEED}
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return path
     import torch
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _build_tokenizer(path)
     torch.manual_seed(SEED)
-    config = Qwen3NextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        linear_conv_kernel_dim=4,
-        num_experts=shape.num_experts,
-        num_experts_per_tok=2,
-        moe_intermediate_size=shape.intermediate_size // 4,
-        shared_expert_intermediate_size=shape.intermediate_size // 4,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (shape.num_layers // 4),
-        max_position_embeddings=32768,
-        tie_word_embeddings=False,
-        torch_dtype="bfloat16",
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    Qwen3NextForCausalLM(config).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    model(len(tokenizer)).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
     marker.write_text(json.dumps(spec))
     return path
