@@ -11,11 +11,11 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import threading
 from pathlib import Path
 
 import pytest
 
+from bench.harness.engine import start_together
 from bench.harness.netfs import NodeServer, netfs_beds
 from helpers import sglang_serving as ss
 from helpers.env import without_hpkv
@@ -56,7 +56,7 @@ def two_nodes(gluster):
             }
             servers.append(NodeServer(f"node{name}", {**without_hpkv(), **env}, work / f"server-{name}.log"))
             engines.append(ss.SglangEngine(name, model, env, work))
-        _start_together(engines)
+        start_together(engines)  # two overlap well on two cores
         yield engines[0], engines[1], gluster, pools[1]
     finally:
         for engine in engines:
@@ -65,25 +65,6 @@ def two_nodes(gluster):
             server.stop()
         for path in (*pools, work):
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _start_together(engines: list[ss.SglangEngine]) -> None:
-    """A start mostly waits (imports, loading): two overlap well on two cores."""
-    errors: list[BaseException] = []
-
-    def start(engine: ss.SglangEngine) -> None:
-        try:
-            engine.start()
-        except BaseException as exc:  # reported below, after every start has ended
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(e,)) for e in engines]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
 
 
 def test_what_node_a_computes_sglang_on_node_b_loads_from_storage_with_sglangs_own_output(two_nodes):

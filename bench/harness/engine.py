@@ -12,9 +12,11 @@ import fcntl
 import os
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from bench.harness.shim import after_import, install
 from hpkv.demo.engine import Completion, VllmServer
@@ -157,11 +159,16 @@ class Engine:
             return list(pool.map(lambda p: self.complete(p, max_tokens), prompts))
 
 
-def start_together(engines: list[Engine]) -> None:
-    """Engine starts mostly wait (imports, loading), so two overlap well even on two cores."""
+class _Startable(Protocol):
+    def start(self) -> object: ...
+
+
+def start_together(engines: Sequence[_Startable]) -> None:
+    """Engine starts (anything with `start()`) mostly wait (imports, loading), so two overlap
+    well even on two cores."""
     errors: list[BaseException] = []
 
-    def start(engine: Engine) -> None:
+    def start(engine: _Startable) -> None:
         try:
             engine.start()
         except BaseException as exc:  # reported below, once every start has ended
