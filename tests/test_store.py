@@ -482,7 +482,7 @@ def test_a_close_that_gives_up_its_writes_resolves_the_promotions_it_drops_as_mi
     stored = keys(2, "stored")
     only_in_storage(store, ns, stored)
     gate = threading.Event()
-    store.storage.publish = lambda *args: gate.wait(30)  # the device hangs
+    store.storage.publish_many = lambda *args: gate.wait(30)  # the device hangs
     store.storage.read_into = lambda *args: gate.wait(30) and False
     save(store, ns, keys(1, "busy"))  # its write-through hangs
     lease = store.lease(ns, stored)  # the last key's read hangs on the one I/O thread, the first's waits for it
@@ -503,13 +503,13 @@ def test_a_promotion_does_not_queue_behind_write_throughs(open_store):
     stored = keys(4, "stored")
     only_in_storage(store, ns, stored)
     gate = threading.Event()
-    original = store.storage.publish
+    original = store.storage.publish_many
 
     def held_write(*args):  # every write-through waits until the promotion below is done
         gate.wait(10)
         return original(*args)
 
-    store.storage.publish = held_write
+    store.storage.publish_many = held_write
     try:
         save(store, ns, keys(3 * store.storage.config.io_threads, "busy"))  # more than all I/O threads
         assert load(store, ns, stored) == [payload(k) for k in stored]

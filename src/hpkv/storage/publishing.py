@@ -10,13 +10,14 @@ moment's: a Lustre OST full for a while), and not while the start-up scan runs (
 are not all counted yet). A write that still fails is dropped (counted, said), never raised; one
 reported failed whose file is in place all the same (a writer killed after its rename) is indexed.
 
-Primitives: `Publisher.write_version`, `write_from`, `publish`.
+Primitives: `Publisher.write_version`, `write_from`, `publish`, `publish_many` (first writes in one call).
 Must not know: the pool, write-through processes (a `write` callable is given), how files are read.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import threading
 from collections.abc import Callable
 
@@ -34,6 +35,9 @@ from .reading import Reader
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 Write = Callable[[FileTarget], "OSError | None"]
+WriteOne = Callable[[int, FileTarget], "OSError | None"]
+WriteMany = Callable[[list[FileTarget]], "list[OSError | None]"]
+Item = tuple[str, bytes, int, int]  # ns, key, payload bytes, format version
 
 
 class Publisher:
@@ -85,7 +89,48 @@ class Publisher:
         named here (`write_entry_file`'s contract: the whole file or nothing, the error returned,
         not raised). False when it could not be written (counted, logged); what `write` raises
         is raised, with nothing charged to the budget."""
-        size = fmt.header_bytes(len(key), version) + payload_bytes
+        return self.publish_many(
+            [(ns, key, payload_bytes, version)], lambda targets: [write(targets[0])], lambda _, target: write(target)
+        )[0]
+
+    def publish_many(self, items: list[Item], write_many: WriteMany, write_one: WriteOne) -> list[bool]:
+        """`publish` for several entries (ns, key, payload_bytes, version) whose first writes go
+        in one call, `write_many(targets)` (their errors, in order); retries go one by one to
+        `write_one(i, target)` (i: the item's place in `items`). Whether each was published.
+        What a write raises is raised once every entry is settled (nothing charged for the one
+        it concerns; the others are published or not as their own writes went)."""
+        results = [False] * len(items)
+        admitted = [(i, size) for i, size in enumerate(self._size(item) for item in items) if self._admit(size)]
+        targets = [self._layout.target(items[i][0], items[i][1], self._dirs) for i, _ in admitted]
+        try:
+            errors = write_many(targets) if targets else []
+        except BaseException:
+            for _, size in admitted:
+                self._budget.refund(size)
+                self._capacity.release(size)
+            raise
+        raised: BaseException | None = None
+        for (i, size), target, error in zip(admitted, targets, errors, strict=True):
+            ns, key, payload_bytes, _ = items[i]
+            try:
+                retry = functools.partial(write_one, i)
+                results[i] = self._settle(ns, key, size, payload_bytes, target, error, retry)
+            except BaseException as exc:  # a retry's: e.g. no writer process, the caller may write it another way
+                raised = raised or exc
+                self._budget.refund(size)
+            finally:
+                self._capacity.release(size)
+        if raised is not None:
+            raise raised
+        return results
+
+    @staticmethod
+    def _size(item: Item) -> int:
+        _, key, payload_bytes, version = item
+        return fmt.header_bytes(len(key), version) + payload_bytes
+
+    def _admit(self, size: int) -> bool:
+        """Charge the budget and make room for `size` bytes; False (counted) where either cannot."""
         if not self._budget.spend(size):
             self._counters.over_budget += 1
             return False
@@ -93,14 +138,22 @@ class Publisher:
             self._budget.refund(size)
             self._counters.write_failures += 1
             return False
-        try:
-            error = self._put(ns, key, size, write)
-            published = error is None or self._adopt(ns, key)
-        except BaseException:  # e.g. no writer process: the caller may write it another way
-            self._budget.refund(size)
-            raise
-        finally:
-            self._capacity.release(size)
+        return True
+
+    def _settle(
+        self,
+        ns: str,
+        key: bytes,
+        size: int,
+        payload_bytes: int,
+        target: FileTarget,
+        error: OSError | None,
+        write: Write,
+    ) -> bool:
+        """After the first write of (ns, key) to `target` gave `error`: retry where that can help,
+        index or adopt the file, count, say."""
+        error = self._put(ns, key, size, write, target, error)
+        published = error is None or self._adopt(ns, key)
         if error is None:
             self._counters.writes += 1
             self._counters.write_bytes += payload_bytes
@@ -120,10 +173,11 @@ class Publisher:
         self._evictor.evict(lambda freed: self._capacity.excess(self._index.used_bytes))
         return True
 
-    def _put(self, ns: str, key: bytes, size: int, write: Write) -> OSError | None:
-        """`write` the file and index it; the error where it could not."""
-        target = self._layout.target(ns, key, self._dirs)
-        error = write(target)
+    def _put(
+        self, ns: str, key: bytes, size: int, write: Write, target: FileTarget, error: OSError | None
+    ) -> OSError | None:
+        """Index the file the first write put at `target`, retrying with `write` where `error`
+        says a retry can help; the error where it could not."""
         if error is not None and error.errno == errno.ENOENT and not target.mkdir:
             self._dirs.discard(target.directory)
             target = self._layout.target(ns, key, self._dirs)

@@ -9,7 +9,7 @@ none, checked, and a bad file is a miss that deletes it; nothing below the root 
 (`tree`). Several tiers (nodes) may share one root: a lookup adopts files others wrote.
 
 Primitives: `start`, `add_namespace`, `indexed` (`index_probe`), `contains`, `touch`, `read_into`,
-`write_from` (or `publish`, where another process writes the file), `submit`, `remove`, `stats`,
+`write_from` (or `publish`/`publish_many`, where another process writes the files), `submit`, `remove`, `stats`,
 `close`. A write that cannot happen is dropped (counted), never raised.
 Must not know: the pool, engines, devices.
 """
@@ -200,6 +200,16 @@ class StorageTier:
         """Make room for (ns, key) and have `write` put its file at a target named here
         (`publishing`); False when it was not written."""
         return self.publisher.publish(ns, key, payload_bytes, version, write)
+
+    def publish_many(
+        self,
+        items: list[tuple[str, bytes, int, int]],
+        write_many: Callable[[list[FileTarget]], list[OSError | None]],
+        write_one: Callable[[int, FileTarget], OSError | None],
+    ) -> list[bool]:
+        """`publish` for several (ns, key, payload_bytes, version), their first writes in one
+        `write_many` call (`publishing`); whether each was published."""
+        return self.publisher.publish_many(items, write_many, write_one)
 
     def remove(self, ns: str | None = None) -> int:
         """Delete every entry file (of one namespace), including files other nodes wrote; only

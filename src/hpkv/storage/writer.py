@@ -6,14 +6,17 @@ each job on its stdin checksums the slot, writes the entry file (`write_entry_fi
 then rename) and answers on its stdout. Why a process: the checksum and the copy would otherwise
 compete for the server's GIL with its request handlers, and could not run below the engines.
 
-Protocol: one JSON object per line. The writer first says `{"hello": "hpkv-writer", "version":
-N}`; a job is `{"ns", "key" (hex), "offset", "length", "final", "tmp", "directory", "mkdir",
-"root", "fsync", "format"}` (a `FileTarget`; "format": the file format version, 2 to write it
-with O_DIRECT), answered by `{"ok": true}` or `{"errno": E, "error": "..."}`.
+Protocol: one JSON value per line. The writer first says `{"hello": "hpkv-writer", "version":
+N}`; then each line is a list of jobs, `{"ns", "key" (hex), "offset", "length", "final", "tmp",
+"directory", "mkdir", "root", "fsync", "format"}` (a `FileTarget`; "format": the file format
+version, 2 to write it with O_DIRECT), done in order and answered by one line each, `{"ok":
+true}` or `{"errno": E, "error": "..."}`, sent together once the last is done (a batch costs
+both processes one wake-up, not one a job).
 
 Primitives: `WriterPool(pool_fd, num_processes, nice)` (the descriptor stays the caller's, open
-while the pool lives): `write(ns, key, offset, length, target, fsync, version) -> OSError | None`
-(one job; the caller holds the slot for its duration), `pids()`, `stats()`, `close()`, `kill()`;
+while the pool lives): `write_many(jobs, fsync) -> [OSError | None]` (jobs: `Job`s, done by one
+process; the caller holds their slots until it returns), `write` (one), `pids()`, `stats()`,
+`close()`, `kill()`;
 `WriterUnavailable` when no writer process can be started (the caller then writes in process).
 Must not know: the index, capacity, eviction (the storage tier keeps them).
 """
@@ -33,7 +36,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, NamedTuple
 
 from ..errors import HpkvError
 from ..stats import WriterStats
@@ -42,13 +45,47 @@ from .fileio import FileIO, FileTarget, remove_temp, write_entry_file
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 3  # 3: the pool comes as a descriptor
+PROTOCOL_VERSION = 4  # 4: jobs come in batches
 HELLO = "hpkv-writer"
-_OK_LINE = json.dumps({"ok": True}).encode() + b"\n"  # what `_answer` writes for a job done
+_OK = {"ok": True}
+_OK_LINE = json.dumps(_OK).encode() + b"\n"  # the reply to a job done
 
 
 class WriterUnavailable(HpkvError):
     """No writer process could be started; write in process instead."""
+
+
+class Unanswered(OSError):
+    """A job the process did not answer: it died or was stopped first (whether it wrote the file
+    is not known)."""
+
+
+class Job(NamedTuple):
+    """One entry file to write from the pool slot at `offset`, in file format `version` (the
+    aligned one is written with O_DIRECT)."""
+
+    ns: str
+    key: bytes
+    offset: int
+    length: int
+    target: FileTarget
+    version: int = fmt.VERSION
+
+    def message(self, fsync: str) -> dict:
+        t = self.target
+        return {
+            "ns": self.ns,
+            "key": self.key.hex(),
+            "offset": self.offset,
+            "length": self.length,
+            "final": t.final,
+            "tmp": t.tmp,
+            "directory": t.directory,
+            "mkdir": t.mkdir,
+            "root": t.root,
+            "fsync": fsync,
+            "format": self.version,
+        }
 
 
 class WriterProcess:
@@ -94,19 +131,30 @@ class WriterProcess:
         assert self.proc.stdout is not None  # started with stdout=PIPE
         return self.proc.stdout
 
-    def write(self, job: dict) -> OSError | None:
+    def write_many(self, jobs: list[dict]) -> list[OSError | None]:
+        """Send the jobs as one batch; their errors, in order (`Unanswered` for each one a process
+        that died or was stopped did not answer)."""
         try:
-            self._stdin.write(json.dumps(job).encode() + b"\n")
+            self._stdin.write(json.dumps(jobs).encode() + b"\n")
             self._stdin.flush()
-            reply = self._read_reply()
         except (OSError, ValueError):  # it died, or the pool closed it (ValueError: closed pipe)
-            reply = {"errno": errno.EIO, "error": f"the write-through process {self.proc.pid} is gone"}
+            pass  # the replies say so
+        return [self._error(self._next_reply()) for _ in jobs]
+
+    def _next_reply(self) -> dict:
+        try:
+            return self._read_reply()
+        except (OSError, ValueError):  # stopped meanwhile (ValueError: closed pipe)
+            return {"errno": errno.EIO, "error": f"the write-through process {self.proc.pid} is gone", "gone": True}
+
+    def _error(self, reply: dict) -> OSError | None:
         if reply.get("ok") is True:
             return None
         if not isinstance(reply.get("errno"), int):  # what answered was not the writer's reply
             self._out_of_step(repr(reply)[:80])
             reply = {"errno": errno.EPROTO, "error": f"the write-through process said {reply!r:.80}"}
-        return OSError(reply["errno"], reply.get("error", "write-through process failed"))
+        error = Unanswered if reply.get("gone") else OSError
+        return error(reply["errno"], reply.get("error", "write-through process failed"))
 
     def _read_reply(self) -> dict:
         line = self._stdout.readline()  # blocks without the GIL
@@ -114,7 +162,11 @@ class WriterProcess:
             return {"ok": True}
         if not line:
             code = self.proc.wait()
-            return {"errno": errno.EIO, "error": f"the write-through process {self.proc.pid} exited ({code})"}
+            return {
+                "errno": errno.EIO,
+                "error": f"the write-through process {self.proc.pid} exited ({code})",
+                "gone": True,
+            }
         try:
             reply = json.loads(line)
         except ValueError:
@@ -179,47 +231,57 @@ class WriterPool:
     def write(
         self, ns: str, key: bytes, offset: int, length: int, target: FileTarget, fsync: str, version: int = fmt.VERSION
     ) -> OSError | None:
-        """Write one entry file from the pool slot at `offset`, in file format `version` (the
-        aligned one is written with O_DIRECT). Raises WriterUnavailable when no writer can be
-        started (nothing was written then)."""
+        """One job (`write_many`)."""
+        return self.write_many([Job(ns, key, offset, length, target, version)], fsync)[0]
+
+    def write_many(self, jobs: list[Job], fsync: str) -> list[OSError | None]:
+        """Write the jobs' entry files, in one batch to one process; their errors, in order. The
+        jobs a process that died did not answer go once more to another. Raises
+        WriterUnavailable when no writer can be started (the files are in place or not)."""
+        messages = [job.message(fsync) for job in jobs]
         proc = self._idle.get()
         try:
             proc = self._ready(proc)
-            error = proc.write(
-                {
-                    "ns": ns,
-                    "key": key.hex(),
-                    "offset": offset,
-                    "length": length,
-                    "final": target.final,
-                    "tmp": target.tmp,
-                    "directory": target.directory,
-                    "mkdir": target.mkdir,
-                    "root": target.root,
-                    "fsync": fsync,
-                    "format": version,
-                }
-            )
+            errors = proc.write_many(messages)
             if not proc.alive():
-                with self._lock:
-                    killed = self._closed and proc not in self._procs
-                    if not killed:
-                        self.num_died += 1
-                        self._procs.discard(proc)
-                if not killed:
-                    log.warning("write-through process %d died: %s; starting another", proc.pid, error)
-                proc.close(timeout_s=1.0)
+                again = self._gone(proc, next((e for e in errors if e is not None), None))
                 proc = None
-            if error is not None and error.errno != errno.EEXIST:
-                # A process that died mid-job left its temporary, named with this server's pid:
-                # no start-up scan removes it while the server lives. The name is this job's
-                # alone, and the process is done with it (it answered, or it is gone). But not
-                # after EEXIST: the process created no temporary, and the file of that name is
-                # somebody else's.
-                remove_temp(target)
-            return error
+                self._remove_temps(jobs, errors)
+                todo = [i for i, e in enumerate(errors) if isinstance(e, Unanswered)]
+                if again and todo:
+                    proc = self._ready(None)
+                    for i, error in zip(todo, proc.write_many([messages[i] for i in todo]), strict=True):
+                        errors[i] = error
+                    if not proc.alive():
+                        self._gone(proc, next((errors[i] for i in todo if errors[i] is not None), None))
+                        proc = None
+                    self._remove_temps([jobs[i] for i in todo], [errors[i] for i in todo])
+            else:
+                self._remove_temps(jobs, errors)
+            return errors
         finally:
             self._idle.put(proc)
+
+    @staticmethod
+    def _remove_temps(jobs: list[Job], errors: list[OSError | None]) -> None:
+        for job, error in zip(jobs, errors, strict=True):
+            if error is not None and error.errno != errno.EEXIST:
+                # A dead process's temporary (named with this server's pid: no scan removes it
+                # while the server lives). Not after EEXIST: that file is somebody else's.
+                remove_temp(job.target)
+
+    def _gone(self, proc: WriterProcess, error: OSError | None) -> bool:
+        """Forget a process that died (or was killed) during a batch; whether another may take
+        its jobs (not once the pool is killed or closed)."""
+        with self._lock:
+            killed = self._closed and proc not in self._procs
+            if not killed:
+                self.num_died += 1
+                self._procs.discard(proc)
+        if not killed:
+            log.warning("write-through process %d died: %s; starting another", proc.pid, error)
+        proc.close(timeout_s=1.0)
+        return not killed
 
     def _ready(self, proc: WriterProcess | None) -> WriterProcess:
         if proc is not None:
@@ -302,9 +364,12 @@ def _serve(pool_fd: int, nice: int) -> int:
         os.close(pool_fd)
     buf = memoryview(pool)
     io = FileIO()
-    _answer(out, {"hello": HELLO, "version": PROTOCOL_VERSION})
+    out.write(json.dumps({"hello": HELLO, "version": PROTOCOL_VERSION}).encode() + b"\n")
+    out.flush()
     for line in sys.stdin.buffer:
-        _answer(out, _job(json.loads(line), buf, io))
+        replies = [_job(job, buf, io) for job in json.loads(line)]
+        out.write(b"".join(_OK_LINE if r is _OK else json.dumps(r).encode() + b"\n" for r in replies))
+        out.flush()
     return 0
 
 
@@ -325,13 +390,8 @@ def _job(job: dict, buf: memoryview, io: FileIO) -> dict:
     finally:
         payload.release()
     if error is None:
-        return {"ok": True}
+        return _OK
     return {"errno": error.errno or errno.EIO, "error": error.strerror or str(error)}
-
-
-def _answer(out, reply: dict) -> None:
-    out.write(json.dumps(reply).encode() + b"\n")
-    out.flush()
 
 
 if __name__ == "__main__":

@@ -17,17 +17,18 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
 from ..pool.region import PoolRegion
 from ..pool.tier import DramEntry, DramTier
 from ..stats import StoreCounters, WriteBacklogStats
 from ..storage.tier import StorageTier
-from ..storage.writer import WriterPool, WriterUnavailable
+from ..storage.writer import Job, WriterPool, WriterUnavailable
 
 log = logging.getLogger(__name__)
+
+BATCH_ENTRIES = 16  # written by one process in one round trip: the per-entry costs shared
 
 
 def write_threads(io_threads: int, cpus: int | None = None) -> int:
@@ -55,14 +56,16 @@ class WriteThrough:
         self.limit_bytes = limit_bytes
         self.num_entries = self.num_bytes = 0  # the backlog: pinned, waiting for their write
         self._deferred: OrderedDict[tuple[str, bytes], None] = OrderedDict()
-        self._writes: set[Future] = set()
+        self._queue: deque[DramEntry] = deque()  # admitted, not taken by a write thread yet
+        self._draining = 0  # write threads at work on the queue
+        self._idle = threading.Condition(lock)  # the queue is empty and no thread works on it
         self._num_ended = 0
         self._closing = False  # what is committed from now on is not written
         self.abandoned = False  # the writes were given up: those still running stop short
         # Threads of their own, so a promotion a request waits for never queues behind a write;
         # few, each waiting for a writer process (own GIL, lower priority): in process, busy
         # threads compete for the GIL with the server's request handlers.
-        threads = write_threads(storage.config.io_threads)
+        threads = self._threads = write_threads(storage.config.io_threads)
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="hpkv-write")
         self.writers = WriterPool(region.share_fd(), threads, storage.config.write_nice) if write_processes else None
 
@@ -115,52 +118,77 @@ class WriteThrough:
 
     def submit(self, entries: list[DramEntry]) -> None:
         """Queue the writes of entries `admit` took into the backlog (without the lock)."""
-        todo = deque(entries)
-        while todo:
-            entry = todo.popleft()
-            try:
-                write = self._executor.submit(self._write, entry)
-            except RuntimeError:  # the store is closed: the entry is not written
-                with self._lock:
-                    self._counters.write_through_lost += 1
-                todo.extend(self._finished(entry))
-                continue
-            with self._lock:
-                self._writes.add(write)
-            write.add_done_callback(self._write_done)
-
-    def _write_done(self, write: Future) -> None:
         with self._lock:
-            self._writes.discard(write)
+            self._queue.extend(entries)
+            starts = min(self._threads - self._draining, len(self._queue))
+            self._draining += starts
+        for _ in range(starts):
+            try:
+                self._executor.submit(self._drain)
+            except RuntimeError:  # the store is closed: what is queued is not written
+                self._drop_queue()
+
+    def _drop_queue(self) -> None:
+        with self._lock:
+            self._draining -= 1
+            if self._draining:
+                return  # a running drain takes them, or drops them when it ends
+            dropped = list(self._queue)
+            self._queue.clear()
+            self._counters.write_through_lost += len(dropped)
+            self._idle.notify_all()
+        if dropped:
+            self.submit(self._finished(dropped))  # their deferred successors go the same way
+
+    def _drain(self) -> None:
+        """Write queued entries, a batch at a time, until none is left."""
+        while True:
+            with self._lock:
+                if not self._queue or self.abandoned:
+                    self._draining -= 1
+                    self._idle.notify_all()
+                    return
+                # Shared between the threads, so that every writer process has work.
+                n = min(BATCH_ENTRIES, -(-len(self._queue) // self._threads))
+                batch = [self._queue.popleft() for _ in range(n)]
+            try:
+                self._write_batch(batch)
+            finally:
+                self.submit(self._finished(batch))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the writes queued so far, deferred ones included, are on storage (or have
-        failed). False on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._lock:
-                pending = list(self._writes)
-            if not pending:
-                return True
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if futures_wait(pending, left).not_done:
-                return False
+        failed, or were given up). False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self.abandoned or not (self._queue or self._draining), timeout)
 
-    def _write(self, entry: DramEntry) -> None:
-        try:
+    def _write_batch(self, batch: list[DramEntry]) -> None:
+        todo, seen = [], set()
+        for entry in batch:
             if self.abandoned:
                 return
-            if self._storage.contains(entry.ns, entry.key):
+            if (entry.ns, entry.key) in seen or self._storage.contains(entry.ns, entry.key):
                 self._counters.write_through_skipped += 1
+                continue
+            seen.add((entry.ns, entry.key))
+            todo.append(entry)
+        if self.writers is not None and todo:
+            try:
+                self._write_in_writers(todo)
                 return
-            if self.writers is not None:
-                try:
-                    self._write_in_writer(entry)
+            except WriterUnavailable:
+                if self.abandoned:  # the processes were killed: not written, and not here either
                     return
-                except WriterUnavailable:
-                    if self.abandoned:  # the processes were killed: not written, and not here either
-                        return
-                    # said by the writer pool; this one is written here
+                # said by the writer pool; what it did not write is written here
+                todo = [e for e in todo if not self._storage.indexed(e.ns, e.key)]
+            except Exception:
+                log.exception("write-through to storage failed; the entries stay in DRAM only")
+                return
+        for entry in todo:
+            self._write_here(entry)
+
+    def _write_here(self, entry: DramEntry) -> None:
+        try:
             view = self._region.view(entry.offset, self._dram.entry_bytes(entry.ns))
             try:
                 self._storage.write_from(entry.ns, entry.key, view)
@@ -168,28 +196,31 @@ class WriteThrough:
                 view.release()
         except Exception:
             log.exception("write-through to storage failed; the entry stays in DRAM only")
-        finally:
-            self.submit(self._finished(entry))
 
-    def _finished(self, entry: DramEntry) -> list[DramEntry]:
-        """Out of the backlog; returns the deferred entries that now take its place."""
+    def _finished(self, entries: list[DramEntry]) -> list[DramEntry]:
+        """Out of the backlog; returns the deferred entries that now take their place."""
         with self._lock:
-            self._num_ended += 1
-            self._dram.unpin(entry)
-            self.num_entries -= 1
-            self.num_bytes -= self._dram.entry_bytes(entry.ns)
+            for entry in entries:
+                self._num_ended += 1
+                self._dram.unpin(entry)
+                self.num_entries -= 1
+                self.num_bytes -= self._dram.entry_bytes(entry.ns)
             return self._admit_deferred()
 
-    def _write_in_writer(self, entry: DramEntry) -> None:
-        length, fsync, writers = self._dram.entry_bytes(entry.ns), self._storage.config.fsync, self.writers
+    def _write_in_writers(self, entries: list[DramEntry]) -> None:
+        fsync, writers, storage = self._storage.config.fsync, self.writers, self._storage
         assert writers is not None
-        version = self._storage.write_version(length)
-        self._storage.publish(
-            entry.ns,
-            entry.key,
-            length,
-            version,
-            lambda target: writers.write(entry.ns, entry.key, entry.offset, length, target, fsync, version),
+        jobs = [(e, self._dram.entry_bytes(e.ns)) for e in entries]
+        items = [(e.ns, e.key, length, storage.write_version(length)) for e, length in jobs]
+        storage.publish_many(
+            items,
+            lambda targets: writers.write_many(
+                [Job(e.ns, e.key, e.offset, n, t, v) for (e, n), t, (*_, v) in zip(jobs, targets, items, strict=True)],
+                fsync,
+            ),
+            lambda i, target: writers.write(
+                jobs[i][0].ns, jobs[i][0].key, jobs[i][0].offset, jobs[i][1], target, fsync, items[i][3]
+            ),
         )
 
     def close(self, abandon: threading.Event | None, stalled_s: float) -> bool:
@@ -219,6 +250,7 @@ class WriteThrough:
             waiting = self.num_entries + len(self._deferred)
             self._counters.write_through_lost += len(self._deferred)
             self._deferred.clear()
+            self._idle.notify_all()  # flush returns: the writes are given up
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.writers is not None:
             self.writers.kill()  # a job in hand fails at once, even on a device that does not answer
