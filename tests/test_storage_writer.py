@@ -24,7 +24,6 @@ from hpkv.stats import WriteBacklogStats
 from hpkv.storage.tier import StorageTier
 from hpkv.storage.writer import PROTOCOL_VERSION, Job, WriterPool, WriterProcess, WriterUnavailable
 from hpkv.store import write_threads
-from hpkv.types import Tier
 from test_store import desc, keys, load, open_store, payload, save  # noqa: F401 (a fixture)
 
 
