@@ -9,16 +9,15 @@ and B's HPKV server's counters (storage-tier hits).
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 
 from bench.harness.engine import start_together
-from bench.harness.netfs import NodeServer, netfs_beds
+from bench.harness.netfs import netfs_beds
 from helpers import sglang_serving as ss
-from helpers.env import without_hpkv
+from helpers.netfs_engines import netfs_nodes
 from helpers.server import server_stats
 from helpers.storage import settled_files
 from hpkv.demo.model import build_model, prompt_text
@@ -42,29 +41,14 @@ def gluster():
 def two_nodes(gluster):
     """SGLang A and B, each with its node's HPKV server, on the two mounts of one directory."""
     model = build_model(Path(tempfile.gettempdir()) / f"hpkv-sglang-model-{os.getuid()}")
-    work = Path(tempfile.mkdtemp(prefix="hpkv-netfs-sglang-"))
-    (gluster.mount_a / "kv").mkdir()
-    servers, engines, pools = [], [], []
-    try:
-        for name, mount in (("a", gluster.mount_a), ("b", gluster.mount_b)):
-            pools.append(Path(tempfile.mkdtemp(prefix=f"hpkv-node{name}-", dir="/dev/shm")))
-            env = {
-                "HPKV_KV_MEM_POOL_SIZE": "256m",
-                "HPKV_SHARE_MEM_FILE_PATH": str(pools[-1]),
-                "HPKV_KV_STORAGE_PATH": str(mount / "kv"),
-                "HPKV_CONFIG_FILE_PATH": str(work / "no-config.ini"),
-            }
-            servers.append(NodeServer(f"node{name}", {**without_hpkv(), **env}, work / f"server-{name}.log"))
-            engines.append(ss.SglangEngine(name, model, env, work))
-        start_together(engines)  # two overlap well on two cores
-        yield engines[0], engines[1], gluster, pools[1]
-    finally:
-        for engine in engines:
-            engine.stop()
-        for server in servers:
-            server.stop()
-        for path in (*pools, work):
-            shutil.rmtree(path, ignore_errors=True)
+    with netfs_nodes(gluster, "hpkv-netfs-sglang-") as (nodes, work):
+        engines = [ss.SglangEngine(node.name, model, node.env, work) for node in nodes]
+        try:
+            start_together(engines)  # two overlap well on two cores
+            yield engines[0], engines[1], gluster, nodes[1].pool
+        finally:
+            for engine in engines:
+                engine.stop()
 
 
 def test_what_node_a_computes_sglang_on_node_b_loads_from_storage_with_sglangs_own_output(two_nodes):

@@ -6,14 +6,12 @@ it)."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from bench.harness.netfs import NodeServer, netfs_beds
-from helpers.env import without_hpkv
+from bench.harness.netfs import netfs_beds
+from helpers.netfs_engines import netfs_nodes
 from helpers.storage import settled_files
 from helpers.vllm import BLOCK_SIZE, Engine, same_output, start_all, without_hpkv_environ
 from hpkv.demo.model import prompt_text
@@ -36,31 +34,15 @@ def shared(request):
 @pytest.fixture(scope="module")
 def two_nodes(shared, model):
     """Engines A and B, each with its node's HPKV server, on the two mounts of one directory."""
-    work = Path(tempfile.mkdtemp(prefix="hpkv-netfs-vllm-"))
-    (shared.mount_a / "kv").mkdir()
-    servers, engines, pools = [], [], []
-    try:
-        for name, mount in (("a", shared.mount_a), ("b", shared.mount_b)):
-            pools.append(tempfile.mkdtemp(prefix=f"hpkv-node{name}-", dir="/dev/shm"))
-            env = {
-                "VLLM_ENABLE_HPKV": "1",
-                "HPKV_KV_MEM_POOL_SIZE": "256m",
-                "HPKV_SHARE_MEM_FILE_PATH": pools[-1],
-                "HPKV_KV_STORAGE_PATH": str(mount / "kv"),
-                "HPKV_CONFIG_FILE_PATH": str(work / "no-config.ini"),
-            }
-            servers.append(NodeServer(f"node{name}", {**without_hpkv(), **env}, work / f"server-{name}.log"))
-            engines.append(Engine(name, model, env, work))
-        with without_hpkv_environ():
-            start_all(engines)
-        yield engines[0], engines[1], shared, work
-    finally:
-        for engine in engines:
-            engine.stop()
-        for server in servers:
-            server.stop()
-        for path in (*pools, work):
-            shutil.rmtree(path, ignore_errors=True)
+    with netfs_nodes(shared, "hpkv-netfs-vllm-", {"VLLM_ENABLE_HPKV": "1"}) as (nodes, work):
+        engines = [Engine(node.name, model, node.env, work) for node in nodes]
+        try:
+            with without_hpkv_environ():
+                start_all(engines)
+            yield engines[0], engines[1], shared, work
+        finally:
+            for engine in engines:
+                engine.stop()
 
 
 def landed(fs, work: Path, num_files: int) -> None:

@@ -19,19 +19,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from helpers.processes import wait_gone
-from helpers.server import kill_server, server_pid, server_stats
+from helpers.server import server_pid, server_stats
 from helpers.storage import flip_middle_bytes, kv_files, settled_files
 from helpers.vllm import (
     BLOCK_SIZE,
@@ -40,8 +37,8 @@ from helpers.vllm import (
     same_output,
     start_all,
     with_load_fault,
-    without_hpkv_environ,
 )
+from helpers.vllm_node import EngineNode, engine_node, stop_engines
 from helpers.waiting import wait_for
 from hpkv.demo.model import prompt_text
 from hpkv.server import protocol
@@ -64,45 +61,19 @@ CORRUPTED = prompt_text(1500, seed=8)
 SERVED_AGAIN = prompt_text(1500, seed=10)
 
 
-@dataclass(frozen=True)
-class Node:
-    root: Path
-    shm: Path  # HPKV_SHARE_MEM_FILE_PATH (short: the server's socket lives there)
-    storage: Path  # HPKV_KV_STORAGE_PATH, inside B's HOME so B names it ~/hpkv/storage
-    home_b: Path
-    home_c: Path
-    logs: Path
-
-    @property
-    def load_fault(self) -> Path:
-        """While this file exists, engine A's next load fails (helpers.vllm.with_load_fault)."""
-        return self.root / "fail-next-load"
-
-
 @pytest.fixture(scope="module")
-def clean_environ():
-    """The engines see only the HPKV settings each test gives them."""
-    with without_hpkv_environ():
-        yield
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory, clean_environ):
+def node(tmp_path_factory):
+    """The node (helpers.vllm_node), its HPKV_KV_STORAGE_PATH inside B's HOME so that B names it
+    ~/hpkv/storage."""
     root = tmp_path_factory.mktemp("vllm-e2e")
-    shm = Path(tempfile.mkdtemp(prefix="hpkv-e2e-", dir="/dev/shm"))
-    place = Node(root, shm, root / "home-b" / "hpkv" / "storage", root / "home-b", root / "home-c", root / "logs")
-    for path in (place.storage, place.home_c, place.logs):
-        path.mkdir(parents=True)
-    yield place
-    kill_server(server_pid(shm))  # whatever server the last engines left
-    shutil.rmtree(shm, ignore_errors=True)
+    with engine_node(root, "hpkv-e2e-", storage=root / "home-b" / "hpkv" / "storage") as place:
+        _home(place, "c").mkdir()
+        yield place
 
 
-def _stop(*engines: Engine, shm: Path) -> None:
-    pid = server_pid(shm)
-    for engine in engines:
-        engine.stop()
-    kill_server(pid)
+def _home(node: EngineNode, name: str) -> Path:
+    """The HOME of engine `name` (b or c)."""
+    return node.root / f"home-{name}"
 
 
 @pytest.fixture(scope="module")
@@ -131,22 +102,13 @@ def unconfigured(node, model):
 @pytest.fixture(scope="module")
 def first_engines(node, model, unconfigured):
     """A and plain, started side by side (while the unconfigured engine fails beside them)."""
-    no_config = str(node.root / "no-config.ini")  # not the user's config file
-    env_a = {
-        "VLLM_ENABLE_HPKV": "1",
-        "HPKV_KV_MEM_POOL_SIZE": "256m",
-        "HPKV_SHARE_MEM_FILE_PATH": str(node.shm),
-        "HPKV_KV_STORAGE_PATH": str(node.storage),
-        "HPKV_SERVER_IDLE_EXIT_S": "2",
-        "HPKV_CONFIG_FILE_PATH": no_config,
-    }
-    a = Engine("a", model, with_load_fault(env_a, node.root / "shim-a", node.load_fault), node.logs)
-    plain = Engine("plain", model, {"HPKV_CONFIG_FILE_PATH": no_config}, node.logs, hpkv=False)
+    a = Engine("a", model, with_load_fault(node.env(), node.root / "shim-a", node.load_fault), node.logs)
+    plain = Engine("plain", model, node.no_config, node.logs, hpkv=False)
     try:
         start_all([a, plain])
         yield a, plain
     finally:
-        _stop(a, plain, shm=node.shm)
+        stop_engines(a, plain, shm=node.shm)
 
 
 @pytest.fixture(scope="module")
@@ -179,10 +141,10 @@ def engines_bc(node, model, engine_a):
         "HPKV_SHARE_MEM_FILE_PATH": str(node.shm),
         "HPKV_SERVER_IDLE_EXIT_S": "2",
     }
-    _write_config(node.home_b / "hpkv.ini", **common, HPKV_KV_STORAGE_PATH="~/hpkv/storage")
-    (node.home_c / "storage").symlink_to(node.storage)
+    _write_config(_home(node, "b") / "hpkv.ini", **common, HPKV_KV_STORAGE_PATH="~/hpkv/storage")
+    (_home(node, "c") / "storage").symlink_to(node.storage)
     _write_config(
-        node.home_c / ".config" / "hpkv" / "config.ini",
+        _home(node, "c") / ".config" / "hpkv" / "config.ini",
         **common,
         HPKV_KV_STORAGE_PATH="~/storage",
         VLLM_HPKV_TOKEN_THRESHOLD="512",
@@ -190,15 +152,15 @@ def engines_bc(node, model, engine_a):
     b = Engine(
         "b",
         model,
-        {"HOME": str(node.home_b), "HPKV_CONFIG_FILE_PATH": "~/hpkv.ini", "VLLM_CACHE_ROOT": VLLM_CACHE_ROOT},
+        {"HOME": str(_home(node, "b")), "HPKV_CONFIG_FILE_PATH": "~/hpkv.ini", "VLLM_CACHE_ROOT": VLLM_CACHE_ROOT},
         node.logs,
     )
-    c = Engine("c", model, {"HOME": str(node.home_c), "VLLM_CACHE_ROOT": VLLM_CACHE_ROOT}, node.logs)
+    c = Engine("c", model, {"HOME": str(_home(node, "c")), "VLLM_CACHE_ROOT": VLLM_CACHE_ROOT}, node.logs)
     try:
         start_all([b, c], gate=lambda: answers(node.shm / protocol.SOCKET_NAME))
         yield b, c
     finally:
-        _stop(b, c, shm=node.shm)
+        stop_engines(b, c, shm=node.shm)
 
 
 @pytest.fixture(scope="module")

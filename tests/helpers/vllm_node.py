@@ -47,10 +47,13 @@ class EngineNode:
 
 
 @contextlib.contextmanager
-def engine_node(root: Path, prefix: str, extra_env: Mapping[str, str] | None = None) -> Iterator[EngineNode]:
-    """A node under `root`, its pool directory named `prefix...`; removed with its server after."""
+def engine_node(
+    root: Path, prefix: str, extra_env: Mapping[str, str] | None = None, storage: Path | None = None
+) -> Iterator[EngineNode]:
+    """A node under `root`, its pool directory named `prefix...`, its storage `storage` (by
+    default `root/storage`); the pool directory is removed with its server after."""
     shm = Path(tempfile.mkdtemp(prefix=prefix, dir="/dev/shm"))
-    node = EngineNode(root, shm, root / "storage", root / "logs", dict(extra_env or {}))
+    node = EngineNode(root, shm, storage or root / "storage", root / "logs", dict(extra_env or {}))
     for path in (node.storage, node.logs):
         path.mkdir(parents=True)
     try:

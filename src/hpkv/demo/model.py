@@ -7,8 +7,10 @@ A word-level tokenizer is trained with `tokenizers` on a generated corpus; the m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,4 +110,18 @@ def _build_weights(path: Path, shape: ModelShape, vocab_size: int) -> None:
         eos_token_id=0,
     )
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(path, safe_serialization=True)
+    with _no_progress_bar():  # a one-shard bar would land amid the demo's own lines
+        model.save_pretrained(path, safe_serialization=True)
+
+
+@contextlib.contextmanager
+def _no_progress_bar() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()

@@ -13,6 +13,7 @@ whether the output (token ids and logprobs) is identical to vLLM's own prefix-ca
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 import time
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..configkeys import KEYS_BY_NAME
 from ..server import protocol
 from .engine import Completion, VllmServer
 from .model import build_model, prompt_text
@@ -80,22 +82,43 @@ class Walk:
     prompt: str
 
 
+# The one HPKV setting of the shell a walk keeps: it changes what the engines log, not the walk.
+KEPT_FROM_SHELL = ("HPKV_LOG_LEVEL",)
+
+
+@contextlib.contextmanager
+def shell_settings_aside(log: Callable[[str], None]) -> Iterator[dict[str, str]]:
+    """This process's HPKV settings (what a user following the quick start exported: a tuned
+    threshold, storage turned off, a config file) taken out of its environment until the block
+    ends, each logged: the engines a walk starts inherit that environment, and the walk is the
+    documented set-up. Yields what was set aside."""
+    aside = {k: os.environ.pop(k) for k in list(os.environ) if k in KEYS_BY_NAME and k not in KEPT_FROM_SHELL}
+    for key, value in aside.items():
+        log(f"  ignoring {key}={value} from the environment: the demo runs with the exports below only")
+    try:
+        yield aside
+    finally:
+        os.environ.update(aside)
+
+
 @contextlib.contextmanager
 def walk(cfg: DemoConfig, engine: str) -> Iterator[Walk]:
     """A walk's set-up for `engine` ("vllm": with VLLM_ENABLE_HPKV=1; otherwise the HPKV_*
-    exports only), each export logged; its pool directory is removed afterwards."""
+    exports only), each export logged, the shell's own HPKV settings set aside; its pool
+    directory is removed afterwards."""
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     model = cfg.model or str(build_model(cfg.workdir / "tiny-qwen2"))
     storage = cfg.workdir / "storage"
     shutil.rmtree(storage, ignore_errors=True)
     pool_dir = Path(tempfile.mkdtemp(prefix="hpkv-demo-", dir="/dev/shm"))
     try:
-        env = documented_env(cfg.pool_size, pool_dir, storage, cfg.workdir)
-        if engine != "vllm":
-            env = {k: v for k, v in env.items() if k.startswith("HPKV_")}
-        for key, value in env.items():
-            cfg.log(f"  export {key}={value}")
-        yield Walk(model, storage, pool_dir, env, prompt_text(cfg.prompt_words, seed=2024))
+        with shell_settings_aside(cfg.log):
+            env = documented_env(cfg.pool_size, pool_dir, storage, cfg.workdir)
+            if engine != "vllm":
+                env = {k: v for k, v in env.items() if k.startswith("HPKV_")}
+            for key, value in env.items():
+                cfg.log(f"  export {key}={value}")
+            yield Walk(model, storage, pool_dir, env, prompt_text(cfg.prompt_words, seed=2024))
     finally:
         shutil.rmtree(pool_dir, ignore_errors=True)
 
