@@ -46,7 +46,7 @@ from bench.harness import configs
 from bench.harness.keys import keys as _keys
 from bench.harness.keys import namespace
 from bench.harness.report import log, median_p99_ms, timed, verdict
-from bench.harness.server import SHM, server_env, start_server, stop_server
+from bench.harness.server import SHM, huge_tmpfs, server_env, start_server, stop_server
 from hpkv.server.client import Client
 from hpkv.store import TieredStore
 
@@ -203,10 +203,12 @@ def _saved(
     return {"server_s": main_s, "writers_s": writers_s, "polls_s": poll_s}
 
 
-def write_through(entry: int, total_bytes: int = GiB, storage_parent: str | None = None) -> dict:
+def write_through(
+    entry: int, total_bytes: int = GiB, storage_parent: str | None = None, pool_parent: Path = SHM
+) -> dict:
     """The write-through's CPU per GiB and its parts, against the floor measured in the same
     rounds (the spread of the rounds' ratios is the machine's noise)."""
-    pool_dir = Path(tempfile.mkdtemp(prefix="hpkv-costs-", dir=SHM))
+    pool_dir = Path(tempfile.mkdtemp(prefix="hpkv-costs-", dir=pool_parent))
     storage_dir = Path(tempfile.mkdtemp(prefix="hpkv-costs-wt-", dir=storage_parent))
     payload = np.random.default_rng(0).integers(0, 255, entry, dtype=np.uint8)
     num = total_bytes // entry
@@ -237,6 +239,7 @@ def write_through(entry: int, total_bytes: int = GiB, storage_parent: str | None
     rounds = [(m + w) / f for m, w, f in zip(writes["server_s"], writes["writers_s"], floors, strict=True)]
     return {
         "entry_bytes": entry,
+        "pool": "huge pages" if pool_parent != SHM else f"{SHM} ({_shm_pages()})",
         "cpu_s_per_gib": total,
         "server_s_per_gib": server_s,
         "writers_s_per_gib": writers_s,
@@ -248,6 +251,15 @@ def write_through(entry: int, total_bytes: int = GiB, storage_parent: str | None
         "ratio": total / floor,
         "write_through_ratio": own / floor,
     }
+
+
+def _shm_pages() -> str:
+    """The page size of a pool on /dev/shm: 4 KiB unless shmem's transparent huge pages are on."""
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
+    except OSError:
+        return "4 KiB pages"
+    return "huge pages" if "[always]" in mode or "[within_size]" in mode or "[force]" in mode else "4 KiB pages"
 
 
 def _floor(directory: Path, source: np.ndarray, entry: int, entries: range) -> float:
@@ -283,9 +295,11 @@ def main() -> None:
         log("costs: storage index")
         storage = storage_index(args.storage_entries)
     writes = []
-    for entry in args.entry_mib:
-        log(f"costs: write-through, {entry} MiB entries")
-        writes.append(write_through(int(entry * MiB), storage_parent=args.storage_dir))
+    with huge_tmpfs(5 * GiB) as huge:  # a pool on 2 MiB pages beside /dev/shm's, where one can be had
+        for pool_parent in (SHM, huge) if huge is not None else (SHM,):
+            for entry in args.entry_mib:
+                log(f"costs: write-through, {entry} MiB entries, pool in {pool_parent}")
+                writes.append(write_through(int(entry * MiB), storage_parent=args.storage_dir, pool_parent=pool_parent))
     result = {"dram_index": dram, "storage_index": storage, "write_through": writes, "cpus": os.cpu_count()}
     if args.json:
         print(json.dumps(result, indent=2))
@@ -306,7 +320,8 @@ def print_report(result: dict) -> None:
         )
     for w in writes:
         print(
-            f"  write-through, {w['entry_bytes'] / MiB:g} MiB entries: {w['cpu_s_per_gib']:.2f} CPU s/GiB (server"
+            f"  write-through, {w['entry_bytes'] / MiB:g} MiB entries, pool on {w['pool']}:"
+            f" {w['cpu_s_per_gib']:.2f} CPU s/GiB (server"
             f" process {w['server_s_per_gib']:.2f}, write-through processes {w['writers_s_per_gib']:.2f}) vs floor"
             f" {w['floor_cpu_s_per_gib']:.2f} = {w['ratio']:.2f}x (target <= {TARGET_WRITE_RATIO}x:"
             f" {verdict(w['ratio'] <= TARGET_WRITE_RATIO)}; rounds {min(w['round_ratios']):.2f}"

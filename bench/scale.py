@@ -21,7 +21,6 @@ memory only while measured.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -29,7 +28,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +35,7 @@ import numpy as np
 from bench.harness.keys import keys as _keys
 from bench.harness.keys import namespace
 from bench.harness.report import log, verdict
-from bench.harness.server import SHM, server_env, stop_server
+from bench.harness.server import SHM, huge_tmpfs, server_env, stop_server
 from hpkv.server.autostart import answers
 from hpkv.server.client import Client
 from hpkv.server.protocol import SOCKET_NAME
@@ -54,22 +52,6 @@ def mem_available() -> int:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) << 10
     return 0
-
-
-@contextlib.contextmanager
-def huge_tmpfs(size_bytes: int) -> Iterator[Path | None]:
-    """A fresh tmpfs mounted huge=within_size, or None where it cannot be mounted (not root)."""
-    point = Path(tempfile.mkdtemp(prefix="hpkv-scale-huge-"))
-    mount = ["mount", "-t", "tmpfs", "-o", f"size={size_bytes},huge=within_size,mode=0700", "tmpfs", str(point)]
-    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode != 0:
-        point.rmdir()
-        yield None
-        return
-    try:
-        yield point
-    finally:
-        subprocess.run(["umount", "-l", str(point)], check=False)
-        point.rmdir()
 
 
 def import_floor_s() -> float:

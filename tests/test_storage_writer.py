@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,6 +88,25 @@ def test_the_jobs_a_dead_writer_did_not_answer_go_to_another_and_nothing_is_lost
     assert store.flush(timeout=20)
     assert read_back(storage_dir, ns, later) == [payload(k) for k in later]
     assert store.stats().writers.started == store.stats().writers.died + len(store.writers.pids())
+
+
+def test_a_directory_removed_under_a_writer_that_holds_it_open_is_made_again(open_store, storage_dir):
+    """A write-through process keeps the directories it wrote into open: after `rm -rf` of the
+    namespace, the next file for the same directory is not created in the removed one (where
+    nobody would find it) but in the directory made again."""
+    store = open_store(storage=storage(storage_dir))
+    ns = store.register(desc())
+    first, other = keys(2)
+    second = first[:2] + other[2:]  # the same leaf directory
+    save(store, ns, [first])
+    assert store.flush(timeout=20)
+    shutil.rmtree(storage_dir / ns)
+
+    save(store, ns, [second])
+    assert store.flush(timeout=20)
+
+    assert read_back(storage_dir, ns, [second]) == [payload(second)]
+    assert store.stats().storage.write_failures == 0
 
 
 def _pool_file(shm_dir: Path, size: int, fill: bytes = b"") -> int:

@@ -2,7 +2,8 @@
 a client. Primitives: `server_env(pool_dir, storage_dir, **settings)` -> the process environment
 (no user config file), `start_server(env)` -> the process once its socket answers,
 `stop_server(process)`, and `temporary_server(...)`, all three with fresh directories that are
-removed on the way out. The server's own settings come from its environment, as in production."""
+removed on the way out; `huge_tmpfs(size)`, a place for a pool on 2 MiB pages. The server's own
+settings come from its environment, as in production."""
 
 from __future__ import annotations
 
@@ -78,3 +79,19 @@ def temporary_server(prefix: str, storage_parent: Path | None = None, **settings
     finally:
         shutil.rmtree(pool_dir, ignore_errors=True)
         shutil.rmtree(storage_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def huge_tmpfs(size_bytes: int) -> Iterator[Path | None]:
+    """A fresh tmpfs mounted huge=within_size, or None where it cannot be mounted (not root)."""
+    point = Path(tempfile.mkdtemp(prefix="hpkv-bench-huge-"))
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size_bytes},huge=within_size,mode=0700", "tmpfs", str(point)]
+    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode != 0:
+        point.rmdir()
+        yield None
+        return
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+        point.rmdir()

@@ -260,9 +260,12 @@ class FileTarget:
         return os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
-def write_entry_file(io: FileIO, target: FileTarget, buffers: list, fsync: str, direct: bool = False) -> OSError | None:
+def write_entry_file(
+    io: FileIO, target: FileTarget, buffers: list, fsync: str, direct: bool = False, dir_fd: int | None = None
+) -> OSError | None:
     """Create `target.tmp` exclusively (never through a link), write `buffers`, rename it into
-    place, all by name in the directory `target.open_directory()` gives. Atomic on failure:
+    place, all by name in the directory `target.open_directory()` gives (or `dir_fd`, the
+    caller's: left open). Atomic on failure:
     returns the error after removing the temporary it created (never one of the same name that
     someone else created), and nothing appears under `target.final`. With `direct`, every buffer
     after the first (the header, copied to aligned memory here) must be aligned already; the
@@ -272,10 +275,11 @@ def write_entry_file(io: FileIO, target: FileTarget, buffers: list, fsync: str, 
     size = sum(len(b) for b in buffers)
     created = False
     header = None
-    dir_fd = None
+    own_dir = dir_fd is None
     tmp, final = os.path.basename(target.tmp), os.path.basename(target.final)
     try:
-        dir_fd = target.open_directory()
+        if dir_fd is None:
+            dir_fd = target.open_directory()
         fd, direct = (
             open_direct(io, tmp, CREATE_FLAGS, dir_fd) if direct else (io.open(tmp, CREATE_FLAGS, dir_fd=dir_fd), False)
         )
@@ -307,7 +311,7 @@ def write_entry_file(io: FileIO, target: FileTarget, buffers: list, fsync: str, 
     finally:
         if header is not None:
             header.close()
-        if dir_fd is not None:
+        if own_dir and dir_fd is not None:
             os.close(dir_fd)
 
 

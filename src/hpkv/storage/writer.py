@@ -1,23 +1,15 @@
-"""Write-through processes: the server's entry files written by child processes of their own.
+"""Write-through processes, the server's side: entry files written by child processes of their
+own (`writer_child`), started, fed batches of jobs, replaced when they die.
 
-A writer (`python -m hpkv.storage.writer POOL_FD NICE`) runs at niceness `HPKV_WRITE_NICE`, maps
-the pool read-only from the descriptor the server passes it (`pass_fds`, never by name), and for
-each job on its stdin checksums the slot, writes the entry file (`write_entry_file`: temporary,
-then rename) and answers on its stdout. Why a process: the checksum and the copy would otherwise
-compete for the server's GIL with its request handlers, and could not run below the engines.
-
-Protocol: one JSON value per line. The writer first says `{"hello": "hpkv-writer", "version":
-N}`; then each line is a list of jobs, `{"ns", "key" (hex), "offset", "length", "final", "tmp",
-"directory", "mkdir", "root", "fsync", "format"}` (a `FileTarget`; "format": the file format
-version, 2 to write it with O_DIRECT), done in order and answered by one line each, `{"ok":
-true}` or `{"errno": E, "error": "..."}`, sent together once the last is done (a batch costs
-both processes one wake-up, not one a job).
+Why processes: the checksum and the copy would otherwise compete for the server's GIL with its
+request handlers, and could not run below the engines (niceness `HPKV_WRITE_NICE`). A process
+gets the pool as a descriptor (`pass_fds`, never by name); the protocol is `writer_child`'s.
 
 Primitives: `WriterPool(pool_fd, num_processes, nice)` (the descriptor stays the caller's, open
 while the pool lives): `write_many(jobs, fsync) -> [OSError | None]` (jobs: `Job`s, done by one
-process; the caller holds their slots until it returns), `write` (one), `pids()`, `stats()`,
-`close()`, `kill()`;
-`WriterUnavailable` when no writer process can be started (the caller then writes in process).
+process in one round trip; the caller holds their slots until it returns), `write` (one),
+`pids()`, `stats()`, `close()`, `kill()`; `WriterUnavailable` when no writer process can be
+started (the caller then writes in process).
 Must not know: the index, capacity, eviction (the storage tier keeps them).
 """
 
@@ -26,11 +18,8 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import mmap
 import os
 import queue
-import signal
-import stat
 import subprocess
 import sys
 import threading
@@ -41,14 +30,10 @@ from typing import IO, NamedTuple
 from ..errors import HpkvError
 from ..stats import WriterStats
 from . import format as fmt
-from .fileio import FileIO, FileTarget, remove_temp, write_entry_file
+from .fileio import FileTarget, remove_temp
+from .writer_child import _OK_LINE, HELLO, PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
-
-PROTOCOL_VERSION = 4  # 4: jobs come in batches
-HELLO = "hpkv-writer"
-_OK = {"ok": True}
-_OK_LINE = json.dumps(_OK).encode() + b"\n"  # the reply to a job done
 
 
 class WriterUnavailable(HpkvError):
@@ -97,7 +82,7 @@ class WriterProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, env.get("PYTHONPATH")) if p)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hpkv.storage.writer", str(pool_fd), str(nice)],
+                [sys.executable, "-m", "hpkv.storage.writer_child", str(pool_fd), str(nice)],
                 pass_fds=(pool_fd,),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -345,54 +330,3 @@ class WriterPool:
             procs, self._procs = list(self._procs), set()
         for proc in procs:
             proc.close()
-
-
-# -- the child ----------------------------------------------------------------------------------
-
-
-def _serve(pool_fd: int, nice: int) -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C stops the server, which closes our stdin
-    os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
-    out = sys.stdout.buffer
-    try:
-        if not stat.S_ISREG(os.fstat(pool_fd).st_mode):
-            print(f"hpkv writer: descriptor {pool_fd} is not the pool file", file=sys.stderr)
-            return 2
-        # The mapping keeps the file; the descriptor is not needed once it is made.
-        pool = mmap.mmap(pool_fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
-    finally:
-        os.close(pool_fd)
-    buf = memoryview(pool)
-    io = FileIO()
-    out.write(json.dumps({"hello": HELLO, "version": PROTOCOL_VERSION}).encode() + b"\n")
-    out.flush()
-    for line in sys.stdin.buffer:
-        replies = [_job(job, buf, io) for job in json.loads(line)]
-        out.write(b"".join(_OK_LINE if r is _OK else json.dumps(r).encode() + b"\n" for r in replies))
-        out.flush()
-    return 0
-
-
-def _job(job: dict, buf: memoryview, io: FileIO) -> dict:
-    offset, length = job["offset"], job["length"]
-    if offset < 0 or length < 0 or offset + length > len(buf):
-        return {"errno": errno.EINVAL, "error": f"slot {offset}+{length} outside the pool of {len(buf)} bytes"}
-    version = job.get("format", fmt.VERSION)
-    if version not in fmt.VERSIONS:
-        return {"errno": errno.EINVAL, "error": f"unknown file format version {version}"}
-    payload = buf[offset : offset + length]
-    try:
-        header = fmt.encode_header(bytes.fromhex(job["ns"]), bytes.fromhex(job["key"]), payload, version)
-        target = FileTarget(job["final"], job["tmp"], job["directory"], job["mkdir"], job.get("root"))
-        # The pool's mapping starts on a page and its slots on ALIGN: the payload is aligned.
-        direct = version == fmt.VERSION_ALIGNED and offset % fmt.ALIGN == 0 and length % fmt.ALIGN == 0
-        error = write_entry_file(io, target, [header, payload], job["fsync"], direct)
-    finally:
-        payload.release()
-    if error is None:
-        return _OK
-    return {"errno": error.errno or errno.EIO, "error": error.strerror or str(error)}
-
-
-if __name__ == "__main__":
-    sys.exit(_serve(int(sys.argv[1]), int(sys.argv[2])))
