@@ -109,6 +109,28 @@ def test_a_directory_removed_under_a_writer_that_holds_it_open_is_made_again(ope
     assert store.stats().storage.write_failures == 0
 
 
+def test_a_batch_the_write_budget_pays_for_in_part_writes_what_it_pays_for(open_store, storage_dir):
+    """One write thread takes the four entries of a commit as one batch; the budget pays for three
+    of them: those three are written by a writer process, the fourth is refused and counted."""
+    from hpkv.storage import format as fmt
+    from hpkv.storage.budget import BUDGET_BURST_S
+
+    ks = keys(4)
+    file_bytes = fmt.header_bytes(len(ks[0])) + len(payload(ks[0]))
+    config = dataclasses.replace(
+        make_storage_config(storage_dir, io_threads=1),
+        write_budget_bytes=int(3.5 * file_bytes * 86400 / BUDGET_BURST_S),
+    )
+    store = open_store(storage=config)
+    ns = store.register(desc())
+    save(store, ns, ks)
+    assert store.flush(timeout=20)
+    stats = store.stats().storage
+    assert (stats.writes, stats.over_budget, stats.write_failures) == (3, 1, 0)
+    assert sum(got is not None for got in read_back(storage_dir, ns, ks)) == 3
+    assert store.writers.pids()  # written by a process, not in the server
+
+
 def _pool_file(shm_dir: Path, size: int, fill: bytes = b"") -> int:
     pool_path = shm_dir / "pool"
     with open(pool_path, "wb") as f:

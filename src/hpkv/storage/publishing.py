@@ -36,7 +36,7 @@ _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 Write = Callable[[FileTarget], "OSError | None"]
 WriteOne = Callable[[int, FileTarget], "OSError | None"]
-WriteMany = Callable[[list[FileTarget]], "list[OSError | None]"]
+WriteMany = Callable[[list[tuple[int, FileTarget]]], "list[OSError | None]"]
 Item = tuple[str, bytes, int, int]  # ns, key, payload bytes, format version
 
 
@@ -90,20 +90,21 @@ class Publisher:
         not raised). False when it could not be written (counted, logged); what `write` raises
         is raised, with nothing charged to the budget."""
         return self.publish_many(
-            [(ns, key, payload_bytes, version)], lambda targets: [write(targets[0])], lambda _, target: write(target)
+            [(ns, key, payload_bytes, version)], lambda todo: [write(todo[0][1])], lambda _, target: write(target)
         )[0]
 
     def publish_many(self, items: list[Item], write_many: WriteMany, write_one: WriteOne) -> list[bool]:
         """`publish` for several entries (ns, key, payload_bytes, version) whose first writes go
-        in one call, `write_many(targets)` (their errors, in order); retries go one by one to
-        `write_one(i, target)` (i: the item's place in `items`). Whether each was published.
+        in one call, `write_many([(i, target)...])` for those there is room and budget for (i:
+        the item's place in `items`; their errors, in order); retries go one by one to
+        `write_one(i, target)`. Whether each was published.
         What a write raises is raised once every entry is settled (nothing charged for the one
         it concerns; the others are published or not as their own writes went)."""
         results = [False] * len(items)
         admitted = [(i, size) for i, size in enumerate(self._size(item) for item in items) if self._admit(size)]
         targets = [self._layout.target(items[i][0], items[i][1], self._dirs) for i, _ in admitted]
         try:
-            errors = write_many(targets) if targets else []
+            errors = write_many([(i, target) for (i, _), target in zip(admitted, targets)]) if targets else []
         except BaseException:
             for _, size in admitted:
                 self._budget.refund(size)

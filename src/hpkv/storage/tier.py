@@ -204,7 +204,7 @@ class StorageTier:
     def publish_many(
         self,
         items: list[tuple[str, bytes, int, int]],
-        write_many: Callable[[list[FileTarget]], list[OSError | None]],
+        write_many: Callable[[list[tuple[int, FileTarget]]], list[OSError | None]],
         write_one: Callable[[int, FileTarget], OSError | None],
     ) -> list[bool]:
         """`publish` for several (ns, key, payload_bytes, version), their first writes in one

@@ -74,7 +74,7 @@ class Job(NamedTuple):
 
 
 class WriterProcess:
-    """One child process; one job at a time."""
+    """One child process; one batch of jobs at a time."""
 
     def __init__(self, pool_fd: int, nice: int) -> None:
         src_root = str(Path(__file__).resolve().parents[2])  # so the child imports this hpkv
@@ -191,10 +191,10 @@ class WriterProcess:
 
 
 class WriterPool:
-    """Up to `num_processes` writers, started on first use and restarted when one dies (its job
-    fails). One that cannot start raises WriterUnavailable, and so does every place without a
-    process for the next RETRY_S seconds (no new attempt, one warning per failed attempt); the
-    processes already running go on writing."""
+    """Up to `num_processes` writers, started on first use and restarted when one dies (the jobs
+    it did not answer go once to its successor). One that cannot start raises WriterUnavailable,
+    and so does every place without a process for the next RETRY_S seconds (no new attempt, one
+    warning per failed attempt); the processes already running go on writing."""
 
     RETRY_S = 60.0
 

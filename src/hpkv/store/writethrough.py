@@ -23,6 +23,7 @@ from typing import cast
 from ..pool.region import PoolRegion
 from ..pool.tier import DramEntry, DramTier
 from ..stats import StoreCounters, WriteBacklogStats
+from ..storage.fileio import FileTarget
 from ..storage.tier import StorageTier
 from ..storage.writer import Job, WriterPool, WriterUnavailable
 
@@ -210,17 +211,16 @@ class WriteThrough:
     def _write_in_writers(self, entries: list[DramEntry]) -> None:
         fsync, writers, storage = self._storage.config.fsync, self.writers, self._storage
         assert writers is not None
-        jobs = [(e, self._dram.entry_bytes(e.ns)) for e in entries]
-        items = [(e.ns, e.key, length, storage.write_version(length)) for e, length in jobs]
+        lengths = [self._dram.entry_bytes(e.ns) for e in entries]
+        items = [(e.ns, e.key, n, storage.write_version(n)) for e, n in zip(entries, lengths, strict=True)]
+
+        def job(i: int, target: FileTarget) -> Job:
+            return Job(entries[i].ns, entries[i].key, entries[i].offset, lengths[i], target, items[i][3])
+
         storage.publish_many(
             items,
-            lambda targets: writers.write_many(
-                [Job(e.ns, e.key, e.offset, n, t, v) for (e, n), t, (*_, v) in zip(jobs, targets, items, strict=True)],
-                fsync,
-            ),
-            lambda i, target: writers.write(
-                jobs[i][0].ns, jobs[i][0].key, jobs[i][0].offset, jobs[i][1], target, fsync, items[i][3]
-            ),
+            lambda todo: writers.write_many([job(i, target) for i, target in todo], fsync),
+            lambda i, target: writers.write_many([job(i, target)], fsync)[0],
         )
 
     def close(self, abandon: threading.Event | None, stalled_s: float) -> bool:
