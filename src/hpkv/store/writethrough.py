@@ -1,10 +1,12 @@
 """Write-through: committed entries written to the storage tier, the backlog they form, and the
 way a closing store finishes or gives up those writes.
 
-Owns: the write threads and the writer processes (`storage/writer.py`), the backlog (entries
-committed and not written yet: each pins its slot; their count and payload bytes), its limit, the
-deferred entries (committed past the limit, oldest first: unpinned, written once the backlog
-drains if DRAM still holds them), the writes in flight, and the closing and abandoned flags.
+Owns: the write threads and the writer processes (`storage/writer.py`), the queue the threads
+take batches from, the backlog (entries committed whose write, or that of one queued before
+them, has not ended: each pins its slot, released in the order queued, so that a prefix becomes
+evictable last entries first; their count and payload bytes), its limit, the deferred entries
+(committed past the limit, oldest first: unpinned, written once the backlog drains if DRAM still
+holds them), and the closing and abandoned flags.
 Primitives: `admit` (caller holds the lock), `submit`, `flush`, `close`, `stats` (caller holds
 the lock).
 Must not know: leases, reservations, holds; who committed an entry.
@@ -55,9 +57,12 @@ class WriteThrough:
         self._region = region
         self._counters = counters
         self.limit_bytes = limit_bytes
-        self.num_entries = self.num_bytes = 0  # the backlog: pinned, waiting for their write
+        self.num_entries = self.num_bytes = 0  # the backlog: pinned until their write, and those queued before, end
         self._deferred: OrderedDict[tuple[str, bytes], None] = OrderedDict()
-        self._queue: deque[DramEntry] = deque()  # admitted, not taken by a write thread yet
+        self._queue: deque[list] = deque()  # [entry, written] admitted, not taken by a write thread yet
+        # The backlog in the order queued, unpinned in that order as writes end (however the
+        # threads' batches finish), so that a prefix's entries become evictable last first.
+        self._order: deque[list] = deque()
         self._draining = 0  # write threads at work on the queue
         self._idle = threading.Condition(lock)  # the queue is empty and no thread works on it
         self._num_ended = 0
@@ -120,7 +125,9 @@ class WriteThrough:
     def submit(self, entries: list[DramEntry]) -> None:
         """Queue the writes of entries `admit` took into the backlog (without the lock)."""
         with self._lock:
-            self._queue.extend(entries)
+            records = [[entry, False] for entry in entries]
+            self._queue.extend(records)
+            self._order.extend(records)
             starts = min(self._threads - self._draining, len(self._queue))
             self._draining += starts
         for _ in range(starts):
@@ -153,7 +160,7 @@ class WriteThrough:
                 n = min(BATCH_ENTRIES, -(-len(self._queue) // self._threads))
                 batch = [self._queue.popleft() for _ in range(n)]
             try:
-                self._write_batch(batch)
+                self._write_batch([entry for entry, _ in batch])
             finally:
                 self.submit(self._finished(batch))
 
@@ -198,11 +205,14 @@ class WriteThrough:
         except Exception:
             log.exception("write-through to storage failed; the entry stays in DRAM only")
 
-    def _finished(self, entries: list[DramEntry]) -> list[DramEntry]:
+    def _finished(self, records: list[list]) -> list[DramEntry]:
         """Out of the backlog; returns the deferred entries that now take their place."""
         with self._lock:
-            for entry in entries:
+            for record in records:
+                record[1] = True
                 self._num_ended += 1
+            while self._order and self._order[0][1]:
+                entry = self._order.popleft()[0]
                 self._dram.unpin(entry)
                 self.num_entries -= 1
                 self.num_bytes -= self._dram.entry_bytes(entry.ns)
