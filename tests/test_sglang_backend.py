@@ -471,3 +471,27 @@ def test_a_private_identity_is_shared_by_the_ranks_of_one_launch_and_no_other():
 
     first, second = launch(), launch()
     assert len(set(first)) == 1 and len(set(second)) == 1 and first[0] != second[0]
+
+
+def test_registration_leaves_sglangs_page_hash_loaded(node):
+    """SGLang compiles its page hash (C++) on first use, in its prefetch thread at the first
+    lookup: the backend has it loaded at registration, so that no lookup waits for a build."""
+    from sglang.srt.mem_cache.cpp_utils import native_hash
+
+    su.backend(su.host_pool())
+    assert native_hash._load_native_hash_module.cache_info().currsize == 1
+
+
+def test_a_page_hash_that_cannot_be_built_is_reported_with_its_fix_and_start_goes_on():
+    import subprocess
+    import sys
+
+    code = (
+        "import logging; logging.basicConfig()\n"
+        "from helpers.sglang import sglang_modules; sglang_modules()\n"
+        "from hpkv.integrations.sglang import warmup; print('ready', warmup.ready_page_hash(64))\n"
+    )
+    env = su.subprocess_env(None, TORCH_EXTENSIONS_DIR="/dev/null/extensions")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and "ready False" in out.stdout, out.stdout + out.stderr
+    assert "install g++, ninja and the OpenSSL headers" in out.stderr and "TORCH_EXTENSIONS_DIR" in out.stderr

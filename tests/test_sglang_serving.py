@@ -5,12 +5,13 @@ One engine (`python -m sglang.launch_server`, the flag between `--model-path` an
 the original document has it) serves: the quick start, a DRAM hit after `/flush_cache` identical
 to SGLang's own device hit, a prompt below VLLM_HPKV_TOKEN_THRESHOLD not loaded, and the HPKV
 server SIGKILLed during requests (compared with a fault-free run of the same requests). Then the
-engine restarts as `sglang serve --model-path MODEL --enable-ct-hpkv` on the same storage: HPKV's
-server is up once the engine answers (the backend starts it at registration, so that no lookup
-waits for it), and the first request is a storage hit, identical. The
-oracle is SGLang's own device-cache hit: same token ids, bit-identical logprobs. Where a hit
-came from: the response's `meta_info.cached_tokens_details` and the HPKV server's per-namespace
-counters (`hpkv status`).
+engine restarts as `sglang serve --model-path MODEL --enable-ct-hpkv` on the same storage, under
+SGLang's default `timeout` prefetch policy and with SGLang's page-hash extension still to build
+(as in a new container): HPKV's server is up once the engine answers and the extension is built
+(the backend does both at registration, so that no lookup waits for either), and the first
+request is a storage hit, identical. The oracle is SGLang's own device-cache hit: same token
+ids, bit-identical logprobs. Where a hit came from: the response's
+`meta_info.cached_tokens_details` and the HPKV server's per-namespace counters (`hpkv status`).
 """
 
 from __future__ import annotations
@@ -180,7 +181,12 @@ def test_after_a_restart_a_long_prompt_is_a_storage_hit_identical_to_sglangs_own
     path, shm, env = work
     first.stop()
     wait_for(lambda: not (shm / protocol.SOCKET_NAME).exists(), timeout_s=120, interval_s=0.5, what="HPKV exit")
-    second = ss.SglangEngine("second", sglang_model, env, path, launcher="serve")
+    # SGLang's default prefetch policy (`timeout`: 1 s + 0.25 s per 1K tokens), and SGLang's
+    # page-hash extension still to build, as in a new container or after an upgrade: HPKV builds
+    # it at registration, or the first lookup would wait 15-20 s for g++ and miss.
+    extensions = path / "torch-extensions-second"
+    second_env = {**env, "TORCH_EXTENSIONS_DIR": str(extensions)}
+    second = ss.SglangEngine("second", sglang_model, second_env, path, launcher="serve", extra_flags=())
     try:
         second.start()
         # Started in the background at the backend's registration, before any lookup.
@@ -195,5 +201,6 @@ def test_after_a_restart_a_long_prompt_is_a_storage_hit_identical_to_sglangs_own
         assert hit.cached.get("storage") == pages * ss.PAGE_SIZE, hit.cached
         assert ss.same_output(hit, reference)
         assert namespace_hits(shm)["storage"] >= pages
+        assert list(extensions.glob("*/*.so")), "no page hash was built: the restart did not need one"
     finally:
         second.stop()

@@ -30,6 +30,7 @@ import logging
 import os
 import struct
 import sys
+import tempfile
 import types
 from contextlib import contextmanager
 from functools import lru_cache
@@ -375,5 +376,25 @@ def backend(pool, config=None):
     sg = sglang_modules()
     config = config or storage_config()
     storage = sg.factory.StorageBackendFactory.create_backend("dynamic", config, pool)
-    storage.register_mem_pool_host(pool)
+    with own_extensions_dir():  # registration loads (the first time builds) SGLang's page hash
+        storage.register_mem_pool_host(pool)
     return storage
+
+
+@contextmanager
+def own_extensions_dir():
+    """torch builds SGLang's page-hash extension in one directory per extension name, whatever
+    the SGLang path, and rebuilds it (15-20 s here) whenever another path loads it: this
+    interpreter's SGLang gets a directory of its own, the serving engines' (.venv-sglang) keep
+    the one `make setup` built."""
+    tag = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+    own = Path(tempfile.gettempdir()) / f"hpkv-tests-torch-extensions-{tag}"
+    saved = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(own)
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["TORCH_EXTENSIONS_DIR"]
+        else:
+            os.environ["TORCH_EXTENSIONS_DIR"] = saved

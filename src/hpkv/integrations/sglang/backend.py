@@ -2,13 +2,13 @@
 
 SGLang builds it through its `dynamic` storage backend with the zero-copy v1 interface (see
 `flag.py`), one per scheduler process (TP/PP rank), then hands it the host pool
-(`register_mem_pool_host`, where HPKV's server is reached, or started, in the background so
-that the first lookup can hit). Owns SGLang's interface: the namespace of this rank, which pages
-are worth storing (`stores_pages`: none where no page could ever hit), and `clear` (this
-namespace, by the ranks that write it, waiting CLEAR_WAIT_S at most on the scheduler thread).
-The transfers, a client per SGLang thread and the faults-as-misses are `pageio.PageIO`'s:
-nothing raises into SGLang's threads, SGLang recomputes. A bad configuration fails at start.
-Knows nothing of the server's store.
+(`register_mem_pool_host`, where HPKV's server is reached, or started, in the background and
+SGLang's page hash is made ready (`warmup`), so that the first lookup can hit). Owns SGLang's
+interface: the namespace of this rank, which pages are worth storing (`stores_pages`: none where
+no page could ever hit), and `clear` (this namespace, by the ranks that write it, waiting
+CLEAR_WAIT_S at most on the scheduler thread). The transfers, a client per SGLang thread and the
+faults-as-misses are `pageio.PageIO`'s: nothing raises into SGLang's threads, SGLang recomputes.
+A bad configuration fails at start. Knows nothing of the server's store.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ...errors import ConfigError
 from ...identity import override_identity
 from ...keys import NamespaceDesc
 from . import layout as lay
+from . import warmup
 from .flag import backend_config
 from .pageio import PageIO
 from .stats import BackendStats
@@ -77,6 +78,7 @@ class HpkvStorage(HiCacheStorage):
         self.ns = desc.ns
         self.io.bind(desc, layout)
         self.io.connect_early()  # SGLang's first lookup must find a server, not start one
+        warmup.ready_page_hash(mem_pool_host.page_size)  # nor build SGLang's page hash
         if model is not None and model.identity is not None and self.storage_config.tp_rank == 0:
             log.info(
                 "HPKV model identity: %s; model %s; namespace model %s",
