@@ -13,9 +13,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
+
+import pytest
 
 from hpkv.demo import shm_orphans
 from hpkv.demo.engine import EngineProcess, free_port, group_alive
@@ -50,6 +53,7 @@ http.server.HTTPServer(("127.0.0.1", port), http.server.SimpleHTTPRequestHandler
 
 # Creates a segment, says its name, and keeps it mapped until killed.
 HOLDER = r"""
+import threading
 import time
 from multiprocessing import shared_memory
 seg = shared_memory.SharedMemory(create=True, size=1 << 20)
@@ -127,4 +131,27 @@ def test_only_segments_created_since_the_snapshot_and_held_by_no_process_are_rem
         os.killpg(held_proc.pid, signal.SIGKILL)
         held_proc.wait()
         for path in (old_path, held, orphan):
+            path.unlink(missing_ok=True)
+
+
+def test_a_ctrl_c_while_the_engine_starts_stops_its_group(tmp_path):
+    """Ctrl-C during a start (the demo's first minute): the engine, in a session of its own, does
+    not get the SIGINT, so the start must stop it, or it runs on with its segments."""
+    group = Group(tmp_path, "slow")
+    group.port = free_port()  # nothing will answer there: the start waits until interrupted
+    cmd_port = free_port()
+    timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            group._launch(
+                [sys.executable, "-c", GROUP, str(cmd_port), str(group.names_file), "slow"], {}, "/", "group", 60
+            )
+        assert group.process is not None and not group_alive(group.process.pid)
+        assert [p for p in group.segments() if p.exists()] == []
+    finally:
+        timer.cancel()
+        if group.process is not None and group_alive(group.process.pid):
+            os.killpg(group.process.pid, signal.SIGKILL)
+        for path in group.segments():
             path.unlink(missing_ok=True)

@@ -182,7 +182,7 @@ class EngineProcess:
                 log.close()  # the child has its own copy
         try:
             wait_until_answers(self.process, self.url(health_path), timeout_s, what, self.log_path, 1.0, self.port)
-        except (TimeoutError, RuntimeError):
+        except BaseException:  # a Ctrl-C too: an engine in a session of its own would outlive us
             self.stop()
             raise
 
