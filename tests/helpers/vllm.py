@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import signal
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -139,13 +138,10 @@ class Engine:
         return self
 
     def stop(self) -> None:
+        # The whole process group, the engine core's too (it may outlive an API server that died
+        # at start); a SIGKILL here would take Python's resource tracker with it and leave vLLM's
+        # shared-memory queues in /dev/shm.
         self.server.stop()
-        process = self.server.process
-        if process is not None:
-            try:  # the engine core may outlive an API server that died at start
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
     def log_text(self) -> str:
         try:

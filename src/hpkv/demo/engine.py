@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from . import shm_orphans
+
 _E = TypeVar("_E", bound="EngineProcess")
 
 HPKV_CONNECTOR = '{"kv_connector":"HpkvConnectorV1", "kv_role":"kv_both"}'
@@ -112,6 +114,19 @@ class Completion:
     total_s: float
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` is still running (zombies aside)."""
+    for proc in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{proc}/stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # not a process, or gone
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
 def wait_until_answers(
     process: subprocess.Popen,
     url: str,
@@ -148,6 +163,8 @@ class EngineProcess:
     port: int
     process: subprocess.Popen | None
     log_path: Path | None
+    _started_at: float = 0.0
+    _shm_before: frozenset[str] = frozenset()
 
     def start(self: _E, timeout_s: float = 600.0) -> _E:
         raise NotImplementedError
@@ -155,6 +172,7 @@ class EngineProcess:
     def _launch(self, cmd: list[str], env: dict[str, str], health_path: str, what: str, timeout_s: float) -> None:
         """Start `cmd` and return once `health_path` answers from it; stopped again if it does not."""
         log = open(self.log_path, "ab") if self.log_path else None
+        self._started_at, self._shm_before = time.time(), shm_orphans.snapshot()
         try:
             self.process = subprocess.Popen(
                 cmd, env=env, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
@@ -164,25 +182,28 @@ class EngineProcess:
                 log.close()  # the child has its own copy
         try:
             wait_until_answers(self.process, self.url(health_path), timeout_s, what, self.log_path, 1.0, self.port)
-        except (TimeoutError, RuntimeError):
+        except BaseException:  # a Ctrl-C too: an engine in a session of its own would outlive us
             self.stop()
             raise
 
     def stop(self, timeout_s: float = 60.0) -> None:
-        """SIGTERM to the server's process group (its workers too), SIGKILL after `timeout_s`."""
+        """SIGTERM to the server's process group (its workers too), so that each cleans up after
+        itself; SIGKILL to what is left of the group after `timeout_s`. Returns once no process of
+        the group is left, having removed the shared-memory segments they left behind."""
         if self.process is None:
             return
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
                 os.killpg(self.process.pid, sig)
             except ProcessLookupError:
-                self.process.poll()  # reaped, if it has not been
-                return
-            try:
-                self.process.wait(timeout_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+                break
+            deadline = time.monotonic() + timeout_s
+            while (self.process.poll() is None or group_alive(self.process.pid)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not group_alive(self.process.pid):
+                break
+        self.process.poll()  # reaped, if it has not been
+        shm_orphans.remove_orphans(self._shm_before, self._started_at)
 
     def __enter__(self: _E) -> _E:
         return self.start()
