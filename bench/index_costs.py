@@ -12,12 +12,14 @@ entries indexed, and the write-through's CPU per GiB against the floor of the sa
 - Write-through: a real server writing 1 GiB of entries (`--entry-mib`: 1 and 4 MiB) to storage
   on disk, after a warm-up that starts its write-through processes and makes the storage tree's
   directories the keys fall in (a tree in use has them); CPU seconds per GiB of the server process
-  and of its write-through processes, against the floor measured in the same rounds (8 of 128
-  MiB, each the server's writes then the floor's, so that both meet the same machine): the
-  checksum the file format takes (xxh3-64 of the payload) and a write of the same bytes, from as
-  many distinct addresses in memory as the pool's, into new files in the page cache of the same
-  file system (kept until the end: ext4 without a journal makes a new file slower for every file
-  removed in the last seconds). Target: within 1.5x of the floor. What is not write-through work
+  and of its write-through processes, in two phases: the first GiB through a fresh 1 GiB pool
+  (each write-through process then faults in every 4 KiB page of the pool it reads, once), and a
+  GiB after two more passes over the pool (a pool in use). Each against the floor measured in the
+  same rounds (8 of 128 MiB, the server's writes then the floor's, so that both meet the same
+  machine): the checksum the file format takes (xxh3-64 of the payload) and a write of the same
+  bytes, from as many distinct addresses in memory as the pool's, into new files in the page
+  cache of the same file system (kept until the end: ext4 without a journal makes a new file
+  slower for every file removed in the last seconds). Target: within 1.5x of the floor. What is not write-through work
   is measured apart and shown: the server's handling of the same puts (reserve, commit) in a
   server with storage off, and its CPU for the benchmark's stats polls (one second of them alone,
   scaled to their number).
@@ -53,6 +55,11 @@ from hpkv.store import TieredStore
 MiB, GiB = 1 << 20, 1 << 30
 TARGET_WRITE_RATIO = 1.5
 ROUNDS = 8  # of the write-through measurement, each followed by its share of the floor
+POOL_BYTES = GiB  # the write-through server's pool
+WARM_PASSES = 2  # more passes over the pool before the "in use" phase
+# The first GiB through a fresh server's pool, then one through a pool in use: a write-through
+# process faults in each 4 KiB page of its mapping of the pool once, on its first read of it.
+PHASES = ("first pass", "pool in use")
 
 
 def rss_anon(pid: int) -> int:
@@ -136,27 +143,28 @@ def _saved(
     entry: int,
     payload: np.ndarray,
     storage: bool,
-    between: Callable[[int], None] | None = None,
-) -> dict:
+    between: Callable[[int, int], None] | None = None,
+) -> list[dict]:
     """One server (`storage`: writing through to its storage directory, else storage off) and a
-    client that saves `total_bytes` of `entry`-byte entries after a warm-up, in ROUNDS rounds;
-    CPU seconds of the server process and of its write-through processes, from each round's first
-    save until its last file is written (storage) or its last commit (storage off), a list a
-    round. `between(r)` runs after round r, outside what is measured."""
-    settings = (
-        {"HPKV_KV_MEM_POOL_SIZE": "2g"} if storage else {"HPKV_KV_MEM_POOL_SIZE": "2g", "HPKV_KV_STORAGE_ENABLE": "0"}
-    )
+    client that saves `total_bytes` of `entry`-byte entries after a warm-up, in ROUNDS rounds, in
+    each of PHASES; CPU seconds of the server process and of its write-through processes, from
+    each round's first save until its last file is written (storage) or its last commit (storage
+    off), a list a round, a dict a phase. `between(phase, r)` runs after each round, outside what
+    is measured."""
+    settings = {"HPKV_KV_MEM_POOL_SIZE": str(POOL_BYTES)}
+    if not storage:
+        settings["HPKV_KV_STORAGE_ENABLE"] = "0"
     pool_dir.mkdir()
     proc = start_server(server_env(pool_dir, storage_dir, **settings))
     server = psutil.Process(proc.pid)
-    polls = 0
-    main_s: list[float] = []
-    writers_s: list[float] = []
+    phases: list[dict] = []
     try:
         with Client(pool_dir, kind="bench-costs", autostart=False) as client:
             ns = client.register(namespace(f"costs-wt-{entry}", entry, num_layers=1))
+            done = 0
 
             def save(tag: str, n: int) -> None:
+                nonlocal done
                 for start in range(0, n, 64):
                     # Keys in 4 of the storage tree's leaf directories, which the warm-up makes:
                     # the directories of a tree in use are there (a fresh tree's first write to
@@ -170,44 +178,69 @@ def _saved(
                         assert offset is not None
                         np.copyto(pool[offset : offset + entry], payload)
                     client.commit(ns, batch)
+                done += n
 
-            def written(n: int) -> None:
-                nonlocal polls
-                while storage and client.stats().storage.writes < n:  # type: ignore[union-attr]
+            def written() -> int:
+                polls, deadline = 0, time.monotonic() + 300
+                while storage and (stats := client.stats()).storage.writes < done:  # type: ignore[union-attr]
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{done} entries saved, not all written after 300 s: {stats}")
                     polls += 1
                     time.sleep(0.05)
+                return polls
 
             save("warm", 16)  # starts the write-through processes, makes the directories
-            written(16)
+            written()
             while (dram := client.stats().dram).ready_bytes < dram.capacity_bytes:
                 time.sleep(0.05)  # the pool's pages, reserved in the background: not this work
             writers = server.children(recursive=True)
-            per_round, done = total_bytes // entry // ROUNDS, 16
-            polls = 0
-            for r in range(ROUNDS):
-                main_before, writers_before = _cpu_s([server]), _cpu_s(writers)
-                save(f"gib{r}-", per_round)
-                done += per_round
-                written(done)
-                main_s.append(_cpu_s([server]) - main_before)
-                writers_s.append(_cpu_s(writers) - writers_before)
-                if between is not None:
-                    between(r)
+            for phase in range(len(PHASES)):
+                if phase:  # the pool in use: every page written through WARM_PASSES times more
+                    chunk = total_bytes // entry // ROUNDS  # a backlog the pool holds: nothing deferred
+                    for start in range(0, WARM_PASSES * POOL_BYTES // entry, chunk):
+                        save(f"use{phase}-{start}-", chunk)
+                        written()
+                phases.append(
+                    _rounds(
+                        server,
+                        writers,
+                        lambda tag, n: (save(tag, n), written())[1],
+                        total_bytes // entry,
+                        lambda r, phase=phase: between(phase, r) if between else None,
+                        f"p{phase}-",
+                    )
+                )
             idle_before = _cpu_s([server])
             for _ in range(20):  # one second of the same polling, nothing else to do
                 client.stats()
                 time.sleep(0.05)
-            poll_s = (_cpu_s([server]) - idle_before) * polls / 20
+            poll_s = (_cpu_s([server]) - idle_before) / 20
     finally:
         stop_server(proc)
-    return {"server_s": main_s, "writers_s": writers_s, "polls_s": poll_s}
+    for result in phases:
+        result["polls_s"] = poll_s * result.pop("polls")
+    return phases
+
+
+def _rounds(server, writers, save_written, num: int, between: Callable[[int], None], tag: str) -> dict:
+    """ROUNDS rounds of `num` // ROUNDS entries saved and written; each one's CPU seconds."""
+    main_s: list[float] = []
+    writers_s: list[float] = []
+    polls = 0
+    for r in range(ROUNDS):
+        main_before, writers_before = _cpu_s([server]), _cpu_s(writers)
+        polls += save_written(f"{tag}{r}-", num // ROUNDS)
+        main_s.append(_cpu_s([server]) - main_before)
+        writers_s.append(_cpu_s(writers) - writers_before)
+        between(r)
+    return {"server_s": main_s, "writers_s": writers_s, "polls": polls}
 
 
 def write_through(
     entry: int, total_bytes: int = GiB, storage_parent: str | None = None, pool_parent: Path = SHM
-) -> dict:
-    """The write-through's CPU per GiB and its parts, against the floor measured in the same
-    rounds (the spread of the rounds' ratios is the machine's noise)."""
+) -> list[dict]:
+    """The write-through's CPU per GiB and its parts, a dict for each of PHASES, against the
+    floor measured in the same rounds (the spread of the rounds' ratios is the machine's noise)."""
     pool_dir = Path(tempfile.mkdtemp(prefix="hpkv-costs-", dir=pool_parent))
     storage_dir = Path(tempfile.mkdtemp(prefix="hpkv-costs-wt-", dir=storage_parent))
     payload = np.random.default_rng(0).integers(0, 255, entry, dtype=np.uint8)
@@ -216,12 +249,13 @@ def write_through(
     source = np.empty((num, entry), dtype=np.uint8)
     source[:] = payload  # what the client copies into the slots, at as many addresses
     source = source.reshape(-1)
-    floors: list[float] = []
+    floors: list[list[float]] = [[] for _ in PHASES]
     (storage_dir / "floor").mkdir()
 
-    def floor_round(r: int) -> None:
+    def floor_round(phase: int, r: int) -> None:
         os.sync()  # neither side pays for the other's dirty pages
-        floors.append(_floor(storage_dir / "floor", source, entry, range(r * per_round, (r + 1) * per_round)))
+        entries = range(r * per_round, (r + 1) * per_round)
+        floors[phase].append(_floor(storage_dir / "floor", source, entry, entries, f"{phase}-"))
         os.sync()
 
     try:
@@ -231,6 +265,14 @@ def write_through(
     finally:
         shutil.rmtree(pool_dir, ignore_errors=True)
         shutil.rmtree(storage_dir, ignore_errors=True)
+    pool = "huge pages" if pool_parent != SHM else f"{SHM} ({_shm_pages()})"
+    return [
+        _ratios(entry, total_bytes, pool, name, w, puts[min(i, len(puts) - 1)], f)
+        for i, (name, w, f) in enumerate(zip(PHASES, writes, floors, strict=True))
+    ]
+
+
+def _ratios(entry: int, total_bytes: int, pool: str, phase: str, writes: dict, puts: dict, floors: list[float]) -> dict:
     gib = total_bytes / GiB
     floor = sum(floors) / gib
     server_s, writers_s = sum(writes["server_s"]) / gib, sum(writes["writers_s"]) / gib
@@ -239,7 +281,8 @@ def write_through(
     rounds = [(m + w) / f for m, w, f in zip(writes["server_s"], writes["writers_s"], floors, strict=True)]
     return {
         "entry_bytes": entry,
-        "pool": "huge pages" if pool_parent != SHM else f"{SHM} ({_shm_pages()})",
+        "pool": pool,
+        "phase": phase,
         "cpu_s_per_gib": total,
         "server_s_per_gib": server_s,
         "writers_s_per_gib": writers_s,
@@ -262,7 +305,7 @@ def _shm_pages() -> str:
     return "huge pages" if "[always]" in mode or "[within_size]" in mode or "[force]" in mode else "4 KiB pages"
 
 
-def _floor(directory: Path, source: np.ndarray, entry: int, entries: range) -> float:
+def _floor(directory: Path, source: np.ndarray, entry: int, entries: range, tag: str = "") -> float:
     """CPU seconds of the checksum and a copy into the page cache of `source`'s `entries`, `entry`
     bytes a file: distinct bytes in memory, as the pool's slots are, not one buffer in the CPU's
     cache."""
@@ -270,7 +313,7 @@ def _floor(directory: Path, source: np.ndarray, entry: int, entries: range) -> f
     for i in entries:
         part = source[i * entry : (i + 1) * entry]
         xxhash.xxh3_64_intdigest(part)
-        fd = os.open(directory / f"{i}.tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(directory / f"{tag}{i}.tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.write(fd, part)
         finally:
@@ -299,7 +342,7 @@ def main() -> None:
         for pool_parent in (SHM, huge) if huge is not None else (SHM,):
             for entry in args.entry_mib:
                 log(f"costs: write-through, {entry} MiB entries, pool in {pool_parent}")
-                writes.append(write_through(int(entry * MiB), storage_parent=args.storage_dir, pool_parent=pool_parent))
+                writes += write_through(int(entry * MiB), storage_parent=args.storage_dir, pool_parent=pool_parent)
     result = {"dram_index": dram, "storage_index": storage, "write_through": writes, "cpus": os.cpu_count()}
     if args.json:
         print(json.dumps(result, indent=2))
@@ -320,7 +363,7 @@ def print_report(result: dict) -> None:
         )
     for w in writes:
         print(
-            f"  write-through, {w['entry_bytes'] / MiB:g} MiB entries, pool on {w['pool']}:"
+            f"  write-through, {w['entry_bytes'] / MiB:g} MiB entries, pool on {w['pool']}, {w['phase']}:"
             f" {w['cpu_s_per_gib']:.2f} CPU s/GiB (server"
             f" process {w['server_s_per_gib']:.2f}, write-through processes {w['writers_s_per_gib']:.2f}) vs floor"
             f" {w['floor_cpu_s_per_gib']:.2f} = {w['ratio']:.2f}x (target <= {TARGET_WRITE_RATIO}x:"
