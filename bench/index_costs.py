@@ -189,6 +189,10 @@ def _saved(
                     time.sleep(0.05)
                 return polls
 
+            def save_written(tag: str, n: int) -> int:
+                save(tag, n)
+                return written()
+
             save("warm", 16)  # starts the write-through processes, makes the directories
             written()
             while (dram := client.stats().dram).ready_bytes < dram.capacity_bytes:
@@ -198,13 +202,12 @@ def _saved(
                 if phase:  # the pool in use: every page written through WARM_PASSES times more
                     chunk = total_bytes // entry // ROUNDS  # a backlog the pool holds: nothing deferred
                     for start in range(0, WARM_PASSES * POOL_BYTES // entry, chunk):
-                        save(f"use{phase}-{start}-", chunk)
-                        written()
+                        save_written(f"use{phase}-{start}-", chunk)
                 phases.append(
                     _rounds(
                         server,
                         writers,
-                        lambda tag, n: (save(tag, n), written())[1],
+                        save_written,
                         total_bytes // entry,
                         lambda r, phase=phase: between(phase, r) if between else None,
                         f"p{phase}-",
