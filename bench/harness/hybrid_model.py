@@ -13,6 +13,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hpkv.demo.model import config_sizes
+
 
 @dataclass(frozen=True)
 class Gemma3Shape:
@@ -36,12 +38,7 @@ def build_gemma3(path: Path, shape: Gemma3Shape = TINY) -> Path:
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
         config = Gemma3TextConfig(
-            vocab_size=vocab_size,
-            hidden_size=shape.hidden_size,
-            intermediate_size=shape.intermediate_size,
-            num_hidden_layers=shape.num_layers,
-            num_attention_heads=shape.num_heads,
-            num_key_value_heads=shape.num_kv_heads,
+            **config_sizes(shape, vocab_size),
             head_dim=shape.head_dim,
             query_pre_attn_scalar=shape.head_dim,
             sliding_window=shape.window,
@@ -75,12 +72,7 @@ def build_qwen3_next(path: Path, shape: Qwen3NextShape = TINY_NEXT) -> Path:
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
         config = Qwen3NextConfig(
-            vocab_size=vocab_size,
-            hidden_size=shape.hidden_size,
-            intermediate_size=shape.intermediate_size,
-            num_hidden_layers=shape.num_layers,
-            num_attention_heads=shape.num_heads,
-            num_key_value_heads=shape.num_kv_heads,
+            **config_sizes(shape, vocab_size),
             head_dim=shape.head_dim,
             linear_num_key_heads=2,
             linear_num_value_heads=4,

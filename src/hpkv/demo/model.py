@@ -91,18 +91,26 @@ def _build_tokenizer(path: Path):
     return fast
 
 
+def config_sizes(shape, vocab_size: int) -> dict[str, int]:
+    """The sizes a transformers config takes, from a shape with ModelShape's field names (the
+    hybrid models' shapes have them too)."""
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+    }
+
+
 def _build_weights(path: Path, shape: ModelShape, vocab_size: int) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(SEED)
     config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
+        **config_sizes(shape, vocab_size),
         max_position_embeddings=shape.max_position,
         tie_word_embeddings=True,
         torch_dtype="bfloat16",
