@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from hpkv.pool.region import PoolRegion
-from hpkv.transfer.blocks import BlockCopier, PoolTensors, _within_pieces
+from hpkv.transfer.blocks import BlockCopier, PoolTensors
 from hpkv.transfer.pinning import LockPinning, PinnedPieces
+from hpkv.transfer.staging import spans
 
 MiB = 1 << 20
 PIECE = 4 * MiB
@@ -63,21 +64,20 @@ def straddling_offsets(num: int) -> list[int]:
     return [first + i * 2 * PAGE for i in range(num)]
 
 
-def test_runs_are_cut_where_pieces_end_and_cover_every_entry_once():
+def test_transfers_are_one_per_run_of_back_to_back_entries_cut_where_pieces_end(pool, pinning):
+    """The staged copies' DMAs: entries back to back in the pool go as one transfer, cut at piece
+    ends (no DMA spans two registrations); together they cover every entry's bytes once."""
     entry = 2 * PAGE
     offsets = straddling_offsets(12) + [9 * PIECE - entry, 11 * PIECE + 4096]
-    runs = [(10, 1, offsets[0], entry, 12), (40, 1, offsets[12], 1, 1), (41, 1, offsets[13], 1, 1)]
-    seen = []
-    for run in runs:
-        for (block, bstep, offset, ostep, length), piece in _within_pieces(run, entry, PIECE):
-            for i in range(length):
-                start = offset + i * ostep
-                seen.append((block + i * bstep, start))
-                if piece is None:
-                    assert length == 1 and start // PIECE != (start + entry - 1) // PIECE
-                else:
-                    assert start // PIECE == piece == (start + entry - 1) // PIECE
-    assert seen == [(10 + i, o) for i, o in enumerate(offsets[:12])] + [(40, offsets[12]), (41, offsets[13])]
+    assert spans(offsets, entry) == [(0, offsets[0], 12 * entry), (12, offsets[12], entry), (13, offsets[13], entry)]
+    pieces = PinnedPieces(0, pool.size_bytes, pinning, PIECE, sweep=False)
+    covered = []
+    for _, start, size in spans(offsets, entry):
+        for begin, end in pieces.split(start, start + size):
+            assert begin // PIECE == (end - 1) // PIECE
+            covered.extend(range(begin, end, 4096))
+    pieces.close()
+    assert covered == [b for o in offsets for b in range(o, o + entry, 4096)]
 
 
 def test_nothing_is_registered_before_a_copy_asks_and_then_only_what_it_touched(pool, pinning):

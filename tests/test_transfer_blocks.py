@@ -1,5 +1,6 @@
-"""BlockCopier moves whole blocks between an engine's per-layer pages and pool entries, on the
-CPU, whatever order the engine's block ids and the pool's slots come in."""
+"""BlockCopier moves whole blocks between an engine's per-layer pages and pool entries, whatever
+order the engine's block ids and the pool's slots come in: on the CPU's own path, and on the
+accelerators' (a staging buffer, chunked; run on the CPU with page locking as the pinning)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import pytest
 import torch
 
 from hpkv.pool.region import PoolRegion
-from hpkv.transfer import blocks
+from hpkv.transfer import blocks, staging
 from hpkv.transfer.blocks import LONG_RUN, BlockCopier
+from hpkv.transfer.pinning import LockPinning
 
 NUM_BLOCKS = 96
 PAGES = (4096, 1024, 4096)  # layers need not have the same page size
@@ -45,24 +47,33 @@ PATTERNS = {
 }
 
 
+@pytest.fixture(params=["cpu", "staged"])
+def copier_of(request, monkeypatch):
+    """BlockCopier on the CPU's path, or on the accelerators' staged one in chunks of 5 entries."""
+    if request.param == "cpu":
+        return lambda views: BlockCopier(views, layer_offsets())
+    monkeypatch.setattr(staging, "STAGING_BYTES", 5 * sum(PAGES))
+    return lambda views: BlockCopier(views, layer_offsets(), pinning=LockPinning())
+
+
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_blocks_saved_then_loaded_come_back_byte_for_byte(shm_dir, pattern):
+def test_blocks_saved_then_loaded_come_back_byte_for_byte(shm_dir, pattern, copier_of):
     entry = sum(PAGES)
+    source, target = engine_layers(seed=1), engine_layers(seed=2)
+    saver, loader = copier_of(source), copier_of(target)
     region = PoolRegion.create(shm_dir, 64 * entry + (1 << 20))
     try:
         block_ids, slots = PATTERNS[pattern](random.Random(7))
         offsets = [slot * entry for slot in slots]
-        source = engine_layers(seed=1)
-        BlockCopier(source, layer_offsets()).save(region, block_ids, offsets)
+        saver.save(region, block_ids, offsets)
         for block, offset in zip(block_ids, offsets):
             assert bytes(region.buf[offset : offset + entry]) == entry_of(source, block)
 
-        target = engine_layers(seed=2)
         padding = [view._base[:, view.shape[1] :].clone() for view in target]
         untouched = [b for b in range(NUM_BLOCKS) if b not in block_ids]
         before = {b: entry_of(target, b) for b in untouched}
         moved = list(reversed(range(NUM_BLOCKS)))[: len(block_ids)]  # loaded into other blocks
-        BlockCopier(target, layer_offsets()).load(region, moved, offsets)
+        loader.load(region, moved, offsets)
         for block, dst in zip(block_ids, moved):
             assert entry_of(target, dst) == entry_of(source, block)
         for b in untouched:
@@ -71,6 +82,8 @@ def test_blocks_saved_then_loaded_come_back_byte_for_byte(shm_dir, pattern):
         for view, before_padding in zip(target, padding):  # bytes between rows are not pages: untouched
             assert torch.equal(view._base[:, view.shape[1] :], before_padding)
     finally:
+        saver.pools.close()
+        loader.pools.close()
         region.close()
 
 

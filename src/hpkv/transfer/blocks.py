@@ -2,23 +2,25 @@
 
 The engine's cache is one byte view per layer, `(num_blocks, page_bytes)` int8, on whatever device
 the engine uses (CUDA, Ascend NPU, CPU); an entry is the layers' pages of one block, concatenated
-in layer order. Device copies are plain torch `copy_`, so no device-specific code is needed.
+in layer order. On an accelerator, copies go through a staging buffer on the device
+(`staging.StagedCopies`: the per-layer gathers and scatters stay on the device, the bus sees one
+DMA per run of back-to-back entries), with plain torch ops, so no device-specific code is needed.
 On the CPU copies are numpy `copyto` and libc `memmove` instead: torch's CPU `copy_` opens an
 OpenMP region per call, whose cost on a busy machine is unbounded.
 
-Copies are batched: block ids and pool offsets are split into runs where both advance by a
-constant step, and a long run costs one strided copy per layer. On the CPU, blocks outside long
-runs are copied page by page with `memmove` (ctypes), and a move of more than `SHARE_BYTES` is a list
-of tasks shared by the calling thread and one helper thread (both release the GIL; the caller
-takes tasks until none are left, so a descheduled helper costs nothing).
+On the CPU, block ids and pool offsets are split into runs where both advance by a constant step;
+a long run costs one strided copy per layer, blocks outside long runs are copied page by page with
+`memmove` (ctypes), and a move of more than `SHARE_BYTES` is a list of tasks shared by the calling
+thread and one helper thread (both release the GIL; the caller takes tasks until none are left, so
+a descheduled helper costs nothing).
 
 The pool is mapped as a CPU tensor; on CUDA each pool mapping is registered as pinned memory in
 pieces, in the background (`pinning.PinnedPieces`), so a worker's first copy waits for no
-registration: a copy is cut where pieces end, goes as a DMA straight into a registered piece and
-as a pageable copy into one not registered yet (the stream is synchronized once, before
+registration: a DMA is cut where pieces end, goes asynchronously to or from a registered piece and
+as a pageable copy for one not registered yet (the stream is synchronized once, before
 `save`/`load` return). The registration lasts as long as the mapping's `PoolRegion`: once no
 client or handle refers to it (a restarted server's old pool) it is unregistered and its tensor
-dropped. Given a pinning on the CPU, copies take the same path (torch `copy_`).
+dropped. Given a pinning on the CPU, copies take the accelerators' path.
 Must not know: the server, keys, namespaces.
 """
 
@@ -37,6 +39,7 @@ import torch
 
 from ..pool.region import PoolRegion
 from .pinning import PIECE_BYTES, CudaPinning, PinnedPieces
+from .staging import StagedCopies
 
 log = logging.getLogger(__name__)
 
@@ -180,25 +183,6 @@ def _runs(block_ids: list[int], offsets: list[int]) -> list[tuple[int, int, int,
     return runs
 
 
-def _within_pieces(run: tuple[int, int, int, int, int], entry_bytes: int, piece_bytes: int):
-    """A run cut where the pool's pieces end: (part, piece) for parts whose entries lie in one
-    piece, (single entry, None) for an entry that straddles two."""
-    first_block, block_step, first_offset, offset_step, length = run
-    parts: list[tuple[tuple[int, int, int, int, int], int | None]] = []
-    i = 0
-    while i < length:
-        offset = first_offset + i * offset_step
-        piece = offset // piece_bytes
-        if (offset + entry_bytes - 1) // piece_bytes != piece:
-            parts.append(((first_block + i * block_step, 1, offset, 1, 1), None))
-            i += 1
-            continue
-        end = min(length, ((piece + 1) * piece_bytes - entry_bytes - first_offset) // offset_step + 1)
-        parts.append(((first_block + i * block_step, block_step, offset, offset_step, end - i), piece))
-        i = end
-    return parts
-
-
 class BlockCopier:
     def __init__(self, layer_views: list[torch.Tensor], layer_offsets: tuple[int, ...], pinning=None) -> None:
         """`pinning`: registers pool mappings (`CudaPinning` on a CUDA device, by default)."""
@@ -208,6 +192,7 @@ class BlockCopier:
         self.entry_bytes = sum(self.page_bytes)
         self.device = layer_views[0].device if layer_views else torch.device("cpu")
         self.pools = PoolTensors(self.device, pinning)
+        self.staged = StagedCopies(layer_views, layer_offsets) if layer_views else None
 
     def save(self, region: PoolRegion, block_ids: list[int], offsets: list[int]) -> None:
         """Copy blocks into pool entries (device -> pool)."""
@@ -219,44 +204,12 @@ class BlockCopier:
 
     def _move(self, region: PoolRegion, block_ids: list[int], offsets: list[int], to_pool: bool) -> None:
         pool, pieces = self.pools.get_pieces(region)
-        runs = _runs(block_ids, offsets)
         if self.device.type == "cpu" and pieces is None:
-            self._move_cpu(pool, runs, to_pool)
+            self._move_cpu(pool, _runs(block_ids, offsets), to_pool)
             return
-        for run in runs:
-            if pieces is None:
-                self._copy_run(pool, run, to_pool, pinned=False)
-                continue
-            for part, piece in _within_pieces(run, self.entry_bytes, pieces.piece_bytes):
-                if piece is None:
-                    self._copy_across(pool, pieces, part, to_pool)
-                else:
-                    self._copy_run(pool, part, to_pool, pieces.ready(piece))
+        if self.staged is not None:  # None: no layers, nothing to copy
+            self.staged.move(pool, pieces, block_ids, offsets, to_pool)
         self._sync()
-
-    def _copy_run(self, pool: torch.Tensor, run: tuple[int, int, int, int, int], to_pool: bool, pinned: bool) -> None:
-        """One run's layers, asynchronous where its piece of the pool is registered."""
-        for blocks, entries in self._pairs(pool, run):
-            if to_pool:
-                entries.copy_(blocks, non_blocking=pinned)
-            else:
-                blocks.copy_(entries, non_blocking=pinned)
-
-    def _copy_across(
-        self, pool: torch.Tensor, pieces: PinnedPieces, run: tuple[int, int, int, int, int], to_pool: bool
-    ) -> None:
-        """One entry that straddles pieces: each page cut where a piece ends, so that no copy
-        spans two registrations."""
-        block, offset = run[0], run[2]
-        for view, layer_offset, page in zip(self.layer_views, self.layer_offsets, self.page_bytes):
-            start = offset + layer_offset
-            for begin, end in pieces.split(start, start + page):
-                engine, stored = view[block, begin - start : end - start], pool[begin:end]
-                pinned = pieces.ready(pieces.piece_of(begin))
-                if to_pool:
-                    stored.copy_(engine, non_blocking=pinned)
-                else:
-                    engine.copy_(stored, non_blocking=pinned)
 
     def _move_cpu(self, pool: torch.Tensor, runs: list[tuple[int, int, int, int, int]], to_pool: bool) -> None:
         """Each long run's layers as numpy strided copies, the other blocks page by page with
