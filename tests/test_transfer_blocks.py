@@ -5,6 +5,8 @@ accelerators' (a staging buffer, chunked; run on the CPU with page locking as th
 from __future__ import annotations
 
 import random
+import sys
+import threading
 
 import pytest
 import torch
@@ -151,4 +153,64 @@ def test_a_failing_copy_reaches_the_caller(shm_dir, always_shared, monkeypatch):
             )
         assert len(calls) == 6  # every task still ran
     finally:
+        region.close()
+
+
+@pytest.fixture
+def fast_switching():
+    """The threads interleave between any two copies."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(before)
+
+
+def test_copiers_of_two_groups_share_one_staging_buffer_per_direction_from_three_threads(
+    shm_dir, monkeypatch, fast_switching
+):
+    """Two KV cache groups (entries of different sizes) loading on a thread each while a third
+    saves, through the process's one buffer per direction: every block lands exact."""
+    monkeypatch.setattr(staging, "STAGING_BYTES", 3 * sum(PAGES))
+    monkeypatch.setattr(staging, "_buffers", {})
+    entry = sum(PAGES)
+    region = PoolRegion.create(shm_dir, 4 * NUM_BLOCKS * entry + (1 << 20))
+    small = [v[:, :1024] for v in engine_layers(seed=11)]
+    groups = [(engine_layers(seed=12), layer_offsets()), (small, tuple(i * 1024 for i in range(len(small))))]
+    stored = [[v[:48].clone() for v in views] for views, _ in groups]
+    copiers = [BlockCopier(views, offsets, pinning=LockPinning()) for views, offsets in groups]
+    bases = [0, 2 * NUM_BLOCKS * entry]  # each group's entries in a pool area of its own
+    errors: list[AssertionError] = []
+
+    def saves() -> None:
+        for round_ in range(20):
+            for copier, base in zip(copiers, bases):
+                ids = random.Random(round_).sample(range(48, NUM_BLOCKS), 30)
+                copier.save(region, ids, [base + (NUM_BLOCKS + i) * entry for i in range(30)])
+
+    def loads(copier: BlockCopier, base: int, before: list[torch.Tensor]) -> None:
+        try:
+            for round_ in range(20):
+                ids = random.Random(100 + round_).sample(range(48), 48)
+                for view in copier.layer_views:
+                    view[:48].zero_()
+                copier.load(region, ids, [base + i * entry for i in ids])
+                for view, kept in zip(copier.layer_views, before):
+                    assert torch.equal(view[:48], kept), f"round {round_}"
+        except AssertionError as e:
+            errors.append(e)
+
+    try:
+        for copier, base in zip(copiers, bases):  # what the loads read back
+            copier.save(region, list(range(48)), [base + i * entry for i in range(48)])
+        threads = [threading.Thread(target=saves)]
+        threads += [threading.Thread(target=loads, args=args) for args in zip(copiers, bases, stored)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert sorted(staging._buffers, key=str) == [(torch.device("cpu"), False), (torch.device("cpu"), True)]
+    finally:
+        for copier in copiers:
+            copier.pools.close()
         region.close()

@@ -209,7 +209,6 @@ class BlockCopier:
             return
         if self.staged is not None:  # None: no layers, nothing to copy
             self.staged.move(pool, pieces, block_ids, offsets, to_pool)
-        self._sync()
 
     def _move_cpu(self, pool: torch.Tensor, runs: list[tuple[int, int, int, int, int]], to_pool: bool) -> None:
         """Each long run's layers as numpy strided copies, the other blocks page by page with
@@ -249,9 +248,3 @@ class BlockCopier:
             pairs = zip(stored, engine) if to_pool else zip(engine, stored)
             copies.extend((dst, src, page) for dst, src in pairs)
         return copies
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        elif self.device.type == "npu":
-            torch.npu.current_stream(self.device).synchronize()

@@ -13,10 +13,12 @@ per-layer work stays on the device, where it is cheap, and the bus sees few larg
   into the engine's blocks.
 Moves larger than the buffer go in chunks of `STAGING_BYTES` (at least one entry), in stream order,
 so the buffer is reused without waiting. A DMA never spans two pieces of the pool's registration
-(`PinnedPieces.split`): it is asynchronous where its piece is pinned, pageable otherwise. The caller
-synchronizes the stream before the pool's bytes are used.
-Each direction has a buffer and a lock of its own: loads run on the forward thread and the
-engine's stream, saves on the saver thread and a side stream, and a buffer stays on one stream.
+(`PinnedPieces.split`): it is asynchronous where its piece is pinned, pageable otherwise.
+A process has one buffer per device and direction, shared by every KV cache group's copier, each
+under a lock held until the move's stream is synchronized: loads run on the forward thread and the
+engine's stream, saves on the saver thread and a side stream, and whichever stream uses a buffer
+next finds it idle. So the device memory taken is 2 x `STAGING_BYTES` per process, whatever the
+number of groups.
 Primitives: `StagedCopies(layer_views, layer_offsets)`: `move(pool, pieces, block_ids, offsets,
 to_pool)`. Must not know: the server, keys, namespaces, how pool mappings are registered.
 """
@@ -50,18 +52,21 @@ class StagedCopies:
         self.entry_bytes = sum(page for _, _, page in self.layers)
         self.device = layer_views[0].device
         self.rows = max(1, STAGING_BYTES // self.entry_bytes)
-        self._buffers: dict[bool, torch.Tensor] = {}
-        self._locks = {True: threading.Lock(), False: threading.Lock()}
 
     def move(
         self, pool: torch.Tensor, pieces: PinnedPieces | None, block_ids: list[int], offsets: list[int], to_pool: bool
     ) -> None:
-        """Copy blocks to pool entries (`to_pool`) or back, without synchronizing the stream."""
-        with self._locks[to_pool]:
+        """Copy blocks to pool entries (`to_pool`) or back; returns once the stream has done so."""
+        lock, held = _staging(self.device, to_pool)
+        with lock:
+            if not held or held[0].numel() < self.rows * self.entry_bytes:
+                held[:] = [torch.empty(max(STAGING_BYTES, self.entry_bytes), dtype=torch.int8, device=self.device)]
             everything = self._index(block_ids)
             for first in range(0, len(block_ids), self.rows):
                 index, chunk = everything[first : first + self.rows], offsets[first : first + self.rows]
-                self._move_chunk(pool, pieces, index, chunk, to_pool)
+                rows = held[0][: len(chunk) * self.entry_bytes].view(len(chunk), self.entry_bytes)
+                self._move_chunk(rows, pool, pieces, index, chunk, to_pool)
+            synchronize(self.device)
 
     def _index(self, block_ids: list[int]) -> torch.Tensor:
         """The block ids on the device, in one upload; asynchronous from pinned memory on CUDA,
@@ -72,9 +77,14 @@ class StagedCopies:
         return index.to(self.device)
 
     def _move_chunk(
-        self, pool: torch.Tensor, pieces: PinnedPieces | None, index: torch.Tensor, offsets: list[int], to_pool: bool
+        self,
+        rows: torch.Tensor,
+        pool: torch.Tensor,
+        pieces: PinnedPieces | None,
+        index: torch.Tensor,
+        offsets: list[int],
+        to_pool: bool,
     ) -> None:
-        rows = self._buffer(to_pool)[: len(offsets)]
         if to_pool:
             for view, offset, page in self.layers:
                 rows[:, offset : offset + page].copy_(view.index_select(0, index))
@@ -92,11 +102,20 @@ class StagedCopies:
             for view, offset, page in self.layers:
                 view.index_copy_(0, index, rows[:, offset : offset + page])
 
-    def _buffer(self, to_pool: bool) -> torch.Tensor:
-        """This direction's buffer, made on first use (on the stream that then uses it)."""
-        buffer = self._buffers.get(to_pool)
-        if buffer is None:
-            buffer = self._buffers[to_pool] = torch.empty(
-                (self.rows, self.entry_bytes), dtype=torch.int8, device=self.device
-            )
-        return buffer
+
+_buffers: dict[tuple[torch.device, bool], tuple[threading.Lock, list[torch.Tensor]]] = {}
+_buffers_lock = threading.Lock()
+
+
+def _staging(device: torch.device, to_pool: bool) -> tuple[threading.Lock, list[torch.Tensor]]:
+    """This process's buffer for `device` and direction (a list: empty until first used), and its lock."""
+    with _buffers_lock:
+        return _buffers.setdefault((device, to_pool), (threading.Lock(), []))
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the calling thread's current stream on `device`."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    elif device.type == "npu":
+        torch.npu.current_stream(device).synchronize()
