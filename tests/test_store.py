@@ -781,9 +781,9 @@ def test_a_slow_storage_stat_does_not_hold_up_other_clients(shm_dir, storage_dir
     class SlowMetadataIO(FileIO):
         """Real system calls; a `stat` of a path takes a second (a busy NFS server)."""
 
-        def stat_path(self, path: str) -> os.stat_result:
+        def stat_path(self, path: str, dir_fd: int | None = None) -> os.stat_result:
             time.sleep(1.0)
-            return super().stat_path(path)
+            return super().stat_path(path, dir_fd)
 
     tier = StorageTier(make_storage_config(storage_dir), io=SlowMetadataIO())
     tier.start()

@@ -5,13 +5,15 @@ index value packs a file's size and the minute this index last knew it used in o
 by every file of that size and minute (`value_of`; read with `size_of`, `used_minute_s`). Why
 packed: a directory may hold millions of files.
 
+Entries in use (`in_use`: a promotion is about to read them) are never popped as victims until
+`done_with`: the files of other nodes, however many, cannot evict what a reader is reading.
 Besides the order it keeps what must not become a hit again: victims an eviction popped and has
 not unlinked yet (`being_evicted`), files this tier cannot read (`UnreadableMarks`, until a time
 or for good), and, while the start-up scan runs, what left the index meanwhile (`add_scanned`
 does not bring it back).
 
 Primitives: `key`/`split`, `in`, `items`, `holds` (the bare membership test, for walks over many keys),
-`remember`, `forget`, `touch`, `was_read`, `pop_victims`/`evicted`/`unpop`/`put_back` (an
+`remember`, `forget`, `touch`, `in_use`/`done_with`, `was_read`, `pop_victims`/`evicted`/`unpop`/`put_back` (an
 eviction's steps), `oldest`/`pop_if_oldest`/`refresh` (retention's), `remove`,
 `add_scanned`/`scan_merged`; `used_bytes`. Thread-safe: one lock
 (`lock`), which the marks share.
@@ -123,6 +125,7 @@ class FileIndex:
         self._ns_names: list[str] = []
         self._values: dict[int, int] = {}  # one int object per (size, minute), not one per file
         self._evicting: set[bytes] = set()
+        self._in_use: dict[bytes, int] = {}  # index key -> readers about to read it: never a victim
         # `remove`s so far, and the prefixes of the last ones (None: all): a victim an eviction
         # spared must not come back past a remove of its namespace.
         self._removals = 0
@@ -197,6 +200,25 @@ class FileIndex:
                 if prefix + key in self._lru:
                     self._lru.move_to_end(prefix + key)
 
+    def in_use(self, prefix: bytes, keys: Iterable[bytes]) -> None:
+        """`touch`, and keep `prefix + key` of each key from being evicted until as many
+        `done_with`s (whether indexed now or adopted later)."""
+        with self.lock:
+            for key in keys:
+                ik = prefix + key
+                self._in_use[ik] = self._in_use.get(ik, 0) + 1
+                if ik in self._lru:
+                    self._lru.move_to_end(ik)
+
+    def done_with(self, ik: bytes) -> None:
+        """One reader `in_use` counted is done with `ik`."""
+        with self.lock:
+            num = self._in_use.get(ik, 0) - 1
+            if num > 0:
+                self._in_use[ik] = num
+            else:
+                self._in_use.pop(ik, None)
+
     def was_read(self, ik: bytes) -> None:
         """`ik`'s file was just read whole: readable (no mark), and the most recently used."""
         with self.lock:
@@ -211,17 +233,22 @@ class FileIndex:
         return ik in self._evicting
 
     def pop_victims(self, excess: Callable[[int], int], freed: int) -> tuple[Victims, int]:
-        """Pop the least recently used while `excess(freed)`, less what is popped, is positive;
+        """Pop the least recently used not in use while `excess(freed)`, less what is popped, is positive;
         with the number of removes so far (for `put_back`). `excess` is called with the lock held."""
         victims: Victims = []
         with self.lock:
             removals = self._removals
             over = excess(freed)
-            while self._lru and over > 0:
-                ik, value = self._lru.popitem(last=False)
+            if over > 0:
+                for ik, value in self._lru.items():  # oldest first; those in use stay where they are
+                    if over <= 0:
+                        break
+                    if ik not in self._in_use:
+                        victims.append((ik, value))
+                        over -= size_of(value)
+            for ik, value in victims:
+                del self._lru[ik]
                 self.used_bytes -= size_of(value)
-                over -= size_of(value)
-                victims.append((ik, value))
                 self._evicting.add(ik)
             if self._gone is not None:
                 self._gone.update(ik for ik, _ in victims)
@@ -233,9 +260,10 @@ class FileIndex:
             return next(iter(self._lru.items()), None)
 
     def pop_if_oldest(self, ik: bytes, value: int) -> bool:
-        """Pop `ik` as an eviction victim if it is still the least recently used, as `value`."""
+        """Pop `ik` as an eviction victim if it is still the least recently used, as `value`, and
+        not in use."""
         with self.lock:
-            if next(iter(self._lru.items()), None) != (ik, value):
+            if next(iter(self._lru.items()), None) != (ik, value) or ik in self._in_use:
                 return False
             self._lru.popitem(last=False)
             self.used_bytes -= size_of(value)
