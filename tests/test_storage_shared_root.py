@@ -81,9 +81,7 @@ def test_a_root_replaced_by_a_link_is_not_followed_by_reads_writes_evictions_or_
     assert sum(said in r.getMessage() for r in caplog.records) == 1  # said once
 
 
-def test_clear_without_a_server_does_not_follow_a_root_replaced_after_it_opened_it(
-    storage_dir, tmp_path, monkeypatch
-):
+def test_clear_without_a_server_does_not_follow_a_root_replaced_after_it_opened_it(storage_dir, tmp_path, monkeypatch):
     """`hpkv clear --storage` with no server: the root it opened is the one it clears, whatever
     its name comes to point at meanwhile."""
     seed = StorageTier(make_storage_config(storage_dir, None))

@@ -8,7 +8,7 @@ nodes' files learned by walking again), `budget` (HPKV_KV_STORAGE_WRITE_BUDGET),
 none, checked, and a bad file is a miss that deletes it; nothing below the root is followed
 (`tree`). Several tiers (nodes) may share one root: a lookup adopts files others wrote.
 
-Primitives: `start`, `add_namespace`, `indexed` (`index_probe`), `contains`, `touch`, `in_use`/`done_with`, `read_into`,
+Primitives: `start`, `add_namespace`, `indexed` (`index_probe`), `contains`, `touch`/`done_with`, `read_into`,
 `write_from` (or `publish`/`publish_many`, where another process writes the files), `submit`, `remove`, `stats`,
 `close`. A write that cannot happen is dropped (counted), never raised.
 Must not know: the pool, engines, devices.
@@ -175,21 +175,17 @@ class StorageTier:
             self.evictor.shared = True  # a file this tier did not write (not one of its own the scan has yet to find)
         return True
 
-    def touch(self, ns: str, keys: list[bytes]) -> None:
+    def touch(self, ns: str, keys: list[bytes], in_use: bool = False) -> None:
         """Make the keys indexed the most recently used, in the order given (the last most
         recent): promotions are about to read them, and writes queued before those reads must
-        not evict them. No I/O, but it waits for the index's lock, which an eviction or a
+        not evict them. `in_use`: nor any eviction (however many files others put here) until
+        `done_with` each. No I/O, but it waits for the index's lock, which an eviction or a
         `remove` holds for long: callers must hold no lock."""
-        self.index.touch(self.index.key(ns, b""), keys)
-
-    def in_use(self, ns: str, keys: list[bytes]) -> None:
-        """`touch`, and no eviction removes these keys' files until `done_with` each (promotions
-        are about to read them: however many files others put here, they cannot evict these)."""
-        self.index.in_use(self.index.key(ns, b""), keys)
+        self.index.touch(self.index.key(ns, b""), keys, in_use)
 
     def done_with(self, ns: str, key: bytes) -> None:
-        """The read `in_use` announced is done (or given up)."""
-        self.index.done_with(self.index.key(ns, key))
+        """The read `touch(..., in_use=True)` announced is done (or given up)."""
+        self.index.in_use.done(self.index.key(ns, key))
 
     # -- I/O ----------------------------------------------------------------------------------
 

@@ -127,7 +127,7 @@ class Leases:
             # evicted (a lookup stops at the first miss). Outside the lock: the tier's lock may be
             # held for long (an eviction).
             if len(pinned.reads) > num_read:
-                self._tier.in_use(ns, [entry.key for entry, _ in reversed(pinned.reads[num_read:])])
+                self._tier.touch(ns, [entry.key for entry, _ in reversed(pinned.reads[num_read:])], in_use=True)
                 num_touches += 1
             if num_capped or not self._lookups.found_elsewhere(ns, keys, len(pinned.entries)):
                 break
