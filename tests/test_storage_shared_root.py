@@ -8,14 +8,21 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import xxhash
 
 from helpers import storage_stories as stories
 from helpers.config import make_storage_config
+from helpers.keys import desc as desc_of
+from helpers.keys import entry_key
+from helpers.server import Node
 from helpers.storage_stories import NS, OTHER_NS, eventually, file_bytes, key, payload, read, write
+from helpers.waiting import wait_for
 from hpkv import clearing
+from hpkv.doctor import Verdict, run_checks
 from hpkv.storage import format as fmt
 from hpkv.storage import rescan
 from hpkv.storage.tier import StorageTier
@@ -25,6 +32,7 @@ from test_store import payload as store_payload
 open_tier, tier = stories.open_tier, stories.tier
 THEIRS = b"another user's file"
 PLANTER_NS = "5a" * 16  # another node's namespace
+HPKV_SCRIPT = Path(sys.executable).parent / "hpkv"
 
 
 def entry_path(root: Path, ns: str, k: bytes) -> Path:
@@ -210,3 +218,33 @@ def test_an_index_another_server_emptied_heals_from_one_failed_read(open_tier):
     assert a.stats().stale_entries == 40 - 1  # all counted but the one written again
     assert not a.contains(NS, ks[1]) and not a.indexed(NS, ks[0])
     assert a.contains(NS, ks[7]) and read(a, ks[7]) == payload(ks[7])
+
+
+def test_a_server_whose_root_was_replaced_clears_nothing_through_the_link_and_says_so(shm_dir, tmp_path):
+    """With a real server: `hpkv clear --storage` clears the tree it holds, nothing where the link
+    points; `hpkv status` and `hpkv doctor` say what happened and the fix."""
+    node = Node(shm_dir, tmp_path, HPKV_IO_THREADS="2")
+    try:
+        node.start_server()
+        agent = node.agent()
+        agent.call("register")
+        assert agent.call("save", prefix="r", n=4)["committed"] == 4
+        wait_for(lambda: agent.call("stats")["stats"]["storage"]["writes"] == 4 or None, what="the write-throughs")
+        moved, elsewhere = replace_root(node.storage_dir, tmp_path)
+        victims = plant(elsewhere, [entry_key("r", i) for i in range(4)], desc_of().ns)
+
+        cleared = subprocess.run(
+            [str(HPKV_SCRIPT), "clear", "--storage"], env=node.env, capture_output=True, text=True, timeout=60
+        )
+        status = subprocess.run([str(HPKV_SCRIPT), "status"], env=node.env, capture_output=True, text=True, timeout=60)
+        checks = {c.name: c for c in run_checks(node.env)}
+        agent.exit()
+    finally:
+        node.close()
+
+    assert cleared.returncode == 0, cleared.stderr
+    assert [p.read_bytes() for p in victims] == [THEIRS] * 4 and not list(moved.rglob("*.kv"))
+    said = " ".join(status.stdout.split())
+    assert "REPLACED" in said and "moved away" in said, status.stdout
+    running = checks["storage: running server"]
+    assert running.verdict is Verdict.WARN and "moved away" in running.detail and "restart the server" in running.fix
