@@ -239,10 +239,6 @@ class Root:
                 raise
             return opener(relpath, flags, dir_fd=self.fd())
 
-    def stat(self, relpath: str) -> os.stat_result:
-        """`relpath`'s own stat (a link there not followed), looked up from the root's descriptor."""
-        return os.stat(relpath, dir_fd=self.fd(), follow_symlinks=False)
-
     def check(self, create: bool = False) -> bool:
         """Compare what the path names with the directory held (see the class); whether another
         directory is held now. With `create`, a root removed is made again (0700) first."""
