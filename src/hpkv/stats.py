@@ -91,6 +91,8 @@ class StorageStats(msgspec.Struct):
     untrusted_files: int
     retention_s: float | None = None  # HPKV_KV_STORAGE_RETENTION; None: off
     expired: int = 0  # files removed for being unused longer than the retention
+    stale_entries: int = 0  # indexed files found gone (another server or node removed them): forgotten
+    root_replaced: str | None = None  # the storage directory was moved away under the server: what, and the fix
 
 
 class WriteBacklogStats(msgspec.Struct):

@@ -133,6 +133,10 @@ def _storage_state(stats: ServerStats, storage: StorageStats) -> str:
             f"({human_bytes(storage.write_budget_available_bytes or 0)} left now, "
             f"{storage.over_budget} writes over it)"
         )
+    if storage.stale_entries:
+        state += f", {storage.stale_entries} indexed files found gone (removed by another server or node)"
+    if storage.root_replaced:
+        state += f", REPLACED: {storage.root_replaced}"
     if storage.retention_s is not None:
         state += f", retention {short_duration(storage.retention_s)} ({storage.expired} files expired)"
     backlog = stats.write_backlog

@@ -148,9 +148,9 @@ class CountedStats(FileIO):
         self.stats = 0
         self.on_stat = None
 
-    def stat_path(self, path):
+    def stat_path(self, path, dir_fd=None):
         self.stats += 1
-        result = super().stat_path(path)
+        result = super().stat_path(path, dir_fd)
         hook, self.on_stat = self.on_stat, None
         if hook is not None:
             hook(path)

@@ -57,6 +57,8 @@ def check_storage(storage: StorageConfig, server: ServerProbe, pool: PoolConfig 
     checks = [check_storage_permissions(storage)]
     if server.stats is not None and server.stats.storage_unusable:
         checks.append(check_storage_in_use(server.stats))
+    if server.stats is not None and server.stats.storage is not None and server.stats.storage.root_replaced:
+        checks.append(check_storage_replaced(server.stats))
     if checks[0].verdict is not Verdict.FAIL:
         checks.append(check_storage_writers(storage))
         checks.append(check_storage_fs(storage))
@@ -184,6 +186,18 @@ def check_storage_in_use(stats: ServerStats) -> Check:
         f"the running server (pid {stats.server.pid}) runs with the DRAM tier only: {stats.storage_unusable}",
         "fix the storage directory as that says, then restart the server (`hpkv server`; an "
         "auto-started one restarts once its last engine has exited)",
+    )
+
+
+def check_storage_replaced(stats: ServerStats) -> Check:
+    """The running server's storage directory was moved away under it: it goes on with the one it
+    opened, and follows nothing at the name."""
+    assert stats.storage is not None and stats.storage.root_replaced
+    return Check(
+        "storage: running server",
+        Verdict.WARN,
+        f"the running server (pid {stats.server.pid}): {stats.storage.root_replaced}",
+        "put the directory back, or restart the server to use what its name holds now",
     )
 
 

@@ -90,6 +90,11 @@ _STORAGE_COUNTERS = (
         "Storage writes not made because HPKV_KV_STORAGE_WRITE_BUDGET was spent (the entry stayed in DRAM only).",
     ),
     ("storage_expired", "expired", "Storage files removed for being unused longer than HPKV_KV_STORAGE_RETENTION."),
+    (
+        "storage_stale_entries",
+        "stale_entries",
+        "Indexed storage files found gone (another server or node removed them): forgotten, misses from then on.",
+    ),
 )
 
 

@@ -34,6 +34,7 @@ class StorageCounters:
     temps_removed: int = 0
     over_budget: int = 0
     untrusted_files: int = 0  # links, FIFOs... in the tree: skipped, never hits (`tree`)
+    stale_entries: int = 0  # indexed files found gone (another server or node removed them): forgotten
 
 
 class ErrorLog:

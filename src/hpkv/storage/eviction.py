@@ -72,7 +72,7 @@ class Evictor:
                 ns, key = self._index.split(ik)
                 if self.shared and ik not in checked and len(checked) < SPARE_CHECKS_PER_PASS:
                     checked.add(ik)
-                    used_s = self._used_since(self._layout.path_of(ns, key), value)
+                    used_s = self._used_since(ns, key, value)
                     if used_s is not None:  # known used now (later, where a clock is ahead: spared once)
                         spared.append((ik, self._index.value_of(size_of(value), max(used_s, self._wall_clock()))))
                         self._index.evicted(ik)
@@ -95,11 +95,11 @@ class Evictor:
             self._index.unpop([(ik, value) for ik, value in victims if ik not in settled])
         return spared, kept, freed
 
-    def _used_since(self, path: str, value: int) -> float | None:
-        """The mtime of `path` where it is later than the minute `value` knows, with minutes to
-        spare for clocks and for reads refreshing it at most every minute; else None."""
+    def _used_since(self, ns: str, key: bytes, value: int) -> float | None:
+        """The mtime of (ns, key)'s file where it is later than the minute `value` knows, with
+        minutes to spare for clocks and for reads refreshing it at most every minute; else None."""
         try:
-            mtime = self._layout.io.stat_path(path).st_mtime
+            mtime = self._layout.stat(ns, key).st_mtime
         except OSError:
             return None
         return mtime if mtime >= used_minute_s(value) + SLACK_MINUTES * 60 else None

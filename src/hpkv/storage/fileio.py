@@ -25,10 +25,20 @@ import os
 import secrets
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .format import ALIGN
-from .tree import CREATE_FLAGS, FILE_FLAGS, Root, Untrusted, check_regular, open_beneath, open_dir, parts_below
+from .tree import (
+    CREATE_FLAGS,
+    FILE_FLAGS,
+    Root,
+    Untrusted,
+    check_regular,
+    open_below,
+    open_beneath,
+    opened_root,
+    parts_below,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +63,9 @@ class FileIO:
     def stat(self, fd: int) -> os.stat_result:
         return os.fstat(fd)
 
-    def stat_path(self, path: str) -> os.stat_result:
-        """The file at `path` itself: a link there is not followed."""
-        return os.stat(path, follow_symlinks=False)
+    def stat_path(self, path: str, dir_fd: int | None = None) -> os.stat_result:
+        """The file at `path` (relative to `dir_fd`, where given) itself: a link there is not followed."""
+        return os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
 
     def preadv(self, fd: int, buffers: list, offset: int) -> int:
         return os.preadv(fd, buffers, offset)
@@ -241,20 +251,34 @@ def _unlink_quietly(path: str) -> None:
 class FileTarget:
     """Where one entry file goes: written as `tmp` in `directory` (created first when `mkdir`),
     then renamed to `final`; both are names in `directory`. With `root`, `directory` is below it
-    in the storage tree, and every directory between them is opened (and made) without
-    following a link (`tree.open_dir`); without, `directory` is trusted as given."""
+    in the storage tree, and every directory between them is opened (and made) from the root's
+    descriptor without following a link (`tree.open_below`): `root_fd`, the tier's held root, in
+    its process; in another (a write-through process), the root opened by its path and checked to
+    be the directory `root_id` names (a root replaced since is not followed). Without `root`,
+    `directory` is trusted as given."""
 
     final: str
     tmp: str
     directory: str
     mkdir: bool
     root: str | None = None
+    root_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the root the tier holds
+    root_fd: int | None = field(default=None, compare=False)  # the tier's held root, in its process only
 
-    def open_directory(self) -> int:
-        """A descriptor of `directory` (made first when `mkdir`); `tree.Untrusted` where a
-        link or a non-directory stands in the way below `root`."""
+    def open_directory(self, root_fd: int | None = None) -> int:
+        """A descriptor of `directory` (made first when `mkdir`), from `root_fd` (else the held
+        root, else the root opened as `tree.opened_root` does); `tree.Untrusted` where a link or
+        a non-directory stands in the way below `root`."""
         if self.root is not None:
-            return open_dir(self.root, parts_below(self.root, self.directory), create=self.mkdir)
+            parts = parts_below(self.root, self.directory)
+            fd = root_fd if root_fd is not None else self.root_fd
+            if fd is not None:
+                return open_below(fd, self.root, parts, create=self.mkdir)
+            fd = opened_root(self.root, self.root_id)
+            try:
+                return open_below(fd, self.root, parts, create=self.mkdir)
+            finally:
+                os.close(fd)
         if self.mkdir:
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
         return os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -319,7 +343,9 @@ def remove_temp(target: FileTarget) -> None:
     """Remove `target.tmp` (a writer that died with it) by name in its directory, following no
     link to get there; quietly where it is gone or cannot be."""
     try:
-        dir_fd = FileTarget(target.final, target.tmp, target.directory, False, target.root).open_directory()
+        dir_fd = FileTarget(
+            target.final, target.tmp, target.directory, False, target.root, target.root_id, target.root_fd
+        ).open_directory()
     except OSError:
         return
     try:

@@ -61,6 +61,22 @@ def newer_version(head: bytes | bytearray | memoryview | mmap.mmap) -> int | Non
     return version if version > max(VERSIONS) else None
 
 
+def declared_bytes(head: bytes | bytearray | memoryview) -> int | None:
+    """The size of the whole file an HPKV header of a version this reader knows declares (header
+    and payload), from the file's first bytes (the header with its key: ALIGN of them holds any);
+    None where they are no such header, its checksum included."""
+    if len(head) < _FIXED.size + _HEADER_SUM.size:
+        return None
+    magic, version, key_len, _, _, length, _ = _FIXED.unpack_from(head)
+    end = _FIXED.size + _HEADER_SUM.size + key_len
+    if magic != MAGIC or version not in VERSIONS or len(head) < end:
+        return None
+    (header_sum,) = _HEADER_SUM.unpack_from(head, _FIXED.size)
+    if xxhash.xxh32_intdigest(bytes(head[: _FIXED.size]) + bytes(head[_FIXED.size + 4 : end])) != header_sum:
+        return None
+    return header_bytes(key_len, version) + length
+
+
 def version_of_size(file_size: int, key_len: int, payload_len: int) -> int | None:
     """The version whose layout gives a file of `file_size` bytes for this key and payload, or
     None: the file is bad."""

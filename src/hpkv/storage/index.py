@@ -5,13 +5,16 @@ index value packs a file's size and the minute this index last knew it used in o
 by every file of that size and minute (`value_of`; read with `size_of`, `used_minute_s`). Why
 packed: a directory may hold millions of files.
 
+Entries in use (`touch(..., in_use=True)`: a promotion is about to read them) are never popped as
+victims until `in_use.done`: the files of other nodes, however many, cannot evict what a reader
+is about to read.
 Besides the order it keeps what must not become a hit again: victims an eviction popped and has
 not unlinked yet (`being_evicted`), files this tier cannot read (`UnreadableMarks`, until a time
 or for good), and, while the start-up scan runs, what left the index meanwhile (`add_scanned`
 does not bring it back).
 
 Primitives: `key`/`split`, `in`, `items`, `holds` (the bare membership test, for walks over many keys),
-`remember`, `forget`, `touch`, `was_read`, `pop_victims`/`evicted`/`unpop`/`put_back` (an
+`remember`, `forget`, `touch`, `in_use` (`InUse`), `was_read`, `pop_victims`/`evicted`/`unpop`/`put_back` (an
 eviction's steps), `oldest`/`pop_if_oldest`/`refresh` (retention's), `remove`,
 `add_scanned`/`scan_merged`; `used_bytes`. Thread-safe: one lock
 (`lock`), which the marks share.
@@ -108,6 +111,34 @@ class UnreadableMarks:
             del self._until[ik]
 
 
+class InUse:
+    """Index keys readers are about to read, each with how many: never eviction victims. Shares
+    the index's lock: `add` is called with it held."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        self._num: dict[bytes, int] = {}
+
+    def __contains__(self, ik: bytes) -> bool:
+        return ik in self._num
+
+    def __len__(self) -> int:
+        return len(self._num)
+
+    def add(self, ik: bytes) -> None:
+        """Caller holds the lock."""
+        self._num[ik] = self._num.get(ik, 0) + 1
+
+    def done(self, ik: bytes) -> None:
+        """One reader `add` counted is done with `ik`."""
+        with self._lock:
+            num = self._num.get(ik, 0) - 1
+            if num > 0:
+                self._num[ik] = num
+            else:
+                self._num.pop(ik, None)
+
+
 class FileIndex:
     def __init__(
         self, where: str, clock: Clock = time.monotonic, wall_clock: Clock = time.time, max_marks: int = MAX_UNREADABLE
@@ -123,6 +154,7 @@ class FileIndex:
         self._ns_names: list[str] = []
         self._values: dict[int, int] = {}  # one int object per (size, minute), not one per file
         self._evicting: set[bytes] = set()
+        self.in_use = InUse(self.lock)
         # `remove`s so far, and the prefixes of the last ones (None: all): a victim an eviction
         # spared must not come back past a remove of its namespace.
         self._removals = 0
@@ -190,10 +222,13 @@ class FileIndex:
             if unreadable_s is not None:
                 self.marks.mark(ik, unreadable_s)
 
-    def touch(self, prefix: bytes, keys: Iterable[bytes]) -> None:
-        """Make `prefix + key` of each key indexed the most recently used, in the order given."""
+    def touch(self, prefix: bytes, keys: Iterable[bytes], in_use: bool = False) -> None:
+        """Make `prefix + key` of each key indexed the most recently used, in the order given;
+        with `in_use`, also never a victim until as many `in_use.done(ik)` (indexed now or later)."""
         with self.lock:
             for key in keys:
+                if in_use:
+                    self.in_use.add(prefix + key)
                 if prefix + key in self._lru:
                     self._lru.move_to_end(prefix + key)
 
@@ -211,17 +246,22 @@ class FileIndex:
         return ik in self._evicting
 
     def pop_victims(self, excess: Callable[[int], int], freed: int) -> tuple[Victims, int]:
-        """Pop the least recently used while `excess(freed)`, less what is popped, is positive;
+        """Pop the least recently used not in use while `excess(freed)`, less what is popped, is positive;
         with the number of removes so far (for `put_back`). `excess` is called with the lock held."""
         victims: Victims = []
         with self.lock:
             removals = self._removals
             over = excess(freed)
-            while self._lru and over > 0:
-                ik, value = self._lru.popitem(last=False)
+            if over > 0:
+                for ik, value in self._lru.items():  # oldest first; those in use stay where they are
+                    if over <= 0:
+                        break
+                    if ik not in self.in_use:
+                        victims.append((ik, value))
+                        over -= size_of(value)
+            for ik, value in victims:
+                del self._lru[ik]
                 self.used_bytes -= size_of(value)
-                over -= size_of(value)
-                victims.append((ik, value))
                 self._evicting.add(ik)
             if self._gone is not None:
                 self._gone.update(ik for ik, _ in victims)
@@ -233,9 +273,10 @@ class FileIndex:
             return next(iter(self._lru.items()), None)
 
     def pop_if_oldest(self, ik: bytes, value: int) -> bool:
-        """Pop `ik` as an eviction victim if it is still the least recently used, as `value`."""
+        """Pop `ik` as an eviction victim if it is still the least recently used, as `value`, and
+        not in use."""
         with self.lock:
-            if next(iter(self._lru.items()), None) != (ik, value):
+            if next(iter(self._lru.items()), None) != (ik, value) or ik in self.in_use:
                 return False
             self._lru.popitem(last=False)
             self.used_bytes -= size_of(value)

@@ -1,10 +1,11 @@
 """Where entry files live below the storage root, and the names of their temporaries.
 
 `<root>/<ns>/<hex[0:2]>/<hex[2:4]>/<hex>.kv`; a temporary is `.<what>.<node>.<pid>.<seq>.tmp` in
-the directory of the file it becomes (`scan` reads the writer back from the name). Removal is an
-`unlink` by name in a directory reached without following a link (`tree`).
+the directory of the file it becomes (`scan` reads the writer back from the name). Every name is
+looked up from the root held open (`tree.Root`); removal is an `unlink` by name in a directory
+reached without following a link.
 
-Primitives: `Layout.where`, `path_of`, `unlink`, `temp_name`, `target`, `close`; `io`, the system
+Primitives: `Layout.where`, `path_of`, `stat`, `unlink`, `temp_name`, `target`, `close`; `io`, the system
 calls (a seam tests replace, also on a running tier).
 Must not know: the index, capacity, what a file holds.
 """
@@ -27,7 +28,7 @@ _TEMP_SEQ = itertools.count(1)
 class Layout:
     def __init__(self, root: Path, io: FileIO) -> None:
         self.root = root
-        self.tree = tree.Root(str(root))  # held open for reads and removals
+        self.tree = tree.Root(str(root))  # held open: everything below it starts there
         self.io = io
         self.node = socket.gethostname().replace(".", "_")
 
@@ -41,6 +42,11 @@ class Layout:
     def path_of(self, ns: str, key: bytes) -> str:
         parts, name = self.where(ns, key)
         return f"{self.root}/{'/'.join(parts)}/{name}"
+
+    def stat(self, ns: str, key: bytes) -> os.stat_result:
+        """(ns, key)'s file itself (a link there not followed), looked up from the held root."""
+        parts, name = self.where(ns, key)
+        return self.io.stat_path("/".join((*parts, name)), dir_fd=self.tree.fd())
 
     def unlink(self, ns: str, key: bytes) -> None:
         """Remove (ns, key)'s file by name in its directory, reached without following a link."""
@@ -61,7 +67,8 @@ class Layout:
         final = self.path_of(ns, key)
         directory = final[: final.rfind("/")]
         tmp = f"{directory}/{self.temp_name(key.hex())}"
-        return FileTarget(final, tmp, directory, mkdir=directory not in known_dirs, root=str(self.root))
+        root_fd = self.tree.fd()
+        return FileTarget(final, tmp, directory, directory not in known_dirs, str(self.root), self.tree.id, root_fd)
 
     def close(self) -> None:
         self.tree.close()

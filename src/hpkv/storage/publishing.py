@@ -2,7 +2,8 @@
 into place (by `write_entry_file`, here or in a write-through process), then indexed.
 
 A write the budget (HPKV_KV_STORAGE_WRITE_BUDGET) cannot pay for is not made (`over_budget`). A
-directory removed under the tier (`rm -rf` of the root or a namespace) is made again, once. A
+directory removed under the tier (`rm -rf` of the root or a namespace) is made again, once (a
+root moved away is not: `tree.Root`). A
 full disk or quota (`ENOSPC`/`EDQUOT`) evicts 4 entries' worth or 1% of what this tier holds and
 retries once: evicting again and again emptied whole shared directories on one quota error. Only a
 retry that finds no room either teaches the capacity what fits (one "no room" alone is often a
@@ -179,10 +180,12 @@ class Publisher:
     ) -> OSError | None:
         """Index the file the first write put at `target`, retrying with `write` where `error`
         says a retry can help; the error where it could not."""
-        if error is not None and error.errno == errno.ENOENT and not target.mkdir:
-            self._dirs.discard(target.directory)
-            target = self._layout.target(ns, key, self._dirs)
-            error = write(target)
+        if error is not None and error.errno == errno.ENOENT:
+            renewed = self._layout.tree.check(create=True)  # the root removed: made again (never one replaced)
+            if renewed or not target.mkdir:
+                self._dirs.clear() if renewed else self._dirs.discard(target.directory)
+                target = self._layout.target(ns, key, self._dirs)
+                error = write(target)
         if error is not None and error.errno in _SPACE_ERRNOS:
             self._counters.space_errors += 1  # one an eviction cures does not hold off the recovery
             self._evictor.evict_bytes(max(4 * size, self._index.used_bytes // 100))

@@ -22,9 +22,10 @@ import logging
 import mmap
 import os
 import time
+from collections.abc import Callable
 
 from . import format as fmt
-from . import tree
+from . import scan, tree
 from .counters import ErrorLog, StorageCounters
 from .fileio import O_DIRECT, aligned, aligned_buffer, close_quietly, open_in_tree, read_full
 from .index import MAX_FILE_BYTES, NEVER, FileIndex
@@ -39,9 +40,16 @@ _REFUSED_ERRNOS = (errno.EACCES, errno.EPERM, errno.ENAMETOOLONG)
 
 class Reader:
     def __init__(
-        self, layout: Layout, index: FileIndex, counters: StorageCounters, errors: ErrorLog, direct: bool
+        self,
+        layout: Layout,
+        index: FileIndex,
+        counters: StorageCounters,
+        errors: ErrorLog,
+        direct: bool,
+        on_gone: Callable[[], None] = lambda: None,
     ) -> None:
         self._layout = layout
+        self._on_gone = on_gone  # an indexed file was found gone: the rest of the index may be stale
         self._index = index
         self._counters = counters
         self._errors = errors
@@ -140,19 +148,33 @@ class Reader:
 
     def find_in_place(self, ns: str, key: bytes) -> bool:
         """Index the file of (ns, key) as used now, if one is there, of a size an index value
-        holds (no KV file of ours is larger). One `stat`: ask without holding a lock."""
-        path = self._layout.path_of(ns, key)
+        holds (no KV file of ours is larger), counted for what it takes (`scan.counted_bytes`).
+        One `stat`: ask without holding a lock."""
         try:
-            st = self._layout.io.stat_path(path)
+            st = self._layout.stat(ns, key)
         except OSError:
             return False
         if not tree.is_regular(st):  # a link, a FIFO...: never a hit
-            self.skip_untrusted(ns, key, tree.Untrusted(path, tree.kind_of(st.st_mode)))
+            self.skip_untrusted(ns, key, tree.Untrusted(self._layout.path_of(ns, key), tree.kind_of(st.st_mode)))
             return False
-        if st.st_size > MAX_FILE_BYTES:
+        size = scan.counted_bytes(st, lambda: self._declared(ns, key)) if st.st_size <= MAX_FILE_BYTES else None
+        if size is None:
             return False
-        self._index.remember(self._index.key(ns, key), st.st_size)
+        self._index.remember(self._index.key(ns, key), size)
         return True
+
+    def _declared(self, ns: str, key: bytes) -> int | None:
+        """The size (ns, key)'s header declares; None where it has none (or cannot be read)."""
+        try:
+            fd, _ = open_in_tree(self._layout.io, self._layout.tree, *self._layout.where(ns, key), os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            return fmt.declared_bytes(os.pread(fd, fmt.ALIGN, 0))
+        except OSError:
+            return None
+        finally:
+            close_quietly(self._layout.io, fd)
 
     def skip_untrusted(self, ns: str, key: bytes, exc: tree.Untrusted) -> None:
         """Something not an entry file stands at (ns, key)'s name, or on the way to it: a miss,
@@ -173,6 +195,9 @@ class Reader:
         self._counters.read_misses += 1
         ik = self._index.key(ns, key)
         if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            if self._index.holds(ik):  # a hit with no file: another server or node removed it
+                self._counters.stale_entries += 1
+                self._on_gone()
             self._index.forget(ik)
             return
         if exc.errno in _REFUSED_ERRNOS:

@@ -4,12 +4,15 @@ nodes sharing a directory hold at most its capacity together.
 
 A walk indexes the files this tier does not know (at the old end, oldest first, as the start-up
 scan does: known as used SLACK_MINUTES before the walk, so a read elsewhere since spares one from
-an eviction), forgets indexed files that are gone (another node evicted or cleared them: one
-`stat` each, to tell a file gone from a listing that lagged), and evicts what is then over the
-capacity. It runs where the root is on a file system other nodes mount (`on_shared_fs`), or once
-a lookup has found a file another tier wrote (`Evictor.shared`), every RESCAN_S, or
-RESCAN_COST_FACTOR times the last walk's duration where that is longer (a large directory on a
-slow file system): between two walks, a node does not count what the others wrote since.
+an eviction; counted for the blocks they take, `scan.counted_bytes`), forgets indexed files that
+are gone (another node evicted or cleared them: one `stat` each, to tell a file gone from a
+listing that lagged; counted in `stale_entries`), and evicts what is then over the capacity,
+never an entry in use (`index.InUse`). It runs where the root is on a file system other nodes
+mount (`on_shared_fs`), or once a lookup has found a file another tier wrote (`Evictor.shared`),
+every RESCAN_S, or RESCAN_COST_FACTOR times the last walk's duration where that is longer (a
+large directory on a slow file system): between two walks, a node does not count what the others
+wrote since. A read that finds an indexed file gone asks for a walk soon, wherever the root is
+(another server on the same directory cleared it: the rest of the index is stale too).
 
 Primitives: `once`, `run`, `on_shared_fs`, `SHARED_FS`.
 Must not know: how files are read or written, the pool, engines.
@@ -37,6 +40,7 @@ log = logging.getLogger("hpkv.storage.tier")
 
 RESCAN_S = 30.0
 RESCAN_COST_FACTOR = 10.0
+MIN_RESCAN_S = 1.0  # a walk asked for (`run`'s `soon`) comes no sooner than this after the last
 # File systems other nodes mount: network, parallel and distributed ones.
 SHARED_FS = frozenset(
     {
@@ -85,7 +89,7 @@ def once(tier: StorageTier) -> tuple[int, int]:
     counters = StorageCounters()  # the tier's own count the start-up scan (`hpkv status`)
     known_s = time.time() - SLACK_MINUTES * 60
     found = scan.walk(
-        tier.root,
+        tier.layout.tree,
         tier.layout.node,
         index.key,
         lambda size: index.value_of(size, known_s) if size <= MAX_FILE_BYTES else None,
@@ -102,6 +106,7 @@ def once(tier: StorageTier) -> tuple[int, int]:
     gone = [ik for ik in before.difference(found.keys) if index.holds(ik) and _gone(tier, ik)]
     for ik in gone:
         index.forget(ik)
+    tier.counters.stale_entries += len(gone)
     if new.keys:
         tier.evictor.shared = True
     tier.evictor.evict(lambda freed: tier.capacity.excess(index.used_bytes))
@@ -110,19 +115,32 @@ def once(tier: StorageTier) -> tuple[int, int]:
 
 def _gone(tier: StorageTier, ik: bytes) -> bool:
     try:
-        tier.io.stat_path(tier.path_of(*tier.index.split(ik)))
+        tier.layout.stat(*tier.index.split(ik))
     except OSError as exc:
         return exc.errno in (errno.ENOENT, errno.ENOTDIR)
     return False
 
 
-def run(tier: StorageTier, shared_fs: bool, stop: threading.Event) -> None:
+def run(tier: StorageTier, shared_fs: bool, stop: threading.Event, soon: threading.Event) -> None:
     """Walk again every RESCAN_S (or longer, see above) until `stop`, while the root is on a
-    shared file system or a lookup found another tier's file. Never raises: a walk that fails
-    is said and tried again next time."""
-    wait_s = RESCAN_S
-    while not stop.wait(wait_s):
-        if not (shared_fs or tier.evictor.shared):
+    shared file system or a lookup found another tier's file; and `soon` (set: a read found an
+    indexed file gone, so others remove files here: the rest of the index may be stale too), at
+    once, but no sooner after the last walk than RESCAN_COST_FACTOR times what it took (and
+    MIN_RESCAN_S). Each period the root is checked against the one held (`tree.Root.check`: a
+    replacement is said). Never raises: a walk that fails is said and tried again next time."""
+    wait_s, took_s, ended = RESCAN_S, 0.0, time.monotonic()
+    while True:
+        soon.wait(wait_s)
+        if stop.is_set():
+            return
+        if soon.is_set():
+            stop.wait(max(0.0, ended + max(MIN_RESCAN_S, RESCAN_COST_FACTOR * took_s) - time.monotonic()))
+            if stop.is_set():
+                return
+        asked, wait_s = soon.is_set(), RESCAN_S
+        soon.clear()
+        tier.layout.tree.check()
+        if not (shared_fs or tier.evictor.shared or asked):
             continue
         started = time.monotonic()
         try:
@@ -130,7 +148,8 @@ def run(tier: StorageTier, shared_fs: bool, stop: threading.Event) -> None:
         except Exception:  # a thread's boundary: the tier goes on without this walk
             log.exception("walking %s for other nodes' files failed; trying again later", tier.root)
             continue
-        took_s = time.monotonic() - started
+        ended = time.monotonic()
+        took_s = ended - started
         wait_s = max(RESCAN_S, RESCAN_COST_FACTOR * took_s)
         if added or gone:
             log.debug("%s: %d files of other nodes indexed, %d gone, in %.2f s", tier.root, added, gone, took_s)

@@ -66,9 +66,10 @@ class Retention:
             scanned, own_s = self._own_use_s(value)
             mtime_s = self._mtime(ik)
             if max(own_s, mtime_s) < cutoff_s:
-                if self._index.pop_if_oldest(ik, value):
-                    self._evictor.remove([(ik, value)])
-                    num += 1
+                if not self._index.pop_if_oldest(ik, value):
+                    break  # used meanwhile, or in use: the next pass looks again
+                self._evictor.remove([(ik, value)])
+                num += 1
             elif own_s >= cutoff_s or scanned:
                 break  # the oldest is in use: so is everything behind it
             else:
@@ -102,6 +103,6 @@ class Retention:
     def _mtime(self, ik: bytes) -> float:
         ns, key = self._index.split(ik)
         try:
-            return self._layout.io.stat_path(self._layout.path_of(ns, key)).st_mtime
+            return self._layout.stat(ns, key).st_mtime
         except OSError:
             return 0.0  # gone: removing it from the index is right

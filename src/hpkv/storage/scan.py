@@ -2,18 +2,24 @@
 finds there (`walk`), with the temporaries of dead writers removed on the way; `remove_entries`
 for a clear.
 
-The walk goes by directory descriptors (`tree`): each directory below the root is opened from its
-parent's without following a link, listed with `scandir(fd)`, and files are looked at with
-`lstat` and removed with `unlink(name, dir_fd=)`. A link, or anything but a directory where a
-directory belongs and a regular file where an entry file belongs, is skipped and counted
-(`untrusted_files`), never indexed, and nothing outside the tree is removed.
+The walk goes by directory descriptors (`tree`) from the root the tier holds open (`tree.Root`:
+a root replaced meanwhile is not followed, not even halfway through a walk): each directory below
+it is opened from its parent's without following a link, listed with `scandir(fd)`, and files are
+looked at with `lstat` and removed with `unlink(name, dir_fd=)`. A link, or anything but a
+directory where a directory belongs and a regular file where an entry file belongs, is skipped
+and counted (`untrusted_files`), never indexed, and nothing outside the tree is removed.
 
-Primitives: `leaf_dirs`, `walk` -> `Found`, `remove_entries`.
+A file found counts against the capacity for what it takes, not for the size it claims
+(`counted_bytes`): a root other nodes can write may hold sparse files that declare gigabytes and
+take nothing, and counting those evicted every real entry.
+
+Primitives: `leaf_dirs`, `walk` -> `Found`, `remove_entries`, `counted_bytes`.
 Must not know: the index (its lock, its order), the pool, engines.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import stat
@@ -21,11 +27,11 @@ import time
 from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..errors import StorageError
 from ..procs import pid_alive
-from .tree import DIR_FLAGS, kind_of
+from . import format as fmt
+from .tree import DIR_FLAGS, FILE_FLAGS, Root, kind_of
 
 log = logging.getLogger("hpkv.storage.tier")
 
@@ -57,13 +63,13 @@ class LeafDir:
     entries: list[os.DirEntry]
 
 
-def leaf_dirs(root: Path | str, ns: str | None = None, skipped: Skipped | None = None) -> Iterator[LeafDir]:
-    """Every fan-out directory under `root` (of namespace `ns`, or of all), each with what it
-    holds; its descriptor is valid until the next one is yielded. Unreadable directories are
-    passed over; links and non-directories where directories belong are `skipped`."""
-    root = str(root)
+def leaf_dirs(tree: Root, ns: str | None = None, skipped: Skipped | None = None) -> Iterator[LeafDir]:
+    """Every fan-out directory under the held root `tree` (of namespace `ns`, or of all), each
+    with what it holds; its descriptor is valid until the next one is yielded. Unreadable
+    directories are passed over; links and non-directories where directories belong are `skipped`."""
+    root = tree.path
     try:
-        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        root_fd = os.open(".", DIR_FLAGS, dir_fd=tree.fd())
     except OSError:
         return
     try:
@@ -88,10 +94,10 @@ def leaf_dirs(root: Path | str, ns: str | None = None, skipped: Skipped | None =
 
 
 def walk(
-    root: Path, node: str, index_key: Callable[[str, bytes], bytes], value_of: Callable[[int], int | None], counters
+    root: Root, node: str, index_key: Callable[[str, bytes], bytes], value_of: Callable[[int], int | None], counters
 ) -> Found:
-    """Every entry file under `root`: its mtime, `index_key(ns, key)` and `value_of(size)` (None:
-    not a file to index). Temporaries of this node's dead writers, and any older than
+    """Every entry file under the held root: its mtime, `index_key(ns, key)` and
+    `value_of(counted_bytes)` (None: not a file to index). Temporaries of this node's dead writers, and any older than
     STALE_TEMP_S (a writer that died on whatever node), are removed. Unreadable entries are
     skipped, and so are (counted in `counters.untrusted_files`) links and whatever else is not a
     regular file: a walk never raises for a file. `counters.files_scanned` and `temps_removed`
@@ -120,7 +126,8 @@ def walk(
                 ik = index_key(leaf.ns, bytes.fromhex(name[:-3]))
             except (OSError, ValueError, StorageError):  # StorageError: too many namespaces
                 continue
-            value = value_of(st.st_size)
+            size = counted_bytes(st, functools.partial(_declared, leaf.fd, name))
+            value = None if size is None else value_of(size)
             if value is None:
                 continue
             found.mtimes.append(st.st_mtime)
@@ -129,12 +136,41 @@ def walk(
             counters.files_scanned += 1
             if time.monotonic() - last_report > REPORT_EVERY_S:
                 last_report = time.monotonic()
-                log.info("storage index: %d files scanned under %s", len(found.keys), root)
+                log.info("storage index: %d files scanned under %s", len(found.keys), root.path)
     return found
 
 
-def remove_entries(root: Path, ns: str | None = None) -> int:
-    """Unlink every entry file (`*.kv`) under `root` (of namespace `ns`), each by name in its
+def counted_bytes(st: os.stat_result, declared: Callable[[], int | None]) -> int | None:
+    """What a regular file found in the tree counts for against the capacity: its size, but no
+    more than the blocks it takes (`st_blocks`: a sparse file takes less than it says); where the
+    file system reports no block at all (some do not report them, or not yet for new data), no
+    more than its header `declared` (read only then; None: no HPKV header, not indexed)."""
+    taken = st.st_blocks * 512
+    if taken >= st.st_size:
+        return st.st_size
+    if taken > 0:
+        return taken
+    size = declared()
+    return None if size is None else min(size, st.st_size)
+
+
+def _declared(dir_fd: int, name: str) -> int | None:
+    """The size the header of `name` in `dir_fd` declares (`format.declared_bytes`), read
+    without following a link or blocking; None where there is none to read."""
+    try:
+        fd = os.open(name, os.O_RDONLY | FILE_FLAGS | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        return fmt.declared_bytes(os.pread(fd, fmt.ALIGN, 0)) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def remove_entries(root: Root, ns: str | None = None) -> int:
+    """Unlink every entry file (`*.kv`) under the held root (of namespace `ns`), each by name in its
     own directory: whatever stands there, a link included, goes, and nothing it points at. The
     number removed."""
     num = 0

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -24,6 +23,7 @@ from .capacity import CapacityPolicy
 from .counters import StorageCounters
 from .eviction import SLACK_MINUTES, Evictor
 from .index import MAX_FILE_BYTES, FileIndex
+from .tree import Root
 
 log = logging.getLogger("hpkv.storage.tier")
 
@@ -31,9 +31,9 @@ _MERGE_SLICE = 1 << 16  # files merged into the index per hold of its lock
 
 
 def rebuild(
-    root: Path, node: str, index: FileIndex, capacity: CapacityPolicy, evictor: Evictor, counters: StorageCounters
+    root: Root, node: str, index: FileIndex, capacity: CapacityPolicy, evictor: Evictor, counters: StorageCounters
 ) -> None:
-    """Index every entry file under `root` and remove leftover temporaries (`scan.walk`)."""
+    """Index every entry file under the held root and remove leftover temporaries (`scan.walk`)."""
     started = time.monotonic()
     known_s = time.time() - SLACK_MINUTES * 60
     index.scan_known_s = known_s  # retention tells the scan's minute from a use by it
@@ -47,7 +47,7 @@ def rebuild(
             "HPKV follows no link and reads only regular files in the storage tree, so none is a hit; "
             "someone who can write the storage directory put them there (see hpkv doctor)",
             counters.untrusted_files,
-            root,
+            root.path,
             found.untrusted,
         )
     capacity.size_with_own(index.used_bytes)  # none learned yet: not while the scan runs

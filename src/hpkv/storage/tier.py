@@ -8,7 +8,7 @@ nodes' files learned by walking again), `budget` (HPKV_KV_STORAGE_WRITE_BUDGET),
 none, checked, and a bad file is a miss that deletes it; nothing below the root is followed
 (`tree`). Several tiers (nodes) may share one root: a lookup adopts files others wrote.
 
-Primitives: `start`, `add_namespace`, `indexed` (`index_probe`), `contains`, `touch`, `read_into`,
+Primitives: `start`, `add_namespace`, `indexed` (`index_probe`), `contains`, `touch`/`done_with`, `read_into`,
 `write_from` (or `publish`/`publish_many`, where another process writes the files), `submit`, `remove`, `stats`,
 `close`. A write that cannot happen is dropped (counted), never raised.
 Must not know: the pool, engines, devices.
@@ -69,7 +69,8 @@ class StorageTier:
         )
         self._stop = threading.Event()
         self._retention_thread: threading.Thread | None = None
-        self.reader = Reader(self.layout, self.index, self.counters, errors, config.direct_io)
+        self._walk_soon = threading.Event()  # a read found an indexed file gone: walk the root soon (`rescan`)
+        self.reader = Reader(self.layout, self.index, self.counters, errors, config.direct_io, self._walk_soon.set)
         self.publisher = Publisher(
             self.layout,
             self.index,
@@ -83,7 +84,6 @@ class StorageTier:
             self.scan_done,
         )
         self._lock = self.index.lock  # held for long by evictions and removes
-        self._closed = threading.Event()
         self._shared_fs = False  # on a file system other nodes mount (`rescan`)
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="hpkv-io")
 
@@ -95,6 +95,7 @@ class StorageTier:
         `promised_ram_bytes`: memory promised elsewhere and not taken yet (a DRAM pool on ramfs,
         whose pages arrive on first touch), which an automatic capacity on ramfs leaves out."""
         fs_type = storage_root.prepare(self.root)  # StorageUnusable: the server goes on with DRAM alone
+        self.layout.tree.fd()  # the root opened once: nothing below it is looked up by its name again
         self.capacity.size_at_start(fs_type, promised_ram_bytes)
         if self.reader.direct and not direct_supported(str(self.root)):
             self.reader.direct = False
@@ -114,14 +115,15 @@ class StorageTier:
 
     def _scan(self) -> None:
         """The start-up scan, then the walks that learn other nodes' files (`rescan`)."""
-        startup.rebuild(self.root, self.layout.node, self.index, self.capacity, self.evictor, self.counters)
+        startup.rebuild(self.layout.tree, self.layout.node, self.index, self.capacity, self.evictor, self.counters)
         self.scan_done.set()
-        rescan.run(self, self._shared_fs, self._closed)
+        rescan.run(self, self._shared_fs, self._stop, self._walk_soon)
 
     def close(self, wait: bool = True) -> None:
         """Finish queued writes, then stop the I/O threads; without `wait`, drop what is queued
         and do not wait for what runs (a device that does not answer)."""
         self._stop.set()
+        self._walk_soon.set()  # wakes the walks' thread, which then sees `_stop`
         if wait and self._retention_thread is not None:
             self._retention_thread.join(timeout=10.0)  # a pass removes at most MAX_PER_PASS files
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
@@ -136,7 +138,7 @@ class StorageTier:
         the store from starting (the entries themselves do not need the description)."""
         try:
             tree.write_description(
-                str(self.root), ns, "namespace.json", self.layout.temp_name("namespace"), description_json + "\n"
+                self.layout.tree, ns, "namespace.json", self.layout.temp_name("namespace"), description_json + "\n"
             )
         except OSError as exc:
             log.warning("cannot write %s: %s; going on without it", self.root / ns / "namespace.json", exc.strerror)
@@ -173,12 +175,17 @@ class StorageTier:
             self.evictor.shared = True  # a file this tier did not write (not one of its own the scan has yet to find)
         return True
 
-    def touch(self, ns: str, keys: list[bytes]) -> None:
+    def touch(self, ns: str, keys: list[bytes], in_use: bool = False) -> None:
         """Make the keys indexed the most recently used, in the order given (the last most
         recent): promotions are about to read them, and writes queued before those reads must
-        not evict them. No I/O, but it waits for the index's lock, which an eviction or a
+        not evict them. `in_use`: nor any eviction (however many files others put here) until
+        `done_with` each. No I/O, but it waits for the index's lock, which an eviction or a
         `remove` holds for long: callers must hold no lock."""
-        self.index.touch(self.index.key(ns, b""), keys)
+        self.index.touch(self.index.key(ns, b""), keys, in_use)
+
+    def done_with(self, ns: str, key: bytes) -> None:
+        """The read `touch(..., in_use=True)` announced is done (or given up)."""
+        self.index.in_use.done(self.index.key(ns, key))
 
     # -- I/O ----------------------------------------------------------------------------------
 
@@ -215,7 +222,8 @@ class StorageTier:
         """Delete every entry file (of one namespace), including files other nodes wrote; only
         inside the tree (`scan.remove_entries`). The number removed."""
         self.index.remove(ns)
-        return scan.remove_entries(self.root, ns)
+        self.layout.tree.check()  # a root replaced: said, and not followed
+        return scan.remove_entries(self.layout.tree, ns)
 
     def stats(self) -> StorageStats:
         return StorageStats(
@@ -229,6 +237,7 @@ class StorageTier:
             **vars(self.counters),
             retention_s=self.config.retention_s,
             expired=self.retention.num_expired if self.retention is not None else 0,
+            root_replaced=self.layout.tree.replaced,
         )
 
     # -- views of the parts, and seams for tests and benchmarks ---------------------------------

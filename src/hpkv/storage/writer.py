@@ -68,6 +68,7 @@ class Job(NamedTuple):
             "directory": t.directory,
             "mkdir": t.mkdir,
             "root": t.root,
+            "root_id": t.root_id,
             "fsync": fsync,
             "format": self.version,
         }

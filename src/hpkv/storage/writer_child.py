@@ -5,13 +5,15 @@ starts it).
 
 Protocol: one JSON value per line. The process first says `{"hello": "hpkv-writer", "version":
 N}`; then each line is a list of jobs, `{"ns", "key" (hex), "offset", "length", "final", "tmp",
-"directory", "mkdir", "root", "fsync", "format"}` (a `FileTarget`; "format": the file format
+"directory", "mkdir", "root", "root_id", "fsync", "format"}` (a `FileTarget`; "format": the file format
 version, 2 to write it with O_DIRECT), done in order and answered by one line each, `{"ok":
 true}` or `{"errno": E, "error": "..."}`, sent together once the last is done (a batch costs
 both processes one wake-up, not one a job).
 
-Owns: the directories it writes into, kept open (`DirCache`) so that a job does not open its
-directory below the root again. Must not know: the index, budgets, which entries to write.
+Owns: the directories it writes into, and the storage root, kept open (`DirCache`) so that a
+job does not open its directory below the root again, nor the root by its name: a root is opened
+once for each (path, `root_id`) the server names, and only if the path names that directory (a
+root replaced under the server is not followed). Must not know: the index, budgets, which entries to write.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import sys
 from collections import OrderedDict
 
 from . import format as fmt
+from . import tree
 from .fileio import FileIO, FileTarget, write_entry_file
 
-PROTOCOL_VERSION = 4  # 4: jobs come in batches
+PROTOCOL_VERSION = 5  # 4: jobs come in batches; 5: "root_id"
 HELLO = "hpkv-writer"
 _OK = {"ok": True}
 _OK_LINE = json.dumps(_OK).encode() + b"\n"  # the reply to a job done
@@ -41,9 +44,11 @@ class DirCache:
     which asks for the directory to be made, opens it afresh."""
 
     MAX = 256
+    MAX_ROOTS = 4  # roots the server held lately (one, but for a root removed and made again)
 
     def __init__(self) -> None:
         self._fds: OrderedDict[str, int] = OrderedDict()
+        self._roots: OrderedDict[tuple[str, tuple[int, int]], int] = OrderedDict()
 
     def open(self, target: FileTarget) -> int:
         fd = None if target.mkdir else self._fds.get(target.directory)
@@ -51,9 +56,21 @@ class DirCache:
             self._fds.move_to_end(target.directory)
             return fd
         self.drop(target.directory)
-        fd = self._fds[target.directory] = target.open_directory()
+        fd = self._fds[target.directory] = target.open_directory(self._root(target))
         if len(self._fds) > self.MAX:
             os.close(self._fds.popitem(last=False)[1])
+        return fd
+
+    def _root(self, target: FileTarget) -> int | None:
+        """The root `target` names, held open; None where it names no root id (opened per job)."""
+        if target.root is None or target.root_id is None:
+            return None
+        key = (target.root, target.root_id)
+        fd = self._roots.get(key)
+        if fd is None:
+            fd = self._roots[key] = tree.opened_root(target.root, target.root_id)  # ESTALE: replaced
+            if len(self._roots) > self.MAX_ROOTS:
+                os.close(self._roots.popitem(last=False)[1])
         return fd
 
     def drop(self, directory: str) -> None:
@@ -92,7 +109,10 @@ def _job(job: dict, buf: memoryview, io: FileIO, dirs: DirCache) -> dict:
     version = job.get("format", fmt.VERSION)
     if version not in fmt.VERSIONS:
         return {"errno": errno.EINVAL, "error": f"unknown file format version {version}"}
-    target = FileTarget(job["final"], job["tmp"], job["directory"], job["mkdir"], job.get("root"))
+    root_id = job.get("root_id")
+    target = FileTarget(
+        job["final"], job["tmp"], job["directory"], job["mkdir"], job.get("root"), tuple(root_id) if root_id else None
+    )
     payload = buf[offset : offset + length]
     try:
         header = fmt.encode_header(bytes.fromhex(job["ns"]), bytes.fromhex(job["key"]), payload, version)

@@ -121,12 +121,13 @@ class Leases:
         while True:
             num_read = len(pinned.reads)
             num_capped = self._pin_round(ns, keys, owner, probe, pinned, slot_bytes)
-            # Most recently used on storage now, so writes queued before their reads do not evict
-            # them, before `found_elsewhere` (a stat, slow on Lustre); last first, so the first
-            # key is the last evicted (a lookup stops at the first miss). Outside the lock: the
-            # tier's lock may be held for long (an eviction).
+            # Most recently used on storage now, and in use until read (`_promote_done`), so
+            # neither writes queued before their reads nor other nodes' files evict them, before
+            # `found_elsewhere` (a stat, slow on Lustre); last first, so the first key is the last
+            # evicted (a lookup stops at the first miss). Outside the lock: the tier's lock may be
+            # held for long (an eviction).
             if len(pinned.reads) > num_read:
-                self._tier.touch(ns, [entry.key for entry, _ in reversed(pinned.reads[num_read:])])
+                self._tier.touch(ns, [entry.key for entry, _ in reversed(pinned.reads[num_read:])], in_use=True)
                 num_touches += 1
             if num_capped or not self._lookups.found_elsewhere(ns, keys, len(pinned.entries)):
                 break
@@ -221,6 +222,7 @@ class Leases:
             self._promote_done(entry, promotion, ok)
 
     def _promote_done(self, entry: DramEntry, promotion: Future, ok: bool) -> None:
+        self._tier.done_with(entry.ns, entry.key)
         with self._lock:
             del self._promoting[entry]
             if ok:
