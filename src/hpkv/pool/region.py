@@ -13,7 +13,9 @@ out. Why each choice:
 - Handed over as a descriptor (`share_fd()`), never re-opened by name, which someone able to
   write the directory could swap. `share_fd` is a second open file description (through
   /proc/self/fd), so mappings made from it do not share the owner's `flock`: a client that
-  outlives a killed server must not make its pool look live.
+  outlives a killed server must not make its pool look live. Where the kernel allows, nobody
+  can truncate the file through it (`pool.handout`: a pool cut short kills its mappers with
+  SIGBUS); a file cut short all the same is found before a copy (`check_whole`).
 - Every open in the pool directory is O_NOFOLLOW|O_NONBLOCK and fstat-checked (`safefs`), and the
   directory itself must be trustworthy (`pool.directory`).
 Must not know: slots, entries, the protocol.
@@ -43,6 +45,7 @@ from ..fsinfo import (
 )
 from ..units import human_bytes
 from . import directory as pool_directory
+from . import handout
 from .backing import Backing, populate, populate_range, size_file
 
 log = logging.getLogger(__name__)
@@ -63,6 +66,7 @@ class PoolRegion:
         self._closed = False
         self._fd = fd
         self._share_fd = -1
+        self.unguarded: str | None = None  # the owner's: why clients could truncate the pool (None: they cannot)
         self._map = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         try:
             # Huge pages halve the cost of TLB misses in large copies, and make reserving and
@@ -96,13 +100,15 @@ class PoolRegion:
             # Only now: a stale pool left by a crashed owner has been removed and frees its space.
             _check_space(directory, size_bytes)
             size_file(fd, path, size_bytes)
-            share_fd = _reopen(fd, path)
+            share = handout.reopen(fd, path)
             try:
                 region = cls(path, fd, size_bytes, owner=True)
             except BaseException:
-                os.close(share_fd)
+                os.close(share.fd)
                 raise
-            region._share_fd = share_fd
+            region._share_fd, region.unguarded = share.fd, share.unguarded
+            if share.unguarded:
+                log.info("clients of this pool could change its size: %s", share.unguarded)
         except BaseException:
             if _names(path, fd):
                 os.unlink(path)
@@ -138,10 +144,26 @@ class PoolRegion:
 
     def share_fd(self) -> int:
         """The owner's descriptor to hand to other processes (SCM_RIGHTS, `pass_fds`); it stays
-        the region's: send or pass it, never close it."""
+        the region's: send or pass it, never close it. The file has the pool's size when it is
+        handed out: set back if a holder changed it."""
         if self._share_fd < 0:
             raise PoolError("only the pool's owner, before it closes, can share the pool file")
+        handout.restore(self._fd, self.path, self.size_bytes, self.ready_bytes)
         return self._share_fd
+
+    def check_whole(self) -> None:
+        """PoolError unless the pool file still reaches the end of this mapping: a copy past a
+        file's end is a SIGBUS, which kills the process. One `fstat`; narrows the window to the
+        copy itself where truncation is not prevented (`pool.handout`)."""
+        try:
+            size = self._map.size()  # fstat of the map's own descriptor
+        except (OSError, ValueError):  # closed: the copy says so itself
+            return
+        if size < self.size_bytes:
+            raise PoolError(
+                f"the HPKV pool file {self.path} was cut short ({human_bytes(size)} of "
+                f"{human_bytes(self.size_bytes)}); the copy is skipped and its blocks are recomputed"
+            )
 
     @classmethod
     def attach(cls, fd: int, size_bytes: int, path: Path | str) -> PoolRegion:
@@ -150,7 +172,8 @@ class PoolRegion:
         it is closed whatever happens."""
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != size_bytes:
+            # Larger will do (a holder wrote past its end): the mapping ends at the pool's size.
+            if not stat.S_ISREG(st.st_mode) or st.st_size < size_bytes:
                 what = f"{safefs.kind(st.st_mode)}" if not stat.S_ISREG(st.st_mode) else f"a file of {st.st_size} bytes"
                 raise PoolError(
                     f"the descriptor passed for the HPKV pool file {path} is {what}, not the "
@@ -373,20 +396,3 @@ def _names(path: Path, fd: int) -> bool:
         return False
     own = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
-
-
-def _reopen(fd: int, path: Path) -> int:
-    """A second open file description of the file open as `fd`, read-write, without its flock:
-    through /proc/self/fd (the file itself, not its name)."""
-    try:
-        share = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-    except OSError as exc:
-        raise PoolError(
-            f"cannot reopen the pool file {path} through /proc/self/fd to share it: {exc.strerror}; "
-            "the HPKV server needs /proc mounted"
-        ) from None
-    a, b = os.fstat(share), os.fstat(fd)
-    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):  # not /proc's magic link (a strange /proc)
-        os.close(share)
-        raise PoolError(f"/proc/self/fd/{fd} is not the pool file {path}; the HPKV server needs a real /proc")
-    return share

@@ -1,0 +1,280 @@
+"""Stories of a pool descriptor in hostile hands (issue 31, row 4): a uid the server admits
+truncates or grows the pool file it was passed, while another user's engine copies out of it.
+Nobody can change the pool's size through the descriptor clients get; a pool cut short all the
+same (here by its owner, as on a kernel without Landlock's truncate right) costs an engine its
+copy, never its life; and the server hands out a whole pool again to every later client."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers.keys import desc, entry_key, payload
+from helpers.server import Node
+from helpers.users import NOBODY, as_other_uid
+from hpkv.pool import handout
+from hpkv.pool.region import PoolRegion
+from hpkv.server import protocol as p
+
+landlock = pytest.mark.skipif(handout.landlock_abi() < 3, reason="this kernel has no Landlock truncate right")
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another uid needs root")
+
+KEY = entry_key("victim", 0)
+
+# An engine's copying thread, as a process of its own: leases KEY, says "ready", and on each line
+# read copies the entry out with the vLLM copier and the SGLang one, reporting per copy whether it
+# got the bytes saved or the error it was told (a copy past the file's end would be a SIGBUS).
+VICTIM = """
+import json, sys
+import torch
+from helpers.keys import ENTRY_BYTES, desc, entry_key, payload
+from hpkv.errors import HpkvError
+from hpkv.integrations.sglang import pages
+from hpkv.server.client import Client
+from hpkv.transfer.blocks import BlockCopier
+
+key = entry_key("victim", 0)
+client = Client(sys.argv[1], "victim", autostart=False)
+ns = client.register(desc())
+lease = client.lease(ns, [key])
+assert client.wait(lease) == 1
+blocks = torch.zeros((1, ENTRY_BYTES), dtype=torch.int8)
+copier = BlockCopier([blocks], (0,))
+host = bytearray(ENTRY_BYTES)
+page = pages.PageBuffers([[torch.frombuffer(host, dtype=torch.int8).data_ptr()]], (ENTRY_BYTES,))
+print("ready", flush=True)
+for _ in sys.stdin:
+    seen = {}
+    for name, copy, out in (
+        ("vllm", lambda: copier.load(lease.region, [0], lease.offsets), lambda: blocks.numpy().tobytes()),
+        ("sglang", lambda: pages.load(lease.region, lease.offsets, page), lambda: bytes(host)),
+    ):
+        try:
+            copy()
+            seen[name] = out() == payload(key)
+        except HpkvError as exc:
+            seen[name] = str(exc)
+    print(json.dumps(seen), flush=True)
+"""
+
+
+class Victim:
+    """Another user's engine holding a lease on KEY (a real process)."""
+
+    def __init__(self, node: Node) -> None:
+        tests = str(Path(__file__).parent)
+        env = {**node.env, "PYTHONPATH": f"{tests}:{node.env['PYTHONPATH']}"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", VICTIM, str(node.shm_dir)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None and self.proc.stdin is not None
+        line = self.proc.stdout.readline()
+        assert line == "ready\n", line + self.proc.stderr.read() if self.proc.stderr else ""
+
+    def copy(self) -> dict | str:
+        """What one copy gave, or how the process ended."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write("copy\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass
+        line = self.proc.stdout.readline()
+        if line:
+            return json.loads(line)
+        code = self.proc.wait(timeout=30)
+        return f"died of {signal.Signals(-code).name}" if code < 0 else f"exited {code}"
+
+    def close(self) -> int:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        return self.proc.wait(timeout=30)
+
+
+def seed(node: Node) -> None:
+    """KEY saved, by a process that is gone: this one maps no pool a test cuts short."""
+    from hpkv.server.client import Client
+
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            with Client(node.shm_dir, "seed", autostart=False) as client:
+                ns = client.register(desc())
+                res = client.reserve(ns, [KEY])
+                res.view(0)[:] = payload(KEY)
+                code = 0 if client.commit(ns, [KEY], reservation=res) == 1 else 1
+        finally:
+            os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
+
+
+def served(node: Node) -> str:
+    """What a client connecting now, in a process of its own, gets: the entry, or why not."""
+    from hpkv.server.client import Client, ServerUnavailable
+
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # never returns into pytest
+        seen = "nothing"
+        try:
+            with Client(node.shm_dir, "later", autostart=False) as client:
+                ns = client.register(desc())
+                lease = client.lease(ns, [KEY])
+                ok = client.wait(lease) == 1 and bytes(lease.view(0)) == payload(KEY)
+                seen = "the entry" if ok else "other bytes"
+        except ServerUnavailable as exc:
+            seen = f"refused: {exc}"
+        except BaseException as exc:
+            seen = f"raised {type(exc).__name__}: {exc}"
+        finally:
+            try:
+                os.write(write_fd, seen.encode())
+            finally:
+                os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as f:
+        seen = f.read().decode()
+    status = os.waitpid(pid, 0)[1]
+    return seen if os.WIFEXITED(status) else f"died of {signal.Signals(os.WTERMSIG(status)).name}"
+
+
+def passed_pool_fd(node: Node) -> tuple[socket.socket, int]:
+    """Connect as a client does and keep the pool descriptor the Welcome carries."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(str(node.socket_path))
+    sock.sendall(p.encode(p.Hello(p.PROTOCOL_VERSION, "intruder", os.getpid())))
+    body, fds = p.recv_frame_fds(sock)
+    assert isinstance(p.decode_reply(body), p.Welcome) and len(fds) == 1
+    return sock, fds[0]
+
+
+def pool_bytes(node: Node) -> int:
+    return int(node.env["HPKV_KV_MEM_POOL_SIZE"].rstrip("m")) << 20
+
+
+def admit_nobody(node: Node) -> None:
+    node.start_server(HPKV_SERVER_ALLOW_UIDS=str(NOBODY))
+    os.chmod(node.shm_dir, 0o711)  # what an operator does to let that uid reach the socket
+    os.chmod(node.socket_path, 0o666)
+
+
+@as_root
+@landlock
+def test_an_admitted_uid_cannot_truncate_the_pool_under_another_users_engine(node):
+    """Row 4: the admitted uid's ftruncate of its pool descriptor is refused; the engine copying
+    from a lease goes on getting its bytes, and a client connecting afterwards is served."""
+    admit_nobody(node)
+    seed(node)
+    victim = Victim(node)
+
+    def truncate() -> dict:
+        sock, fd = passed_pool_fd(node)
+        try:
+            os.ftruncate(fd, 4096)
+            return {"truncate": "done"}
+        except OSError as exc:
+            return {"truncate": exc.strerror}
+        finally:
+            os.close(fd)
+            sock.close()
+
+    attack = as_other_uid(truncate)
+    after = {"attack": attack, "victim": victim.copy(), "pool": node.pool_path.stat().st_size, "later": served(node)}
+
+    assert after == {
+        "attack": {"truncate": "Permission denied"},
+        "victim": {"vllm": True, "sglang": True},
+        "pool": pool_bytes(node),
+        "later": "the entry",
+    }
+    assert victim.close() == 0
+
+
+@as_root
+def test_a_pool_grown_by_an_admitted_uid_refuses_no_later_client(node):
+    """Writing past the end grows a file whatever its descriptor may not do: no mapping sees it,
+    and the server sets the size back before it hands the pool out again."""
+    admit_nobody(node)
+    seed(node)
+    size = pool_bytes(node)
+
+    def grow() -> dict:
+        sock, fd = passed_pool_fd(node)
+        try:
+            os.pwrite(fd, b"x", size + (1 << 20))
+            return {"size": os.fstat(fd).st_size}
+        finally:
+            os.close(fd)
+            sock.close()
+
+    assert as_other_uid(grow) == {"size": size + (1 << 20) + 1}
+    assert served(node) == "the entry"
+    assert node.pool_path.stat().st_size == size
+    assert "changed its size; setting it back" in node.foreground_log(node.servers[0])
+
+
+def test_an_engine_whose_pool_was_cut_short_recomputes_and_lives(node):
+    """A pool file cut short while an engine holds a lease (here by its owner, as anyone holding
+    a descriptor could where the kernel has no Landlock truncate right): the engine's copies are
+    refused with an error it recomputes on, never a SIGBUS; the next client is served a whole
+    pool (the entry's bytes are gone with the cut)."""
+    node.start_server()
+    seed(node)
+    victim = Victim(node)
+    assert victim.copy() == {"vllm": True, "sglang": True}
+
+    os.truncate(node.pool_path, 4096)
+    seen = victim.copy()
+
+    assert seen != "died of SIGBUS"
+    assert isinstance(seen, dict) and all("was cut short" in str(why) for why in seen.values()), seen
+    assert served(node) in ("other bytes", "the entry")  # admitted, whatever the cut left there
+    assert node.pool_path.stat().st_size == pool_bytes(node)
+    assert victim.close() == 0
+
+
+@landlock
+def test_the_shared_descriptor_cannot_change_the_pools_size_but_its_owner_can(shm_dir):
+    region = PoolRegion.create(shm_dir, 4 << 20)
+    try:
+        assert region.unguarded is None
+        with pytest.raises(PermissionError):
+            os.ftruncate(region.share_fd(), 0)
+        child = os.fork()
+        if child == 0:  # another process, given the same description
+            try:
+                os.ftruncate(region.share_fd(), 4096)
+                os._exit(1)
+            except PermissionError:
+                os._exit(0)
+        assert os.waitpid(child, 0)[1] == 0
+        assert os.fstat(region.share_fd()).st_size == 4 << 20
+        os.truncate(region.path, 4 << 20)  # the owner's own rights are whole
+    finally:
+        region.close()
+
+
+def test_without_landlock_the_pool_is_shared_as_before_and_says_why(shm_dir, monkeypatch):
+    monkeypatch.setattr(handout, "landlock_abi", lambda: 0)
+    region = PoolRegion.create(shm_dir, 4 << 20)
+    try:
+        assert region.unguarded is not None and "Landlock ABI 0" in region.unguarded
+        os.ftruncate(region.share_fd(), 4096)  # nothing stops it here
+        region.share_fd()  # handing it out again sets the size back
+        assert os.fstat(region.share_fd()).st_size == 4 << 20
+    finally:
+        region.close()
