@@ -278,3 +278,16 @@ def test_without_landlock_the_pool_is_shared_as_before_and_says_why(shm_dir, mon
         assert os.fstat(region.share_fd()).st_size == 4 << 20
     finally:
         region.close()
+
+
+def test_hpkv_doctor_says_what_admitted_uids_could_do_to_the_pool(shm_dir, monkeypatch):
+    from hpkv.config import PoolConfig
+    from hpkv.doctor import Verdict, check_pool_sharing
+
+    pool = PoolConfig(dir=shm_dir, size_bytes=64 << 20)  # /dev/shm: tmpfs
+    if handout.landlock_abi() >= 3:
+        found = check_pool_sharing(pool, (NOBODY,))
+        assert found.verdict == Verdict.WARN and "punch holes" in found.detail and "ramfs" in found.fix
+    monkeypatch.setattr(handout, "landlock_abi", lambda: 0)
+    found = check_pool_sharing(pool, (NOBODY,))
+    assert found.verdict == Verdict.WARN and "can truncate" in found.detail and "6.2" in found.fix
