@@ -12,13 +12,14 @@ import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from helpers.env import pythonpath, without_hpkv
 from helpers.keys import desc, entry_key, payload
 from helpers.server import Node
 from helpers.users import NOBODY, as_other_uid
+from helpers.waiting import wait_for
 from hpkv.pool import handout
 from hpkv.pool.region import PoolRegion
 from hpkv.server import protocol as p
@@ -28,23 +29,31 @@ as_root = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another uid ne
 
 KEY = entry_key("victim", 0)
 
-# An engine's copying thread, as a process of its own: leases KEY, says "ready", and on each line
-# read copies the entry out with the vLLM copier and the SGLang one, reporting per copy whether it
-# got the bytes saved or the error it was told (a copy past the file's end would be a SIGBUS).
+# An engine's copying thread, as a process of its own: copies an entry out of the pool with the
+# vLLM copier and the SGLang one on each line it reads, and reports per copier whether it got the
+# bytes saved or the error it was told (a copy past the file's end would be a SIGBUS). Its entry:
+# KEY, leased from the server of a pool directory (`server DIR`), or the first bytes of a pool
+# file it is passed (`fd N SIZE`).
 VICTIM = """
 import json, sys
 import torch
+from helpers.env import pythonpath, without_hpkv
 from helpers.keys import ENTRY_BYTES, desc, entry_key, payload
 from hpkv.errors import HpkvError
 from hpkv.integrations.sglang import pages
+from hpkv.pool.region import PoolRegion
 from hpkv.server.client import Client
 from hpkv.transfer.blocks import BlockCopier
 
 key = entry_key("victim", 0)
-client = Client(sys.argv[1], "victim", autostart=False)
-ns = client.register(desc())
-lease = client.lease(ns, [key])
-assert client.wait(lease) == 1
+if sys.argv[1] == "server":
+    client = Client(sys.argv[2], "victim", autostart=False)
+    ns = client.register(desc())
+    lease = client.lease(ns, [key])
+    assert client.wait(lease) == 1
+    region, offsets = lease.region, lease.offsets
+else:
+    region, offsets = PoolRegion.attach(int(sys.argv[2]), int(sys.argv[3]), "a pool"), [0]
 blocks = torch.zeros((1, ENTRY_BYTES), dtype=torch.int8)
 copier = BlockCopier([blocks], (0,))
 host = bytearray(ENTRY_BYTES)
@@ -53,8 +62,8 @@ print("ready", flush=True)
 for _ in sys.stdin:
     seen = {}
     for name, copy, out in (
-        ("vllm", lambda: copier.load(lease.region, [0], lease.offsets), lambda: blocks.numpy().tobytes()),
-        ("sglang", lambda: pages.load(lease.region, lease.offsets, page), lambda: bytes(host)),
+        ("vllm", lambda: copier.load(region, [0], offsets), lambda: blocks.numpy().tobytes()),
+        ("sglang", lambda: pages.load(region, offsets, page), lambda: bytes(host)),
     ):
         try:
             copy()
@@ -68,20 +77,23 @@ for _ in sys.stdin:
 class Victim:
     """Another user's engine holding a lease on KEY (a real process)."""
 
-    def __init__(self, node: Node) -> None:
-        tests = str(Path(__file__).parent)
-        env = {**node.env, "PYTHONPATH": f"{tests}:{node.env['PYTHONPATH']}"}
+    def __init__(self, env: dict, *args: str | int, pass_fds: tuple[int, ...] = ()) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", VICTIM, str(node.shm_dir)],
+            [sys.executable, "-c", VICTIM, *map(str, args)],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            pass_fds=pass_fds,
         )
         assert self.proc.stdout is not None and self.proc.stdin is not None
         line = self.proc.stdout.readline()
         assert line == "ready\n", line + self.proc.stderr.read() if self.proc.stderr else ""
+
+    @classmethod
+    def of_server(cls, node: Node) -> Victim:
+        return cls(node.env, "server", node.shm_dir)
 
     def copy(self) -> dict | str:
         """What one copy gave, or how the process ended."""
@@ -179,7 +191,7 @@ def test_an_admitted_uid_cannot_truncate_the_pool_under_another_users_engine(nod
     from a lease goes on getting its bytes, and a client connecting afterwards is served."""
     admit_nobody(node)
     seed(node)
-    victim = Victim(node)
+    victim = Victim.of_server(node)
 
     def truncate() -> dict:
         sock, fd = passed_pool_fd(node)
@@ -205,9 +217,9 @@ def test_an_admitted_uid_cannot_truncate_the_pool_under_another_users_engine(nod
 
 
 @as_root
-def test_a_pool_grown_by_an_admitted_uid_refuses_no_later_client(node):
+def test_a_pool_grown_by_an_admitted_uid_is_set_back_and_refuses_no_later_client(node):
     """Writing past the end grows a file whatever its descriptor may not do: no mapping sees it,
-    and the server sets the size back before it hands the pool out again."""
+    and the server sets the size back at once."""
     admit_nobody(node)
     seed(node)
     size = pool_bytes(node)
@@ -215,35 +227,55 @@ def test_a_pool_grown_by_an_admitted_uid_refuses_no_later_client(node):
     def grow() -> dict:
         sock, fd = passed_pool_fd(node)
         try:
-            os.pwrite(fd, b"x", size + (1 << 20))
-            return {"size": os.fstat(fd).st_size}
+            return {"wrote": os.pwrite(fd, b"x", size + (1 << 20))}  # allowed: no right forbids it
         finally:
             os.close(fd)
             sock.close()
 
-    assert as_other_uid(grow) == {"size": size + (1 << 20) + 1}
-    assert served(node) == "the entry"
-    assert node.pool_path.stat().st_size == size
+    assert as_other_uid(grow) == {"wrote": 1}
+    wait_for(lambda: node.pool_path.stat().st_size == size, timeout_s=10, what="the pool's size set back")
     assert "changed its size; setting it back" in node.foreground_log(node.servers[0])
+    assert served(node) == "the entry"
 
 
-def test_an_engine_whose_pool_was_cut_short_recomputes_and_lives(node):
-    """A pool file cut short while an engine holds a lease (here by its owner, as anyone holding
-    a descriptor could where the kernel has no Landlock truncate right): the engine's copies are
-    refused with an error it recomputes on, never a SIGBUS; the next client is served a whole
-    pool (the entry's bytes are gone with the cut)."""
+def test_an_engine_whose_pool_was_cut_short_recomputes_and_lives(shm_dir):
+    """The engine's side, whoever cut the pool short (anyone holding a descriptor, where the
+    kernel has no Landlock truncate right): its copies are refused with an error it recomputes
+    on, never a SIGBUS."""
+    size = 4 << 20
+    fd = os.open(shm_dir / "pool", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        os.pwrite(fd, payload(KEY), 0)
+        victim = Victim({**without_hpkv(), "PYTHONPATH": pythonpath()}, "fd", fd, size, pass_fds=(fd,))
+        assert victim.copy() == {"vllm": True, "sglang": True}
+
+        os.ftruncate(fd, 4096)
+        seen = victim.copy()
+
+        assert seen != "died of SIGBUS"
+        assert isinstance(seen, dict) and all("was cut short" in str(why) for why in seen.values()), seen
+        assert victim.close() == 0
+    finally:
+        os.close(fd)
+
+
+def test_the_server_sets_a_pool_cut_short_back_at_once(node):
+    """A pool file cut short under a connected engine (here by its owner; by anyone holding a
+    descriptor where Landlock cannot prevent it): the server sets the size back without waiting
+    for a new client, the engine lives on, and later clients are served a whole pool (the cut
+    entries' bytes are gone)."""
     node.start_server()
     seed(node)
-    victim = Victim(node)
+    victim = Victim.of_server(node)
     assert victim.copy() == {"vllm": True, "sglang": True}
 
     os.truncate(node.pool_path, 4096)
-    seen = victim.copy()
+    wait_for(lambda: node.pool_path.stat().st_size == pool_bytes(node), timeout_s=10, what="the pool's size set back")
 
-    assert seen != "died of SIGBUS"
-    assert isinstance(seen, dict) and all("was cut short" in str(why) for why in seen.values()), seen
-    assert served(node) in ("other bytes", "the entry")  # admitted, whatever the cut left there
-    assert node.pool_path.stat().st_size == pool_bytes(node)
+    assert isinstance(victim.copy(), dict)  # alive, copying what the cut left
+    assert served(node) in ("other bytes", "the entry")
+    assert "changed its size; setting it back" in node.foreground_log(node.servers[0])
     assert victim.close() == 0
 
 

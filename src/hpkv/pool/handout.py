@@ -14,8 +14,11 @@ read-write descriptor; what they must not get is the right to change its size. T
   says why (`Handout.unguarded`).
 - `restore`: writing or `fallocate` past the end still grows the file (no Landlock right covers
   that, and seals exist only on memfds): harmless to every mapping, which ends at the pool's
-  size; the owner sets the size back before handing the descriptor out again, and re-reserves
-  pages a truncation (where it was not prevented) took away.
+  size. The owner sets the size back, and reserves again pages a truncation (where it was not
+  prevented) took away: before each hand-out, and as soon as inotify reports a change
+  (IN_MODIFY comes from writes, truncation and fallocate, never from stores through a mapping,
+  so a pool in use is quiet).
+`Shared` holds both for the owner: the descriptor and the thread that watches.
 Must not know: slots, clients, the protocol.
 """
 
@@ -25,7 +28,9 @@ import ctypes
 import functools
 import logging
 import os
+import select
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +46,8 @@ SYS_LANDLOCK_RESTRICT_SELF = 446
 LANDLOCK_CREATE_RULESET_VERSION = 1
 LANDLOCK_ACCESS_FS_TRUNCATE = 1 << 14  # ABI 3
 PR_SET_NO_NEW_PRIVS = 38
+IN_MODIFY = 0x2
+IN_NONBLOCK_CLOEXEC = os.O_NONBLOCK | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -161,3 +168,72 @@ def restore(fd: int, path: Path, size_bytes: int, ready_bytes: int) -> None:
             os.posix_fallocate(fd, size, ready_bytes - size)
         except OSError as exc:  # ramfs has none (its pages come on first touch); a full mount
             log.debug("pool pages not reserved again from %d: %s", size, exc.strerror)
+
+
+class Shared:
+    """The owner's hand-out of its pool file open as `fd`: the descriptor for others (`handout`),
+    and a thread that sets the file's size back as soon as one of them changes it. The owner sets
+    `ready_bytes` (the bytes with pages reserved: `PoolRegion.ready_bytes`) once it knows them.
+    Close it before `fd`."""
+
+    def __init__(self, fd: int, path: Path, size_bytes: int) -> None:
+        share = reopen(fd, path)
+        self.fd, self.unguarded = share.fd, share.unguarded
+        if share.unguarded:
+            log.info("clients of this pool could change its size: %s", share.unguarded)
+        self.ready_bytes: Callable[[], int] = lambda: 0
+        self._owner, self._path, self._size = fd, path, size_bytes
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
+        self._inotify = _watch(fd)
+        self._thread: threading.Thread | None = None
+        if self._inotify >= 0:
+            self._thread = threading.Thread(target=self._run, name="hpkv-pool-size", daemon=True)
+            self._thread.start()
+
+    def handout(self) -> int:
+        """The descriptor to send or pass (it stays this object's), the file at its size."""
+        self.restore()
+        return self.fd
+
+    def restore(self) -> None:
+        restore(self._owner, self._path, self._size, self.ready_bytes())
+
+    def close(self) -> None:
+        if self._thread is not None:
+            os.write(self._wake_w, b"x")
+            if self._thread is not threading.current_thread():
+                self._thread.join()
+        for fd in (self._inotify, self._wake_r, self._wake_w, self.fd):
+            if fd >= 0:
+                os.close(fd)
+        self._inotify = self.fd = -1
+
+    def _run(self) -> None:
+        while True:
+            ready, _, _ = select.select([self._inotify, self._wake_r], [], [])
+            if self._wake_r in ready:
+                return
+            try:
+                while os.read(self._inotify, 4096):  # drain: one look covers them all
+                    pass
+            except BlockingIOError:
+                pass
+            try:
+                self.restore()
+            except OSError as exc:  # never end the watch: the next hand-out tries again
+                log.error("cannot set the pool file %s back to its size: %s", self._path, exc.strerror)
+
+
+def _watch(fd: int) -> int:
+    """An inotify descriptor reporting IN_MODIFY of the file open as `fd`; -1 where there is none
+    (the per-user limit of inotify instances reached, say: hand-outs still restore the size)."""
+    libc = _libc()
+    inotify = libc.inotify_init1(IN_NONBLOCK_CLOEXEC)
+    if inotify < 0:
+        log.debug("no inotify for the pool file: %s", os.strerror(ctypes.get_errno()))
+        return -1
+    if libc.inotify_add_watch(inotify, f"/proc/self/fd/{fd}".encode(), IN_MODIFY) < 0:
+        log.debug("no inotify watch of the pool file: %s", os.strerror(ctypes.get_errno()))
+        os.close(inotify)
+        return -1
+    return inotify

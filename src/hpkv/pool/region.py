@@ -13,9 +13,9 @@ out. Why each choice:
 - Handed over as a descriptor (`share_fd()`), never re-opened by name, which someone able to
   write the directory could swap. `share_fd` is a second open file description (through
   /proc/self/fd), so mappings made from it do not share the owner's `flock`: a client that
-  outlives a killed server must not make its pool look live. Where the kernel allows, nobody
-  can truncate the file through it (`pool.handout`: a pool cut short kills its mappers with
-  SIGBUS); a file cut short all the same is found before a copy (`check_whole`).
+  outlives a killed server must not make its pool look live. Where the kernel allows, nobody can
+  truncate the file through it, and a size changed is set back (`pool.handout`); a file cut
+  short all the same is found before a copy (`check_whole`).
 - Every open in the pool directory is O_NOFOLLOW|O_NONBLOCK and fstat-checked (`safefs`), and the
   directory itself must be trustworthy (`pool.directory`).
 Must not know: slots, entries, the protocol.
@@ -24,12 +24,14 @@ Must not know: slots, entries, the protocol.
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import mmap
 import os
 import stat
 import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 from .. import safefs
@@ -65,8 +67,8 @@ class PoolRegion:
         self.backing: Backing | None = None  # the owner's: reserves and locks pages in the background
         self._closed = False
         self._fd = fd
-        self._share_fd = -1
-        self.unguarded: str | None = None  # the owner's: why clients could truncate the pool (None: they cannot)
+        self._shared: handout.Shared | None = None  # the owner's: what it hands out
+        self._unshare: Callable[[], object] = lambda: None  # closes it (`create`)
         self._map = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         try:
             # Huge pages halve the cost of TLB misses in large copies, and make reserving and
@@ -100,15 +102,13 @@ class PoolRegion:
             # Only now: a stale pool left by a crashed owner has been removed and frees its space.
             _check_space(directory, size_bytes)
             size_file(fd, path, size_bytes)
-            share = handout.reopen(fd, path)
+            shared = handout.Shared(fd, path, size_bytes)
             try:
                 region = cls(path, fd, size_bytes, owner=True)
             except BaseException:
-                os.close(share.fd)
+                shared.close()
                 raise
-            region._share_fd, region.unguarded = share.fd, share.unguarded
-            if share.unguarded:
-                log.info("clients of this pool could change its size: %s", share.unguarded)
+            region._shared, region._unshare = shared, weakref.finalize(region, shared.close)
         except BaseException:
             if _names(path, fd):
                 os.unlink(path)
@@ -116,6 +116,7 @@ class PoolRegion:
             raise
         region.backing = Backing(fd, region._map, size_bytes, path, mount_of(directory).fs_type)
         region.backing.start()
+        shared.ready_bytes = functools.partial(getattr, region.backing, "ready_bytes")
         return region
 
     @property
@@ -146,10 +147,14 @@ class PoolRegion:
         """The owner's descriptor to hand to other processes (SCM_RIGHTS, `pass_fds`); it stays
         the region's: send or pass it, never close it. The file has the pool's size when it is
         handed out: set back if a holder changed it."""
-        if self._share_fd < 0:
+        if self._shared is None or self._closed:
             raise PoolError("only the pool's owner, before it closes, can share the pool file")
-        handout.restore(self._fd, self.path, self.size_bytes, self.ready_bytes)
-        return self._share_fd
+        return self._shared.handout()
+
+    @property
+    def unguarded(self) -> str | None:
+        """Why clients could change the owner's pool file's size; None: they cannot."""
+        return self._shared.unguarded if self._shared is not None else None
 
     def check_whole(self) -> None:
         """PoolError unless the pool file still reaches the end of this mapping: a copy past a
@@ -168,11 +173,10 @@ class PoolRegion:
     @classmethod
     def attach(cls, fd: int, size_bytes: int, path: Path | str) -> PoolRegion:
         """Map the pool file open as `fd` (received from its owner), which must be a regular file
-        of `size_bytes` (what the owner announced); `path` names it in messages. Takes `fd`:
-        it is closed whatever happens."""
+        of at least `size_bytes` (what the owner announced; a holder may have written past its
+        end); `path` names it in messages. Takes `fd`: it is closed whatever happens."""
         try:
             st = os.fstat(fd)
-            # Larger will do (a holder wrote past its end): the mapping ends at the pool's size.
             if not stat.S_ISREG(st.st_mode) or st.st_size < size_bytes:
                 what = f"{safefs.kind(st.st_mode)}" if not stat.S_ISREG(st.st_mode) else f"a file of {st.st_size} bytes"
                 raise PoolError(
@@ -223,6 +227,7 @@ class PoolRegion:
         self._closed = True
         if self.backing is not None:
             self.backing.stop()  # before the map and descriptor it works on go
+            self._unshare()  # its watch too
         self.buf.release()
         try:
             self._map.close()
@@ -236,9 +241,6 @@ class PoolRegion:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
-        if self._share_fd >= 0:
-            os.close(self._share_fd)
-            self._share_fd = -1
         os.close(self._fd)
         self._fd = -1
 
