@@ -156,8 +156,8 @@ def restore(fd: int, path: Path, size_bytes: int, ready_bytes: int) -> None:
     if size == size_bytes:
         return
     log.warning(
-        "the pool file %s is %s, not %s: a process holding its descriptor (a client of this server) "
-        "changed its size; setting it back",
+        "the pool file %s is %s, not %s: a process that can write it (a client holding its descriptor, "
+        "say) changed its size; setting it back",
         path,
         human_bytes(size),
         human_bytes(size_bytes),
@@ -199,6 +199,8 @@ class Shared:
         restore(self._owner, self._path, self._size, self.ready_bytes())
 
     def close(self) -> None:
+        if self.fd < 0:
+            return
         if self._thread is not None:
             os.write(self._wake_w, b"x")
             if self._thread is not threading.current_thread():
@@ -206,11 +208,14 @@ class Shared:
         for fd in (self._inotify, self._wake_r, self._wake_w, self.fd):
             if fd >= 0:
                 os.close(fd)
-        self._inotify = self.fd = -1
+        self._inotify = self._wake_r = self._wake_w = self.fd = -1
 
     def _run(self) -> None:
         while True:
-            ready, _, _ = select.select([self._inotify, self._wake_r], [], [])
+            try:
+                ready, _, _ = select.select([self._inotify, self._wake_r], [], [])
+            except (OSError, ValueError):  # closed under it (by the collector, on this thread)
+                return
             if self._wake_r in ready:
                 return
             try:
@@ -218,6 +223,8 @@ class Shared:
                     pass
             except BlockingIOError:
                 pass
+            except OSError:  # closed under it
+                return
             try:
                 self.restore()
             except OSError as exc:  # never end the watch: the next hand-out tries again
