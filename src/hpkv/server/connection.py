@@ -70,7 +70,9 @@ def admit(conn: socket.socket, client: ClientInfo, store: TieredStore, settings:
     region = store.region
     if region.unguarded and client.uid != os.geteuid() and client.uid not in _warned_uids:
         _warned_uids.add(client.uid)
-        log.warning("uid %d can cut the pool short, crashing other uids' engines: %s", client.uid, region.unguarded)
+        log.warning(
+            "uid %d can truncate the pool it is handed (an engine copying then dies): %s", client.uid, region.unguarded
+        )
     try:
         pool_fd = region.share_fd()
     except PoolError:  # the pool is closing: the server is stopping
