@@ -323,3 +323,15 @@ def test_hpkv_doctor_says_what_admitted_uids_could_do_to_the_pool(shm_dir, monke
     monkeypatch.setattr(handout, "landlock_abi", lambda: 0)
     found = check_pool_sharing(pool, (NOBODY,))
     assert found.verdict == Verdict.WARN and "can truncate" in found.detail and "6.2" in found.fix
+
+
+def test_without_inotify_the_size_is_set_back_when_the_pool_is_next_handed_out(shm_dir, monkeypatch):
+    monkeypatch.setattr(handout, "_watch", lambda fd: -1)  # the per-user limit of inotify instances met, say
+    region = PoolRegion.create(shm_dir, 4 << 20)
+    try:
+        os.truncate(region.path, 4096)
+        assert os.stat(region.path).st_size == 4096  # nothing watches
+        region.share_fd()
+        assert os.stat(region.path).st_size == 4 << 20
+    finally:
+        region.close()

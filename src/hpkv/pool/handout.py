@@ -183,7 +183,11 @@ class Shared:
             log.info("clients of this pool could change its size: %s", share.unguarded)
         self.ready_bytes: Callable[[], int] = lambda: 0
         self._owner, self._path, self._size = fd, path, size_bytes
-        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
+        except OSError:
+            os.close(self.fd)
+            raise
         self._inotify = _watch(fd)
         self._thread: threading.Thread | None = None
         if self._inotify >= 0:
