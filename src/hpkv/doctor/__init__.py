@@ -22,6 +22,7 @@ from .pool import (
     check_pool_fs,
     check_pool_pages,
     check_pool_permissions,
+    check_pool_sharing,
     check_pool_space,
     check_socket_path,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "check_pool_fs",
     "check_pool_pages",
     "check_pool_permissions",
+    "check_pool_sharing",
     "check_pool_space",
     "check_server",
     "check_socket_path",
@@ -93,6 +95,8 @@ def run_checks(env: Mapping[str, str] | None = None) -> list[Check]:
         check_pool_space(settings.pool),
         check_memlock(settings.pool, server),
     ]
+    if settings.server_allow_uids:
+        checks.append(check_pool_sharing(settings.pool, settings.server_allow_uids))
     checks += check_storage(settings.storage, server, settings.pool)
     checks += [check_server(server), check_hash_seed(env)]
     if server.stats is not None:

@@ -1,8 +1,9 @@
 """`hpkv doctor`'s checks of the pool directory: its file system, page size, permissions, socket
 path, free space, and whether the pool can be locked in memory.
 
-Primitives: `check_pool_fs`, `check_pool_pages`, `check_pool_permissions`, `check_socket_path`,
-`check_pool_space`, `check_memlock`, and `pool_file_bytes` (what a pool file there holds).
+Primitives: `check_pool_fs`, `check_pool_pages`, `check_pool_permissions`, `check_pool_sharing`,
+`check_socket_path`, `check_pool_space`, `check_memlock`, and `pool_file_bytes` (what a pool file
+there holds).
 Must not know: the storage directory.
 """
 
@@ -25,6 +26,7 @@ from ..fsinfo import (
     mount_of,
 )
 from ..pool import directory as pool_directory
+from ..pool import handout
 from ..pool.region import POOL_FILE_NAME
 from ..server import protocol as p
 from ..status import human_bytes
@@ -162,6 +164,37 @@ def check_pool_permissions(pool: PoolConfig, trusted_uids: tuple[int, ...] = ())
             else f"use a directory of your own, e.g. HPKV_SHARE_MEM_FILE_PATH=/dev/shm/hpkv-{uid}",
         )
     return Check(name, Verdict.OK, f"{directory} has mode {mode:04o}, owner uid {st.st_uid}, writable")
+
+
+def check_pool_sharing(pool: PoolConfig, trusted_uids: tuple[int, ...]) -> Check:
+    """Whether the uids of HPKV_SERVER_ALLOW_UIDS, handed the pool's descriptor, could make
+    another user's engine die of SIGBUS (docs/operations.md, "The pool's size")."""
+    name = "pool directory: other uids"
+    uids = ",".join(map(str, trusted_uids))
+    abi = handout.landlock_abi()
+    if abi < 3:
+        return Check(
+            name,
+            Verdict.WARN,
+            f"HPKV_SERVER_ALLOW_UIDS={uids} are handed a pool descriptor they can truncate: this kernel has no "
+            f"Landlock truncate right (ABI {abi}), so one of them can kill another's engine mid-copy (SIGBUS)",
+            "run the node on Linux 6.2 or later with landlock in the kernel's lsm= list, or admit only uids "
+            "that trust each other",
+        )
+    fs_type = mount_of(pool.dir).fs_type
+    if fs_type != "ramfs":
+        return Check(
+            name,
+            Verdict.WARN,
+            f"HPKV_SERVER_ALLOW_UIDS={uids} cannot truncate the pool (Landlock ABI {abi}), but on {fs_type} they "
+            "can punch holes in it, and a hole touched while the mount is full kills that engine (SIGBUS)",
+            f"put the pool on ramfs (as root: mount -t ramfs nodev {pool.dir}; chown it to the server's user)",
+        )
+    return Check(
+        name,
+        Verdict.OK,
+        f"HPKV_SERVER_ALLOW_UIDS={uids} cannot change the pool's size (Landlock ABI {abi}) nor punch holes (ramfs)",
+    )
 
 
 def check_socket_path(pool: PoolConfig) -> Check:

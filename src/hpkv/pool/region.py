@@ -13,7 +13,9 @@ out. Why each choice:
 - Handed over as a descriptor (`share_fd()`), never re-opened by name, which someone able to
   write the directory could swap. `share_fd` is a second open file description (through
   /proc/self/fd), so mappings made from it do not share the owner's `flock`: a client that
-  outlives a killed server must not make its pool look live.
+  outlives a killed server must not make its pool look live. Where the kernel allows, nobody can
+  truncate the file through it, and a size changed is set back (`pool.handout`); a file cut
+  short all the same is found before a copy (`check_whole`).
 - Every open in the pool directory is O_NOFOLLOW|O_NONBLOCK and fstat-checked (`safefs`), and the
   directory itself must be trustworthy (`pool.directory`).
 Must not know: slots, entries, the protocol.
@@ -22,12 +24,14 @@ Must not know: slots, entries, the protocol.
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import mmap
 import os
 import stat
 import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 from .. import safefs
@@ -43,6 +47,7 @@ from ..fsinfo import (
 )
 from ..units import human_bytes
 from . import directory as pool_directory
+from . import handout
 from .backing import Backing, populate, populate_range, size_file
 
 log = logging.getLogger(__name__)
@@ -62,7 +67,8 @@ class PoolRegion:
         self.backing: Backing | None = None  # the owner's: reserves and locks pages in the background
         self._closed = False
         self._fd = fd
-        self._share_fd = -1
+        self._shared: handout.Shared | None = None  # the owner's: what it hands out
+        self._unshare: Callable[[], object] = lambda: None  # closes it (`create`)
         self._map = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         try:
             # Huge pages halve the cost of TLB misses in large copies, and make reserving and
@@ -96,13 +102,13 @@ class PoolRegion:
             # Only now: a stale pool left by a crashed owner has been removed and frees its space.
             _check_space(directory, size_bytes)
             size_file(fd, path, size_bytes)
-            share_fd = _reopen(fd, path)
+            shared = handout.Shared(fd, path, size_bytes)
             try:
                 region = cls(path, fd, size_bytes, owner=True)
             except BaseException:
-                os.close(share_fd)
+                shared.close()
                 raise
-            region._share_fd = share_fd
+            region._shared, region._unshare = shared, weakref.finalize(region, shared.close)
         except BaseException:
             if _names(path, fd):
                 os.unlink(path)
@@ -110,6 +116,7 @@ class PoolRegion:
             raise
         region.backing = Backing(fd, region._map, size_bytes, path, mount_of(directory).fs_type)
         region.backing.start()
+        shared.ready_bytes = functools.partial(getattr, region.backing, "ready_bytes")
         return region
 
     @property
@@ -138,19 +145,39 @@ class PoolRegion:
 
     def share_fd(self) -> int:
         """The owner's descriptor to hand to other processes (SCM_RIGHTS, `pass_fds`); it stays
-        the region's: send or pass it, never close it."""
-        if self._share_fd < 0:
+        the region's: send or pass it, never close it. The file has the pool's size when it is
+        handed out: set back if a holder changed it."""
+        if self._shared is None or self._closed:
             raise PoolError("only the pool's owner, before it closes, can share the pool file")
-        return self._share_fd
+        return self._shared.handout()
+
+    @property
+    def unguarded(self) -> str | None:
+        """Why clients could change the owner's pool file's size; None: they cannot."""
+        return self._shared.unguarded if self._shared is not None else None
+
+    def check_whole(self) -> None:
+        """PoolError unless the pool file still reaches the end of this mapping: a copy past a
+        file's end is a SIGBUS, which kills the process. One `fstat`; narrows the window to the
+        copy itself where truncation is not prevented (`pool.handout`)."""
+        try:
+            size = self._map.size()  # fstat of the map's own descriptor
+        except (OSError, ValueError):  # closed: the copy says so itself
+            return
+        if size < self.size_bytes:
+            raise PoolError(
+                f"the HPKV pool file {self.path} was cut short ({human_bytes(size)} of "
+                f"{human_bytes(self.size_bytes)}); the copy is skipped and its blocks are recomputed"
+            )
 
     @classmethod
     def attach(cls, fd: int, size_bytes: int, path: Path | str) -> PoolRegion:
         """Map the pool file open as `fd` (received from its owner), which must be a regular file
-        of `size_bytes` (what the owner announced); `path` names it in messages. Takes `fd`:
-        it is closed whatever happens."""
+        of at least `size_bytes` (what the owner announced; a holder may have written past its
+        end); `path` names it in messages. Takes `fd`: it is closed whatever happens."""
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != size_bytes:
+            if not stat.S_ISREG(st.st_mode) or st.st_size < size_bytes:
                 what = f"{safefs.kind(st.st_mode)}" if not stat.S_ISREG(st.st_mode) else f"a file of {st.st_size} bytes"
                 raise PoolError(
                     f"the descriptor passed for the HPKV pool file {path} is {what}, not the "
@@ -200,6 +227,7 @@ class PoolRegion:
         self._closed = True
         if self.backing is not None:
             self.backing.stop()  # before the map and descriptor it works on go
+            self._unshare()  # its watch too
         self.buf.release()
         try:
             self._map.close()
@@ -213,9 +241,6 @@ class PoolRegion:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
-        if self._share_fd >= 0:
-            os.close(self._share_fd)
-            self._share_fd = -1
         os.close(self._fd)
         self._fd = -1
 
@@ -373,20 +398,3 @@ def _names(path: Path, fd: int) -> bool:
         return False
     own = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
-
-
-def _reopen(fd: int, path: Path) -> int:
-    """A second open file description of the file open as `fd`, read-write, without its flock:
-    through /proc/self/fd (the file itself, not its name)."""
-    try:
-        share = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-    except OSError as exc:
-        raise PoolError(
-            f"cannot reopen the pool file {path} through /proc/self/fd to share it: {exc.strerror}; "
-            "the HPKV server needs /proc mounted"
-        ) from None
-    a, b = os.fstat(share), os.fstat(fd)
-    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):  # not /proc's magic link (a strange /proc)
-        os.close(share)
-        raise PoolError(f"/proc/self/fd/{fd} is not the pool file {path}; the HPKV server needs a real /proc")
-    return share

@@ -24,6 +24,7 @@ from . import protocol as p
 from .handlers import ClientInfo, Handlers
 
 log = logging.getLogger("hpkv.server")
+_warned_uids: set[int] = set()  # admitted other uids told of a pool they could truncate
 
 
 def admit(conn: socket.socket, client: ClientInfo, store: TieredStore, settings: Settings) -> bool:
@@ -67,6 +68,11 @@ def admit(conn: socket.socket, client: ClientInfo, store: TieredStore, settings:
         return False
     client.kind = hello.kind[:32]
     region = store.region
+    if region.unguarded and client.uid != os.geteuid() and client.uid not in _warned_uids:
+        _warned_uids.add(client.uid)
+        log.warning(
+            "uid %d can truncate the pool it is handed (an engine copying then dies): %s", client.uid, region.unguarded
+        )
     try:
         pool_fd = region.share_fd()
     except PoolError:  # the pool is closing: the server is stopping

@@ -203,6 +203,7 @@ class BlockCopier:
         self._move(region, block_ids, offsets, to_pool=False)
 
     def _move(self, region: PoolRegion, block_ids: list[int], offsets: list[int], to_pool: bool) -> None:
+        region.check_whole()  # a pool cut short: PoolError (the blocks are recomputed), not a SIGBUS
         pool, pieces = self.pools.get_pieces(region)
         if self.device.type == "cpu" and pieces is None:
             self._move_cpu(pool, _runs(block_ids, offsets), to_pool)

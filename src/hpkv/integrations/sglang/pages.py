@@ -63,7 +63,9 @@ def load(region: PoolRegion, offsets: list[int], pages: PageBuffers) -> None:
 @contextmanager
 def _address(region: PoolRegion):
     """The mapped pool's address, exported only while copying: a map a client keeps exported
-    could never be unmapped, and an unlinked pool file's memory is freed only on unmap."""
+    could never be unmapped, and an unlinked pool file's memory is freed only on unmap. PoolError
+    where the pool file was cut short: a copy past its end would be a SIGBUS."""
+    region.check_whole()
     anchor = ctypes.c_char.from_buffer(region.buf)
     try:
         yield ctypes.addressof(anchor)
