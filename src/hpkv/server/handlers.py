@@ -22,11 +22,13 @@ from ..config import Settings
 from ..errors import HpkvError
 from ..keys import MAX_KEY_BYTES, NS_DIGEST_BYTES, NamespaceDesc
 from ..store import TieredStore
+from ..store.owners import NamespaceLimits
 from . import protocol as p
 
 log = logging.getLogger("hpkv.server")
 
 MAX_HOLD_CHARS = 128
+MAX_DESC_BYTES = 1 << 20  # HPKV_SERVER_MAX_NAMESPACE_BYTES at most: a stats page holds at least one description
 
 
 class UnknownNamespace(HpkvError):
@@ -55,6 +57,13 @@ class Handlers:
         self.store = store
         self.settings = settings
         self._stats = stats
+        store.limit_namespaces(  # here, beside the Register they bound
+            NamespaceLimits(
+                min(settings.server_max_namespace_bytes, MAX_DESC_BYTES),
+                settings.server_max_namespaces_per_uid,
+                settings.server_max_namespaces,
+            )
+        )
 
     def handle(self, request: p.Request, client: ClientInfo) -> p.Reply:
         handler = getattr(self, "_on_" + type(request).__name__, None)
@@ -71,11 +80,12 @@ class Handlers:
             return p.Error("internal", f"internal server error: {exc!r}")
 
     def _on_Register(self, r: p.Register, client: ClientInfo) -> p.Reply:
+        self.store.lookups.owners.check_size(len(r.desc_json))  # before parsing: its characters are at most its bytes
         try:
             desc = NamespaceDesc.from_json(r.desc_json)
         except (ValueError, TypeError, AttributeError) as exc:  # JSON of the wrong shape is the peer's fault
             return p.Error("bad_request", f"not a namespace description ({exc}): {r.desc_json[:200]!r}")
-        return p.Registered(self.store.register(desc), desc.entry_bytes)
+        return p.Registered(self.store.register(desc, owner=client.id, uid=client.uid), desc.entry_bytes)
 
     def _on_Lookup(self, r: p.Lookup, client: ClientInfo) -> p.Reply:
         self._check_ns(r.ns)
