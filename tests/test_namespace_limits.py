@@ -7,10 +7,11 @@ Against a real `hpkv server` process."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
-from helpers.cli import DESC, ServerProcess, hpkv_env, wait_for_storage, write_entries
+from helpers.cli import DESC, ServerProcess, hpkv, hpkv_env, wait_for_storage, write_entries
 from hpkv.server.client import ServerError
 from hpkv.types import Tier
 
@@ -20,16 +21,14 @@ TOTAL = 24
 
 @pytest.fixture
 def server(pool_dir, tmp_path, request):
-    """A server with the limits PER_UID and TOTAL, or (per uid, total) as the test's param."""
-    per_uid, total = getattr(request, "param", (PER_UID, TOTAL))
-    env = hpkv_env(
-        pool_dir,
-        tmp_path / "storage",
-        tmp_path,
-        HPKV_SERVER_MAX_NAMESPACES_PER_UID=str(per_uid),
-        HPKV_SERVER_MAX_NAMESPACES=str(total),
-        HPKV_SERVER_MAX_NAMESPACE_BYTES="4k",
-    )
+    """A server with the limits PER_UID, TOTAL and 4 KiB descriptions, or those the test's param
+    (a dict of settings) changes."""
+    limits = {
+        "HPKV_SERVER_MAX_NAMESPACES_PER_UID": str(PER_UID),
+        "HPKV_SERVER_MAX_NAMESPACES": str(TOTAL),
+        "HPKV_SERVER_MAX_NAMESPACE_BYTES": "4k",
+    }
+    env = hpkv_env(pool_dir, tmp_path / "storage", tmp_path, **(limits | getattr(request, "param", {})))
     process = ServerProcess(env, tmp_path / "server.log")
     yield process
     process.stop()
@@ -55,7 +54,7 @@ def test_a_client_that_registers_namespaces_until_refused_keeps_no_new_model_out
         assert len(engine.stats().namespaces) == 1  # the greedy client's went with it
 
 
-@pytest.mark.parametrize("server", [(100, TOTAL)], indirect=True)
+@pytest.mark.parametrize("server", [{"HPKV_SERVER_MAX_NAMESPACES_PER_UID": "100"}], indirect=True)
 def test_at_the_server_limit_namespaces_no_client_holds_make_room_and_their_files_stay(server):
     num_gone = 16
     with server.client() as gone:
@@ -83,3 +82,32 @@ def test_a_description_larger_than_the_limit_is_refused_with_the_key_to_raise_it
         with pytest.raises(ServerError, match=r"HPKV_SERVER_MAX_NAMESPACE_BYTES=4096"):
             client.register(large)
         client.register(model("m"))
+
+
+@pytest.mark.parametrize(
+    "server", [{"HPKV_SERVER_MAX_NAMESPACE_BYTES": "1m", "HPKV_SERVER_MAX_NAMESPACES_PER_UID": "100"}], indirect=True
+)
+def test_stats_status_and_clear_answer_with_namespaces_whose_descriptions_exceed_a_frame_together(server):
+    """20 namespaces of 1 MiB descriptions each (issue 31, row 9): a Stats reply with all of them
+    would be 20 MiB, past the 16 MiB frame; it comes in pages, and `hpkv status`, its `--json`
+    and `hpkv clear --model` answer."""
+    num = 20
+    with server.client() as client:
+        descs = [
+            dataclasses.replace(model(f"big-{i}"), extra=(("quantization_config", "x" * ((1 << 20) - 400)),))
+            for i in range(num)
+        ]
+        written = [write_entries(client, 1, desc) for desc in descs]
+        stats = client.stats()
+        assert 0 < len(stats.namespaces) < num and stats.namespace_summary.total == num
+        assert set(client.all_stats().namespaces) == {ns for ns, _ in written}
+
+        status = hpkv(server.env, "status")
+        assert status.returncode == 0, status.stderr
+        assert f"{num} namespaces ({num} registered by clients connected now)" in " ".join(status.stdout.split())
+        as_json = hpkv(server.env, "status", "--json")
+        assert as_json.returncode == 0, as_json.stderr
+        assert len(json.loads(as_json.stdout)["namespaces"]) == num
+        cleared = hpkv(server.env, "clear", "--model", "big-7")
+        assert cleared.returncode == 0, cleared.stderr
+        assert client.lookup(*written[7]).num_hit == 0 and client.lookup(*written[8]).num_hit == 1

@@ -21,6 +21,7 @@ import msgspec
 from ..config import Settings
 from ..errors import HpkvError
 from ..keys import MAX_KEY_BYTES, NS_DIGEST_BYTES, NamespaceDesc
+from ..stats import NamespaceStats, ServerStats
 from ..store import TieredStore
 from ..store.owners import NamespaceLimits
 from . import protocol as p
@@ -53,7 +54,7 @@ class ClientInfo:
 class Handlers:
     """The request handlers of one server; `stats()` is the snapshot `Stats` is answered with."""
 
-    def __init__(self, store: TieredStore, settings: Settings, stats: Callable[[], object]) -> None:
+    def __init__(self, store: TieredStore, settings: Settings, stats: Callable[[], ServerStats]) -> None:
         self.store = store
         self.settings = settings
         self._stats = stats
@@ -160,11 +161,33 @@ class Handlers:
         return p.Cleared(removed["memory"], removed["storage"])
 
     def _on_Stats(self, r: p.Stats, client: ClientInfo) -> p.Reply:
-        return p.StatsReply(msgspec.to_builtins(self._stats()))
+        stats = self._stats()
+        stats.namespaces, stats.namespace_summary.next_after = namespace_page(stats.namespaces, r)
+        return p.StatsReply(msgspec.to_builtins(stats))
 
     def _check_ns(self, ns: str) -> None:
         if ns not in self.store.namespaces():
             raise UnknownNamespace(ns)
+
+
+def namespace_page(namespaces: dict[str, NamespaceStats], r: p.Stats) -> tuple[dict[str, NamespaceStats], str | None]:
+    """The page `r` asks for, and the id the next one starts after (None: no more, or `busiest`).
+    Bounded by `r.max_namespaces` and STATS_PAGE_BYTES of descriptions, so that a reply fits a frame."""
+    if r.busiest:
+        order = sorted(namespaces, key=lambda ns: (-namespaces[ns].lookup_keys, ns))
+    else:
+        order = sorted(ns for ns in namespaces if ns > r.after)
+    page: dict[str, NamespaceStats] = {}
+    size = 0
+    for ns in order:
+        desc_bytes = len(namespaces[ns].desc.encode())
+        if len(page) >= r.max_namespaces or (page and size + desc_bytes > p.STATS_PAGE_BYTES):
+            break
+        page[ns] = namespaces[ns]
+        size += desc_bytes
+    if r.busiest or len(page) == len(order):
+        return page, None
+    return page, max(page) if page else r.after
 
 
 def _is_ns_id(text: str) -> bool:

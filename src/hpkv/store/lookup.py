@@ -7,7 +7,8 @@ when the store is at its limit; the walk of a
 prefix through the DRAM index and the storage index (DRAM before storage, stopping at the first
 miss); the `stat` that looks for a file no index holds (another node's, or one the start-up scan
 has not reached), always made without the store's lock.
-Primitives: `register`, `drop_owner`, `known`, `descs`, `lookup`, `probe(ns)`, `found_elsewhere`, `stats`.
+Primitives: `register`, `drop_owner`, `known`, `descs`, `lookup`, `probe(ns)`, `found_elsewhere`,
+`stats`, `summary`.
 Must not know: leases, reservations, write-throughs.
 """
 
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 from ..keys import NamespaceDesc
 from ..pool.tier import DramTier
-from ..stats import NamespaceStats, StoreCounters
+from ..stats import NamespaceStats, NamespaceSummary, StoreCounters
 from ..storage.tier import StorageTier
 from ..types import Lookup, Tier
 from .counters import NamespaceHits
@@ -140,6 +141,18 @@ class Lookups:
         if self._dram.get(ns, key) is not None or self._storage.indexed(ns, key):
             return False  # the walk stopped for another reason (an entry still being written, say)
         return self._storage.contains(ns, key)
+
+    def summary(self) -> NamespaceSummary:
+        """Caller holds the lock."""
+        limits = self.owners.limits
+        return NamespaceSummary(
+            total=len(self._descs),
+            held=sum(self.owners.held(ns) for ns in self._descs),
+            refused=self.owners.refused,
+            max_desc_bytes=limits.max_desc_bytes,
+            max_per_uid=limits.max_per_uid,
+            max_total=limits.max_total,
+        )
 
     def stats(self) -> dict[str, NamespaceStats]:
         """Per namespace: its description and hit counters. Caller holds the lock."""

@@ -215,6 +215,7 @@ class TieredStore:
                 store=msgspec.structs.replace(self.counters),  # a copy
                 dram=self.dram.stats(self.region.backing_stats()),
                 namespaces=self.lookups.stats(),
+                namespace_summary=self.lookups.summary(),
                 leases=len(self.leases),
                 reservations=self.held.num_reservations,
                 limits=self.held.stats(),
