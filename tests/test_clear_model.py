@@ -86,3 +86,38 @@ def test_clear_model_of_an_unknown_model_says_nothing_matched(server, env, tmp_p
 def test_clear_model_and_namespace_together_is_a_usage_error(env):
     result = hpkv(env, "clear", "--model", "x", "--namespace", "ab")
     assert result.returncode == 2 and "not both" in result.stderr
+
+
+def test_clear_model_matches_the_identity_exactly_and_only_descriptions_that_hash_to_their_directory(
+    server, env, tmp_path
+):
+    """`--model llama` is `HPKV_MODEL_ID=llama` and its load-time variants, not the model served
+    as `llama+v2-finetune`; and a `namespace.json` another model's directory holds, relabelled
+    to say `llama`, names nothing (it does not hash to its directory's name)."""
+    storage = tmp_path / "storage"
+    descs = {
+        "llama": dataclasses.replace(DESC, model="HPKV_MODEL_ID:llama"),
+        "llama-fp8": dataclasses.replace(DESC, model="HPKV_MODEL_ID:llama+quantization=fp8"),
+        "finetune": dataclasses.replace(DESC, model="HPKV_MODEL_ID:llama+v2-finetune"),
+        "relabelled": dataclasses.replace(DESC, model="HPKV_MODEL_ID:mistral"),
+    }
+    with server.client() as client:
+        written = {name: write_entries(client, 2, desc) for name, desc in descs.items()}
+        wait_for_storage(client, 8)
+        result = hpkv(env, "clear", "--model", "llama")
+        assert result.returncode == 0, result.stderr
+        for name in ("llama", "llama-fp8"):
+            assert client.lookup(*written[name]).num_hit == 0
+        for name in ("finetune", "relabelled"):
+            assert client.lookup(*written[name]).num_hit == 2, name
+    assert server.stop() == 0
+    relabelled_ns = written["relabelled"][0]
+    label = storage / relabelled_ns / "namespace.json"
+    label.write_text(dataclasses.replace(DESC, model="HPKV_MODEL_ID:llama").to_json() + "\n")
+
+    result = hpkv(env, "clear", "--model", "llama")  # no server: the descriptions in storage
+
+    assert result.returncode == 0, result.stderr
+    for name in ("finetune", "relabelled"):
+        assert written[name][0] not in result.stdout
+        assert len(kv_files(storage, written[name][0])) == 2, name

@@ -13,6 +13,7 @@ import pytest
 from helpers import storage_stories as stories
 from helpers.clock import FakeClock
 from helpers.storage_stories import NS, OTHER_NS, age, file_bytes, key, write
+from hpkv.errors import StorageError
 from hpkv.storage.index import MAX_FILE_BYTES, FileIndex, UnreadableMarks, size_of, used_minute_s
 
 open_tier = stories.open_tier
@@ -39,7 +40,7 @@ def test_files_found_by_a_scan_or_a_lookup_share_their_index_values(open_tier):
     values = [value for _, value in again.index.items()]
     assert len(values) == 9 and len({id(v) for v in values}) <= 3  # the scan's minute, the lookups'
     write(again, key(9))
-    assert not os.path.exists(again.path_of(NS, key(5)))  # the oldest mtime scanned: the first evicted
+    assert not os.path.exists(again.layout.path_of(NS, key(5)))  # the oldest mtime scanned: the first evicted
 
 
 def test_a_file_of_a_terabyte_or_more_is_never_indexed(open_tier):
@@ -47,7 +48,7 @@ def test_a_file_of_a_terabyte_or_more_is_never_indexed(open_tier):
     neither adopted by a lookup nor found by a scan, and counts for nothing."""
     tier = open_tier()
     assert tier.scan_done.wait(10)  # else its scan may index the file while it is still empty
-    huge = Path(tier.path_of(NS, key(1)))
+    huge = Path(tier.layout.path_of(NS, key(1)))
     huge.parent.mkdir(parents=True, exist_ok=True)
     try:
         with open(huge, "wb") as f:
@@ -158,3 +159,44 @@ def test_files_scanned_do_not_come_back_once_forgotten_or_their_namespace_remove
     index.scan_merged()
 
     assert [ik for ik, _ in index.items()] == [kept] and index.used_bytes == 10
+
+
+def test_namespace_numbers_no_file_and_no_registration_uses_are_taken_back():
+    """Every namespace looked up once takes an index number; once unused (no file indexed, not
+    registered, no walk or eviction holding keys) the number is taken back, with the unreadable
+    marks of its keys, so that new namespaces never run out (issue 31, row 8: 65,536 namespaces
+    looked up once made every later namespace fail until a restart)."""
+    index = FileIndex("/root", max_namespaces=8)
+    index.scan_merged()
+    kept = index.key("with-a-file", b"k")
+    index.remember(kept, 100)
+    index.numbers.pin("registered")
+    registered = index.key("registered", b"k")
+    for i in range(6):
+        index.key(f"looked-up-once-{i}", b"k")
+    index.forget(index.key("looked-up-once-0", b"bad"), unreadable_s=math.inf)
+    with index.busy():  # a walk holds keys: nothing is taken back
+        with pytest.raises(StorageError, match="all 8 namespace numbers"):
+            index.key("new", b"k")
+
+    new = index.key("new", b"k")
+
+    assert index.split(new) == ("new", b"k")
+    assert index.split(kept) == ("with-a-file", b"k") and index.split(registered) == ("registered", b"k")
+    assert len(index.numbers) <= 3 + 1
+    assert not any(True for _ in index.marks)  # the mark of a number taken back went with it
+    index.numbers.unpin("registered")
+    index.forget(kept)
+    for i in range(6):  # both numbers free again
+        index.key(f"later-{i}", b"k")
+
+
+def test_a_hundred_thousand_namespaces_looked_up_once_leave_the_index_its_numbers():
+    index = FileIndex("/root")
+    index.scan_merged()
+    for i in range(100_000):
+        index.key(f"{i:032x}", b"")
+    assert len(index.numbers) < 20_000  # taken back in batches as new ones come
+    ik = index.key("last", b"k")
+    index.remember(ik, 1)
+    assert index.split(ik) == ("last", b"k")

@@ -2,17 +2,21 @@
 a server.
 
 A namespace id is opaque; people know the model they served. `model_namespaces(name, ...)`
-finds every namespace whose model identity is that model's: the content identity of the path
-or hub id (read as the engines read it, `hpkv.identity`), or the `HPKV_MODEL_ID` value it was
-served under. Namespaces are found in the server's stats and in `<storage>/<ns>/namespace.json`.
+finds every namespace whose model identity is exactly that model's: the content identity of the
+path or hub id (read as the engines read it, `hpkv.identity`: `model_identities` is the one place
+that asks it), or the `HPKV_MODEL_ID` value it was served under, or an identity as `hpkv status`
+shows it. A namespace's model field is that identity alone or followed by the parts the engines
+add on load (`LOAD_PARTS`: `+quantization=fp8`, `+draft=<identity>`...); any other text after it
+(`llama+v2-finetune` is not `llama`) is another model. Namespaces are found in the server's stats
+and in `<storage>/<ns>/namespace.json`, which counts only where it hashes to its directory's name
+(`NamespaceDesc.ns`): the tree may be writable by others, and a relabelled file names nothing.
 
-Primitives: `storage_namespaces`, `resolve_ns`, `model_identities`, `model_namespaces`,
+Primitives: `storage_namespaces`, `resolve_ns`, `model_identities`, `is_model`, `model_namespaces`,
 `clear_storage_directly`. Must not know: the protocol, the pool.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,9 +25,28 @@ import click
 
 from .config import Settings
 from .identity import NoContentIdentity, content_identity, override_identity
-from .keys import NS_DIGEST_BYTES
+from .keys import NS_DIGEST_BYTES, NamespaceDesc
 
 _DESC_MAX_BYTES = 1 << 20  # a namespace.json is a few hundred bytes; anything larger is not one
+# What the engines append to an identity on load (`vllm/modelid.model_text`, `ModelIdentity.with_part`,
+# `sglang/modelid.model_text`, `sglang/layout`): each `+<name>=<value>`, or `+<name>` alone.
+LOAD_PARTS = (
+    "quantization",
+    "quantization_config",
+    "hf_overrides",
+    "model_class_overrides",
+    "disable_sliding_window",
+    "kv_cache_dtype_skip_layers",
+    "hf_config",
+    "draft",
+    "lora:",
+    "modelopt_quant",
+    "dtype",
+    "qsa_indexer_dtype",
+    "json_model_override_args",
+    "kv_scales",
+)
+_RAW_ID_PREFIXES = ("content:", "HPKV_MODEL_ID:", "private:")  # an identity as `hpkv status` shows it
 
 
 def storage_namespaces(storage_path: Path) -> list[str]:
@@ -57,7 +80,9 @@ def resolve_ns(prefix: str | None, known: list[str]) -> str | None:
 
 def model_identities(name: str) -> list[str]:
     """The identities `name` may have been served under: its content (where it can be read here)
-    and the HPKV_MODEL_ID value."""
+    and the HPKV_MODEL_ID value; an identity given as such, itself."""
+    if name.startswith(_RAW_ID_PREFIXES):
+        return [name]
     ids = [override_identity(name).id]
     try:
         ids.insert(0, content_identity(name).id)
@@ -71,8 +96,9 @@ def model_namespaces(name: str, server_descs: Mapping[str, str], storage_path: P
     ids = model_identities(name)
     descs = dict(server_descs)
     for ns in storage_namespaces(storage_path):
-        descs.setdefault(ns, _read_desc(storage_path / ns / "namespace.json"))
-    return sorted(ns for ns, desc in descs.items() if _model_of(desc) in ids or _based_on(_model_of(desc), ids))
+        if ns not in descs:
+            descs[ns] = _read_desc(storage_path / ns / "namespace.json")
+    return sorted(ns for ns, desc in descs.items() if any(is_model(_model_of(ns, desc), i) for i in ids))
 
 
 def clear_storage_directly(settings: Settings, ns: str | None) -> int | None:
@@ -89,17 +115,30 @@ def clear_storage_directly(settings: Settings, ns: str | None) -> int | None:
         tier.close()
 
 
-def _model_of(desc: str) -> str:
+def _model_of(ns: str, desc: str) -> str | None:
+    """The model field of a namespace's description; None unless the description is one and
+    hashes to `ns`."""
     try:
-        model = json.loads(desc).get("model", "")
-    except (ValueError, AttributeError):
-        return ""
-    return model if isinstance(model, str) else ""
+        parsed = NamespaceDesc.from_json(desc)
+    except (ValueError, TypeError, AttributeError):
+        return None
+    return parsed.model if parsed.ns == ns else None
 
 
-def _based_on(model: str, ids: list[str]) -> bool:
-    """The engines append what changes the numerics on load (`+quantization=...`) to the id."""
-    return any(model.startswith(i + "+") for i in ids)
+def is_model(model: str | None, identity: str) -> bool:
+    """Whether a namespace's model field is `identity`, alone or with the parts engines add on load."""
+    if model is None or not model.startswith(identity):
+        return False
+    rest = model[len(identity) :]
+    if not rest:
+        return True
+    if not rest.startswith("+"):
+        return False
+    part = rest[1:]
+    return any(
+        part.startswith(name) if name.endswith(":") else part == name or part.startswith((name + "=", name + "+"))
+        for name in LOAD_PARTS
+    )
 
 
 def _read_desc(path: Path) -> str:

@@ -187,15 +187,15 @@ def server_command(ctx: click.Context, auto: bool) -> None:
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
     """Show the running server: tiers, namespaces with hit rates, clients. Never starts one."""
-    from hpkv.status import print_status
+    from hpkv.status import STATUS_NAMESPACES, print_status
 
     settings = load_settings()
     client = _connect(settings)
     if client is None:
         click.echo(_no_server_message(settings), err=True)
         ctx.exit(EXIT_NO_SERVER)
-    with client:
-        stats = client.stats()
+    with client:  # the table shows the busiest namespaces; JSON has them all
+        stats = client.all_stats() if as_json else client.stats(max_namespaces=STATUS_NAMESPACES, busiest=True)
     if as_json:
         import msgspec
 
@@ -248,7 +248,7 @@ def clear(memory: bool, storage: bool, namespace: str | None, model: str | None)
     settings = load_settings()
     storage_path = Path(settings.storage.path)
     client = _connect(settings)
-    stats = client.stats() if client is not None else None
+    stats = client.all_stats() if client is not None else None
     descs = {ns: n.desc for ns, n in stats.namespaces.items()} if stats is not None else {}
     if model is not None:
         targets: list[str | None] = list(model_namespaces(model, descs, storage_path))

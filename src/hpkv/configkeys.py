@@ -367,5 +367,29 @@ KEYS: tuple[KeySpec, ...] = (
         "always), and engines trust a server run by one of them (their own uid and root always).",
         "a comma-separated list of user ids, or empty",
     ),
+    KeySpec(
+        "HPKV_SERVER_MAX_NAMESPACE_BYTES",
+        "size",
+        parse_size,
+        "64k",
+        "Largest namespace description (JSON) the server registers (at most 1m); a larger one is refused.",
+        _SIZE_WORDS,
+    ),
+    KeySpec(
+        "HPKV_SERVER_MAX_NAMESPACES_PER_UID",
+        "int",
+        _int_in(1, None),
+        "1024",
+        "Namespaces one user id's connections may hold registered at once; past it a new one is refused.",
+        "an integer >= 1",
+    ),
+    KeySpec(
+        "HPKV_SERVER_MAX_NAMESPACES",
+        "int",
+        _int_in(1, None),
+        "4096",
+        "Namespaces the server holds at once (registered, or with entries in DRAM); past it a new one is refused.",
+        "an integer >= 1",
+    ),
 )
 KEYS_BY_NAME = {spec.name: spec for spec in KEYS}

@@ -1,7 +1,7 @@
 """The schema of a server's stats snapshot: what `Server.stats()` builds and `Client.stats()` returns.
 
 Owns: one msgspec Struct per component (`StoreCounters`, `DramStats`, `StorageStats`,
-`WriteBacklogStats`, `WriterStats`, `LimitStats`, `NamespaceStats`, `ClientStats`,
+`WriteBacklogStats`, `WriterStats`, `LimitStats`, `NamespaceSummary`, `NamespaceStats`, `ClientStats`,
 `ServerInfo`), each returned by its component's `stats()`; `StoreStats` (the store's) and the
 whole `ServerStats` (the store's and the server's); `from_wire` (the client's conversion) and
 `from_parts` (the strict one: a field the schema lacks fails too). Field names are the wire's: the snapshot
@@ -126,6 +126,18 @@ class LimitStats(msgspec.Struct):
     expired_leases: int
 
 
+class NamespaceSummary(msgspec.Struct):
+    """The namespaces in all, and the limits on them; `StoreStats.namespaces` may be one page."""
+
+    total: int  # namespaces the server holds
+    held: int  # of which registered by a client connected now
+    refused: int  # registrations refused at a limit since the start
+    max_desc_bytes: int | None  # the limits; None: none
+    max_per_uid: int | None
+    max_total: int | None
+    next_after: str | None = None  # the page after this one starts past this id; None: no more
+
+
 class NamespaceStats(msgspec.Struct):
     desc: str  # the NamespaceDesc as JSON
     lookups: int
@@ -159,7 +171,8 @@ class StoreStats(msgspec.Struct):
 
     store: StoreCounters
     dram: DramStats
-    namespaces: dict[str, NamespaceStats]  # by namespace id
+    namespaces: dict[str, NamespaceStats]  # by namespace id: all, or one page (`namespace_summary`)
+    namespace_summary: NamespaceSummary
     leases: int
     reservations: int
     limits: LimitStats

@@ -18,6 +18,7 @@ from .stats import DramStats, ServerStats, StorageStats
 from .units import human_bytes, short_duration
 
 NS_PREFIX_CHARS = 12
+STATUS_NAMESPACES = 50  # the table shows this many namespaces, the most looked up (`--json`: all)
 
 
 def human_duration(seconds: float) -> str:
@@ -41,6 +42,9 @@ def hit_rate(hit_keys: int, lookup_keys: int) -> str:
 def print_status(stats: ServerStats, console: Console) -> None:
     console.print(_tiers_table(stats))
     console.print(_namespaces_table(stats))
+    summary = stats.namespace_summary
+    if summary.total > len(stats.namespaces) or summary.refused:
+        console.print(Text(_namespace_line(stats)))
     console.print(_clients_table(stats))
     console.print(_server_table(stats))
 
@@ -202,6 +206,20 @@ def _namespaces_table(stats: ServerStats) -> Table:
         style="bold",
     )
     return table
+
+
+def _namespace_line(stats: ServerStats) -> str:
+    summary = stats.namespace_summary
+    line = f"{summary.total} namespaces ({summary.held} registered by clients connected now)"
+    if summary.total > len(stats.namespaces):
+        line += f"; the {len(stats.namespaces)} most looked up shown (`hpkv status --json` lists all)"
+    if summary.refused:
+        line += (
+            f"; {summary.refused} registrations refused at a limit (HPKV_SERVER_MAX_NAMESPACES="
+            f"{summary.max_total}, HPKV_SERVER_MAX_NAMESPACES_PER_UID={summary.max_per_uid}, "
+            f"HPKV_SERVER_MAX_NAMESPACE_BYTES={summary.max_desc_bytes})"
+        )
+    return line
 
 
 def _model_source(desc: dict) -> str:

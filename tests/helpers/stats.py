@@ -23,6 +23,15 @@ ZERO_STATS: dict = {
         "locked_bytes": 64 << 20,
     },
     "namespaces": {},
+    "namespace_summary": {
+        "total": 0,
+        "held": 0,
+        "refused": 0,
+        "max_desc_bytes": None,
+        "max_per_uid": None,
+        "max_total": None,
+        "next_after": None,
+    },
     "leases": 0,
     "reservations": 0,
     "limits": {

@@ -50,7 +50,7 @@ def probe_server(directory: Path, trusted_uids: tuple[int, ...] = ()) -> ServerP
         return ServerProbe(socket_path)
     try:
         with Client(directory, kind="doctor", autostart=False, trusted_uids=trusted_uids) as client:
-            return ServerProbe(socket_path, stats=client.stats())
+            return ServerProbe(socket_path, stats=client.all_stats())  # every namespace: check_namespaces looks at each
     except HpkvError as exc:
         return ServerProbe(socket_path, error=exc)
 

@@ -9,7 +9,8 @@ Which entry or slab goes is the room policy's (`pool/room.py`, given to the tier
 the evictable entries (`lru`, `pool/lru.py`: each class's LRU and the books of slabs that could
 move, kept from the time a second size class appears: a pool of one size class never moves a slab).
 
-Primitives: `add_namespace`, `get`, `reserve`, `commit`, `abort`, `pin`, `unpin`, `touch`, `drop`;
+Primitives: `add_namespace`/`remove_namespace`, `get`, `reserve`, `commit`, `abort`,
+`pin`, `unpin`, `touch`, `drop`;
 for room policies: `lru`, `slab_entries`, `move_slab`, `evict_for`. Owns no memory: offsets
 refer to a `PoolRegion` someone else maps. Not thread-safe: the store serialises calls.
 """
@@ -24,6 +25,8 @@ from ..stats import DramStats
 from .lru import EvictableEntries
 from .room import OldestFirst, RoomPolicy
 from .slots import SlotAllocator
+
+_NO_ENTRIES: dict = {}  # never written to
 
 
 class DramEntry:
@@ -68,6 +71,7 @@ class DramTier:
         self._entry_bytes: dict[str, int] = {}
         self._index: dict[str, dict[bytes, DramEntry]] = {}
         self._by_offset: dict[int, DramEntry] = {}
+        self._live: dict[str, int] = {}  # entries in _by_offset, by namespace (absent: none)
         self._used_bytes = 0  # slot bytes of the entries in _by_offset (stats are asked for often)
         self.lru = EvictableEntries()  # what may be evicted, for the room policy
 
@@ -82,6 +86,15 @@ class DramTier:
         if len({self.alloc.slot_bytes_for(b) for b in self._entry_bytes.values()}) > 1:
             self.lru.track_slabs(self.alloc)
 
+    def remove_namespace(self, ns: str) -> bool:
+        """Forget `ns` if it holds no entry, not even one out of the index that a holder still
+        pins; whether it is gone."""
+        if self._index.get(ns) or self._live.get(ns):
+            return False
+        self._entry_bytes.pop(ns, None)
+        self._index.pop(ns, None)
+        return True
+
     def entry_bytes(self, ns: str) -> int:
         return self._entry_bytes[ns]
 
@@ -89,8 +102,9 @@ class DramTier:
         return self.alloc.slot_bytes_for(self._entry_bytes[ns])
 
     def index_of(self, ns: str) -> dict[bytes, DramEntry]:
-        """The live key -> entry map of a namespace (read-only for callers; fast lookups)."""
-        return self._index[ns]
+        """The live key -> entry map of a namespace (read-only for callers; fast lookups); empty
+        for one that is gone (`remove_namespace`)."""
+        return self._index.get(ns, _NO_ENTRIES)
 
     def get(self, ns: str, key: bytes) -> DramEntry | None:
         return self._index[ns].get(key)
@@ -111,6 +125,7 @@ class DramTier:
         entry = DramEntry(ns, key, offset, slot_bytes)
         index[key] = entry
         self._by_offset[offset] = entry
+        self._live[ns] = self._live.get(ns, 0) + 1
         self._used_bytes += slot_bytes
         return entry
 
@@ -190,6 +205,9 @@ class DramTier:
     def _free(self, entry: DramEntry) -> None:
         entry.dead = True
         del self._by_offset[entry.offset]
+        self._live[entry.ns] -= 1
+        if not self._live[entry.ns]:
+            del self._live[entry.ns]
         self._used_bytes -= entry.slot_bytes
         self.alloc.free(entry.offset)
         self.lru.freed(entry)
@@ -205,12 +223,15 @@ class DramTier:
         which moves to the class of `slot_bytes`."""
         entries = self.lru.drain(slab)
         their_bytes = next(iter(entries)).slot_bytes  # a slab that moves holds entries, all of one class
-        lru, by_offset, index = self.lru.by_class()[their_bytes], self._by_offset, self._index
+        lru, by_offset, index, live = self.lru.by_class()[their_bytes], self._by_offset, self._index, self._live
         for entry in entries:
             entry.dead = True
             del index[entry.ns][entry.key]
             del lru[entry]
             del by_offset[entry.offset]
+            live[entry.ns] -= 1
+            if not live[entry.ns]:
+                del live[entry.ns]
         self._used_bytes -= len(entries) * their_bytes
         self.counters.evictions += len(entries)
         self.alloc.release_slab(slab)

@@ -148,9 +148,21 @@ class Client(Channel):
     def clear(self, memory: bool = True, storage: bool = False, ns: str | None = None) -> p.Cleared:
         return self._ask(p.Clear(memory, storage, ns), p.Cleared, max(self.timeout_s, 300.0))
 
-    def stats(self) -> ServerStats:
-        """The server's snapshot; `StatsMismatch` if it does not fit `hpkv.stats`."""
-        return stats_from_wire(self._ask(p.Stats(), p.StatsReply).stats)
+    def stats(self, after: str = "", max_namespaces: int = 256, busiest: bool = False) -> ServerStats:
+        """The server's snapshot with one page of its namespaces (`protocol.Stats`; the page after
+        starts past `namespace_summary.next_after`); `StatsMismatch` if it does not fit `hpkv.stats`."""
+        return stats_from_wire(self._ask(p.Stats(after, max_namespaces, busiest), p.StatsReply).stats)
+
+    def all_stats(self) -> ServerStats:
+        """The snapshot with every namespace, asked for page by page (the rest is the first page's)."""
+        stats = self.stats()
+        after = stats.namespace_summary.next_after
+        while after is not None:
+            page = self.stats(after, 4096)
+            stats.namespaces.update(page.namespaces)
+            after = page.namespace_summary.next_after
+        stats.namespace_summary.next_after = None
+        return stats
 
 
 def _as_list(keys: Sequence[bytes]) -> list[bytes]:

@@ -21,12 +21,15 @@ import msgspec
 from ..config import Settings
 from ..errors import HpkvError
 from ..keys import MAX_KEY_BYTES, NS_DIGEST_BYTES, NamespaceDesc
+from ..stats import NamespaceStats, ServerStats
 from ..store import TieredStore
+from ..store.owners import NamespaceLimits
 from . import protocol as p
 
 log = logging.getLogger("hpkv.server")
 
 MAX_HOLD_CHARS = 128
+MAX_DESC_BYTES = 1 << 20  # HPKV_SERVER_MAX_NAMESPACE_BYTES at most: a stats page holds at least one description
 
 
 class UnknownNamespace(HpkvError):
@@ -51,10 +54,17 @@ class ClientInfo:
 class Handlers:
     """The request handlers of one server; `stats()` is the snapshot `Stats` is answered with."""
 
-    def __init__(self, store: TieredStore, settings: Settings, stats: Callable[[], object]) -> None:
+    def __init__(self, store: TieredStore, settings: Settings, stats: Callable[[], ServerStats]) -> None:
         self.store = store
         self.settings = settings
         self._stats = stats
+        store.limit_namespaces(  # here, beside the Register they bound
+            NamespaceLimits(
+                min(settings.server_max_namespace_bytes, MAX_DESC_BYTES),
+                settings.server_max_namespaces_per_uid,
+                settings.server_max_namespaces,
+            )
+        )
 
     def handle(self, request: p.Request, client: ClientInfo) -> p.Reply:
         handler = getattr(self, "_on_" + type(request).__name__, None)
@@ -71,11 +81,12 @@ class Handlers:
             return p.Error("internal", f"internal server error: {exc!r}")
 
     def _on_Register(self, r: p.Register, client: ClientInfo) -> p.Reply:
+        self.store.lookups.owners.check_size(len(r.desc_json))  # before parsing: its characters are at most its bytes
         try:
             desc = NamespaceDesc.from_json(r.desc_json)
         except (ValueError, TypeError, AttributeError) as exc:  # JSON of the wrong shape is the peer's fault
             return p.Error("bad_request", f"not a namespace description ({exc}): {r.desc_json[:200]!r}")
-        return p.Registered(self.store.register(desc), desc.entry_bytes)
+        return p.Registered(self.store.register(desc, owner=client.id, uid=client.uid), desc.entry_bytes)
 
     def _on_Lookup(self, r: p.Lookup, client: ClientInfo) -> p.Reply:
         self._check_ns(r.ns)
@@ -150,11 +161,33 @@ class Handlers:
         return p.Cleared(removed["memory"], removed["storage"])
 
     def _on_Stats(self, r: p.Stats, client: ClientInfo) -> p.Reply:
-        return p.StatsReply(msgspec.to_builtins(self._stats()))
+        stats = self._stats()
+        stats.namespaces, stats.namespace_summary.next_after = namespace_page(stats.namespaces, r)
+        return p.StatsReply(msgspec.to_builtins(stats))
 
     def _check_ns(self, ns: str) -> None:
         if ns not in self.store.namespaces():
             raise UnknownNamespace(ns)
+
+
+def namespace_page(namespaces: dict[str, NamespaceStats], r: p.Stats) -> tuple[dict[str, NamespaceStats], str | None]:
+    """The page `r` asks for, and the id the next one starts after (None: no more, or `busiest`).
+    Bounded by `r.max_namespaces` and STATS_PAGE_BYTES of descriptions, so that a reply fits a frame."""
+    if r.busiest:
+        order = sorted(namespaces, key=lambda ns: (-namespaces[ns].lookup_keys, ns))
+    else:
+        order = sorted(ns for ns in namespaces if ns > r.after)
+    page: dict[str, NamespaceStats] = {}
+    size = 0
+    for ns in order:
+        desc_bytes = len(namespaces[ns].desc.encode())
+        if len(page) >= r.max_namespaces or (page and size + desc_bytes > p.STATS_PAGE_BYTES):
+            break
+        page[ns] = namespaces[ns]
+        size += desc_bytes
+    if r.busiest or len(page) == len(order):
+        return page, None
+    return page, max(page) if page else r.after
 
 
 def _is_ns_id(text: str) -> bool:

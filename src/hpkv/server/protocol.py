@@ -27,8 +27,9 @@ import struct
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_FRAME_BYTES = 16 << 20
+STATS_PAGE_BYTES = 4 << 20  # the descriptions in one Stats reply, past its first (at most 1 MiB)
 SOCKET_NAME = "hpkv.sock"
 LOCK_NAME = "hpkv.lock"
 _LENGTH = struct.Struct(">I")
@@ -104,7 +105,13 @@ class Clear(Msg):
 
 
 class Stats(Msg):
-    pass
+    """One page of the namespaces: those whose ids follow `after` (in id order), or with
+    `busiest` the most looked up; at most `max_namespaces`, and at most STATS_PAGE_BYTES of
+    descriptions (at least one). The rest of the snapshot comes whole."""
+
+    after: str = ""
+    max_namespaces: int = 256
+    busiest: bool = False
 
 
 Request = Hello | Register | Lookup | Reserve | Commit | Abort | Settle | Lease | LeaseWait | Release | Clear | Stats

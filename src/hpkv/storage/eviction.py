@@ -45,15 +45,16 @@ class Evictor:
         written again meanwhile is left in place."""
         freed = 0
         checked: set[bytes] = set()
-        while True:
-            victims, removals = self._index.pop_victims(excess, freed)
-            spared, kept, num_freed = self._settle(victims, checked)
-            freed += num_freed
-            if not spared:
-                if kept:  # what it holds counts again: evict on
-                    continue
-                return
-            freed += self._index.put_back(spared, removals)
+        with self._index.busy():  # victims are held outside the index: their namespace numbers stay
+            while True:
+                victims, removals = self._index.pop_victims(excess, freed)
+                spared, kept, num_freed = self._settle(victims, checked)
+                freed += num_freed
+                if not spared:
+                    if kept:  # what it holds counts again: evict on
+                        continue
+                    return
+                freed += self._index.put_back(spared, removals)
 
     def remove(self, victims: Victims) -> int:
         """Unlink victims the caller popped and looked at already (no spare check); bytes freed."""

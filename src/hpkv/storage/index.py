@@ -1,7 +1,7 @@
 """The storage index: the entry files this tier counts as hits, least recently used first.
 
-An index key is a namespace's 2-byte number and the engine key in one bytes object (`key`); an
-index value packs a file's size and the minute this index last knew it used in one int, shared
+An index key is a namespace's number (NS_ID_BYTES) and the engine key in one bytes object
+(`key`); an index value packs a file's size and the minute this index last knew it used in one int, shared
 by every file of that size and minute (`value_of`; read with `size_of`, `used_minute_s`). Why
 packed: a directory may hold millions of files.
 
@@ -13,10 +13,13 @@ not unlinked yet (`being_evicted`), files this tier cannot read (`UnreadableMark
 or for good), and, while the start-up scan runs, what left the index meanwhile (`add_scanned`
 does not bring it back).
 
+Namespace numbers (`numbers.NamespaceNumbers`) are freed once unused, with the unreadable marks
+of their keys: namespaces come and go for ever.
+
 Primitives: `key`/`split`, `in`, `items`, `holds` (the bare membership test, for walks over many keys),
 `remember`, `forget`, `touch`, `in_use` (`InUse`), `was_read`, `pop_victims`/`evicted`/`unpop`/`put_back` (an
 eviction's steps), `oldest`/`pop_if_oldest`/`refresh` (retention's), `remove`,
-`add_scanned`/`scan_merged`; `used_bytes`. Thread-safe: one lock
+`add_scanned`/`scan_merged`; `numbers` (`pin`/`unpin`), `busy`; `used_bytes`. Thread-safe: one lock
 (`lock`), which the marks share.
 Must not know: the file system, capacity, how files are read or written.
 """
@@ -29,13 +32,12 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 
-from ..errors import StorageError
+from .numbers import MAX_NAMESPACES, NS_ID_BYTES, NamespaceNumbers
 
 SIZE_BITS = 40  # an index value: the file's size in its low bits, the minute above them
 MAX_FILE_BYTES = (1 << SIZE_BITS) - 1  # a file larger than this (1 TiB) is no KV file of ours: never indexed
 MAX_VALUES = 1 << 16  # distinct index values kept for sharing (`value_of`)
 MAX_UNREADABLE = 1 << 20  # files this tier cannot read, remembered so that no lookup counts them as hits
-MAX_NAMESPACES = 1 << 16  # an index key's namespace number is 2 bytes
 NEVER = math.inf  # an unreadable mark for good
 REMOVALS_KEPT = 64  # removes an eviction tells apart by namespace; past that many, all count as removed
 
@@ -82,6 +84,12 @@ class UnreadableMarks:
             if len(self._until) >= self._max_marks:
                 self._until.clear()
         self._until[ik] = now + for_s
+
+    def drop_prefixes(self, prefixes: set[bytes]) -> None:
+        """Drop the marks of keys of these namespace numbers (taken back). Caller holds the lock."""
+        if self._until:
+            for k in [k for k in self._until if k[:NS_ID_BYTES] in prefixes]:
+                del self._until[k]
 
     def unmark(self, ik: bytes, locked: bool = False) -> None:
         if locked:
@@ -141,7 +149,12 @@ class InUse:
 
 class FileIndex:
     def __init__(
-        self, where: str, clock: Clock = time.monotonic, wall_clock: Clock = time.time, max_marks: int = MAX_UNREADABLE
+        self,
+        where: str,
+        clock: Clock = time.monotonic,
+        wall_clock: Clock = time.time,
+        max_marks: int = MAX_UNREADABLE,
+        max_namespaces: int = MAX_NAMESPACES,
     ) -> None:
         self._where = where  # the root, for messages
         self._wall_clock = wall_clock  # file mtimes are wall clock times: so are the minutes here
@@ -150,8 +163,17 @@ class FileIndex:
         self.holds: Callable[[bytes], bool] = self._lru.__contains__
         self.used_bytes = 0
         self.marks = UnreadableMarks(self.lock, clock, max_marks)
-        self._ns_ids: dict[str, bytes] = {}
-        self._ns_names: list[str] = []
+        # Numbers are not taken back while the start-up scan is unmerged or victims are out; the
+        # marks of their keys go with them.
+        self.numbers = NamespaceNumbers(
+            where,
+            self.lock,
+            max_namespaces,
+            blocked=lambda: self._gone is not None or bool(self._evicting),
+            freed=lambda ids: self.marks.drop_prefixes(ids),
+        )
+        self.busy = self.numbers.busy
+        self._counted, self._uncounted = self.numbers.counted, self.numbers.uncounted
         self._values: dict[int, int] = {}  # one int object per (size, minute), not one per file
         self._evicting: set[bytes] = set()
         self.in_use = InUse(self.lock)
@@ -176,21 +198,18 @@ class FileIndex:
             return list(self._lru.items())
 
     def key(self, ns: str, key: bytes) -> bytes:
-        """The index key of (ns, key). StorageError past MAX_NAMESPACES namespaces."""
-        ns_id = self._ns_ids.get(ns)
+        """The index key of (ns, key). StorageError when every namespace number is in use."""
+        ns_id = self.numbers.ids.get(ns)
         if ns_id is None:
             with self.lock:
-                ns_id = self._ns_ids.get(ns)
+                ns_id = self.numbers.ids.get(ns)
                 if ns_id is None:
-                    if len(self._ns_names) >= MAX_NAMESPACES:
-                        raise StorageError(f"more than {MAX_NAMESPACES} namespaces under {self._where}")
-                    ns_id = self._ns_ids[ns] = len(self._ns_names).to_bytes(2, "big")
-                    self._ns_names.append(ns)
+                    ns_id = self.numbers.new_id(ns)
         return ns_id + key
 
     def split(self, ik: bytes) -> tuple[str, bytes]:
         """(ns, key) of an index key."""
-        return self._ns_names[int.from_bytes(ik[:2], "big")], ik[2:]
+        return self.numbers.name_of(ik), ik[NS_ID_BYTES:]
 
     def value_of(self, size: int, used_s: float) -> int:
         """An index value: `size` and the minute of `used_s` (wall clock), shared by every file of
@@ -209,6 +228,8 @@ class FileIndex:
             self._lru[ik] = value
             self.used_bytes += size - (size_of(old) if old is not None else 0)
             self._lru.move_to_end(ik)
+            if old is None:
+                self._counted(ik)
 
     def forget(self, ik: bytes, unreadable_s: float | None = None) -> None:
         """Out of the index; and marked unreadable for `unreadable_s` if given, in the same hold
@@ -217,6 +238,7 @@ class FileIndex:
             value = self._lru.pop(ik, None)
             if value is not None:
                 self.used_bytes -= size_of(value)
+                self._uncounted(ik)
             if self._gone is not None:
                 self._gone.add(ik)
             if unreadable_s is not None:
@@ -261,6 +283,7 @@ class FileIndex:
                         over -= size_of(value)
             for ik, value in victims:
                 del self._lru[ik]
+                self._uncounted(ik)
                 self.used_bytes -= size_of(value)
                 self._evicting.add(ik)
             if self._gone is not None:
@@ -279,6 +302,7 @@ class FileIndex:
             if next(iter(self._lru.items()), None) != (ik, value) or ik in self.in_use:
                 return False
             self._lru.popitem(last=False)
+            self._uncounted(ik)
             self.used_bytes -= size_of(value)
             self._evicting.add(ik)
             if self._gone is not None:
@@ -309,6 +333,7 @@ class FileIndex:
                     self._lru[ik] = value
                     self._lru.move_to_end(ik, last=False)
                     self.used_bytes += size_of(value)
+                    self._counted(ik)
 
     def put_back(self, spared: Victims, removals: int) -> int:
         """Index the victims an eviction spared (at the recent end), unless written again or
@@ -318,21 +343,24 @@ class FileIndex:
         with self.lock:
             removed = self._removed_since(removals)
             for ik, value in spared:
-                if removed is None or ik[:2] in removed:
+                if removed is None or ik[:NS_ID_BYTES] in removed:
                     freed += size_of(value)
                 elif ik not in self._lru and not self.marks.is_marked(ik, locked=True):
                     self._lru[ik] = value
                     self.used_bytes += size_of(value)
+                    self._counted(ik)
         return freed
 
     def remove(self, ns: str | None) -> None:
         """Forget every file (of namespace `ns`)."""
-        prefix = None if ns is None else self.key(ns, b"")
         with self.lock:
+            # No number given out for a namespace the index does not know: b"" prefixes no key.
+            prefix = None if ns is None else self.numbers.ids.get(ns, b"")
             self._removals += 1
             self._removed.append(prefix)
-            for k in [k for k in self._lru if prefix is None or k[:2] == prefix]:
+            for k in [k for k in self._lru if prefix is None or k[:NS_ID_BYTES] == prefix]:
                 self.used_bytes -= size_of(self._lru.pop(k))
+                self._uncounted(k)
             if self._gone is not None:  # what a running start-up scan found here must not come back
                 self._cleared.add(ns)
 
@@ -344,13 +372,14 @@ class FileIndex:
             if None in self._cleared:
                 return False
             gone = self._gone if self._gone is not None else set()
-            cleared = {self._ns_ids.get(ns) for ns in self._cleared if ns is not None}  # no new ids: lock held
+            cleared = {self.numbers.ids.get(ns) for ns in self._cleared if ns is not None}  # no new ids: lock held
             for ik, value in found:
-                if ik in self._lru or ik in gone or ik[:2] in cleared:
+                if ik in self._lru or ik in gone or ik[:NS_ID_BYTES] in cleared:
                     continue
                 self._lru[ik] = value
                 self._lru.move_to_end(ik, last=False)
                 self.used_bytes += size_of(value)
+                self._counted(ik)
         return True
 
     def scan_merged(self) -> None:

@@ -84,6 +84,13 @@ def shared_root(root: Path) -> bool:
 
 def once(tier: StorageTier) -> tuple[int, int]:
     """One walk: (files of others indexed, indexed files found gone)."""
+    with tier.index.busy():  # what the walk found holds namespace numbers until it is merged
+        added, gone = _walk(tier)
+    tier.evictor.evict(lambda freed: tier.capacity.excess(tier.index.used_bytes))
+    return added, gone
+
+
+def _walk(tier: StorageTier) -> tuple[int, int]:
     index = tier.index
     before = {ik for ik, _ in index.items()}
     counters = StorageCounters()  # the tier's own count the start-up scan (`hpkv status`)
@@ -109,7 +116,6 @@ def once(tier: StorageTier) -> tuple[int, int]:
     tier.counters.stale_entries += len(gone)
     if new.keys:
         tier.evictor.shared = True
-    tier.evictor.evict(lambda freed: tier.capacity.excess(index.used_bytes))
     return len(new.keys), len(gone)
 
 

@@ -58,6 +58,13 @@ class Retention:
         """Remove the least recently used files past the retention; the number removed."""
         cutoff_s = self._wall_clock() - self.retention_s
         num = 0
+        with self._index.busy():  # the oldest is held outside the index: its namespace number stays
+            num = self._expire(cutoff_s)
+        self.num_expired += num
+        return num
+
+    def _expire(self, cutoff_s: float) -> int:
+        num = 0
         for _ in range(MAX_PER_PASS):
             oldest = self._index.oldest()
             if oldest is None:
@@ -74,7 +81,6 @@ class Retention:
                 break  # the oldest is in use: so is everything behind it
             else:
                 self._index.refresh(ik, value, mtime_s)  # used elsewhere since: to the recent end
-        self.num_expired += num
         return num
 
     def _own_use_s(self, value: int) -> tuple[bool, float]:

@@ -37,10 +37,9 @@ def rebuild(
     started = time.monotonic()
     known_s = time.time() - SLACK_MINUTES * 60
     index.scan_known_s = known_s  # retention tells the scan's minute from a use by it
-    found = scan.walk(
-        root, node, index.key, lambda size: index.value_of(size, known_s) if size <= MAX_FILE_BYTES else None, counters
-    )
-    merge(index, found)
+    with index.busy():  # what the walk found holds namespace numbers until it is merged
+        found = scan.walk(root, node, index.key, lambda size: _value(index, size, known_s), counters)
+        merge(index, found)
     if found.untrusted is not None:
         log.warning(
             "the storage scan skipped %d names under %s that are not what HPKV puts there, e.g. %s: "
@@ -55,6 +54,10 @@ def rebuild(
         log.info("storage index ready: %d files in %.1f s", len(found.keys), time.monotonic() - started)
     if index.used_bytes > capacity.capacity_bytes:
         evictor.evict_bytes(index.used_bytes - capacity.capacity_bytes)
+
+
+def _value(index: FileIndex, size: int, known_s: float) -> int | None:
+    return index.value_of(size, known_s) if size <= MAX_FILE_BYTES else None
 
 
 def merge(index: FileIndex, found: scan.Found) -> None:

@@ -8,7 +8,8 @@ nodes' files learned by walking again), `budget` (HPKV_KV_STORAGE_WRITE_BUDGET),
 none, checked, and a bad file is a miss that deletes it; nothing below the root is followed
 (`tree`). Several tiers (nodes) may share one root: a lookup adopts files others wrote.
 
-Primitives: `start`, `add_namespace`, `indexed` (`index_probe`), `contains`, `touch`/`done_with`, `read_into`,
+Primitives: `start`, `add_namespace`, `hold_namespace`, `indexed` (`index_probe`), `contains`,
+`touch`/`done_with`, `read_into`,
 `write_from` (or `publish`/`publish_many`, where another process writes the files), `submit`, `remove`, `stats`,
 `close`. A write that cannot happen is dropped (counted), never raised.
 Must not know: the pool, engines, devices.
@@ -143,10 +144,15 @@ class StorageTier:
         except OSError as exc:
             log.warning("cannot write %s: %s; going on without it", self.root / ns / "namespace.json", exc.strerror)
 
-    # -- lookups ------------------------------------------------------------------------------
+    def hold_namespace(self, ns: str, held: bool = True) -> None:
+        """`ns` is registered: its index number stays until it is not `held` any more, and then
+        goes once no file of it is indexed (no I/O)."""
+        if held:
+            self.index.numbers.pin(ns)
+        else:
+            self.index.numbers.unpin(ns)
 
-    def path_of(self, ns: str, key: bytes) -> str:
-        return self.layout.path_of(ns, key)
+    # -- lookups ------------------------------------------------------------------------------
 
     def indexed(self, ns: str, key: bytes) -> bool:
         """Whether the index holds (ns, key): no I/O, so callers may ask while holding a lock."""

@@ -1,10 +1,14 @@
 """The store's namespaces and its lookups: which leading keys of a prefix hit, and in which tier.
 
-Owns: the namespaces registered (`NamespaceDesc` and `NamespaceHits` of each); the walk of a
+Owns: the namespaces registered (`NamespaceDesc` and `NamespaceHits` of each), who holds them
+and the limits on them (`owners.NamespaceOwners`): a namespace no owner holds and with no entry in
+DRAM is forgotten (its storage index number may go, its files stay), when its last owner goes or
+when the store is at its limit; the walk of a
 prefix through the DRAM index and the storage index (DRAM before storage, stopping at the first
 miss); the `stat` that looks for a file no index holds (another node's, or one the start-up scan
 has not reached), always made without the store's lock.
-Primitives: `register`, `known`, `descs`, `lookup`, `probe(ns)`, `found_elsewhere`, `stats`.
+Primitives: `register`, `drop_owner`, `known`, `descs`, `lookup`, `probe(ns)`, `found_elsewhere`,
+`stats`, `summary`.
 Must not know: leases, reservations, write-throughs.
 """
 
@@ -15,10 +19,11 @@ from collections.abc import Callable, Sequence
 
 from ..keys import NamespaceDesc
 from ..pool.tier import DramTier
-from ..stats import NamespaceStats, StoreCounters
+from ..stats import NamespaceStats, NamespaceSummary, StoreCounters
 from ..storage.tier import StorageTier
 from ..types import Lookup, Tier
 from .counters import NamespaceHits
+from .owners import NamespaceOwners
 
 Probe = tuple[bytes, Callable[[bytes], bool]]  # the storage tier's `index_probe(ns)`
 NOWHERE: Probe = (b"", frozenset().__contains__)  # the storage index of a store without a storage tier
@@ -34,24 +39,61 @@ class Lookups:
         self._counters = counters
         self._descs: dict[str, NamespaceDesc] = {}
         self._hits: dict[str, NamespaceHits] = {}
+        self.owners = NamespaceOwners()
 
-    def register(self, desc: NamespaceDesc) -> str:
-        """The namespace of `desc`, known from now on; PoolError where the DRAM tier refuses it
-        (an entry larger than a slab), and then nothing is written anywhere."""
+    def register(self, desc: NamespaceDesc, owner: int = 0, uid: int | None = None) -> str:
+        """The namespace of `desc`, known from now on and held by `owner` (of `uid`; None: in
+        process) until `drop_owner`; `owners.NamespaceLimit` past a limit, PoolError where the DRAM
+        tier refuses it (an entry larger than a slab), and then nothing is written anywhere."""
         ns = desc.ns
+        desc_json = desc.to_json()
         with self._lock:
+            self.owners.check(ns, len(desc_json.encode()), owner, uid)
             known = ns in self._descs
             if not known:
+                limit = self.owners.limits.max_total
+                if limit is not None and len(self._descs) >= limit and not self._make_room(limit):
+                    self.owners.refuse_total(len(self._descs))
                 self._dram.add_namespace(ns, desc.entry_bytes)  # refuses first: a refused ns leaves no file
+                self._descs[ns] = desc
+                self._hits[ns] = NamespaceHits()
+                if self._storage is not None:
+                    self._storage.hold_namespace(ns)
+            self.owners.add(ns, owner, uid)
         if not known and self._storage is not None:
             # File I/O (a hung network file system) outside the lock, which every client needs;
             # idempotent, so two engines registering at once both may.
-            self._storage.add_namespace(ns, desc.to_json())
-        with self._lock:
-            if ns not in self._descs:
-                self._descs[ns] = desc
-                self._hits[ns] = NamespaceHits()
+            self._storage.add_namespace(ns, desc_json)
         return ns
+
+    def drop_owner(self, owner: int) -> None:
+        """`owner` is gone: forget the namespaces it held that no other owner holds and that have
+        no entry in DRAM. Caller holds the lock."""
+        for ns in self.owners.drop_owner(owner):
+            self._forget(ns)
+
+    def _make_room(self, limit: int) -> bool:
+        """Forget namespaces no owner holds to get under `limit`: those with no entry in DRAM,
+        then, if that is not enough, those whose entries can be dropped (their files stay).
+        Caller holds the lock."""
+        unheld = [ns for ns in self._descs if not self.owners.held(ns)]
+        for ns in unheld:
+            self._forget(ns)
+        for ns in unheld:
+            if len(self._descs) < limit:
+                break
+            if ns in self._descs:
+                self._dram.drop(ns)
+                self._forget(ns)
+        return len(self._descs) < limit
+
+    def _forget(self, ns: str) -> None:
+        """Forget `ns` if DRAM holds no entry of it. Caller holds the lock."""
+        if self._dram.remove_namespace(ns):
+            del self._descs[ns]
+            del self._hits[ns]
+            if self._storage is not None:
+                self._storage.hold_namespace(ns, held=False)
 
     def known(self, ns: str) -> bool:
         return ns in self._descs
@@ -99,6 +141,18 @@ class Lookups:
         if self._dram.get(ns, key) is not None or self._storage.indexed(ns, key):
             return False  # the walk stopped for another reason (an entry still being written, say)
         return self._storage.contains(ns, key)
+
+    def summary(self) -> NamespaceSummary:
+        """Caller holds the lock."""
+        limits = self.owners.limits
+        return NamespaceSummary(
+            total=len(self._descs),
+            held=sum(self.owners.held(ns) for ns in self._descs),
+            refused=self.owners.refused,
+            max_desc_bytes=limits.max_desc_bytes,
+            max_per_uid=limits.max_per_uid,
+            max_total=limits.max_total,
+        )
 
     def stats(self) -> dict[str, NamespaceStats]:
         """Per namespace: its description and hit counters. Caller holds the lock."""

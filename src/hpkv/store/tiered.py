@@ -32,6 +32,7 @@ from ..storage.writer import WriterPool
 from ..types import Lookup
 from .leases import Lease, Leases
 from .lookup import Lookups
+from .owners import NamespaceLimits
 from .policies import StorePolicy
 from .reservations import Reservations
 from .writethrough import WriteThrough
@@ -142,8 +143,12 @@ class TieredStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def register(self, desc: NamespaceDesc) -> str:
-        return self.lookups.register(desc)
+    def register(self, desc: NamespaceDesc, owner: int = 0, uid: int | None = None) -> str:
+        """The namespace of `desc`, held by `owner` (of `uid`) until `drop_owner(owner)`."""
+        return self.lookups.register(desc, owner, uid)
+
+    def limit_namespaces(self, limits: NamespaceLimits) -> None:
+        self.lookups.owners.limits = limits
 
     def namespaces(self) -> dict[str, NamespaceDesc]:
         return self.lookups.descs()
@@ -183,14 +188,17 @@ class TieredStore:
             return self.held.holds_reservations(owner)
 
     def drop_owner(self, owner: int, quarantine_s: float = 0.0) -> None:
-        """Abort the reservations and release the leases of a client that is gone. With
-        `quarantine_s`, its reserved slots stay unusable that long first: a client whose
-        connection dropped while its process lives may still be copying into them."""
+        """Abort the reservations and release the leases of a client that is gone, then forget
+        the namespaces only it held that hold nothing now. With `quarantine_s`, its reserved
+        slots stay unusable that long first: a client whose connection dropped while its process
+        lives may still be copying into them."""
         with self._lock:
             self.reservations.drop_owner(owner, quarantine_s)
             lease_ids = self.leases.owned_by(owner)
         for lease_id in lease_ids:
             self.leases.release(lease_id)
+        with self._lock:
+            self.lookups.drop_owner(owner)
 
     def clear(self, memory: bool = True, storage: bool = False, ns: str | None = None) -> dict[str, int]:
         removed = {"memory": 0, "storage": 0}
@@ -207,6 +215,7 @@ class TieredStore:
                 store=msgspec.structs.replace(self.counters),  # a copy
                 dram=self.dram.stats(self.region.backing_stats()),
                 namespaces=self.lookups.stats(),
+                namespace_summary=self.lookups.summary(),
                 leases=len(self.leases),
                 reservations=self.held.num_reservations,
                 limits=self.held.stats(),

@@ -109,10 +109,11 @@ class WriteThrough:
         admitted = []
         while self._deferred:
             ns, key = next(iter(self._deferred))
-            if self.num_entries and self.num_bytes + self._dram.entry_bytes(ns) > self.limit_bytes:
+            entry = self._dram.index_of(ns).get(key)  # its namespace may be gone with it
+            size = self._dram.entry_bytes(ns) if entry is not None else 0
+            if entry is not None and self.num_entries and self.num_bytes + size > self.limit_bytes:
                 break
             del self._deferred[(ns, key)]
-            entry = self._dram.index_of(ns).get(key)
             if entry is None:  # evicted or cleared before its turn: it was in DRAM only
                 self._counters.write_through_lost += 1
                 continue
