@@ -186,7 +186,9 @@ def test_a_victim_spared_while_a_remove_runs_does_not_come_back(open_tier):
 
     assert write(tier, key(3))
 
-    assert [tier.indexed(NS, key(i)) for i in range(4)] == [os.path.exists(tier.layout.path_of(NS, key(i))) for i in range(4)]
+    assert [tier.indexed(NS, key(i)) for i in range(4)] == [
+        os.path.exists(tier.layout.path_of(NS, key(i))) for i in range(4)
+    ]
     assert not tier.indexed(NS, key(0)) and tier.stats().used_bytes == file_bytes()
 
 
