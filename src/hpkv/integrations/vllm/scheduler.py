@@ -58,6 +58,7 @@ class HpkvScheduler:
         self.client = Client(settings.pool.dir, kind="vllm-scheduler", trusted_uids=settings.server_allow_uids)
         self.stats = HpkvConnectorStats()
         self._ns: list[str] | None = None
+        self._register_at_start()
         self.policy = probes.load_policy(
             settings,
             vllm_config.model_config,
@@ -75,6 +76,14 @@ class HpkvScheduler:
         self.kv_cache_manager = None  # vLLM's, once bound: to un-hash blocks that failed to load
         self.holds = SaveHolds()
         modelid.warn_if_hashes_unstable(vllm_config)
+
+    def _register_at_start(self) -> None:
+        """Connect and register now, while the engine starts (the workers have started the server):
+        the first connection maps the pool and registers, tens of ms the first request would pay."""
+        try:
+            self._namespaces()
+        except HpkvError as exc:  # retried on the first lookup (with the client's backoff)
+            log.warning("HPKV server unavailable to the scheduler at start; its first lookup tries again: %s", exc)
 
     def _namespaces(self) -> list[str]:
         if self._ns is None:
