@@ -58,13 +58,12 @@ class HpkvScheduler:
         self.client = Client(settings.pool.dir, kind="vllm-scheduler", trusted_uids=settings.server_allow_uids)
         self.stats = HpkvConnectorStats()
         self._ns: list[str] | None = None
-        self._register_at_start()
         self.policy = probes.load_policy(
             settings,
             vllm_config.model_config,
             lay.moved_per_block(self.layouts),
             self.num_ranks,
-            lambda: self.client.lookup(self._namespaces()[0], []),
+            lambda: self.client.lookup(self.namespaces()[0], []),
             lay.moved_per_hit(self.layouts),
         )
         self._reqs: dict[str, RequestState] = {}
@@ -77,15 +76,7 @@ class HpkvScheduler:
         self.holds = SaveHolds()
         modelid.warn_if_hashes_unstable(vllm_config)
 
-    def _register_at_start(self) -> None:
-        """Connect and register now, while the engine starts (the workers have started the server):
-        the first connection maps the pool and registers, tens of ms the first request would pay."""
-        try:
-            self._namespaces()
-        except HpkvError as exc:  # retried on the first lookup (with the client's backoff)
-            log.warning("HPKV server unavailable to the scheduler at start; its first lookup tries again: %s", exc)
-
-    def _namespaces(self) -> list[str]:
+    def namespaces(self) -> list[str]:
         if self._ns is None:
             self._ns = [self.client.register(desc) for desc in self.descs]
         return self._ns
@@ -146,7 +137,7 @@ class HpkvScheduler:
     def _lease(self, state: RequestState, start: int, stop: int) -> int | None:
         state.release(self.client)
         keys = lay.block_keys(state.request.block_hashes, self.layout, start, stop)
-        namespaces = self._namespaces()
+        namespaces = self.namespaces()
         plan = lambda hit: self.policy.plan(start * self.block_size, hit)  # noqa: E731
         num_hit, tiers = mamba.plan_hit(self.client, self.layouts, namespaces, keys, plan)
         self.stats.add("lookups", 1)
@@ -361,7 +352,7 @@ class HpkvScheduler:
         for state in self._reqs.values():
             state.release(self.client)
         try:
-            for ns in self._namespaces():
+            for ns in self.namespaces():
                 self.client.clear(memory=True, storage=False, ns=ns)
         except HpkvError as exc:
             log.warning("HPKV reset: the server is not reachable (%s); its DRAM tier is gone with it", exc)
