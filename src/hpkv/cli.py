@@ -164,16 +164,10 @@ def _no_server_message(settings: Settings) -> str:
     from hpkv.server.protocol import SOCKET_NAME
 
     directory = Path(settings.pool.dir)
+    how = "it starts with the first engine process, or run `hpkv server`"
     if (directory / MANAGED_NAME).exists():
-        return (
-            f"no HPKV server is running on {directory / SOCKET_NAME}, and engines do not start one there: "
-            f"{directory / MANAGED_NAME} says a managed server serves it; start it (`systemctl start "
-            "hpkv-server`, or `hpkv server`)"
-        )
-    return (
-        f"no HPKV server is running on {directory / SOCKET_NAME}; it starts with the first "
-        "engine process, or run `hpkv server`"
-    )
+        how = f"{directory / MANAGED_NAME}: a managed one, not auto-started: `systemctl start hpkv-server`"
+    return f"no HPKV server is running on {directory / SOCKET_NAME}; {how}"
 
 
 @main.command("server")
@@ -183,9 +177,8 @@ def server_command(ctx: click.Context, auto: bool) -> None:
     """Run the node's HPKV Server in the foreground until SIGTERM or Ctrl-C.
 
     A server started this way stays up across engine restarts, so the DRAM tier stays warm
-    (an auto-started one exits after its last engine leaves). Settings are read once, now. It
-    marks the pool directory hpkv.managed: engines never auto-start a server there, not even
-    while this one is down (remove the mark to have them auto-start again).
+    (an auto-started one exits after its last engine leaves). Settings are read once, now. Its
+    mark hpkv.managed keeps engines from auto-starting a server there, even while it is down.
     """
     from hpkv.server.daemon import serve
 
