@@ -31,8 +31,8 @@ def unit_server(tmp_path):
     server.close()
 
 
-def engine_client(server: UnitServer, kind: str = "vllm-worker-0") -> Client:
-    """The client a vLLM worker makes (integrations/vllm/worker.py), from the engine's settings."""
+def engine_client(kind: str = "vllm-worker-0") -> Client:
+    """The client a vLLM worker makes (integrations/vllm/worker.py), from this process's settings."""
     settings = load_settings()
     return Client(
         settings.pool.dir, kind=kind, prefault=settings.pool.prefault, trusted_uids=settings.server_allow_uids
@@ -70,7 +70,7 @@ def test_engines_attach_to_the_units_server_and_never_start_one_while_it_restart
     pool_dir = unit_server.pool_dir
     assert stat.S_IMODE(pool_dir.stat().st_mode) == 0o700
     assert (pool_dir / MANAGED_NAME).is_file()
-    worker = engine_client(unit_server)
+    worker = engine_client()
     ns = worker.register(DESC)
     keys = [bytes([i]) * 16 for i in range(4)]
     reservation = worker.reserve(ns, keys)
@@ -83,7 +83,7 @@ def test_engines_attach_to_the_units_server_and_never_start_one_while_it_restart
     assert "vllm-worker-0" in [c.kind for c in stats.clients]
 
     unit_server.stop(signal.SIGKILL)  # a crash: systemd restarts it RestartSec= later
-    starting = engine_client(unit_server, "vllm-scheduler")  # an engine starting meanwhile
+    starting = engine_client("vllm-scheduler")  # an engine starting meanwhile
     with pytest.raises(ServerUnavailable, match="managed HPKV server"):
         starting.register(DESC)
     with pytest.raises(ServerUnavailable):
