@@ -34,5 +34,9 @@ def test_hpkv_demo_shows_a_dram_hit_and_a_storage_hit_identical_to_vllms_own(tmp
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
     assert_demo_walk(out, "vLLM", "POST /reset_prefix_cache, same request", tmp_path / "storage")
+    # Each start's own first-request cost is measured apart, before the rows it would distort.
+    rows = [line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│")]
+    assert rows[0] == "warm-up: another prompt, the engine's first request"
+    assert rows.index("engine restarted, warm-up: another prompt") == rows.index("engine restarted, same request") - 1
     for key, value in USER_EXPORTS.items():
         assert f"ignoring {key}={value} from the environment" in out

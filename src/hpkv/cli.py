@@ -160,12 +160,14 @@ def _connect(settings: Settings):
 
 
 def _no_server_message(settings: Settings) -> str:
+    from hpkv.server.autostart import MANAGED_NAME
     from hpkv.server.protocol import SOCKET_NAME
 
-    return (
-        f"no HPKV server is running on {Path(settings.pool.dir) / SOCKET_NAME}; it starts with the first "
-        "engine process, or run `hpkv server`"
-    )
+    directory = Path(settings.pool.dir)
+    how = "it starts with the first engine process, or run `hpkv server`"
+    if (directory / MANAGED_NAME).exists():
+        how = f"{directory / MANAGED_NAME}: a managed one, not auto-started: `systemctl start hpkv-server`"
+    return f"no HPKV server is running on {directory / SOCKET_NAME}; {how}"
 
 
 @main.command("server")
@@ -175,7 +177,8 @@ def server_command(ctx: click.Context, auto: bool) -> None:
     """Run the node's HPKV Server in the foreground until SIGTERM or Ctrl-C.
 
     A server started this way stays up across engine restarts, so the DRAM tier stays warm
-    (an auto-started one exits after its last engine leaves). Settings are read once, now.
+    (an auto-started one exits after its last engine leaves). Settings are read once, now. Its
+    mark hpkv.managed keeps engines from auto-starting a server there, even while it is down.
     """
     from hpkv.server.daemon import serve
 

@@ -5,6 +5,12 @@ server takes an exclusive `flock` on `<dir>/hpkv.lock`, looks again, and only th
 server, so exactly one is started. The lock dies with its holder, so a killed starter leaves
 nothing stale; a socket left by a killed server is removed by the next server.
 
+A directory a managed server (`hpkv server`, e.g. the systemd unit under deploy/) has served is
+marked `hpkv.managed` by it, and left marked: no engine auto-starts a server there, also while
+the managed one restarts (after a crash, or `systemctl restart`), so none races it with a server
+of the engine's settings; the engines recompute until it answers again. Removing the directory
+(systemd's RuntimeDirectory= on stop) or the marker ends it.
+
 The server is started detached (its own session, stdio to `<dir>/server.log`, working directory
 /) with the caller's environment, and reads its settings in the caller's working directory, so it
 resolves the same configuration, relative paths included; it exits on its own after its last
@@ -18,7 +24,9 @@ regular files of this uid or root (`safefs`), the socket to be a socket; anythin
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import logging
 import os
 import socket
 import subprocess
@@ -31,7 +39,10 @@ from ..errors import HpkvError, PoolError
 from ..pool import directory as pool_directory
 from . import protocol as p
 
+log = logging.getLogger("hpkv.server")
+
 LOG_NAME = "server.log"
+MANAGED_NAME = "hpkv.managed"
 
 
 class ServerUnavailable(HpkvError):
@@ -76,6 +87,7 @@ def ensure_server(directory: Path, timeout_s: float = 60.0, trusted_uids: tuple[
     trusted = safefs.owners(trusted_uids)
     if check_socket(socket_path) and answers(socket_path):
         return
+    _refuse_if_managed(directory, trusted)
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         pool_directory.check(directory, trusted)
@@ -97,9 +109,50 @@ def ensure_server(directory: Path, timeout_s: float = 60.0, trusted_uids: tuple[
         _lock(lock_fd, deadline, directory)
         if check_socket(socket_path) and answers(socket_path):
             return  # another process started it while we waited for the lock
+        _refuse_if_managed(directory, trusted)  # a managed server claimed it meanwhile
         _start_and_wait(directory, socket_path, deadline)
     finally:
         os.close(lock_fd)  # closing releases the flock
+
+
+def claim_managed(directory: Path) -> None:
+    """Mark `directory` as a managed server's (its pid, for people): called by `hpkv server` once
+    it listens, never removed by it (a crash or a restart must leave no window for an
+    auto-start). Something else in the marker's place is logged, not fatal: the server serves."""
+    path = directory / MANAGED_NAME
+    try:
+        fd = safefs.open_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, safefs.owners(), mode=0o644)
+    except (safefs.UnsafeFile, OSError) as exc:
+        log.warning(
+            "cannot mark %s as this managed server's (%s): engines may auto-start a server there while this "
+            "one is down; remove what is in the way (as its owner or root)",
+            directory,
+            exc,
+        )
+        return
+    try:
+        os.write(fd, f"{os.getpid()}\n".encode())
+    finally:
+        os.close(fd)
+
+
+def _refuse_if_managed(directory: Path, trusted: frozenset[int]) -> None:
+    """ServerUnavailable if a managed server has claimed `directory` (and does not answer now)."""
+    path = directory / MANAGED_NAME
+    try:
+        os.close(safefs.open_file(path, os.O_RDONLY, trusted))
+    except FileNotFoundError:
+        return
+    except safefs.UnsafeFile as exc:
+        raise ServerUnavailable(f"cannot use {exc}; remove it (as its owner or root), {_FIX}") from None
+    except OSError as exc:  # there, but unreadable: a marker all the same
+        if exc.errno != errno.EACCES:
+            raise ServerUnavailable(f"cannot read {path}: {exc.strerror}; remove it, {_FIX}") from None
+    raise ServerUnavailable(
+        f"the managed HPKV server of {directory} does not answer (restarting or stopped; {path} says a "
+        "managed server serves this directory): engines never start one in its place and recompute until "
+        f"it answers (systemctl status hpkv-server); remove {path} to have engines auto-start one again"
+    )
 
 
 def _lock(fd: int, deadline: float, directory: Path) -> None:

@@ -2,7 +2,8 @@
 
 Start-up: read the configuration and log it with sources; make the pool directory (0700) and
 refuse one another uid could replace names in (`pool.directory`); refuse to start if a live
-server answers on the socket, remove a stale one; create the store; bind the socket, mode 0600.
+server answers on the socket, remove a stale one; create the store; bind the socket, mode 0600;
+a managed server (not auto-started) then marks the directory its own (`autostart.claim_managed`).
 Clients: each connection is one owner in the store, on a thread of its own (`connection.py`,
 `handlers.py`); when it closes its reservations are aborted (after QUARANTINE_S if its process
 lives on: it may still be copying) and its leases released; `limits.py` bounds what it holds.
@@ -38,6 +39,7 @@ from ..procs import peer_ids
 from ..store import TieredStore
 from . import connection
 from . import protocol as p
+from .autostart import claim_managed
 from .handlers import ClientInfo, Handlers
 
 if TYPE_CHECKING:
@@ -127,6 +129,8 @@ class Server:
         listener.listen(128)
         listener.settimeout(0.2)
         self._listener = listener
+        if not self.auto:  # once it serves: engines never auto-start a server in its place
+            claim_managed(self.directory)
         if self.settings.metrics_port:
             from .metrics import Metrics
 

@@ -4,10 +4,10 @@
 
 with VLLM_ENABLE_HPKV=1. Owns only the choice of half: the engine core's instance runs
 `HpkvScheduler` (behind `guard.GuardedScheduler`: a bug there is a miss, not a stopped engine),
-each worker's runs `HpkvWorker`. Extra config: `"hpkv.async_save"` (true/false; default:
-asynchronous saves on accelerators) and `"hpkv.fail_on_load_error"` (default false: HPKV is a
-cache, so vLLM's kv_load_failure_policy is set to "recompute"). Knows nothing of keys, leases
-or copies.
+registered with the server as the engine starts; each worker's runs `HpkvWorker`. Extra
+config: `"hpkv.async_save"` (true/false; default: asynchronous saves on accelerators) and
+`"hpkv.fail_on_load_error"` (default false: HPKV is a cache, so vLLM's kv_load_failure_policy
+is set to "recompute"). Knows nothing of keys, leases or copies.
 """
 
 from __future__ import annotations
@@ -61,7 +61,12 @@ class HpkvConnectorV1(KVConnectorBase_V1, SupportsHMA):
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
             from .scheduler import HpkvScheduler
 
-            self._scheduler = GuardedScheduler(HpkvScheduler(vllm_config, kv_cache_config, settings))
+            scheduler = HpkvScheduler(vllm_config, kv_cache_config, settings)
+            try:  # now, while the engine starts (its workers started the server), not on its first request
+                scheduler.namespaces()
+            except HpkvError as exc:  # tried again on the first lookup
+                log.warning("HPKV server unavailable to the scheduler at start: %s", exc)
+            self._scheduler = GuardedScheduler(scheduler)
         else:
             from .worker import HpkvWorker
 

@@ -63,7 +63,7 @@ class HpkvScheduler:
             vllm_config.model_config,
             lay.moved_per_block(self.layouts),
             self.num_ranks,
-            lambda: self.client.lookup(self._namespaces()[0], []),
+            lambda: self.client.lookup(self.namespaces()[0], []),
             lay.moved_per_hit(self.layouts),
         )
         self._reqs: dict[str, RequestState] = {}
@@ -76,7 +76,7 @@ class HpkvScheduler:
         self.holds = SaveHolds()
         modelid.warn_if_hashes_unstable(vllm_config)
 
-    def _namespaces(self) -> list[str]:
+    def namespaces(self) -> list[str]:
         if self._ns is None:
             self._ns = [self.client.register(desc) for desc in self.descs]
         return self._ns
@@ -137,7 +137,7 @@ class HpkvScheduler:
     def _lease(self, state: RequestState, start: int, stop: int) -> int | None:
         state.release(self.client)
         keys = lay.block_keys(state.request.block_hashes, self.layout, start, stop)
-        namespaces = self._namespaces()
+        namespaces = self.namespaces()
         plan = lambda hit: self.policy.plan(start * self.block_size, hit)  # noqa: E731
         num_hit, tiers = mamba.plan_hit(self.client, self.layouts, namespaces, keys, plan)
         self.stats.add("lookups", 1)
@@ -352,7 +352,7 @@ class HpkvScheduler:
         for state in self._reqs.values():
             state.release(self.client)
         try:
-            for ns in self._namespaces():
+            for ns in self.namespaces():
                 self.client.clear(memory=True, storage=False, ns=ns)
         except HpkvError as exc:
             log.warning("HPKV reset: the server is not reachable (%s); its DRAM tier is gone with it", exc)
