@@ -18,6 +18,7 @@ from helpers.deploy import UNIT, UnitServer, read_config, read_unit
 from helpers.env import use_hpkv_env
 from helpers.waiting import wait_for
 from hpkv.config import load_settings
+from hpkv.procs import pid_running
 from hpkv.server.autostart import LOG_NAME, MANAGED_NAME, answers
 from hpkv.server.client import Client, ServerUnavailable
 
@@ -98,6 +99,38 @@ def test_engines_attach_to_the_units_server_and_never_start_one_while_it_restart
     assert unit_server.stop() == 0  # systemctl stop: SIGTERM
     assert not unit_server.socket.exists() and (pool_dir / MANAGED_NAME).exists()
     assert "HPKV server stopped" in unit_server.log_path.read_text()
+
+
+def test_a_server_run_by_hand_and_stopped_leaves_engines_free_to_auto_start_again(unit_server, monkeypatch):
+    """`hpkv server` in a terminal, then Ctrl-C: no mark is left, so the next engine auto-starts."""
+    use_hpkv_env(monkeypatch, unit_server.engine_env())
+    monkeypatch.setenv("HPKV_SERVER_IDLE_EXIT_S", "1")  # the auto-started one: gone soon after the test
+    server = subprocess.Popen(
+        [str(HPKV_SCRIPT), "server"],
+        env={k: v for k, v in os.environ.items() if k != "INVOCATION_ID"},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: answers(unit_server.socket, timeout_s=0.2), timeout_s=30, what="the server to answer")
+        assert (unit_server.pool_dir / MANAGED_NAME).is_file()
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=60) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert not (unit_server.pool_dir / MANAGED_NAME).exists()
+    engine = engine_client()
+    try:
+        engine.register(DESC)  # auto-starts a server
+        started = engine.stats().server
+        assert started.auto
+    finally:
+        engine.close()
+    # a poll of the socket would be a client, so the server's own pid tells when it has gone
+    wait_for(lambda: not pid_running(started.pid), timeout_s=60, what="the auto-started server to exit")
 
 
 def _looks_up(client: Client, ns: str, keys: list[bytes]) -> bool:

@@ -178,7 +178,8 @@ def server_command(ctx: click.Context, auto: bool) -> None:
 
     A server started this way stays up across engine restarts, so the DRAM tier stays warm
     (an auto-started one exits after its last engine leaves). Settings are read once, now. Its
-    mark hpkv.managed keeps engines from auto-starting a server there, even while it is down.
+    mark hpkv.managed keeps engines from auto-starting a server there while it is down; stopped
+    cleanly outside systemd, it removes the mark.
     """
     from hpkv.server.daemon import serve
 

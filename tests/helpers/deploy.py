@@ -102,7 +102,8 @@ class UnitServer:
         with open(self.log_path, "ab") as log:  # systemd: stdio to the journal, working directory /
             self.proc = subprocess.Popen(
                 self.command,
-                env={**_absolute_pythonpath(without_hpkv()), **self.environment},
+                # INVOCATION_ID: systemd sets it for every unit it starts
+                env={**_absolute_pythonpath(without_hpkv()), **self.environment, "INVOCATION_ID": "0" * 32},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,

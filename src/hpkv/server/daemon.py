@@ -39,7 +39,7 @@ from ..procs import peer_ids
 from ..store import TieredStore
 from . import connection
 from . import protocol as p
-from .autostart import claim_managed
+from .autostart import claim_managed, release_managed
 from .handlers import ClientInfo, Handlers
 
 if TYPE_CHECKING:
@@ -212,6 +212,8 @@ class Server:
             os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
+        if not self.auto:
+            release_managed(self.directory)
         if self.metrics is not None:
             self.metrics.stop()
         abandoned = self.store is not None and self.store.close(abandon=self._abandon)
