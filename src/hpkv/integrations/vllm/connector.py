@@ -87,6 +87,14 @@ class HpkvConnectorV1(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches) -> None:
         _side(self._worker, "worker").register_kv_caches(kv_caches)
 
+    def unregister_kv_caches(self) -> None:
+        # vLLM 0.34 calls this before sleep mode frees the KV cache: no save may still read it.
+        if self._worker is not None:
+            self._worker.drain_saves()
+
+    def restore_kv_caches(self) -> None:
+        return None  # woken, vLLM maps the KV cache at the same addresses: the views still hold
+
     def handle_preemptions(self, kv_connector_metadata) -> None:
         # Before the step's loads and forward pass write into the blocks it allocated.
         if isinstance(kv_connector_metadata, HpkvConnectorMetadata) and kv_connector_metadata.allocated:
