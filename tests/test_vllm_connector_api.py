@@ -231,7 +231,7 @@ def test_a_request_with_prompt_logprobs_leases_nothing(vllm_side, node):
 
 
 def test_unregistering_the_kv_caches_waits_for_the_saves_still_reading_them(vllm_side):
-    """Before sleep mode frees the KV cache, vLLM 0.34 has the connector unregister it: a save
+    """Before sleep mode frees the KV cache, vLLM 0.33 on has the connector unregister it: a save
     still copying from it (asynchronous saves, on an accelerator) must be done first."""
     side = vllm_side
     worker = side.worker._worker

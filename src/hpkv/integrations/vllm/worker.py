@@ -353,11 +353,6 @@ class HpkvWorker:
             self._add("save_fences", 1)
             self._add("save_wait_s", waited)
 
-    def drain_saves(self) -> None:
-        """Return once no save reads the KV cache any more (before vLLM frees it for sleep mode)."""
-        if not self.saves.drain(SAVER_JOIN_S):
-            log.warning("HPKV saves still copying after %.0f s; vLLM frees the KV cache they read", SAVER_JOIN_S)
-
     def take_stats(self) -> HpkvConnectorStats | None:
         with self._stats_lock:
             if self.stats.is_empty():
