@@ -23,9 +23,11 @@ LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
 @pytest.fixture
-def vllm_side(node, model, monkeypatch):
+def vllm_side(node, model, monkeypatch, request):
     """vLLM's Scheduler with HpkvConnectorV1 (its scheduler half) and the connector's worker
-    half over one rank's KV tensors, on a running HPKV server."""
+    half over one rank's KV tensors, on a running HPKV server. Both layers in one KV cache
+    group, or (parametrized with a window) layer 0 full attention and layer 1 a sliding window
+    of that many tokens, each in a group of its own (vLLM's hybrid KV cache manager)."""
     import torch
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -33,7 +35,7 @@ def vllm_side(node, model, monkeypatch):
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
     from hpkv.integrations.vllm import connector as conn
@@ -55,10 +57,17 @@ def vllm_side(node, model, monkeypatch):
     config.scheduler_config.max_num_batched_tokens = 64
     config.scheduler_config.enable_chunked_prefill = True
     config.cache_config.num_gpu_blocks = NUM_BLOCKS
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float16)
-    kv_cache_config = KVCacheConfig(
-        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYER_NAMES, spec)]
-    )
+    geometry = dict(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float16)
+    window = getattr(request, "param", None)
+    if window is None:
+        groups = [KVCacheGroupSpec(LAYER_NAMES, FullAttentionSpec(**geometry))]
+    else:
+        groups = [
+            KVCacheGroupSpec(LAYER_NAMES[:1], FullAttentionSpec(**geometry)),
+            KVCacheGroupSpec(LAYER_NAMES[1:], SlidingWindowSpec(**geometry, sliding_window=window)),
+        ]
+        config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
     init_none_hash(sha256)
     scheduler = Scheduler(
         vllm_config=config,
@@ -71,7 +80,7 @@ def vllm_side(node, model, monkeypatch):
     # One layer's paged KV as vLLM's CPU backend lays it out for HPKV: (blocks, heads, tokens, K|V).
     caches = {name: torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * HEAD, dtype=torch.float16) for name in LAYER_NAMES}
     worker.register_kv_caches(caches)
-    side = VllmSide(scheduler, worker, caches)
+    side = VllmSide(scheduler, worker, caches, [group.layer_names for group in groups])
     try:
         yield side
     finally:
@@ -80,8 +89,8 @@ def vllm_side(node, model, monkeypatch):
 
 
 class VllmSide:
-    def __init__(self, scheduler, worker, caches) -> None:
-        self.scheduler, self.worker, self.caches = scheduler, worker, caches
+    def __init__(self, scheduler, worker, caches, group_layers) -> None:
+        self.scheduler, self.worker, self.caches, self.group_layers = scheduler, worker, caches, group_layers
         self.requests: dict[str, object] = {}
         self.steps = 0
 
@@ -136,17 +145,20 @@ class VllmSide:
         """The model's part: the blocks this step computed get bytes that depend on their tokens
         (vLLM has already counted them as computed)."""
         stop = request.num_computed_tokens
-        (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)
-        for index in range((stop - num_scheduled) // BS, -(-stop // BS)):
-            for layer, cache in enumerate(self.caches.values()):
-                cache[block_ids[index]].fill_(float(kv_value(request.all_token_ids, index, layer)))
+        null = self.scheduler.kv_cache_manager.block_pool.null_block.block_id
+        group_ids = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)
+        for layers, block_ids in zip(self.group_layers, group_ids):
+            for index in range((stop - num_scheduled) // BS, min(-(-stop // BS), len(block_ids))):
+                for name in layers if block_ids[index] != null else ():
+                    value = kv_value(request.all_token_ids, index, LAYER_NAMES.index(name))
+                    self.caches[name][block_ids[index]].fill_(float(value))
 
     def run(self, req_id: str) -> None:
         while req_id in self.scheduler.requests:
             self.step()
 
-    def block_bytes(self, block_ids: list[int]) -> list[bytes]:
-        return [b"".join(c[b].numpy().tobytes() for c in self.caches.values()) for b in block_ids]
+    def block_bytes(self, block_ids: list[int], layers=LAYER_NAMES) -> list[bytes]:
+        return [b"".join(self.caches[name][b].numpy().tobytes() for name in layers) for b in block_ids]
 
 
 def kv_value(tokens, index: int, layer: int) -> int:
@@ -154,7 +166,7 @@ def kv_value(tokens, index: int, layer: int) -> int:
     return (sum(tokens[: (index + 1) * BS]) * 31 + index * 7 + layer) % 1000 + 1
 
 
-def expected_bytes(tokens, num_blocks: int) -> list[bytes]:
+def expected_bytes(tokens, blocks, layers=range(LAYERS)) -> list[bytes]:
     import torch
 
     return [
@@ -162,9 +174,9 @@ def expected_bytes(tokens, num_blocks: int) -> list[bytes]:
             torch.full((HEADS, BS, 2 * HEAD), float(kv_value(tokens, index, layer)), dtype=torch.float16)
             .numpy()
             .tobytes()
-            for layer in range(LAYERS)
+            for layer in layers
         )
-        for index in range(num_blocks)
+        for index in blocks
     ]
 
 
@@ -189,7 +201,7 @@ def test_a_prompt_prefilled_over_several_steps_is_saved_whole_and_loads_byte_for
 
     (new,) = out.scheduled_new_reqs
     assert new.num_computed_tokens == 4 * BS  # the 4 blocks came from HPKV
-    assert side.block_bytes(new.block_ids[0][:4]) == expected_bytes(PROMPT, 4)
+    assert side.block_bytes(new.block_ids[0][:4]) == expected_bytes(PROMPT, range(4))
 
 
 def test_a_request_resumed_after_preemption_keeps_saving_its_blocks(vllm_side):
@@ -211,7 +223,7 @@ def test_a_request_resumed_after_preemption_keeps_saving_its_blocks(vllm_side):
 
     (new,) = out.scheduled_new_reqs
     assert new.num_computed_tokens == 4 * BS
-    assert side.block_bytes(new.block_ids[0][:4]) == expected_bytes(PROMPT, 4)
+    assert side.block_bytes(new.block_ids[0][:4]) == expected_bytes(PROMPT, range(4))
 
 
 def test_a_request_with_prompt_logprobs_leases_nothing(vllm_side, node):
@@ -250,3 +262,28 @@ def test_unregistering_the_kv_caches_waits_for_the_saves_still_reading_them(vllm
     gate.set()
     assert unregistered.wait(10)
     side.worker.restore_kv_caches()  # after wake-up: the same tensors, nothing to redo
+
+
+@pytest.mark.parametrize("vllm_side", [64], indirect=True)
+def test_a_sliding_window_models_hit_loads_asynchronously_every_full_block_and_the_window(vllm_side):
+    """Layer 1 reads a 64-token window (its own KV cache group): vLLM gives it no memory for
+    blocks that left the window, so HPKV saves each of its blocks while the window holds it.
+    A hit of a hybrid model loads asynchronously: request b waits a step while the workers
+    load layer 0's 4 blocks and layer 1's 2 window blocks, then runs with all 4 computed."""
+    side = vllm_side
+    side.add("a", PROMPT)
+    side.run("a")
+    assert side.scheduler.reset_prefix_cache()
+    for cache in side.caches.values():
+        cache.zero_()
+
+    side.add("b", PROMPT)
+    first = side.step()  # the load: b waits for it
+    assert not first.num_scheduled_tokens
+    (full, window) = side.scheduler.kv_cache_manager.get_block_ids("b")
+    out = side.step()
+
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens == 4 * BS
+    assert side.block_bytes(full[:4], LAYER_NAMES[:1]) == expected_bytes(PROMPT, range(4), [0])
+    assert side.block_bytes(window[2:4], LAYER_NAMES[1:]) == expected_bytes(PROMPT, range(2, 4), [1])
