@@ -115,7 +115,7 @@ class VllmSide:
         meta = out.kv_connector_metadata
         self.worker.handle_preemptions(meta)
         self.worker.bind_connector_metadata(meta)
-        self.worker.start_load_kv(None)
+        self.worker.start_load_kv(None)  # vLLM starts asynchronous loads after the forward pass: none is read here
         ids = list(out.num_scheduled_tokens)
         sampled = []
         for req_id in ids:
@@ -153,9 +153,12 @@ class VllmSide:
                     value = kv_value(request.all_token_ids, index, LAYER_NAMES.index(name))
                     self.caches[name][block_ids[index]].fill_(float(value))
 
-    def run(self, req_id: str) -> None:
-        while req_id in self.scheduler.requests:
+    def run(self, req_id: str, max_steps: int = 20) -> None:
+        for _ in range(max_steps):
+            if req_id not in self.scheduler.requests:
+                return
             self.step()
+        raise AssertionError(f"request {req_id} still running after {max_steps} steps")
 
     def block_bytes(self, block_ids: list[int], layers=LAYER_NAMES) -> list[bytes]:
         return [b"".join(self.caches[name][b].numpy().tobytes() for name in layers) for b in block_ids]
