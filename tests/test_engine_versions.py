@@ -29,8 +29,11 @@ def _lines(caplog) -> list[str]:
         ("0.32.0+cpu", True),
         ("0.32.5", True),
         ("0.31.1", True),
+        ("0.33.0", True),
+        ("0.34.0", True),
+        ("0.34.2+cu130", True),
         ("0.30.2", False),
-        ("0.33.0rc1", False),
+        ("0.35.0rc1", False),
         ("1.0", False),
         ("", False),
     ],
@@ -66,7 +69,7 @@ def test_vllm_outside_the_range_says_one_line_and_still_registers(monkeypatch, c
         vllm_plugin.register()
         vllm_plugin.register()  # vLLM loads plugins in every process: still one line
     [line] = _lines(caplog)
-    assert "vLLM 0.29.1" in line and ">=0.31.0, <0.33.0" in line and "may fail to start" in line
+    assert "vLLM 0.29.1" in line and ">=0.31.0, <0.35.0" in line and "may fail to start" in line
     assert vllm_plugin.CONNECTOR_NAME in KVConnectorFactory._registry
 
 

@@ -38,10 +38,16 @@ def _attention(window: int | None):
 def _gemma3_config(engine_config, num_layers: int = 4):
     """vLLM's own grouping and sizing (`get_kv_cache_configs`) of Gemma 3's layers: sliding
     window (128 tokens) and full attention alternating."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-
     specs = {f"model.layers.{i}.self_attn.attn": _attention(None if i % 2 else 128) for i in range(num_layers)}
-    return get_kv_cache_configs(engine_config, [specs], [64 << 20])[0]
+    try:  # vLLM 0.33 on: the engine core groups the layers first, then sizes each worker's cache
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+
+        groups = get_global_kv_cache_groups(engine_config, [specs])
+        return get_kv_cache_configs(engine_config, [specs], [64 << 20], groups)[0]
+    except ImportError:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs as sized
+
+        return sized(engine_config, [specs], [64 << 20])[0]
 
 
 def _mamba_config(mamba_type: str, shapes, dtypes, mode: str = "align"):

@@ -15,10 +15,11 @@ import logging
 import os
 import re
 
-# engine -> (lowest tested release, first release not tested): what `make test` runs. Another
-# vLLM minor joins once `make test-vllm-other VLLM_OTHER=...` passes (docs/vllm.md).
+# engine -> (lowest tested release, first release not tested). vLLM: 0.32 by `make test`, 0.31
+# by `make test-vllm-other`, 0.33 and 0.34 (no CPU build) by `make test-vllm-wheel`; another
+# minor joins once its run passes (docs/vllm.md, "Tested versions").
 TESTED: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
-    "vLLM": ((0, 31, 0), (0, 33, 0)),
+    "vLLM": ((0, 31, 0), (0, 35, 0)),
     "SGLang": ((0, 5, 23), (0, 5, 24)),
 }
 # What the engine's side of HPKV leans on, said in the line.

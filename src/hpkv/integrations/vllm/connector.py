@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # each half is imported only by the process that runs it
 log = logging.getLogger("hpkv.vllm")
 
 _H = TypeVar("_H")
+_DRAIN_S = 30.0  # before sleep mode frees the KV cache, for the saves still copying from it
 
 
 class HpkvConnectorV1(KVConnectorBase_V1, SupportsHMA):
@@ -91,6 +92,14 @@ class HpkvConnectorV1(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches) -> None:
         _side(self._worker, "worker").register_kv_caches(kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        # vLLM 0.33 on calls this before sleep mode frees the KV cache: no save may still read it.
+        if self._worker is not None and not self._worker.saves.drain(_DRAIN_S):
+            log.warning("HPKV saves still copying after %.0f s; vLLM frees the KV cache they read", _DRAIN_S)
+
+    def restore_kv_caches(self) -> None:
+        return None  # woken, vLLM maps the KV cache at the same addresses: the views still hold
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         # Before the step's loads and forward pass write into the blocks it allocated.

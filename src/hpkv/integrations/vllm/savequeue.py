@@ -2,7 +2,7 @@
 block a queued save still reads.
 
 Owns: the queue, the saver thread (started on the first save) and the count of queued saves
-reading each block. Primitives: `put(save)`, `fence(block_ids)`, `close(join_s)`.
+reading each block. Primitives: `put(save)`, `fence(block_ids)`, `drain(timeout_s)`, `close(join_s)`.
 Must not know: what a save does (the worker's `save` callable), the server, vLLM.
 """
 
@@ -30,6 +30,7 @@ class SaveQueue(Generic[S]):
         self._reading: dict[int, int] = {}  # block id -> queued saves that still read it
         self._thread: threading.Thread | None = None
         self._closing = False
+        self._pending = 0  # saves put and not yet done
 
     @property
     def idle(self) -> bool:
@@ -40,6 +41,7 @@ class SaveQueue(Generic[S]):
         with self._cond:
             for block in save.block_ids:
                 self._reading[block] = self._reading.get(block, 0) + 1
+            self._pending += 1
             self._queue.append(save)
             self._cond.notify_all()
             if self._thread is None:
@@ -56,6 +58,17 @@ class SaveQueue(Generic[S]):
             while any(block in self._reading for block in block_ids):
                 self._cond.wait()
         return time.perf_counter() - started
+
+    def drain(self, timeout_s: float) -> bool:
+        """Return once every save put so far is done (True), or after `timeout_s` (False)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
 
     def close(self, join_s: float) -> None:
         """Let the queued saves finish (waiting at most `join_s`), then stop the thread."""
@@ -77,6 +90,7 @@ class SaveQueue(Generic[S]):
                 self._save(save)
             finally:
                 with self._cond:
+                    self._pending -= 1
                     for block in save.block_ids:
                         left = self._reading[block] - 1
                         if left:

@@ -20,7 +20,7 @@ from ...config import Settings
 from ...errors import HpkvError
 from ...server.client import Client
 from ...types import HOLD_TIMEOUT_S, Tier
-from . import groups, mamba, modelid, optout, outputs, probes
+from . import compat, groups, mamba, modelid, optout, outputs, probes
 from . import layout as lay
 from .holds import SaveHolds
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats, LoadJob
@@ -93,7 +93,7 @@ class HpkvScheduler:
             return 0, False
         if not optout.may_load(request):  # kv_transfer_params {"hpkv_load": false}
             return 0, False
-        if getattr(request, "skip_reading_prefix_cache", False):  # e.g. prompt logprobs: vLLM drops any hit
+        if compat.skips_external_kv(request):  # e.g. prompt logprobs: vLLM drops any hit
             state.release(self.client)
             return 0, False
         start = num_computed_tokens // self.block_size
@@ -285,7 +285,7 @@ class HpkvScheduler:
             if state is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
+            if req_id in compat.resumed_req_ids(cached):
                 state.set_blocks(new_ids)
             elif new_ids:
                 state.add_blocks(new_ids)
