@@ -9,6 +9,7 @@ import shutil
 import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hpkv import identity as ident
@@ -85,9 +86,81 @@ def test_a_fine_tune_of_one_tensor_changes_the_identity(tmp_path):
     """Every tensor is sampled: the one tensor a partial fine-tune changed is seen."""
     base = make_model(tmp_path / "base", seed=1, num_tensors=64, tensor_bytes=256 << 10, changed=63)
     tuned = make_model(tmp_path / "tuned", seed=2, num_tensors=64, tensor_bytes=256 << 10, changed=63)
-    assert (base / "model.safetensors").stat().st_size > ident.FULL_READ_BYTES
 
     assert digest(base) != digest(tuned)
+
+
+# -- partial fine-tunes (issue 31, row 1): a changed byte anywhere is another identity -------------
+
+
+def write_tensors(directory: Path, tensors: dict[str, np.ndarray]) -> None:
+    """`directory`/model.safetensors, of these float16 tensors in this order."""
+    tensors = {name: np.ascontiguousarray(array, dtype=np.float16) for name, array in tensors.items()}
+    header, offset = {}, 0
+    for name, array in tensors.items():
+        header[name] = {"dtype": "F16", "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    text = json.dumps(header).encode()
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for array in tensors.values():
+            f.write(array.tobytes())
+
+
+def decoder(num_layers: int, hidden: int = 32, vocab: int = 0) -> dict[str, np.ndarray]:
+    """The tensors of a decoder with random weights (seed 0), as a checkpoint lists them."""
+    rng = np.random.default_rng(0)
+    tensors = {}
+    if vocab:
+        tensors["model.embed_tokens.weight"] = rng.standard_normal((vocab, hidden), dtype=np.float32)
+    for i in range(num_layers):
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            tensors[f"model.layers.{i}.self_attn.{proj}.weight"] = rng.standard_normal(
+                (hidden, hidden), dtype=np.float32
+            )
+    return tensors
+
+
+def test_two_hundred_retuned_embedding_rows_change_the_identity(tmp_path):
+    """Tokens added or retuned: 200 rows of a 16 MiB embedding, the rest of the checkpoint as it was."""
+    base = decoder(4, hidden=512, vocab=16384)
+    write_tensors(tmp_path / "base", base)
+    tuned = dict(base)
+    tuned["model.embed_tokens.weight"] = embed = base["model.embed_tokens.weight"].copy()
+    embed[3000:3200] += np.random.default_rng(1).standard_normal((200, 512), dtype=np.float32)
+    write_tensors(tmp_path / "tuned", tuned)
+
+    assert digest(tmp_path / "tuned") != digest(tmp_path / "base")
+
+
+def test_one_fine_tuned_k_proj_in_a_checkpoint_of_1200_tensors_changes_the_identity(tmp_path):
+    base = decoder(300, hidden=64)
+    write_tensors(tmp_path / "base", base)
+    tuned = dict(base)
+    name = "model.layers.137.self_attn.k_proj.weight"
+    tuned[name] = base[name] + np.random.default_rng(2).standard_normal((64, 64), dtype=np.float32)
+    write_tensors(tmp_path / "tuned", tuned)
+
+    assert digest(tmp_path / "tuned") != digest(tmp_path / "base")
+
+
+def test_a_merged_rank_4_lora_changes_the_identity(tmp_path):
+    """W + (alpha / r) B A on the k and o projections of ten layers (PEFT's target_modules and
+    layers_to_transform), B and A as a short training leaves them: most weights keep their bytes."""
+    base = decoder(300, hidden=64)
+    write_tensors(tmp_path / "base", base)
+    rng = np.random.default_rng(3)
+    merged = dict(base)
+    for name, weight in base.items():
+        if name.endswith(("k_proj.weight", "o_proj.weight")) and 140 <= int(name.split(".")[2]) < 150:
+            b, a = rng.standard_normal((64, 4)) * 1e-3, rng.standard_normal((4, 64)) * 1e-3
+            merged[name] = weight + 2.0 * b @ a
+    write_tensors(tmp_path / "merged", merged)
+    kept = np.fromfile(tmp_path / "merged" / "model.safetensors", np.uint8)
+    assert 0.99 < (kept == np.fromfile(tmp_path / "base" / "model.safetensors", np.uint8)).mean() < 1
+
+    assert digest(tmp_path / "merged") != digest(tmp_path / "base")
 
 
 def test_a_config_change_changes_the_identity_and_the_tokenizer_does_not(tmp_path):
@@ -133,12 +206,12 @@ def test_hugging_face_cache_links_are_read_through(tmp_path):
     assert digest(snapshot) == digest(model)
 
 
-def test_a_single_weight_file_of_another_format_is_sampled(tmp_path):
+def test_a_single_weight_file_of_another_format_is_read_whole(tmp_path):
     gguf = tmp_path / "model.gguf"
     data = bytearray(_bytes(5, 20 << 20))
     gguf.write_bytes(data)
     before = digest(gguf)
-    data[len(data) - (16 << 10) :] = _bytes(7, 16 << 10)  # the end is always read
+    data[7 << 20] ^= 1  # one bit, anywhere
     gguf.write_bytes(data)
     assert digest(gguf) != before
     assert fingerprint(gguf).num_weight_files == 1

@@ -29,10 +29,10 @@ import torch
 
 from ...config import Settings
 from ...errors import HpkvError
+from ...keys import NamespaceDesc
 from ...server.client import Client, Reservation
 from ...transfer.blocks import BlockCopier
 from . import layout as lay
-from . import modelid
 from .holds import HpkvWorkerMeta
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats
 from .savequeue import SaveQueue
@@ -68,8 +68,7 @@ class HpkvWorker:
         self.kv_cache_config = kv_cache_config
         self.rank = rank
         self.layouts = lay.group_layouts(vllm_config, kv_cache_config)
-        identity = modelid.model_identity(vllm_config, settings.model_id)
-        self.descs = [lay.namespace(vllm_config, layout, rank, identity) for layout in self.layouts]
+        self.descs: list[NamespaceDesc] = []  # once the scheduler's metadata names the model (learn)
         self.client = Client(
             settings.pool.dir,
             kind=f"vllm-worker-{rank}",
@@ -120,22 +119,32 @@ class HpkvWorker:
         ):
             log.warning("HPKV: torch.%s has no streams and events; saves are synchronous", device)
             self.async_saves = False
-        self._connect()
         log.info(
-            "HPKV worker rank %d: %s layers, %s bytes per block entry, namespace %s, %s saves",
+            "HPKV worker rank %d: %s layers, %s bytes per block entry, %s saves",
             self.rank,
             "+".join(str(len(layout.layer_names)) for layout in self.layouts),
             "+".join(str(layout.entry_bytes) for layout in self.layouts),
-            ",".join(self.nss or ["(server unavailable)"]),
             "asynchronous" if self.async_saves else "synchronous",
         )
+
+    def learn(self, meta: HpkvConnectorMetadata) -> None:
+        """The model's identity, from the scheduler's metadata once it knows it (no load or save
+        comes before): this rank's namespaces follow from it."""
+        if self.descs or meta.identity is None:
+            return
+        self.descs = [lay.namespace(self.vllm_config, layout, self.rank, meta.identity) for layout in self.layouts]
+        if self._connect() is not None:
+            log.info("HPKV worker rank %d: namespace %s", self.rank, ",".join(self.nss or []))
 
     def _add(self, name: str, value: float) -> None:
         with self._stats_lock:
             self.stats.add(name, value)
 
     def _connect(self) -> list[str] | None:
-        """Register this rank's namespaces (one per KV cache group); None while the server is unavailable."""
+        """Register this rank's namespaces (one per KV cache group); None while the server is
+        unavailable or the model's identity is not known."""
+        if not self.descs:
+            return None
         try:
             self.nss = [self.client.register(desc) for desc in self.descs]
             return self.nss
@@ -152,6 +161,7 @@ class HpkvWorker:
     # -- loads --------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: HpkvConnectorMetadata) -> None:
+        self.learn(meta)
         for job in meta.loads:
             started = time.perf_counter()
             num_loaded = self._load(job)
@@ -251,6 +261,7 @@ class HpkvWorker:
     # -- saves --------------------------------------------------------------------------------
 
     def wait_for_save(self, meta: HpkvConnectorMetadata) -> None:
+        self.learn(meta)
         by_group: dict[int, tuple[list[bytes], list[int]]] = {}
         for job in meta.saves:
             keys, block_ids = by_group.setdefault(job.group, ([], []))
