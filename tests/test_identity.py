@@ -4,14 +4,18 @@ new config, or a `current` link switched to another version do not. Real files, 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import struct
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from hpkv import filedigest
 from hpkv import identity as ident
 from hpkv.identity import NoContentIdentity, content_identity, fingerprint
 
@@ -285,3 +289,115 @@ def test_hpkv_status_shows_each_namespace_identity_and_where_it_came_from():
     text = console.export_text()
     assert "content:0123abcd+quantization=fp8" in text and source in text
     assert "model from" in text
+
+
+# -- the cost: each file read once per version, Hugging Face blobs not at all ------------------------
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """This test's digest cache, with files written a moment ago remembered too."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(filedigest, "RACY_S", 0.0)
+
+
+def test_a_later_start_reads_nothing_and_a_file_rewritten_in_place_is_read_again(tmp_path):
+    model = make_model(tmp_path / "model")
+    first = fingerprint(model)
+    assert first.num_bytes_read > 12 << 20
+
+    again = fingerprint(model)
+    assert again.num_bytes_read == 0 and again.num_remembered == 2 and again.digest == first.digest
+
+    weights = model / "model.safetensors"
+    st = weights.stat()
+    with open(weights, "r+b") as f:  # one byte, same size, and the mtime put back: the ctime moves
+        f.seek(st.st_size // 3)
+        f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    changed = fingerprint(model)
+    assert changed.num_bytes_read == st.st_size and changed.digest != first.digest
+
+
+def test_a_cache_directory_others_can_write_or_a_link_is_not_used(tmp_path, caplog):
+    model = make_model(tmp_path / "model")
+    cache = filedigest.cache_dir()
+    cache.mkdir(parents=True)
+    cache.chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger="hpkv.identity"):
+        assert fingerprint(model).digest == fingerprint(model).digest
+    assert fingerprint(model).num_remembered == 0 and list(cache.iterdir()) == []
+    assert "others can write it" in caplog.text
+
+    cache.rmdir()
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    cache.symlink_to(tmp_path / "elsewhere")
+    fingerprint(model)
+    assert fingerprint(model).num_remembered == 0 and list((tmp_path / "elsewhere").iterdir()) == []
+
+
+def hub_snapshot(root: Path, model: Path) -> Path:
+    """`model` as huggingface_hub caches it: weights in blobs named by their sha256, linked from
+    the snapshot after they are written; small files kept in git under their git sha1."""
+    import hashlib
+
+    repo = root / "models--acme--tiny"
+    snapshot = repo / "snapshots" / ("ab" * 20)
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for file in sorted(model.iterdir()):
+        data = file.read_bytes()
+        if file.suffix == ".safetensors":
+            name = hashlib.sha256(data).hexdigest()
+        else:
+            name = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        (repo / "blobs" / name).write_bytes(data)
+        (snapshot / file.name).symlink_to(f"../../blobs/{name}")
+    return snapshot
+
+
+def test_hugging_face_blobs_are_taken_by_name_and_share_with_a_plain_copy(tmp_path):
+    model = make_model(tmp_path / "model")
+    snapshot = hub_snapshot(tmp_path / "hub", model)
+
+    got = fingerprint(snapshot)
+
+    assert got.digest == fingerprint(model).digest
+    assert got.num_named == 1 and got.num_bytes_read < 1 << 20  # the config files only (git sha1: read)
+
+
+def test_a_blob_written_through_its_link_is_read_not_trusted_by_name(tmp_path):
+    """save_pretrained over a snapshot writes through the links, into the blobs."""
+    model = make_model(tmp_path / "model")
+    snapshot = hub_snapshot(tmp_path / "hub", model)
+    before = fingerprint(snapshot).digest
+    time.sleep(0.05)  # past the link's timestamp tick
+
+    write_safetensors(snapshot / "model.safetensors", seed=2)
+
+    got = fingerprint(snapshot)
+    assert got.num_named == 0 and got.digest != before
+
+
+def test_a_blob_others_can_write_is_read_not_trusted_by_name(tmp_path):
+    snapshot = hub_snapshot(tmp_path / "hub", make_model(tmp_path / "model"))
+    (snapshot.parents[1] / "blobs").chmod(0o777)
+
+    assert fingerprint(snapshot).num_named == 0
+
+
+def test_an_identity_being_computed_is_none_until_known():
+    started, release = threading.Event(), threading.Event()
+
+    def compute():
+        started.set()
+        release.wait(10)
+        return ident.override_identity("m")
+
+    task = ident.IdentityTask(compute, "scope")
+    started.wait(10)
+    assert task.get() is None
+
+    release.set()
+    assert task.wait(10) == ident.override_identity("m") == task.get()
