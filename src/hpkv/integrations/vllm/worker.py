@@ -12,7 +12,8 @@ overwritten: vLLM writes only into blocks it allocated for the step, which the m
 A save that cannot happen (server gone, pool full) is skipped: a future miss, never an error; a
 load that cannot happen is reported as failed blocks, which vLLM recomputes (a hybrid model's,
 asynchronous to vLLM, as a failed request: `take_recving`). Each KV cache group has its
-namespace and copier.
+namespace and copier; the namespaces are named by the model's identity, which the scheduler
+computes and sends in its metadata once known (the workers read no weight file for it).
 Must not know: what to load or save (the scheduler half), the store.
 """
 
@@ -29,6 +30,7 @@ import torch
 
 from ...config import Settings
 from ...errors import HpkvError
+from ...identity import ModelIdentity
 from ...keys import NamespaceDesc
 from ...server.client import Client, Reservation
 from ...transfer.blocks import BlockCopier
@@ -68,7 +70,7 @@ class HpkvWorker:
         self.kv_cache_config = kv_cache_config
         self.rank = rank
         self.layouts = lay.group_layouts(vllm_config, kv_cache_config)
-        self.descs: list[NamespaceDesc] = []  # once the scheduler's metadata names the model (learn)
+        self.descs: list[NamespaceDesc] = []  # once the scheduler's metadata names the model (_connect)
         self.client = Client(
             settings.pool.dir,
             kind=f"vllm-worker-{rank}",
@@ -127,22 +129,17 @@ class HpkvWorker:
             "asynchronous" if self.async_saves else "synchronous",
         )
 
-    def learn(self, meta: HpkvConnectorMetadata) -> None:
-        """The model's identity, from the scheduler's metadata once it knows it (no load or save
-        comes before): this rank's namespaces follow from it."""
-        if self.descs or meta.identity is None:
-            return
-        self.descs = [lay.namespace(self.vllm_config, layout, self.rank, meta.identity) for layout in self.layouts]
-        if self._connect() is not None:
-            log.info("HPKV worker rank %d: namespace %s", self.rank, ",".join(self.nss or []))
-
     def _add(self, name: str, value: float) -> None:
         with self._stats_lock:
             self.stats.add(name, value)
 
-    def _connect(self) -> list[str] | None:
-        """Register this rank's namespaces (one per KV cache group); None while the server is
-        unavailable or the model's identity is not known."""
+    def _connect(self, identity: ModelIdentity | None = None) -> list[str] | None:
+        """Register this rank's namespaces (one per KV cache group), named by the model's identity,
+        which the scheduler's metadata carries once it knows it (no load or save comes before);
+        None while the server is unavailable or the identity is not known."""
+        if not self.descs and identity is not None:
+            self.descs = [lay.namespace(self.vllm_config, layout, self.rank, identity) for layout in self.layouts]
+            log.info("HPKV worker rank %d: namespace model %s", self.rank, self.descs[0].model)
         if not self.descs:
             return None
         try:
@@ -161,7 +158,8 @@ class HpkvWorker:
     # -- loads --------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: HpkvConnectorMetadata) -> None:
-        self.learn(meta)
+        if self.nss is None:
+            self._connect(meta.identity)
         for job in meta.loads:
             started = time.perf_counter()
             num_loaded = self._load(job)
@@ -261,7 +259,8 @@ class HpkvWorker:
     # -- saves --------------------------------------------------------------------------------
 
     def wait_for_save(self, meta: HpkvConnectorMetadata) -> None:
-        self.learn(meta)
+        if self.nss is None:
+            self._connect(meta.identity)
         by_group: dict[int, tuple[list[bytes], list[int]]] = {}
         for job in meta.saves:
             keys, block_ids = by_group.setdefault(job.group, ([], []))
