@@ -43,7 +43,8 @@ from pathlib import Path
 
 log = logging.getLogger("hpkv.identity")
 
-READ_BYTES = 16 << 20  # per read: large enough that hashlib hashes it without the GIL
+READ_BYTES = 4 << 20  # per read and thread: hashlib hashes buffers this large without the GIL
+LOCK_BYTES_S = 256 << 20  # another process hashing a file gets this long per byte before we hash it too
 RACY_S = 2.0  # a file changed this recently is hashed but not remembered
 MAX_ENTRIES = 20_000  # the cache's bound; the least recently written entries go first
 HASH_NICE = 10  # hashing threads yield the cores to the engine's own start-up
@@ -90,11 +91,7 @@ def _digest(path: Path, cache: _Cache | None) -> tuple[str, int]:
             raise OSError(f"{path} is not a regular file")
         if cache and (known := cache.get(before)):
             return known, 0
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # another engine process hashing it: wait for its entry
-        except OSError:
-            pass  # a file system without locks: hash it here too
-        if cache and (known := cache.get(before)):
+        if _lock(fd, 5.0 + before.st_size / LOCK_BYTES_S) and cache and (known := cache.get(before)):
             return known, 0
         started = time.time()
         h, num = hashlib.sha256(), 0
@@ -113,6 +110,22 @@ def _digest(path: Path, cache: _Cache | None) -> tuple[str, int]:
         return h.hexdigest(), num
     finally:
         os.close(fd)
+
+
+def _lock(fd: int, timeout_s: float) -> bool:
+    """Wait (boundedly) for another engine process hashing this file; True if it may have finished.
+    A file system without flock, or a lock held too long by anyone, and the file is hashed here too."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        except OSError:
+            return False
 
 
 def _version(st: os.stat_result) -> tuple[int, ...]:
