@@ -49,7 +49,7 @@ NUMERICS_ARGS = (("quantization", None), ("modelopt_quant", None), ("dtype", "au
 OUTSIDE_ARGS = ("modelopt_checkpoint_restore_path", "custom_weight_loader", "decrypted_config_file", "rl_quant_profile")
 
 
-def _launch_scope() -> str:
+def launch_scope() -> str:
     """What the TP ranks of one SGLang launch share, and no other launch has: the launching
     process (their parent) and its start time (pids are reused). An MLA model's ranks read the
     namespace rank 0 writes, so a private identity per rank process would never hit."""
@@ -62,7 +62,7 @@ def _launch_scope() -> str:
     return f"{socket.gethostname()}-{ppid}-{started}"
 
 
-_PROCESS_SCOPE = _launch_scope()
+_PROCESS_SCOPE = launch_scope()
 
 
 def model_identity(args, override: str | None) -> ModelIdentity:
