@@ -121,6 +121,11 @@ class HpkvWorker:
         ):
             log.warning("HPKV: torch.%s has no streams and events; saves are synchronous", device)
             self.async_saves = False
+        try:  # the server reached (or started) now, not at the first request
+            self.client.connect()
+        except HpkvError as exc:
+            log.warning("HPKV server unavailable for worker rank %d: %s", self.rank, exc)
+            self._add("server_errors", 1)
         log.info(
             "HPKV worker rank %d: %s layers, %s bytes per block entry, %s saves",
             self.rank,
