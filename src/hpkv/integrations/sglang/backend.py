@@ -69,6 +69,7 @@ class HpkvStorage(HiCacheStorage):
         # The model's identity reads every byte of files not seen before: on a thread of its own.
         # Until it is known the namespace is unbound: every lookup a miss, nothing stored (PageIO.run).
         self.identity = IdentityTask(lambda: self._bind(layout), f"sglang-{modelid.launch_scope()}")
+        self.identity.wait(modelid.START_WAIT_S)  # remembered (or small): serve with HPKV from the start
         config = self.storage_config
         if layout.layer_sharded and config.is_mla_model and config.tp_size > 1:
             # Each TP rank holds other layers, so each has its own namespace; but SGLang treats

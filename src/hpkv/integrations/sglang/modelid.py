@@ -63,6 +63,7 @@ def launch_scope() -> str:
 
 
 _PROCESS_SCOPE = launch_scope()
+START_WAIT_S = 1.0  # how long registration waits for the identity before SGLang serves without it
 
 
 def model_identity(args, override: str | None) -> ModelIdentity:

@@ -58,6 +58,7 @@ LOCAL_LOAD_FORMATS = frozenset(
     )
 )
 _PROCESS_SCOPE = uuid.uuid4().hex[:12]  # a vLLM without instance_id: private to this process
+START_WAIT_S = 1.0  # how long the scheduler half waits for the identity before vLLM serves without it
 
 
 def model_identity(vllm_config, override: str | None) -> ModelIdentity:
@@ -88,9 +89,12 @@ def model_identity(vllm_config, override: str | None) -> ModelIdentity:
 
 
 def identity_task(vllm_config, override: str | None) -> IdentityTask:
-    """`model_identity` on a thread of its own."""
+    """`model_identity` on a thread of its own, waited for START_WAIT_S: a model whose files are
+    remembered (or small) starts with HPKV on; a first start of large weights goes on without."""
     scope = f"vllm-{getattr(vllm_config, 'instance_id', '') or _PROCESS_SCOPE}"
-    return IdentityTask(lambda: model_identity(vllm_config, override), scope)
+    task = IdentityTask(lambda: model_identity(vllm_config, override), scope)
+    task.wait(START_WAIT_S)
+    return task
 
 
 def _other_models(vllm_config) -> list[tuple[str, str, str | None]]:
