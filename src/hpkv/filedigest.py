@@ -84,7 +84,7 @@ def _lower_priority() -> None:
 
 def _digest(path: Path, cache: _Cache | None) -> tuple[str, int]:
     """(hex digest, bytes read: 0 when remembered)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO planted as a weight file: no hang
     try:
         before = os.fstat(fd)
         if not stat.S_ISREG(before.st_mode):
