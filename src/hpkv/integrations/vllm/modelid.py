@@ -63,7 +63,7 @@ START_WAIT_S = 1.0  # how long the scheduler half waits for the identity before 
 
 def model_identity(vllm_config, override: str | None) -> ModelIdentity:
     """The identity of the weights this engine serves (see the module docstring). Reads every
-    byte of files not seen before: call it off the engine's critical path (`AsyncIdentity`)."""
+    byte of files not seen before: call it off the engine's critical path (`identity_task`)."""
     model = vllm_config.model_config
     load = vllm_config.load_config
     scope = f"vllm-{getattr(vllm_config, 'instance_id', '') or _PROCESS_SCOPE}"
