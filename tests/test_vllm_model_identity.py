@@ -10,6 +10,7 @@ import importlib.util
 import logging
 import pickle
 import shutil
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -100,6 +101,32 @@ def test_hpkv_model_id_replaces_the_content(model, tmp_path):
     assert dict(with_quantization.extra)["model_source"] == "HPKV_MODEL_ID"
 
 
+def test_hpkv_model_id_keeps_the_draft_model(model, tmp_path):
+    """Issue 31, row 2: two engines with one HPKV_MODEL_ID and different draft models."""
+    drafts = [tmp_path / "draft-1", tmp_path / "draft-2"]
+    shutil.copytree(model, drafts[0])
+    shutil.copytree(model, drafts[1])
+    reseed(drafts[1], seed=4)
+    configs = [engine_config(model) for _ in drafts]
+    for config, draft in zip(configs, drafts):
+        config.speculative_config = SimpleNamespace(draft_model_config=SimpleNamespace(model=str(draft), revision=None))
+
+    one, two = (desc(config, "team/qwen@1") for config in configs)
+
+    assert one.ns != two.ns
+    assert one.ns != desc(engine_config(model), "team/qwen@1").ns  # and none is the plain model's
+
+
+def test_hpkv_model_id_cannot_pass_for_other_parts(model):
+    """Issue 31, row 3: the override's text cannot spell what the engine adds (`+quantization=`)."""
+    spelled = desc(engine_config(model), "m+quantization=fp8")
+    quantized = desc(engine_config(model, quantization="fp8"), "m")
+
+    assert spelled.ns != quantized.ns
+    assert quantized.model == "HPKV_MODEL_ID:m+quantization=fp8"
+    assert spelled.model == "HPKV_MODEL_ID:m%2Bquantization%3Dfp8"
+
+
 def test_a_loader_hpkv_cannot_read_gives_a_private_namespace_and_says_why(model, caplog):
     config = engine_config(model)
     config.load_config.load_format = "tensorizer"
@@ -134,7 +161,7 @@ def test_a_lora_request_is_neither_looked_up_nor_saved(node, caplog):
     assert "LoRA" in caplog.text
     state = scheduler._reqs["r"]
     state.block_ids = [1, 2, 3, 4, 5]
-    meta = HpkvConnectorMetadata(loads=[], allocated=[], seq=1)
+    meta = HpkvConnectorMetadata(loads=[], allocated=[], seq=1, identity=scheduler.identity.get())
     scheduler._add_saves(meta, "r", state, 5 * BS)
     assert meta.saves == []
 
@@ -157,6 +184,32 @@ def test_a_lora_request_that_skips_the_prefix_cache_is_not_saved_either(node):
     assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
     state = scheduler._reqs["r"]
     state.block_ids = [1, 2, 3, 4, 5]
-    meta = HpkvConnectorMetadata(loads=[], allocated=[], seq=1)
+    meta = HpkvConnectorMetadata(loads=[], allocated=[], seq=1, identity=scheduler.identity.get())
     scheduler._add_saves(meta, "r", state, 5 * BS)
     assert meta.saves == []
+
+
+def test_until_the_identity_is_known_nothing_is_loaded_or_saved(node):
+    """The scheduler reads the model's files on a thread of its own: meanwhile every lookup is a
+    miss and no step saves, so no KV enters or leaves a namespace another engine could share."""
+    from hpkv.identity import IdentityTask, override_identity
+    from hpkv.integrations.vllm.metadata import HpkvConnectorMetadata
+
+    scheduler = scheduler_half(node, 1)
+    release = threading.Event()
+    scheduler.identity = IdentityTask(lambda: override_identity("test") if release.wait(10) else None, "scope")
+    request = prompt(node, scheduler, 4)
+
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    state = scheduler._reqs["r"]
+    state.block_ids = [1, 2, 3, 4, 5]
+    meta = HpkvConnectorMetadata(loads=[], allocated=[], seq=1, identity=scheduler.identity.get())
+    scheduler._add_saves(meta, "r", state, 5 * BS)
+    assert meta.saves == [] and meta.identity is None
+
+    release.set()
+    assert scheduler.identity.wait(10) is not None
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (4 * BS, False)
+    meta = HpkvConnectorMetadata(loads=[], allocated=[], seq=2, identity=scheduler.identity.get())
+    scheduler._add_saves(meta, "r", state, 5 * BS)
+    assert len(meta.saves) == 1 and meta.identity == override_identity("test")

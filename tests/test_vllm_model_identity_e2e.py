@@ -1,13 +1,15 @@
 """A model's identity on real vLLM engines sharing one storage directory, three engine starts:
 
 - A serves a prompt at path P, and its KV lands on storage; A stops (and its HPKV server).
-- Model B's weights (another seed, same names, shapes and sizes) are put at P, and a copy of A
-  made before sits at Q. Two engines start side by side over the same storage directory:
-  B at P on node 1, and A's copy at Q on node 2 (a pool directory of its own: another node).
-- B at P gets no HPKV hit for the prompt and answers as B (its own KV); the copy at Q gets
-  storage hits from A's files and answers exactly as A did.
+- Model B, A with 200 embedding rows retuned (the rows of the prompt's first 200 distinct
+  tokens; every other byte as it was: a partial fine-tune), is put at P, and a copy of A made
+  before sits at Q. Two engines start side by side over the same storage directory: B at P on
+  node 1, and A's copy at Q on node 2 (a pool directory of its own: another node).
+- Once each knows its model's identity, B at P gets no HPKV hit for the prompt and answers as B
+  (its own KV); the copy at Q gets storage hits from A's files and answers exactly as A did.
 
-Before model identity the namespace was the model path: B was served A's KV, Q missed.
+Before model identity the namespace was the model path: B was served A's KV, Q missed; before
+identity by every byte, a checkpoint over 8 MiB was sampled and B was served A's KV (issue 31).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import pytest
 from helpers.processes import wait_gone
 from helpers.server import kill_server, server_pid, server_stats
 from helpers.storage import settled_files
-from helpers.vllm import Engine, num_saved_blocks, reseed, same_output, start_all, without_hpkv_environ
+from helpers.vllm import Engine, num_saved_blocks, retune_rows, same_output, start_all, without_hpkv_environ
 from helpers.waiting import wait_for
 from hpkv.demo.model import prompt_text
 
@@ -81,18 +83,22 @@ def test_new_weights_at_the_path_get_their_own_kv_and_a_copy_elsewhere_shares(pl
         first = a.complete(PROMPT)
         settled_files(root / "storage", at_least=num_saved_blocks(first))
         a_answer = a.reference(PROMPT)  # A's own prefix-cache hit: no HPKV load on this engine yet
+        retuned = list(dict.fromkeys(a.tokenize(PROMPT)))[:200]
     finally:
         pid = server_pid(shm1)
         a.stop()
         if pid is not None:
             wait_gone(pid, timeout_s=30)
 
-    reseed(PATH_P, seed=2)  # model B where A was
+    assert len(retuned) == 200
+    retune_rows(PATH_P, retuned, seed=2)  # model B where A was
     b = Engine("b-at-p", PATH_P, env(root, shm1), root / "logs")
     copy = Engine("a-at-q", PATH_Q, env(root, shm2), root / "logs")
     try:
         start_all([b, copy])
         wait_for(lambda: server_stats(shm2).storage.index_ready, timeout_s=60, what="node 2's storage index")
+        for engine in (b, copy):  # until then an engine loads and saves nothing
+            wait_for(lambda e=engine: "HPKV model identity known" in e.log_text(), timeout_s=60, what="the identity")
 
         before = b.counters()
         b_answer = b.complete(PROMPT)

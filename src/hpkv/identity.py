@@ -6,18 +6,23 @@ shares (sharing over a shared storage tier is the point); weights replaced in pl
 `current -> v1` link switched to v2, do not. Never in it: paths, mtimes, owners, the Hugging Face
 revision (reported, not hashed, so a copied snapshot still shares).
 
-Read once per process (cached), from the model directory's top level only: config files whole
-(every `*.json` but the tokenizer's and the generation config's, which cannot change the KV of
-given token ids; `*.py`; `*.yaml`/`*.yml`); weight files (`WEIGHT_SUFFIXES`) by name and size,
-whole when small, else sampled (the safetensors header, a sample of every tensor, NUM_CHUNKS
-chunks): about TENSOR_SAMPLE_BUDGET + CHUNK_BUDGET reads per model, plus a header per file.
-A change none of these bytes sees keeps the identity: such deployments set HPKV_MODEL_ID.
-A hub id is read from its local snapshot, found as the engines find it; a model that cannot be
-found or read has no content identity, and the caller uses a private one (never shared).
+Read from the model directory's top level only: config files (every `*.json` but the tokenizer's
+and the generation config's, which cannot change the KV of given token ids; `*.py`;
+`*.yaml`/`*.yml`) and weight files (`WEIGHT_SUFFIXES`), each by name, size and the sha256 of every
+byte (`filedigest`: hashed once per file version on threads, remembered in this user's cache,
+Hugging Face blobs taken by name), so that a change of any byte gives another identity. Computed
+once per process (cached). A hub id is read from its local snapshot, found as the engines find
+it; a model that cannot be found or read has no content identity, and the caller uses a private
+one (never shared).
+
+A namespace's model text joins the identity with what else changes the KV (`model_text`):
+`id+name=value+...`, every name and value escaped (`escape`: `%`, `+` and `=` percent-encoded),
+so no HPKV_MODEL_ID value or override text can pass for another combination of parts.
 
 Primitives: `content_identity(model, revision, download_dir)` (cached; `forget()`), `fingerprint(path)`,
 `override_identity(value)`, `private_identity(reason, scope)`, `unreadable_identity(reason, scope, why)`,
-`loader_identity(load_format, local_formats, override, scope)`, `ModelIdentity`.
+`loader_identity(load_format, local_formats, override, scope)`, `ModelIdentity`, `IdentityTask`, `escape(text)`,
+`model_text(identity_id, parts)`.
 Must not know: engines (no torch, vLLM or SGLang here), namespaces, the pool.
 """
 
@@ -27,17 +32,19 @@ import functools
 import hashlib
 import logging
 import os
-import re
 import struct
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import filedigest
 from .units import human_bytes
 
 log = logging.getLogger("hpkv.identity")
 
-FORMAT = b"hpkv-model-fingerprint-1"
+FORMAT = b"hpkv-model-fingerprint-2"  # 2: every byte (1 sampled large files)
 DIGEST_BYTES = 16
 WEIGHT_SUFFIXES = (
     ".safetensors",
@@ -68,17 +75,6 @@ NOT_KV_FILES = frozenset(
         "chat_template.json",
     )
 )
-FULL_READ_BYTES = 8 << 20  # a file up to this size is hashed whole
-CONFIG_MAX_BYTES = 64 << 20  # a config-like file larger than this is sampled like a weight file
-NUM_CHUNKS = 16  # per file, at most; fewer when the model has many files
-CHUNK_BUDGET = 1024  # chunks for the whole model
-CHUNK_BYTES = 4 << 10
-TENSOR_SAMPLE_BYTES = 4 << 10
-MAX_TENSOR_SAMPLES = 1024  # per file, at most, spread evenly over its tensors
-TENSOR_SAMPLE_BUDGET = 4096  # tensor samples for the whole model
-HEAD_BYTES = 1 << 20  # non-safetensors weight files: their header region
-TAIL_BYTES = 64 << 10  # ... and their end (a zip's central directory)
-SAFETENSORS_MAX_HEADER = 100 << 20  # safetensors' own limit
 
 
 @dataclass(frozen=True)
@@ -97,9 +93,9 @@ class ModelIdentity:
     def with_part(self, what: str, other: ModelIdentity) -> ModelIdentity:
         """This identity combined with another directory's (a config or draft model)."""
         return ModelIdentity(
-            f"{self.id}+{what}={other.id}",
+            model_text(self.id, [(what, other.id)]),
             f"{self.source}; {what}: {other.source}",
-            self.shared,
+            self.shared and other.shared,
             self.location,
             self.revision,
             self.num_weight_files,
@@ -111,12 +107,55 @@ class ModelIdentity:
         """One line for the log."""
         where = f" at {self.location}" if self.location else ""
         revision = f", snapshot revision {self.revision}" if self.revision else ""
-        cost = (
-            f" ({self.num_bytes_read / 1024**2:.1f} MiB read in {self.seconds * 1e3:.0f} ms)"
-            if self.num_bytes_read
-            else ""
-        )
+        cost = f" ({self.num_bytes_read / 1024**2:.1f} MiB hashed in {self.seconds:.1f} s)" if self.seconds else ""
         return f"{self.id} from {self.source}{where}{revision}{cost}"
+
+
+class IdentityTask:
+    """An identity computed on a thread of its own, so that the engine starts and serves
+    meanwhile: `get()` is None until it is known, and a caller that gets None must neither load
+    from nor save into any namespace (every lookup a miss: the engine computes alone). Logged
+    when it starts and when it is known."""
+
+    def __init__(self, compute: Callable[[], ModelIdentity] | None, scope: str, known: ModelIdentity | None = None):
+        self._identity = known
+        self._done = threading.Event()
+        self._started = time.monotonic()
+        if known is not None:
+            self._done.set()
+            return
+        assert compute is not None
+        log.info(
+            "HPKV is reading the model's identity (the sha256 of every byte of its weight and config files, "
+            "remembered per file version); until it is known, this engine loads no KV from HPKV and saves none"
+        )
+        threading.Thread(target=self._run, args=(compute, scope), name="hpkv-identity", daemon=True).start()
+
+    @classmethod
+    def of(cls, identity: ModelIdentity) -> IdentityTask:
+        """One already known."""
+        return cls(None, "", identity)
+
+    def _run(self, compute: Callable[[], ModelIdentity], scope: str) -> None:
+        try:
+            identity = compute()
+        except Exception:  # a bug: this engine's KV stays its own
+            log.exception("HPKV could not compute the model's identity; this engine's KV stays private to it")
+            identity = private_identity("the identity could not be computed", scope)
+        self._identity = identity
+        self._done.set()
+        log.info(
+            "HPKV model identity known after %.1f s: %s; HPKV loads and saves from now on",
+            time.monotonic() - self._started,
+            identity.describe(),
+        )
+
+    def get(self) -> ModelIdentity | None:
+        return self._identity if self._done.is_set() else None
+
+    def wait(self, timeout_s: float | None = None) -> ModelIdentity | None:
+        self._done.wait(timeout_s)
+        return self.get()
 
 
 class NoContentIdentity(Exception):
@@ -125,7 +164,17 @@ class NoContentIdentity(Exception):
 
 def override_identity(value: str) -> ModelIdentity:
     """The operator's HPKV_MODEL_ID: the content is not read."""
-    return ModelIdentity(f"HPKV_MODEL_ID:{value}", "HPKV_MODEL_ID")
+    return ModelIdentity(f"HPKV_MODEL_ID:{escape(value)}", "HPKV_MODEL_ID")
+
+
+def escape(text: str) -> str:
+    """`text` with `%`, `+` and `=` percent-encoded: one part of a model text."""
+    return text.replace("%", "%25").replace("+", "%2B").replace("=", "%3D")
+
+
+def model_text(identity_id: str, parts: list[tuple[str, str]]) -> str:
+    """`identity_id+name=value+...`, names and values escaped: one text for one sequence of parts."""
+    return "+".join([identity_id, *(f"{escape(name)}={escape(value)}" for name, value in parts)])
 
 
 def private_identity(reason: str, scope: str) -> ModelIdentity:
@@ -137,9 +186,10 @@ def private_identity(reason: str, scope: str) -> ModelIdentity:
 def loader_identity(
     load_format: str, local_formats: frozenset[str], override: str | None, scope: str
 ) -> ModelIdentity | None:
-    """The identity the engine's weight loader alone decides: private for random weights (even
-    with an override), the override, private for a loader that does not read local files; None
-    where the content is to be fingerprinted."""
+    """The identity of the model's own weights where the engine's weight loader alone decides it:
+    private for random weights (even with an override), the override, private for a loader that
+    does not read local files; None where the content is to be fingerprinted. The caller still
+    adds the other models the engine runs (a draft model, a config from elsewhere)."""
     if load_format == "dummy":
         return private_identity("random weights (--load-format dummy)", scope)
     if override:
@@ -223,7 +273,9 @@ class Fingerprint:
     num_config_files: int
     num_weight_files: int
     weight_bytes: int
-    num_bytes_read: int
+    num_bytes_read: int  # hashed now; the rest was remembered or named by the Hub
+    num_remembered: int = 0
+    num_named: int = 0
 
     @property
     def source(self) -> str:
@@ -231,13 +283,14 @@ class Fingerprint:
         num_config, num_weights = self.num_config_files, self.num_weight_files
         return (
             f"content of {num_config} config file{'s' * (num_config != 1)} and {num_weights} weight "
-            f"file{'s' * (num_weights != 1)} ({human_bytes(self.weight_bytes)}; headers and sampled chunks)"
+            f"file{'s' * (num_weights != 1)} ({human_bytes(self.weight_bytes)}; every byte)"
         )
 
 
-def fingerprint(path: Path) -> Fingerprint:
-    """The content fingerprint of a model directory or single weight file. Raises
-    NoContentIdentity where there is nothing to read."""
+def fingerprint(path: Path, num_threads: int | None = None) -> Fingerprint:
+    """The content fingerprint of a model directory or single weight file: the sha256 of every
+    byte of each file that can change the KV (`filedigest`), with its name and kind. Raises
+    NoContentIdentity where there is nothing to read or a file cannot be read."""
     path = Path(path)
     if path.is_file():
         files = [(path.name, path)]
@@ -249,31 +302,28 @@ def fingerprint(path: Path) -> Fingerprint:
         )
     else:
         raise NoContentIdentity(f"{path} is neither a file nor a directory")
+    kinds = {name: kind for name, _ in files if (kind := _kind(name))}
+    chosen = [(name, file) for name, file in files if name in kinds]
+    try:
+        found = filedigest.digests([file for _, file in chosen], num_threads)
+        sizes = {name: os.stat(file).st_size for name, file in chosen}
+    except OSError as exc:
+        raise NoContentIdentity(f"cannot read {path}: {exc.strerror or exc}") from None
     h = hashlib.blake2b(FORMAT, digest_size=DIGEST_BYTES)
-    num_config = num_weights = weight_bytes = num_read = 0
-    num_weight_files = max(1, sum(_kind(name) == "weights" for name, _ in files))
-    tensor_samples = max(16, min(MAX_TENSOR_SAMPLES, TENSOR_SAMPLE_BUDGET // num_weight_files))
-    num_chunks = max(2, min(NUM_CHUNKS, CHUNK_BUDGET // num_weight_files))
-    for name, file in files:
-        kind = _kind(name)
-        if kind is None:
-            continue
-        try:
-            with open(file, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                h.update(_frame(kind.encode(), name.encode(), str(size).encode()))
-                whole = size <= (CONFIG_MAX_BYTES if kind == "config" else FULL_READ_BYTES)
-                num_read += _hash_whole(f, h) if whole else _hash_samples(f, size, name, h, tensor_samples, num_chunks)
-        except OSError as exc:
-            raise NoContentIdentity(f"cannot read {file}: {exc.strerror or exc}") from None
-        if kind == "config":
-            num_config += 1
-        else:
-            num_weights += 1
-            weight_bytes += size
-    if not num_weights and not num_config:
+    for name, file in chosen:
+        h.update(_frame(kinds[name].encode(), name.encode(), str(sizes[name]).encode(), found.sha256[file].encode()))
+    num_weights = sum(kind == "weights" for kind in kinds.values())
+    if not chosen:
         raise NoContentIdentity(f"{path} holds no config or weight file")
-    return Fingerprint(h.hexdigest(), num_config, num_weights, weight_bytes, num_read)
+    return Fingerprint(
+        h.hexdigest(),
+        len(chosen) - num_weights,
+        num_weights,
+        sum(size for name, size in sizes.items() if kinds[name] == "weights"),
+        found.num_bytes_read,
+        found.num_remembered,
+        found.num_named,
+    )
 
 
 def _kind(name: str) -> str | None:
@@ -288,69 +338,3 @@ def _kind(name: str) -> str | None:
 def _frame(*parts: bytes) -> bytes:
     """Length-prefixed parts: no two different sequences of parts give the same bytes."""
     return b"".join(struct.pack("<Q", len(part)) + part for part in parts)
-
-
-def _hash_whole(f, h) -> int:
-    num = 0
-    while chunk := f.read(1 << 20):
-        h.update(chunk)
-        num += len(chunk)
-    return num
-
-
-def _read_at(f, offset: int, length: int, h) -> int:
-    data = os.pread(f.fileno(), length, offset)
-    h.update(_frame(str(offset).encode(), data))
-    return len(data)
-
-
-def _hash_samples(f, size: int, name: str, h, tensor_samples: int, num_chunks: int) -> int:
-    """A large file: its header, a sample of its tensors (safetensors), and fixed chunks."""
-    num = 0
-    offsets: list[tuple[int, int]] = []
-    header = _safetensors_header(f, size) if name.lower().endswith(".safetensors") else None
-    if header is not None:
-        raw, tensors = header
-        h.update(_frame(b"0", raw))  # the header: every tensor's name, dtype, shape and place
-        num += len(raw)
-        # In the header's own order (the same in every copy), evenly spread.
-        for start, end in _spans(tensors[:: max(1, -(-len(tensors) // tensor_samples))], len(raw), size):
-            middle = max(start, (start + end - TENSOR_SAMPLE_BYTES) // 2)
-            offsets.append((middle, min(TENSOR_SAMPLE_BYTES, end - middle)))
-    else:
-        offsets += [(0, HEAD_BYTES), (size - TAIL_BYTES, TAIL_BYTES)]
-    last = size - CHUNK_BYTES
-    offsets += [(last * i // (num_chunks - 1), CHUNK_BYTES) for i in range(num_chunks)]
-    for offset, length in sorted(set(offsets)):
-        num += _read_at(f, offset, length, h)
-    return num
-
-
-def _safetensors_header(f, size: int) -> tuple[bytes, list[tuple[bytes, bytes]]] | None:
-    """(the header's bytes with their length prefix, each tensor's data offsets as written), or
-    None for a file that is not a safetensors file (then sampled like any other). The offsets
-    are found by a pattern rather than a JSON parse: a 160-file MoE checkpoint has 50,000
-    tensors, whose parse would cost more than all the reads; the header is hashed whole anyway."""
-    head = os.pread(f.fileno(), 8, 0)
-    if len(head) < 8:
-        return None
-    (header_bytes,) = struct.unpack("<Q", head)
-    if header_bytes > min(SAFETENSORS_MAX_HEADER, size - 8):
-        return None
-    text = os.pread(f.fileno(), header_bytes, 8)
-    if not text.startswith(b"{"):
-        return None
-    return head + text, _DATA_OFFSETS.findall(text)
-
-
-_DATA_OFFSETS = re.compile(rb'"data_offsets"\s*:\s*\[\s*(\d+)\s*,\s*(\d+)\s*\]')
-
-
-def _spans(tensors: list[tuple[bytes, bytes]], data_start: int, size: int) -> list[tuple[int, int]]:
-    """The absolute (start, end) of these tensors' data, those inside the file."""
-    spans = []
-    for begin, finish in tensors:
-        start, end = data_start + int(begin), data_start + int(finish)
-        if data_start <= start < end <= size:
-            spans.append((start, end))
-    return spans

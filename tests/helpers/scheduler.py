@@ -13,6 +13,7 @@ BS = 32
 def scheduler_half(node, num_ranks: int):
     """The half as vLLM's engine core holds it, loading every hit (threshold 0)."""
     from hpkv.costmodel import FixedThreshold
+    from hpkv.identity import IdentityTask, override_identity
     from hpkv.integrations.vllm.holds import SaveHolds
     from hpkv.integrations.vllm.layout import BlockLayout
     from hpkv.integrations.vllm.metadata import HpkvConnectorStats
@@ -22,6 +23,7 @@ def scheduler_half(node, num_ranks: int):
     scheduler.client = node.client("vllm-scheduler", retry_interval_s=0.0)
     scheduler._ns = [scheduler.client.register(desc(r)) for r in range(num_ranks)]
     scheduler.descs = [desc(r) for r in range(num_ranks)]
+    scheduler.identity = IdentityTask.of(override_identity("test"))  # known: loads and saves from the start
     scheduler.stats, scheduler.holds, scheduler.policy = HpkvConnectorStats(), SaveHolds(), FixedThreshold(0, BS)
     scheduler._seq, scheduler._loading, scheduler._reqs, scheduler._pending_loads = 0, {}, {}, []
     scheduler.block_size, scheduler.layout = BS, BlockLayout(("l0",), (1,), BS, 1, "")

@@ -378,6 +378,7 @@ def backend(pool, config=None):
     storage = sg.factory.StorageBackendFactory.create_backend("dynamic", config, pool)
     with own_extensions_dir():  # registration loads (the first time builds) SGLang's page hash
         storage.register_mem_pool_host(pool)
+    storage.identity.wait(60)  # the model's identity, read on a thread of its own: then the namespace
     return storage
 
 

@@ -73,6 +73,22 @@ def reseed(model: Path, seed: int) -> None:
     save_file(new, path, metadata={"format": "pt"})
 
 
+def retune_rows(model: Path, token_ids: list[int], seed: int) -> None:
+    """A partial fine-tune in place: the embedding rows of `token_ids` drawn again (same scale),
+    every other byte of the model as it was (tokens added or retuned)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = model / "model.safetensors"
+    tensors = load_file(path)
+    embed = tensors["model.embed_tokens.weight"]
+    rows = torch.tensor(sorted(set(token_ids)))
+    generator = torch.Generator().manual_seed(seed)
+    new = torch.randn((len(rows), embed.shape[1]), generator=generator) * embed.float().std().item()
+    embed[rows] = new.to(embed.dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 def build_gemma3(path: Path = GEMMA3_DIR) -> Path:
     """The tiny random Gemma 3 (`bench.harness.hybrid_model`), window GEMMA3_WINDOW."""
     from bench.harness.hybrid_model import TINY

@@ -2,8 +2,9 @@
 
 SGLang builds it through its `dynamic` storage backend with the zero-copy v1 interface (see
 `flag.py`), one per scheduler process (TP/PP rank), then hands it the host pool
-(`register_mem_pool_host`, where HPKV's server is reached, or started, in the background and
-SGLang's page hash is made ready (`warmup`), so that the first lookup can hit). Owns SGLang's
+(`register_mem_pool_host`, where SGLang's page hash is made ready (`warmup`) and the model's
+identity is read on a thread of its own; once it is known the namespace is bound and HPKV's server
+reached, or started, in the background; until then every lookup is a miss and nothing is stored). Owns SGLang's
 interface: the namespace of this rank, which pages are worth storing (`stores_pages`: none where
 no page could ever hit), and `clear` (this namespace, by the ranks that write it, waiting
 CLEAR_WAIT_S at most on the scheduler thread). The transfers, a client per SGLang thread and the
@@ -21,10 +22,10 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolTransferRes
 
 from ...config import load_settings
 from ...errors import ConfigError
-from ...identity import override_identity
+from ...identity import IdentityTask, ModelIdentity, override_identity
 from ...keys import NamespaceDesc
 from . import layout as lay
-from . import warmup
+from . import modelid, warmup
 from .flag import backend_config
 from .pageio import PageIO
 from .stats import BackendStats
@@ -51,7 +52,8 @@ class HpkvStorage(HiCacheStorage):
         self.pool_dir = pool.dir
         self.model_override = settings.model_id
         self.layout: lay.PageLayout | None = None
-        self.desc: NamespaceDesc | None = None
+        self.desc: NamespaceDesc | None = None  # once the model's identity is known (_bind)
+        self.identity: IdentityTask | None = None
         self.ns: str | None = None
         self.stats = BackendStats(storage_config.enable_storage_metrics)
         self.io = PageIO(pool.dir, pool.prefault, settings.server_allow_uids, self.stats)
@@ -63,6 +65,26 @@ class HpkvStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)
         self.layout = layout = lay.page_layout(mem_pool_host)
+        warmup.ready_page_hash(mem_pool_host.page_size)  # SGLang's first lookup must not build its page hash
+        # The model's identity reads every byte of files not seen before: on a thread of its own.
+        # Until it is known the namespace is unbound: every lookup a miss, nothing stored (PageIO.run).
+        self.identity = IdentityTask(lambda: self._bind(layout), f"sglang-{modelid.launch_scope()}")
+        self.identity.wait(modelid.START_WAIT_S)  # remembered (or small): serve with HPKV from the start
+        config = self.storage_config
+        if layout.layer_sharded and config.is_mla_model and config.tp_size > 1:
+            # Each TP rank holds other layers, so each has its own namespace; but SGLang treats
+            # MLA KV as rank-replicated and lets only rank 0 back it up: the other ranks never
+            # hit, and the hit every rank agrees on is theirs.
+            self._store_nothing()
+            if config.tp_rank == 0:
+                log.warning(
+                    "HPKV cannot serve MLA KV whose layers are split over the TP ranks: SGLang saves only "
+                    "TP rank 0's layers, so no rank ever has a whole page. HPKV stores nothing for this "
+                    "engine; run it without layer sharding to use HPKV"
+                )
+
+    def _bind(self, layout: lay.PageLayout) -> ModelIdentity:
+        """This rank's namespace, from the model's identity; returns the identity."""
         model = lay.model_id(self.model_override)
         if model is None and self.model_override:
             model = lay.ModelId(override_identity(self.model_override).id, "auto", "HPKV_MODEL_ID")
@@ -77,15 +99,9 @@ class HpkvStorage(HiCacheStorage):
         self.desc = desc = lay.namespace(self.storage_config, layout, model)
         self.ns = desc.ns
         self.io.bind(desc, layout)
-        self.io.connect_early()  # SGLang's first lookup must find a server, not start one
-        warmup.ready_page_hash(mem_pool_host.page_size)  # nor build SGLang's page hash
+        self.io.connect_early()  # SGLang's next lookup must find a server, not start one
         if model is not None and model.identity is not None and self.storage_config.tp_rank == 0:
-            log.info(
-                "HPKV model identity: %s; model %s; namespace model %s",
-                model.identity.describe(),
-                model.model_path,
-                desc.model,
-            )
+            log.info("HPKV model %s; namespace model %s", model.model_path, desc.model)
         log.info(
             "HPKV storage for SGLang: namespace %s (%s), %d bytes per page, pool %s",
             self.ns,
@@ -93,18 +109,9 @@ class HpkvStorage(HiCacheStorage):
             layout.entry_bytes,
             self.pool_dir,
         )
-        config = self.storage_config
-        if layout.layer_sharded and config.is_mla_model and config.tp_size > 1:
-            # Each TP rank holds other layers, so each has its own namespace; but SGLang treats
-            # MLA KV as rank-replicated and lets only rank 0 back it up: the other ranks never
-            # hit, and the hit every rank agrees on is theirs.
-            self._store_nothing()
-            if config.tp_rank == 0:
-                log.warning(
-                    "HPKV cannot serve MLA KV whose layers are split over the TP ranks: SGLang saves only "
-                    "TP rank 0's layers, so no rank ever has a whole page. HPKV stores nothing for this "
-                    "engine; run it without layer sharding to use HPKV"
-                )
+        if model is not None and model.identity is not None:
+            return model.identity
+        return ModelIdentity(desc.model, "the served model name" if model is None else model.source)
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ...identity import ModelIdentity, NoContentIdentity, content_identity
+from ...identity import model_text as identity_text
 from ...keys import Key, NamespaceDesc, make_key
 from . import modelid
 
@@ -119,9 +120,9 @@ def model_id(override: str | None = None) -> ModelId | None:
         scales = None
     if scales:
         try:
-            text += f"+kv_scales={content_identity(scales).id}"
+            text = identity_text(text, [("kv_scales", content_identity(scales).id)])
         except NoContentIdentity:
-            text += "+kv_scales=unreadable"  # SGLang cannot read them either
+            text = identity_text(text, [("kv_scales", "unreadable")])  # SGLang cannot read them either
     return ModelId(text, kv_cache_dtype, identity.source, identity, str(args.model_path))
 
 

@@ -23,6 +23,7 @@ import socket
 import uuid
 
 from ...identity import ModelIdentity, NoContentIdentity, content_identity, loader_identity, unreadable_identity
+from ...identity import model_text as identity_text
 
 # Loaders that read the weights from --model-path (or its hub snapshot) as given.
 LOCAL_LOAD_FORMATS = frozenset(
@@ -48,7 +49,7 @@ NUMERICS_ARGS = (("quantization", None), ("modelopt_quant", None), ("dtype", "au
 OUTSIDE_ARGS = ("modelopt_checkpoint_restore_path", "custom_weight_loader", "decrypted_config_file", "rl_quant_profile")
 
 
-def _launch_scope() -> str:
+def launch_scope() -> str:
     """What the TP ranks of one SGLang launch share, and no other launch has: the launching
     process (their parent) and its start time (pids are reused). An MLA model's ranks read the
     namespace rank 0 writes, so a private identity per rank process would never hit."""
@@ -61,25 +62,28 @@ def _launch_scope() -> str:
     return f"{socket.gethostname()}-{ppid}-{started}"
 
 
-_PROCESS_SCOPE = _launch_scope()
+_PROCESS_SCOPE = launch_scope()
+START_WAIT_S = 1.0  # how long registration waits for the identity before SGLang serves without it
 
 
 def model_identity(args, override: str | None) -> ModelIdentity:
     """The identity of the weights this engine serves (see the module docstring)."""
     scope = f"sglang-{_PROCESS_SCOPE}"
     load_format = str(getattr(getattr(args, "load_format", "auto"), "value", getattr(args, "load_format", "auto")))
-    decided = loader_identity(load_format, LOCAL_LOAD_FORMATS, override, scope)
-    if decided is not None:
-        return decided
+    identity = loader_identity(load_format, LOCAL_LOAD_FORMATS, override, scope)
+    if identity is not None and not identity.shared:
+        return identity
     outside = [name for name in OUTSIDE_ARGS if getattr(args, name, None)]
-    if outside:
+    if identity is None and outside:
         flags = ", ".join(f"--{name.replace('_', '-')}" for name in outside)
         return unreadable_identity(flags, scope, f"{flags} take weights or config from outside --model-path")
     download_dir = getattr(args, "download_dir", None)
     try:
-        identity = content_identity(str(args.model_path), getattr(args, "revision", None), download_dir)
-        if not identity.num_weight_files:
-            raise NoContentIdentity(f"{args.model_path} holds no weight file")
+        if identity is None:
+            identity = content_identity(str(args.model_path), getattr(args, "revision", None), download_dir)
+            if not identity.num_weight_files:
+                raise NoContentIdentity(f"{args.model_path} holds no weight file")
+        # Also under HPKV_MODEL_ID: it names the weights, not the adapters.
         for name, path in lora_adapters(getattr(args, "lora_paths", None)):
             identity = identity.with_part(f"lora:{name}", content_identity(path, None, download_dir))
     except NoContentIdentity as exc:
@@ -108,17 +112,18 @@ def lora_adapters(lora_paths) -> list[tuple[str, str]]:
 
 def model_text(args, identity: ModelIdentity) -> str:
     """The namespace's model field: the identity, plus online quantization, another compute
-    dtype and config overrides (RoPE scaling, say), none of which the page hashes cover."""
-    text = identity.id
+    dtype and config overrides (RoPE scaling, say), none of which the page hashes cover; each
+    part escaped (`identity.model_text`)."""
+    parts = []
     for name, default in NUMERICS_ARGS:
         value = getattr(args, name, default)
         if value != default and value is not None:
-            text += f"+{name}={value}"
+            parts.append((name, str(value)))
     overrides = getattr(args, "json_model_override_args", None) or "{}"
     try:
         overrides = json.dumps(json.loads(overrides), sort_keys=True)
     except (TypeError, ValueError):
         overrides = str(overrides)
     if overrides != "{}":
-        text += f"+json_model_override_args={overrides}"
-    return text
+        parts.append(("json_model_override_args", overrides))
+    return identity_text(identity.id, parts)

@@ -47,7 +47,9 @@ class PageIO:
         self._fault_log = Throttle()  # by kind: HPKV faults (False), unexpected errors (True)
 
     def bind(self, desc: NamespaceDesc, layout: lay.PageLayout) -> None:
-        self.desc, self.layout = desc, layout
+        """Until bound (the model's identity is known), every transfer is a miss (`run`)."""
+        self.layout = layout  # first: other threads take a bound desc as a bound layout too
+        self.desc = desc
 
     def connect_early(self) -> threading.Thread:
         """Connect and register one client in a thread of its own (a server start takes seconds:

@@ -63,8 +63,8 @@ class HpkvConnectorV1(KVConnectorBase_V1, SupportsHMA):
             from .scheduler import HpkvScheduler
 
             scheduler = HpkvScheduler(vllm_config, kv_cache_config, settings)
-            try:  # now, while the engine starts (its workers started the server), not on its first request
-                scheduler.namespaces()
+            try:  # now, while the engine starts (its workers started the server), not on its first request;
+                scheduler.namespaces()  # later if the model's identity is not known yet
             except HpkvError as exc:  # tried again on the first lookup
                 log.warning("HPKV server unavailable to the scheduler at start: %s", exc)
             self._scheduler = GuardedScheduler(scheduler)

@@ -11,6 +11,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from ...identity import ModelIdentity
+
 
 @dataclass
 class LoadJob:
@@ -48,6 +50,9 @@ class HpkvConnectorMetadata(KVConnectorMetadata):
     # Reserve this step's saves in this hold and do not commit them: the scheduler settles it
     # once it knows no load they depend on failed (holds.py). "": commit them.
     hold: str = ""
+    # The model's identity once the scheduler knows it (the workers name their namespaces by it);
+    # None before: no loads or saves then.
+    identity: ModelIdentity | None = None
 
 
 _COUNTERS = (

@@ -10,8 +10,13 @@ a later engine. `model_text` adds what changes the numerics on load, which neith
 nor vLLM's block hashes cover: online quantization, config overrides, another config directory,
 another model class, sliding window disabled, layers kept out of KV quantization, a draft model.
 
-Primitives: `model_identity(vllm_config, override)`, `model_text(vllm_config, identity)`,
-`warn_if_hashes_unstable` (vLLM block hashes that change with every process).
+The scheduler half computes it on a thread of its own (`identity_task`: the connector is built
+once the workers have read the weights, so they are in the page cache), and serves no KV from
+HPKV and saves none until it is known; the workers learn it from the scheduler's metadata.
+
+Primitives: `model_identity(vllm_config, override)`, `identity_task(vllm_config, override)`,
+`model_text(vllm_config, identity)`, `warn_if_hashes_unstable` (vLLM block hashes that change
+with every process).
 Must not know: pools, clients, layouts.
 """
 
@@ -22,7 +27,15 @@ import logging
 import os
 import uuid
 
-from ...identity import ModelIdentity, NoContentIdentity, content_identity, loader_identity, unreadable_identity
+from ...identity import (
+    IdentityTask,
+    ModelIdentity,
+    NoContentIdentity,
+    content_identity,
+    loader_identity,
+    unreadable_identity,
+)
+from ...identity import model_text as identity_text
 
 log = logging.getLogger("hpkv.vllm.scheduler")
 
@@ -45,31 +58,43 @@ LOCAL_LOAD_FORMATS = frozenset(
     )
 )
 _PROCESS_SCOPE = uuid.uuid4().hex[:12]  # a vLLM without instance_id: private to this process
+START_WAIT_S = 1.0  # how long the scheduler half waits for the identity before vLLM serves without it
 
 
 def model_identity(vllm_config, override: str | None) -> ModelIdentity:
-    """The identity of the weights this engine serves (see the module docstring)."""
+    """The identity of the weights this engine serves (see the module docstring). Reads every
+    byte of files not seen before: call it off the engine's critical path (`identity_task`)."""
     model = vllm_config.model_config
     load = vllm_config.load_config
     scope = f"vllm-{getattr(vllm_config, 'instance_id', '') or _PROCESS_SCOPE}"
     load_format = str(getattr(load.load_format, "value", load.load_format))
-    decided = loader_identity(load_format, LOCAL_LOAD_FORMATS, override, scope)
-    if decided is not None:
-        return decided
-    if getattr(model, "model_weights", ""):
+    identity = loader_identity(load_format, LOCAL_LOAD_FORMATS, override, scope)
+    if identity is not None and not identity.shared:
+        return identity
+    if identity is None and getattr(model, "model_weights", None):
         return unreadable_identity(
             "weights from object storage", scope, f"the weights stream from {model.model_weights}"
         )
     try:
-        identity = content_identity(model.model, model.revision, load.download_dir)
-        if not identity.num_weight_files:
-            raise NoContentIdentity(f"{model.model} holds no weight file")
+        if identity is None:
+            identity = content_identity(model.model, model.revision, load.download_dir)
+            if not identity.num_weight_files:
+                raise NoContentIdentity(f"{model.model} holds no weight file")
+        # Also under HPKV_MODEL_ID: it names the weights, not the draft model or another config.
         for what, other, revision in _other_models(vllm_config):
-            extra = content_identity(other, revision, load.download_dir)
-            identity = identity.with_part(what, extra)
+            identity = identity.with_part(what, content_identity(other, revision, load.download_dir))
     except NoContentIdentity as exc:
         return unreadable_identity("weights not readable here", scope, str(exc))
     return identity
+
+
+def identity_task(vllm_config, override: str | None) -> IdentityTask:
+    """`model_identity` on a thread of its own, waited for START_WAIT_S: a model whose files are
+    remembered (or small) starts with HPKV on; a first start of large weights goes on without."""
+    scope = f"vllm-{getattr(vllm_config, 'instance_id', '') or _PROCESS_SCOPE}"
+    task = IdentityTask(lambda: model_identity(vllm_config, override), scope)
+    task.wait(START_WAIT_S)
+    return task
 
 
 def _other_models(vllm_config) -> list[tuple[str, str, str | None]]:
@@ -87,30 +112,31 @@ def _other_models(vllm_config) -> list[tuple[str, str, str | None]]:
 
 
 def model_text(vllm_config, identity: ModelIdentity) -> str:
-    """The namespace's model field: the identity, plus what changes the numerics on load."""
+    """The namespace's model field: the identity, plus what changes the numerics on load, each
+    part escaped (`identity.model_text`)."""
     model = vllm_config.model_config
-    text = identity.id
+    parts: list[tuple[str, str]] = []
     # Online only: a pre-quantized checkpoint says so in its config.json (in the identity); vLLM
     # may pick another kernel for it per GPU (awq, awq_marlin), which must not split the namespace.
     prequantized = getattr(getattr(model, "hf_config", None), "quantization_config", None)
     if getattr(model, "quantization", None) and not prequantized:
-        text += f"+quantization={model.quantization}"
+        parts.append(("quantization", str(model.quantization)))
         quant_config = getattr(model, "quantization_config", None)
         if quant_config:
-            text += "+quantization_config=" + _json(quant_config)
+            parts.append(("quantization_config", _json(quant_config)))
     overrides = getattr(model, "hf_overrides", None)
     if overrides and not callable(overrides):
-        text += "+hf_overrides=" + _json(overrides)
+        parts.append(("hf_overrides", _json(overrides)))
     elif callable(overrides):  # a function: its effect is unknown; its name at least
-        text += f"+hf_overrides={getattr(overrides, '__qualname__', type(overrides).__name__)}"
+        parts.append(("hf_overrides", getattr(overrides, "__qualname__", type(overrides).__name__)))
     if getattr(model, "model_class_overrides", None):
-        text += "+model_class_overrides=" + _json(model.model_class_overrides)
+        parts.append(("model_class_overrides", _json(model.model_class_overrides)))
     if getattr(model, "disable_sliding_window", False):
-        text += "+disable_sliding_window"
+        parts.append(("disable_sliding_window", ""))
     skip = getattr(vllm_config.cache_config, "kv_cache_dtype_skip_layers", None)
     if skip and vllm_config.cache_config.cache_dtype != "auto":
-        text += "+kv_cache_dtype_skip_layers=" + ",".join(sorted(map(str, skip)))
-    return text
+        parts.append(("kv_cache_dtype_skip_layers", ",".join(sorted(map(str, skip)))))
+    return identity_text(identity.id, parts)
 
 
 def _json(value) -> str:

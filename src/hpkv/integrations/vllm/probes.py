@@ -1,8 +1,8 @@
 """Start-up estimates for VLLM_HPKV_TOKEN_THRESHOLD=auto, taken by the scheduler half once, so its
 first decisions rest on this machine's figures before the engine's own steps refine them.
 
-Primitives: `round_trip_s` (one RPC to the HPKV server), `copy_cost` (a memory copy the size of
-a large load), `storage_read_cost` (a file read back from the storage directory with its pages
+Primitives: `round_trip_s` (one RPC to the HPKV server, such as `empty_lookup`), `copy_cost` (a
+memory copy the size of a large load), `storage_read_cost` (a file read back from the storage directory with its pages
 dropped from the page cache), `kappa_of` (the model's attention share, from its config),
 `auto_threshold`, the cost model they seed, and `load_policy`, which picks it or a fixed
 threshold. Each returns None or a default when it cannot measure; none raises for the engine to see.
@@ -21,6 +21,7 @@ import numpy as np
 from ...config import Settings, StorageConfig
 from ...costmodel import AffineCost, AutoThreshold, CostModel, FixedThreshold, attention_kappa
 from ...errors import HpkvError
+from ...server.channel import ServerError
 
 log = logging.getLogger("hpkv.vllm.probes")
 
@@ -42,6 +43,15 @@ def round_trip_s(call, num: int = 5, default_s: float = 1e-3) -> float:
         log.info("HPKV auto threshold: no server round trip measured (%s); assuming %.1f ms", exc, default_s * 1e3)
         return default_s
     return statistics.median(times)
+
+
+def empty_lookup(client) -> None:
+    """One server round trip in no namespace (the model's may not be known yet)."""
+    try:
+        client.lookup("0" * 32, [])
+    except ServerError as exc:
+        if exc.code != "unknown_namespace":
+            raise
 
 
 def copy_cost(fixed_s: float, num_bytes: int = COPY_BYTES) -> AffineCost:

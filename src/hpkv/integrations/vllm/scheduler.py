@@ -38,17 +38,11 @@ class HpkvScheduler:
         self.layout = self.layouts[0]
         self.block_size = self.layout.block_size
         self.num_ranks = lay.world_ranks(vllm_config)
-        # Hybrid models load asynchronously: vLLM takes load failures of several groups only as
-        # failed_recving, for requests waiting for their load.
+        # Hybrid models load asynchronously: vLLM takes their load failures only as failed_recving.
         self.async_loads = len(self.layouts) > 1
-        identity = modelid.model_identity(vllm_config, settings.model_id)
-        self.descs = lay.namespaces(vllm_config, self.layouts, identity)
-        log.info(
-            "HPKV model identity: %s; model %s; namespace model %s",
-            identity.describe(),
-            vllm_config.model_config.model,
-            self.descs[0].model,
-        )
+        self.vllm_config = vllm_config
+        self.descs: list[lay.NamespaceDesc] = []  # once the identity is known
+        self.identity = modelid.identity_task(vllm_config, settings.model_id)  # until known: no loads, saves
         self._lora_logged = getattr(vllm_config, "lora_config", None) is not None
         if self._lora_logged:
             log.info(
@@ -63,7 +57,7 @@ class HpkvScheduler:
             vllm_config.model_config,
             lay.moved_per_block(self.layouts),
             self.num_ranks,
-            lambda: self.client.lookup(self.namespaces()[0], []),
+            lambda: probes.empty_lookup(self.client),
             lay.moved_per_hit(self.layouts),
         )
         self._reqs: dict[str, RequestState] = {}
@@ -76,8 +70,14 @@ class HpkvScheduler:
         self.holds = SaveHolds()
         modelid.warn_if_hashes_unstable(vllm_config)
 
-    def namespaces(self) -> list[str]:
-        if self._ns is None:
+    def namespaces(self) -> list[str] | None:
+        """This engine's namespaces, registered on first need; None while the model's identity
+        is not known (a namespace another engine could share may not be read or written yet)."""
+        identity = self.identity.get()
+        if self._ns is None and identity is not None:
+            if not self.descs:
+                self.descs = lay.namespaces(self.vllm_config, self.layouts, identity)
+                log.info("HPKV namespace model: %s", self.descs[0].model)
             self._ns = [self.client.register(desc) for desc in self.descs]
         return self._ns
 
@@ -91,7 +91,7 @@ class HpkvScheduler:
             return 0, False
         if state.load_failed:  # recomputed once, not looked up again (a broken entry would loop)
             return 0, False
-        if not optout.may_load(request):  # kv_transfer_params {"hpkv_load": false}
+        if not optout.may_load(request) or self.identity.get() is None:  # {"hpkv_load": false}
             return 0, False
         if compat.skips_external_kv(request):  # e.g. prompt logprobs: vLLM drops any hit
             state.release(self.client)
@@ -137,7 +137,7 @@ class HpkvScheduler:
     def _lease(self, state: RequestState, start: int, stop: int) -> int | None:
         state.release(self.client)
         keys = lay.block_keys(state.request.block_hashes, self.layout, start, stop)
-        namespaces = self.namespaces()
+        namespaces = self.namespaces() or []  # known: get_num_new_matched_tokens asked
         plan = lambda hit: self.policy.plan(start * self.block_size, hit)  # noqa: E731
         num_hit, tiers = mamba.plan_hit(self.client, self.layouts, namespaces, keys, plan)
         self.stats.add("lookups", 1)
@@ -262,6 +262,7 @@ class HpkvScheduler:
             allocated=outputs.allocated_blocks(scheduler_output),
             seq=self._seq,
             hold=self.holds.begin_step(self._seq, bool(self._step_loads)),
+            identity=self.identity.get(),
         )
         if meta.loads:
             self._loading[self._seq] = [
@@ -324,7 +325,7 @@ class HpkvScheduler:
     def _add_saves(
         self, meta: HpkvConnectorMetadata, req_id: str, state: RequestState, num_tokens: int, offers=()
     ) -> None:
-        if state.uncached or not optout.may_save(state.request):  # {"hpkv_save": false}
+        if state.uncached or not optout.may_save(state.request) or meta.identity is None:  # {"hpkv_save": false}
             return
         group_ids = state.group_block_ids()
         lens = (len(ids) for ids, layout in zip(group_ids, self.layouts) if not layout.state)
@@ -352,7 +353,7 @@ class HpkvScheduler:
         for state in self._reqs.values():
             state.release(self.client)
         try:
-            for ns in self.namespaces():
+            for ns in self.namespaces() or []:
                 self.client.clear(memory=True, storage=False, ns=ns)
         except HpkvError as exc:
             log.warning("HPKV reset: the server is not reachable (%s); its DRAM tier is gone with it", exc)

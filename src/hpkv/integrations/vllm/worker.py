@@ -12,7 +12,8 @@ overwritten: vLLM writes only into blocks it allocated for the step, which the m
 A save that cannot happen (server gone, pool full) is skipped: a future miss, never an error; a
 load that cannot happen is reported as failed blocks, which vLLM recomputes (a hybrid model's,
 asynchronous to vLLM, as a failed request: `take_recving`). Each KV cache group has its
-namespace and copier.
+namespace and copier; the namespaces are named by the model's identity, which the scheduler
+computes and sends in its metadata once known (the workers read no weight file for it).
 Must not know: what to load or save (the scheduler half), the store.
 """
 
@@ -29,10 +30,11 @@ import torch
 
 from ...config import Settings
 from ...errors import HpkvError
+from ...identity import ModelIdentity
+from ...keys import NamespaceDesc
 from ...server.client import Client, Reservation
 from ...transfer.blocks import BlockCopier
 from . import layout as lay
-from . import modelid
 from .holds import HpkvWorkerMeta
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats
 from .savequeue import SaveQueue
@@ -68,8 +70,7 @@ class HpkvWorker:
         self.kv_cache_config = kv_cache_config
         self.rank = rank
         self.layouts = lay.group_layouts(vllm_config, kv_cache_config)
-        identity = modelid.model_identity(vllm_config, settings.model_id)
-        self.descs = [lay.namespace(vllm_config, layout, rank, identity) for layout in self.layouts]
+        self.descs: list[NamespaceDesc] = []  # once the scheduler's metadata names the model (_connect)
         self.client = Client(
             settings.pool.dir,
             kind=f"vllm-worker-{rank}",
@@ -120,13 +121,16 @@ class HpkvWorker:
         ):
             log.warning("HPKV: torch.%s has no streams and events; saves are synchronous", device)
             self.async_saves = False
-        self._connect()
+        try:  # the server reached (or started) now, not at the first request
+            self.client.connect()
+        except HpkvError as exc:
+            log.warning("HPKV server unavailable for worker rank %d: %s", self.rank, exc)
+            self._add("server_errors", 1)
         log.info(
-            "HPKV worker rank %d: %s layers, %s bytes per block entry, namespace %s, %s saves",
+            "HPKV worker rank %d: %s layers, %s bytes per block entry, %s saves",
             self.rank,
             "+".join(str(len(layout.layer_names)) for layout in self.layouts),
             "+".join(str(layout.entry_bytes) for layout in self.layouts),
-            ",".join(self.nss or ["(server unavailable)"]),
             "asynchronous" if self.async_saves else "synchronous",
         )
 
@@ -134,8 +138,15 @@ class HpkvWorker:
         with self._stats_lock:
             self.stats.add(name, value)
 
-    def _connect(self) -> list[str] | None:
-        """Register this rank's namespaces (one per KV cache group); None while the server is unavailable."""
+    def _connect(self, identity: ModelIdentity | None = None) -> list[str] | None:
+        """Register this rank's namespaces (one per KV cache group), named by the model's identity,
+        which the scheduler's metadata carries once it knows it (no load or save comes before);
+        None while the server is unavailable or the identity is not known."""
+        if not self.descs and identity is not None:
+            self.descs = [lay.namespace(self.vllm_config, layout, self.rank, identity) for layout in self.layouts]
+            log.info("HPKV worker rank %d: namespace model %s", self.rank, self.descs[0].model)
+        if not self.descs:
+            return None
         try:
             self.nss = [self.client.register(desc) for desc in self.descs]
             return self.nss
@@ -152,6 +163,8 @@ class HpkvWorker:
     # -- loads --------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: HpkvConnectorMetadata) -> None:
+        if self.nss is None:
+            self._connect(meta.identity)
         for job in meta.loads:
             started = time.perf_counter()
             num_loaded = self._load(job)
@@ -251,6 +264,8 @@ class HpkvWorker:
     # -- saves --------------------------------------------------------------------------------
 
     def wait_for_save(self, meta: HpkvConnectorMetadata) -> None:
+        if self.nss is None:
+            self._connect(meta.identity)
         by_group: dict[int, tuple[list[bytes], list[int]]] = {}
         for job in meta.saves:
             keys, block_ids = by_group.setdefault(job.group, ([], []))
