@@ -98,6 +98,9 @@ class Settings:
     server_slot_timeout_s: float
     server_max_slot_share: float
     server_allow_uids: tuple[int, ...]
+    server_max_user_slot_share: float
+    server_max_connections_per_uid: int
+    server_connection_idle_s: float
     config_file: Path
     settings: tuple[Setting, ...]
     warnings: tuple[str, ...]
@@ -278,6 +281,9 @@ def _build(resolved: list[Setting], warnings: tuple[str, ...]) -> Settings:
         server_slot_timeout_s=v["HPKV_SERVER_SLOT_TIMEOUT_S"],
         server_max_slot_share=v["HPKV_SERVER_MAX_SLOT_SHARE"],
         server_allow_uids=v["HPKV_SERVER_ALLOW_UIDS"],
+        server_max_user_slot_share=v["HPKV_SERVER_MAX_USER_SLOT_SHARE"],
+        server_max_connections_per_uid=v["HPKV_SERVER_MAX_CONNECTIONS_PER_UID"],
+        server_connection_idle_s=v["HPKV_SERVER_CONNECTION_IDLE_S"],
         config_file=v[CONFIG_FILE_KEY],
         settings=tuple(resolved),
         warnings=warnings,

@@ -139,14 +139,23 @@ def _parse_pool_dir(text: str) -> Path:
     return _parse_path(text.replace("<uid>", str(os.geteuid())))
 
 
+MAX_UID = 0xFFFFFFFE  # (uid_t)-1 means "no uid" to chown and setreuid: never a user's
+
+
 def _parse_uids(text: str) -> tuple[int, ...]:
-    try:
-        uids = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise ValueError("not a list of user ids") from None
-    if any(uid < 0 for uid in uids):
-        raise ValueError("user ids are >= 0")
-    return uids
+    """`1001, 1002` -> (1001, 1002): ASCII digits only (no sign, `_` or other scripts' digits,
+    which int() would take), each a valid uid."""
+    uids = []
+    for part in text.split(","):
+        part = part.strip(" \t")
+        if not part:
+            continue
+        if not (part.isascii() and part.isdigit()):
+            raise ValueError(f"{part!r} is not a user id (ASCII digits only)")
+        if int(part) > MAX_UID:
+            raise ValueError(f"{part} is not a user id (at most {MAX_UID})")
+        uids.append(int(part))
+    return tuple(uids)
 
 
 MODEL_ID_MAX_CHARS = 256
@@ -354,18 +363,45 @@ KEYS: tuple[KeySpec, ...] = (
         "float",
         _parse_share,
         "0.75",
-        "Share of the pool one client may hold reserved or leased at once; keys past it are not saved or "
-        "loaded (a miss), so one client cannot take every slot.",
+        "Share of the pool one client process (all its connections) may hold reserved or leased at once; "
+        "keys past it are not saved or loaded (a miss), so one client cannot take every slot.",
         "a number > 0 and <= 1 (e.g. 0.75; 1: no cap)",
+    ),
+    KeySpec(
+        "HPKV_SERVER_MAX_USER_SLOT_SHARE",
+        "float",
+        _parse_share,
+        "0.75",
+        "Share of the pool all the clients of one user (uid) may hold reserved or leased at once; keys "
+        "past it are a miss, so one user cannot take every slot, however many processes it runs.",
+        "a number > 0 and <= 1 (e.g. 0.75; 1: no cap)",
+    ),
+    KeySpec(
+        "HPKV_SERVER_MAX_CONNECTIONS_PER_UID",
+        "int",
+        _int_in(1, 65536),
+        "256",
+        "Connections one user (uid) may hold open to the server at once; more are refused.",
+        "an integer from 1 to 65536",
+    ),
+    KeySpec(
+        "HPKV_SERVER_CONNECTION_IDLE_S",
+        "float",
+        _parse_positive_seconds,
+        "600",
+        "Seconds a connection that holds no slot may stay silent before the server closes it (a "
+        "client reconnects on its next request, which is not lost).",
+        "a number of seconds > 0 (e.g. 600, 60)",
     ),
     KeySpec(
         "HPKV_SERVER_ALLOW_UIDS",
         "word",
         _parse_uids,
         "",
-        "Other user ids that share this node's pool: the server accepts them as clients (its own uid "
-        "always), and engines trust a server run by one of them (their own uid and root always).",
-        "a comma-separated list of user ids, or empty",
+        "Other user ids that share this node's pool: the server lets them reach its socket and accepts "
+        "them as clients (its own uid always), and engines trust a server run by one of them (their own "
+        "uid and root always).",
+        "a comma-separated list of user ids (ASCII digits, each below 4294967295), or empty",
     ),
 )
 KEYS_BY_NAME = {spec.name: spec for spec in KEYS}
