@@ -143,19 +143,12 @@ MAX_UID = 0xFFFFFFFE  # (uid_t)-1 means "no uid" to chown and setreuid: never a 
 
 
 def _parse_uids(text: str) -> tuple[int, ...]:
-    """`1001, 1002` -> (1001, 1002): ASCII digits only (no sign, `_` or other scripts' digits,
-    which int() would take), each a valid uid."""
-    uids = []
-    for part in text.split(","):
-        part = part.strip(" \t")
-        if not part:
-            continue
-        if not (part.isascii() and part.isdigit()):
-            raise ValueError(f"{part!r} is not a user id (ASCII digits only)")
-        if int(part) > MAX_UID:
-            raise ValueError(f"{part} is not a user id (at most {MAX_UID})")
-        uids.append(int(part))
-    return tuple(uids)
+    """`1001, 1002` -> (1001, 1002): ASCII digits only (int() takes `_`, signs, other scripts' digits)."""
+    parts = [part.strip(" \t") for part in text.split(",")]
+    bad = next((x for x in parts if x and not (x.isascii() and x.isdigit() and int(x) <= MAX_UID)), None)
+    if bad is not None:
+        raise ValueError(f"{bad!r} is not a user id (ASCII digits, at most {MAX_UID})")
+    return tuple(int(x) for x in parts if x)
 
 
 MODEL_ID_MAX_CHARS = 256

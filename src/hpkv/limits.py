@@ -133,14 +133,11 @@ class HeldSlots(Generic[SlotT]):
     def _groups_of(self, owner: int) -> tuple[tuple[Hashable, ...], ...]:
         return self._groups.get(owner) or ((PROCESS, "owner", owner),)
 
-    def _cap(self, group: tuple[Hashable, ...]) -> int | None:
-        return self.max_bytes if group[0] == PROCESS else self.max_user_bytes
-
     def room(self, owner: int) -> float:
         """Slot bytes `owner` may still reserve or lease: the least its groups have left."""
         room = math.inf
         for group in self._groups_of(owner):
-            cap = self._cap(group)
+            cap = _cap(self, group)
             if cap is not None:
                 room = min(room, cap - self._group_bytes.get(group, 0))
         return room
@@ -152,7 +149,7 @@ class HeldSlots(Generic[SlotT]):
         self.counters.capped_keys += num_keys
         if self._cap_log.allows(self.clock(), CAP_LOG_INTERVAL_S):
             groups = self._groups_of(owner)
-            full = [g for g in groups if (cap := self._cap(g)) is not None and self._group_bytes.get(g, 0) >= cap]
+            full = [g for g in groups if (cap := _cap(self, g)) is not None and self._group_bytes.get(g, 0) >= cap]
             group = full[-1] if full else groups[0]
             key = "HPKV_SERVER_MAX_USER_SLOT_SHARE" if group[0] == USER else "HPKV_SERVER_MAX_SLOT_SHARE"
             who = f"uid {group[1]}" if group[0] == USER else f"the process of client {owner}"
@@ -160,7 +157,7 @@ class HeldSlots(Generic[SlotT]):
                 "%s holds its share of the pool (%d bytes, %s) in reservations and leases: %d key(s) "
                 "not %s, a miss (counted in the stats' limits, logged once a minute)",
                 who,
-                self._cap(group),
+                _cap(self, group),
                 key,
                 num_keys,
                 what,
@@ -286,6 +283,11 @@ class HeldSlots(Generic[SlotT]):
             max_held_bytes=max(self._bytes.values(), default=0),
             **vars(self.counters),
         )
+
+
+def _cap(held: HeldSlots, group: tuple[Hashable, ...]) -> int | None:
+    """The cap on what `group` holds: a process's or a user's."""
+    return held.max_bytes if group[0] == PROCESS else held.max_user_bytes
 
 
 class Holds:

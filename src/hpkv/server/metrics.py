@@ -4,10 +4,7 @@ Pulled, not pushed: a custom collector reads `Server.stats()` on each scrape and
 snapshot into metric families, so no counter is kept twice. The one thing stats cannot give,
 request latency, is a histogram fed by `observe(op, seconds)` from the request loop.
 
-The HTTP server is bounded: one thread accepts, at most SCRAPE_WORKERS threads answer, at most
-SCRAPE_QUEUE connections wait for them (more are closed at once), and a connection that has not
-been answered within SCRAPE_DEADLINE_S (one that sends nothing, or a byte at a time) is shut; so
-idle connections cost no thread and cannot keep a scrape out for long.
+The HTTP server is `scrape.ScrapeServer`: bounded, so idle connections cost it no thread.
 Primitives: `Metrics(server)`, `start(host, port)`, `observe(op, seconds)`, `stop()`.
 Must not know: the store's internals beyond the fields of `hpkv.stats.ServerStats`.
 """
@@ -17,18 +14,15 @@ from __future__ import annotations
 import json
 import logging
 import re
-import socket
 import threading
-import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from http.server import HTTPServer
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, MetricsHandler, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..stats import DramStats, ServerStats, StorageStats
+from .scrape import POLL_S, ScrapeServer
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +47,6 @@ _LATENCY_BUCKETS_S = (
     60.0,
 )
 _CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
-SCRAPE_WORKERS = 2  # threads answering scrapes
-SCRAPE_QUEUE = 16  # connections accepted and not yet answered, at most
-SCRAPE_DEADLINE_S = 5.0  # from accept to the last byte of the answer (a scraper asks at once)
 
 # (metric name without hpkv_ and _total, stats field, help) of the store's own counters.
 _STORE_COUNTERS = (
@@ -294,7 +285,7 @@ class Metrics:
             registry=self.registry,
             buckets=_LATENCY_BUCKETS_S,
         )
-        self._http: Any = None  # the _ScrapeServer, once started
+        self._http: Any = None  # the ScrapeServer, once started
         self._thread: threading.Thread | None = None
         self.address: tuple[str, int] | None = None
 
@@ -302,7 +293,7 @@ class Metrics:
         """Listen on host:port. A port that cannot be had is logged, and the server goes on
         without metrics: the cache matters more than its dashboard."""
         try:
-            self._http = _ScrapeServer(host, port, MetricsHandler.factory(self.registry))
+            self._http = ScrapeServer(host, port, MetricsHandler.factory(self.registry))
         except OSError as exc:
             log.error(
                 "cannot serve metrics on %s:%d: %s; the server runs without metrics. Fix: choose a free "
@@ -312,7 +303,9 @@ class Metrics:
                 exc.strerror or exc,
             )
             return
-        self._thread = threading.Thread(target=self._http.serve_forever, name="hpkv-metrics", daemon=True)
+        self._thread = threading.Thread(
+            target=self._http.serve_forever, args=(POLL_S,), name="hpkv-metrics", daemon=True
+        )
         self._thread.start()
         self.address = (host, self._http.server_port)
         log.info("metrics on http://%s:%d/metrics", host, self._http.server_port)
@@ -328,56 +321,3 @@ class Metrics:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
         self._http = None
-
-
-class _ScrapeServer(HTTPServer):
-    """An HTTP server with a bounded pool of threads (prometheus_client's makes one a connection)."""
-
-    def __init__(self, host: str, port: int, handler: type) -> None:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, _, _, _, sockaddr = infos[0]
-        self.address_family = family  # an IPv6 host needs AF_INET6 (HTTPServer assumes AF_INET)
-        self._pool = ThreadPoolExecutor(SCRAPE_WORKERS, thread_name_prefix="hpkv-scrape")
-        self._open: dict[socket.socket, float] = {}  # accepted, not yet done -> deadline
-        self._lock = threading.Lock()
-        super().__init__((str(sockaddr[0]), port), handler)  # binds: OSError if the port is taken
-
-    def process_request(self, request, client_address) -> None:
-        with self._lock:
-            if len(self._open) >= SCRAPE_QUEUE:
-                self.shutdown_request(request)
-                return
-            self._open[request] = time.monotonic() + SCRAPE_DEADLINE_S
-        request.settimeout(SCRAPE_DEADLINE_S)
-        self._pool.submit(self._answer, request, client_address)
-
-    def _answer(self, request, client_address) -> None:
-        try:
-            with self._lock:
-                if request not in self._open:
-                    return  # shut while it waited for a worker
-            self.finish_request(request, client_address)
-        except Exception as exc:  # the client went away, or was too slow
-            log.debug("metrics scrape from %s failed: %s", client_address, exc)
-        finally:
-            with self._lock:
-                self._open.pop(request, None)
-            self.shutdown_request(request)
-
-    def service_actions(self) -> None:
-        """Each turn of the accept loop (every half second): shut connections past their deadline,
-        which ends a worker's wait on them."""
-        now = time.monotonic()
-        with self._lock:
-            late = [sock for sock, deadline in self._open.items() if deadline < now]
-            for sock in late:
-                del self._open[sock]
-        for sock in late:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def server_close(self) -> None:
-        super().server_close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
