@@ -29,7 +29,10 @@ def hello_socket(node: Node) -> tuple[socket.socket, p.Reply]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(10)
     sock.connect(str(node.socket_path))
-    sock.sendall(p.encode(p.Hello(p.PROTOCOL_VERSION, "idle", os.getpid())))
+    try:
+        sock.sendall(p.encode(p.Hello(p.PROTOCOL_VERSION, "idle", os.getpid())))
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # refused at once: the server's Error is there to read
     body, fds = p.recv_frame_fds(sock)
     p.close_fds(fds)
     return sock, p.decode_reply(body)

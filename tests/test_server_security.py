@@ -212,7 +212,7 @@ class Hog:
     def _reserve(node: Node, num_clients: int, num_keys: int) -> list[int]:
         got = []
         for i in range(num_clients):
-            client = Client(node.shm_dir, f"hog-{i}", autostart=False)
+            client = Client(node.shm_dir, f"hog-{i}")  # as an engine: it would start a server if none answered
             ns = client.register(desc(0))
             res = client.reserve(ns, [entry_key(f"hog-{os.getpid()}-{i}", k) for k in range(num_keys)])
             got.append(sum(o is not None for o in res.offsets))

@@ -12,7 +12,7 @@ threads, which answer it (`Server.welcome` for the Hello, `Server.answer` after)
 has at most one request in hand and the rest of its bytes wait, and one uid has at most
 USER_WORKERS requests in hand, so a request that blocks (a lease wait, a clear of storage) holds
 one thread and stalls nobody else, and idle connections hold no thread at all.
-Primitives: `ConnectionLoop(listener, peer)`, `run(stop)`. Must not know what a request does,
+Primitives: `ConnectionLoop(listener, peer, ...)`, `run()`. Must not know what a request does,
 nor what a client holds beyond `peer.holds_nothing`.
 """
 
@@ -22,9 +22,9 @@ import logging
 import queue
 import selectors
 import socket
+import threading
 import time
 from collections import defaultdict, deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -40,6 +40,7 @@ USER_WORKERS = 48  # of which one uid's requests hold at most: the rest are left
 TICK_S = 0.2  # how often time-outs (and the server's stop) are looked at
 READ_BYTES = 1 << 16
 REFUSAL_LOG_S = 60.0
+ACCEPT_RETRY_S = 0.2  # the pause after a failed accept (out of file descriptors): no spinning
 
 
 class Peer(Protocol):
@@ -82,13 +83,14 @@ class ConnectionLoop:
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._done: queue.SimpleQueue[tuple[_Conn, bool]] = queue.SimpleQueue()
-        self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="hpkv-request")
+        self._pool = _Workers(WORKERS)
         self._conns: dict[socket.socket, _Conn] = {}
         self._per_uid: dict[int, int] = defaultdict(int)  # connections open
         self._in_hand: dict[int, int] = defaultdict(int)  # requests with a worker
         self._queued: dict[int, deque[tuple[_Conn, bytes]]] = defaultdict(deque)  # past USER_WORKERS
         self._refusals = Throttle()
         self._accept_warnings = Throttle()
+        self._accept_paused_until = 0.0  # 0: the listener is waited on
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -114,8 +116,11 @@ class ConnectionLoop:
                     if not self._peer.tick():
                         return
                     self._expire(now)
+                    if self._accept_paused_until and now >= self._accept_paused_until:
+                        self._accept_paused_until = 0.0
+                        self._selector.register(self._listener, selectors.EVENT_READ)
         finally:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown()
             for conn in list(self._conns.values()):
                 conn.sock.close()
             self._selector.close()
@@ -135,6 +140,8 @@ class ConnectionLoop:
                         "are retried (raise the limit on open files, `ulimit -n`, if this repeats)",
                         exc,
                     )
+                self._selector.unregister(self._listener)  # until the next tick but one
+                self._accept_paused_until = time.monotonic() + ACCEPT_RETRY_S
                 return
             pid, uid, _ = peer_ids(sock)
             refusal = self._peer.refusal(uid)
@@ -309,6 +316,46 @@ class ConnectionLoop:
         if not self._per_uid[uid]:
             del self._per_uid[uid]
         self._pool.submit(self._peer.closed, conn.client)
+
+
+class _Workers:
+    """At most `max_threads` daemon threads, made as jobs need them and kept for the next ones.
+    Daemon threads: a request still waiting (a lease wait, a clear) must not hold up the exit of a
+    server that has stopped."""
+
+    def __init__(self, max_threads: int) -> None:
+        self._max = max_threads
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0
+
+    def submit(self, fn, *args) -> None:
+        with self._lock:
+            if self._idle == 0 and self._threads < self._max:
+                self._threads += 1
+                threading.Thread(target=self._run, name=f"hpkv-request-{self._threads}", daemon=True).start()
+        self._jobs.put((fn, args))
+
+    def shutdown(self) -> None:
+        """Let the threads end once the jobs queued before are done (none waits for them)."""
+        for _ in range(self._max):
+            self._jobs.put(None)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            job = self._jobs.get()
+            with self._lock:
+                self._idle -= 1
+            if job is None:
+                return
+            fn, args = job
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("internal error in a request thread")
 
 
 def _who(client: ClientInfo) -> tuple[int, int, str]:
