@@ -135,7 +135,15 @@ class Server:
             ) from None
         finally:
             os.umask(old_umask)
-        access.open_to(self.directory, self.socket_path, self.settings.server_allow_uids)
+        try:
+            access.open_to(self.directory, self.socket_path, self.settings.server_allow_uids)
+        except OSError as exc:
+            listener.close()
+            self.store.close()
+            raise PoolError(
+                f"cannot let the uids of HPKV_SERVER_ALLOW_UIDS reach {self.socket_path}: {exc.strerror or exc}; "
+                "use a pool directory of this user's own on tmpfs (HPKV_SHARE_MEM_FILE_PATH), or empty the list"
+            ) from None
         listener.listen(512)
         self._listener = listener
         if self.settings.metrics_port:
