@@ -21,6 +21,8 @@ SERVER_SIDE = (
     "hpkv.server.daemon",
     "hpkv.server.handlers",
     "hpkv.server.connection",
+    "hpkv.server.loop",
+    "hpkv.server.access",
     "hpkv.pool.tier",
     "hpkv.limits",
 )

@@ -52,6 +52,9 @@ def test_nothing_set_gives_the_documented_defaults(home):
     assert settings.log_level == "info"
     assert (settings.metrics_port, settings.metrics_host) == (0, "127.0.0.1")
     assert settings.server_idle_exit_s == 10.0
+    assert (settings.server_max_slot_share, settings.server_max_user_slot_share) == (0.75, 0.75)
+    assert (settings.server_max_connections_per_uid, settings.server_connection_idle_s) == (256, 600.0)
+    assert settings.server_allow_uids == ()
     assert all(s.source is Source.DEFAULT and s.where == "default" for s in settings.settings)
     assert settings.warnings == ()
 
@@ -389,6 +392,29 @@ def test_an_unknown_hpkv_variable_in_the_environment_is_a_warning(home):
 def test_source_of_an_unknown_key_is_a_bug(home):
     with pytest.raises(KeyError):
         load_settings(env_with(home)).source_of("HPKV_NOPE")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "1_002",  # int() takes it
+        "\u0661\u0660\u0660\u0662",  # Arabic-Indic 1002: int() takes it
+        "4294967295",  # (uid_t)-1: no user's
+        "4294967296",
+        "+1002",
+        "-1",
+        "1002.0",
+        "1002 1003",
+    ],
+)
+def test_allow_uids_takes_ascii_digits_and_valid_uids_only(home, text):
+    with pytest.raises(ConfigError, match="HPKV_SERVER_ALLOW_UIDS.*not a user id"):
+        load_settings(env_with(home, HPKV_SERVER_ALLOW_UIDS=text))
+
+
+def test_allow_uids_takes_a_list_with_spaces(home):
+    settings = load_settings(env_with(home, HPKV_SERVER_ALLOW_UIDS="0, 1002,4294967294,"))
+    assert settings.server_allow_uids == (0, 1002, 4294967294)
 
 
 def test_the_docs_list_every_key_with_its_default():

@@ -161,22 +161,24 @@ def node(shm_dir, tmp_path):
 
 
 def test_a_client_that_keeps_what_it_reserved_and_leased_leaves_the_other_engine_room(node):
-    """The pool holds 256 entries. A hog reserves them all and leases what another engine saved,
-    and keeps both. The other engine still saves, and once the hog's hold is past the limit
-    (and the quarantine) it has the pool back. The hog's late commit publishes nothing."""
-    hog, engine = node.client("hog"), node.client("engine")
-    ns = hog.register(desc(0))
-    engine.register(desc(0))
+    """The pool holds 256 entries. A hog (another process) reserves them all and leases what
+    another engine saved, and keeps both. The other engine still saves, and once the hog's hold
+    is past the limit (and the quarantine) it has the pool back. The hog's late commit publishes
+    nothing."""
+    hog, engine = node.agent("hog"), node.client("engine")
+    hog.call("register")
+    ns = engine.register(desc(0))
 
     saved = [entry_key("saved", i) for i in range(64)]
     res = engine.reserve(ns, saved)
     for i, key in enumerate(saved):
         res.view(i)[:] = payload(key)
     assert engine.commit(ns, saved, reservation=res) == 64
-    lease = hog.lease(ns, saved)
-    grab = [entry_key("grab", i) for i in range(256)]
-    held = hog.reserve(ns, grab)
-    assert sum(o is not None for o in held.offsets) == 64  # 128 in all: half the pool
+    region = res.region
+    lease = hog.call("load", prefix="saved", n=64, release=False)
+    assert lease["num_ready"] == 64
+    held = hog.call("reserve", prefix="grab", n=256)
+    assert held["reserved"] == 64  # 128 in all: half the pool
 
     mine = [entry_key("mine", i) for i in range(64)]
     res = engine.reserve(ns, mine)
@@ -187,12 +189,14 @@ def test_a_client_that_keeps_what_it_reserved_and_leased_leaves_the_other_engine
     clock.now += 300
     more = [entry_key("more", i) for i in range(128)]
     res = engine.reserve(ns, more)  # takes the hog's holds back; their slots wait out the quarantine
-    assert set(res.offsets).isdisjoint(held.offsets) and set(res.offsets).isdisjoint(lease.offsets)
+    assert set(res.offsets).isdisjoint(held["offsets"]) and set(res.offsets).isdisjoint(lease["offsets"])
     stats = engine.stats()
     assert stats.limits.expired_reservations == 64 and stats.limits.expired_leases == 1
     assert [c.leases for c in stats.clients if c.kind == "hog"] == [0]
-    assert hog.commit(ns, grab) == 0 and engine.lookup(ns, grab).num_hit == 0
-    assert bytes(lease.view(0)) == payload(saved[0])  # still its bytes: nobody may write there yet
+    assert hog.call("commit", prefix="grab", n=256)["committed"] == 0
+    assert engine.lookup(ns, [entry_key("grab", i) for i in range(256)]).num_hit == 0
+    # still its bytes: nobody may write there yet
+    assert bytes(region.view(lease["offsets"][0], res.entry_bytes)) == payload(saved[0])
     engine.abort(ns, more, reservation=res)
 
     clock.now += HOLD_QUARANTINE_S

@@ -92,6 +92,7 @@ def test_server_killed_in_the_middle_of_writes(node):
 
 def test_a_client_killed_with_reservations_and_leases_gives_them_back(node):
     node.env["HPKV_SERVER_MAX_SLOT_SHARE"] = "1"  # the victim holds every slot
+    node.env["HPKV_SERVER_MAX_USER_SLOT_SHARE"] = "1"
     victim = node.agent("worker")
     victim.call("register", rank=0, entry_bytes=BIG)
     assert victim.call("save", prefix="leased", n=56, entry_bytes=BIG)["committed"] == 56

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpkv.configkeys import CONFIG_FILE_KEY, KEYS, KEYS_BY_NAME, MODEL_ID_MAX_CHARS, KeySpec, parse_size
+from hpkv.configkeys import CONFIG_FILE_KEY, KEYS, KEYS_BY_NAME, KeySpec
+from hpkv.configvalues import MODEL_ID_MAX_CHARS, parse_size
 from hpkv.errors import ConfigError
 
 __all__ = [
@@ -101,6 +102,9 @@ class Settings:
     server_max_namespace_bytes: int
     server_max_namespaces_per_uid: int
     server_max_namespaces: int
+    server_max_user_slot_share: float
+    server_max_connections_per_uid: int
+    server_connection_idle_s: float
     config_file: Path
     settings: tuple[Setting, ...]
     warnings: tuple[str, ...]
@@ -284,6 +288,9 @@ def _build(resolved: list[Setting], warnings: tuple[str, ...]) -> Settings:
         server_max_namespace_bytes=v["HPKV_SERVER_MAX_NAMESPACE_BYTES"],
         server_max_namespaces_per_uid=v["HPKV_SERVER_MAX_NAMESPACES_PER_UID"],
         server_max_namespaces=v["HPKV_SERVER_MAX_NAMESPACES"],
+        server_max_user_slot_share=v["HPKV_SERVER_MAX_USER_SLOT_SHARE"],
+        server_max_connections_per_uid=v["HPKV_SERVER_MAX_CONNECTIONS_PER_UID"],
+        server_connection_idle_s=v["HPKV_SERVER_CONNECTION_IDLE_S"],
         config_file=v[CONFIG_FILE_KEY],
         settings=tuple(resolved),
         warnings=warnings,

@@ -1,19 +1,23 @@
 """What each client holds in the pool, and the limits on it: a time limit on every reservation
-and lease, and a cap on the pool bytes one client holds reserved or leased at once. Why: a client
-that never lets go, or takes the whole pool, would otherwise starve every other engine.
+and lease, and caps on the pool bytes one client process, and one user (all its processes
+together), hold reserved or leased at once. Why: a client that never lets go, or takes the whole
+pool, would otherwise starve every other engine; one that opens more connections, or forks, must
+not get more.
 
 Owns, per owner (a client connection; 0 in process): its reservations (oldest first, with when
-each was made), the slot bytes its reservations and leases hold, and the counters of keys refused
-at the cap and taken back at the limit; the holds (reservations named `Reserved(ns, key, hold)`,
-settled together); and the quarantine: entries whose holder may still be copying, kept from reuse
-until a given time.
-Primitives: `room(owner)`, `refused`; reservations `has`, `add`, `pop`, `pop_owner`; leases
-`leased`, `released`; `expired_reservations`, `expired_leases`; `bytes_held`, `stats`; the
+each was made), the slot bytes its reservations and leases hold, the groups it counts in (`join`:
+its process and its user; an owner that never joined is a group of its own), the bytes each group
+holds, and the counters of keys refused at a cap and taken back at the limit; the holds
+(reservations named `Reserved(ns, key, hold)`, settled together); and the quarantine: entries
+whose holder may still be copying, kept from reuse until a given time.
+Primitives: `join`, `leave`, `room(owner)`, `refused`; reservations `has`, `add`, `pop`,
+`pop_owner`; leases `leased`, `released`; `expired_reservations`, `expired_leases`; `bytes_held`, `stats`; the
 holds (`holds`: `join`, `end`, `expired`) and the quarantine (`quarantined`: `add`, `over`).
 Must not know: the DRAM index, the leases' contents beyond their entries, the protocol (the store
 decides what an entry becomes once its quarantine is over). Not thread-safe: the store calls it
 under its lock. `clock` is injectable. A store built without limits has none; the server sets
-them from HPKV_SERVER_SLOT_TIMEOUT_S and HPKV_SERVER_MAX_SLOT_SHARE.
+them from HPKV_SERVER_SLOT_TIMEOUT_S, HPKV_SERVER_MAX_SLOT_SHARE (per process) and
+HPKV_SERVER_MAX_USER_SLOT_SHARE (per uid).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import logging
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
@@ -33,6 +37,7 @@ from .stats import LimitStats
 log = logging.getLogger(__name__)
 
 CAP_LOG_INTERVAL_S = 60.0  # a client at its cap is named in the log at most this often
+PROCESS, USER = "process", "user"  # the first item of a group's key: which cap applies to it
 
 
 class Slot(Protocol):
@@ -87,25 +92,55 @@ class LimitCounters:
 
 class HeldSlots(Generic[SlotT]):
     def __init__(
-        self, timeout_s: float | None = None, max_bytes: int | None = None, clock: Callable[[], float] = time.monotonic
+        self,
+        timeout_s: float | None = None,
+        max_bytes: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        max_user_bytes: int | None = None,
     ) -> None:
         self.timeout_s = timeout_s  # None: no time limit
-        self.max_bytes = max_bytes  # None: no cap
+        self.max_bytes = max_bytes  # per process; None: no cap
+        self.max_user_bytes = max_user_bytes  # per uid; None: no cap
         self.clock = clock
         self.counters = LimitCounters()
         self._reserved: dict[int, dict[Reserved, tuple[SlotT, float]]] = {}  # owner -> name -> (entry, made at)
         self._bytes: dict[int, int] = {}  # owner -> slot bytes reserved or leased
+        self._groups: dict[int, tuple[tuple[Hashable, ...], ...]] = {}  # owner -> its groups' keys
+        self._group_bytes: dict[tuple[Hashable, ...], int] = {}  # group -> slot bytes its owners hold
+        self._left: set[int] = set()  # owners gone that still hold bytes: forgotten once they hold none
         self.holds = Holds(lambda: self.clock())  # `clock` is the one tests may replace
         self.quarantined: Quarantine[SlotT] = Quarantine(lambda: self.clock())
         self._cap_log = Throttle()
 
-    def configure(self, timeout_s: float | None, max_bytes: int | None) -> None:
+    def configure(self, timeout_s: float | None, max_bytes: int | None, max_user_bytes: int | None = None) -> None:
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
+        self.max_user_bytes = max_user_bytes
+
+    def join(self, owner: int, uid: int, pid: int) -> None:
+        """`owner` (a connection) counts in the group of process `pid` and of user `uid`; a pid
+        the server cannot see (0: another pid namespace) makes the connection a process of its own."""
+        process: tuple[Hashable, ...] = (PROCESS, uid, pid) if pid > 0 else (PROCESS, "connection", owner)
+        self._groups[owner] = (process, (USER, uid))
+
+    def leave(self, owner: int) -> None:
+        """`owner` is gone: forget its groups once it holds nothing (a quarantine may outlast it)."""
+        if owner in self._bytes:
+            self._left.add(owner)
+        else:
+            self._groups.pop(owner, None)
+
+    def _groups_of(self, owner: int) -> tuple[tuple[Hashable, ...], ...]:
+        return self._groups.get(owner) or ((PROCESS, "owner", owner),)
 
     def room(self, owner: int) -> float:
-        """Slot bytes `owner` may still reserve or lease."""
-        return math.inf if self.max_bytes is None else self.max_bytes - self._bytes.get(owner, 0)
+        """Slot bytes `owner` may still reserve or lease: the least its groups have left."""
+        room = math.inf
+        for group in self._groups_of(owner):
+            cap = _cap(self, group)
+            if cap is not None:
+                room = min(room, cap - self._group_bytes.get(group, 0))
+        return room
 
     def refused(self, owner: int, num_keys: int, what: str) -> None:
         """Count keys asked for past the cap (`what`: "reserved" or "leased" they were not)."""
@@ -113,12 +148,17 @@ class HeldSlots(Generic[SlotT]):
             return
         self.counters.capped_keys += num_keys
         if self._cap_log.allows(self.clock(), CAP_LOG_INTERVAL_S):
+            groups = self._groups_of(owner)
+            full = [g for g in groups if (cap := _cap(self, g)) is not None and self._group_bytes.get(g, 0) >= cap]
+            group = full[-1] if full else groups[0]
+            key = "HPKV_SERVER_MAX_USER_SLOT_SHARE" if group[0] == USER else "HPKV_SERVER_MAX_SLOT_SHARE"
+            who = f"uid {group[1]}" if group[0] == USER else f"the process of client {owner}"
             log.warning(
-                "client %d holds its share of the pool (%d bytes, HPKV_SERVER_MAX_SLOT_SHARE) in "
-                "reservations and leases: %d key(s) not %s, a miss (counted in the stats' limits, "
-                "logged once a minute)",
-                owner,
-                self.max_bytes,
+                "%s holds its share of the pool (%d bytes, %s) in reservations and leases: %d key(s) "
+                "not %s, a miss (counted in the stats' limits, logged once a minute)",
+                who,
+                _cap(self, group),
+                key,
                 num_keys,
                 what,
             )
@@ -215,22 +255,39 @@ class HeldSlots(Generic[SlotT]):
 
     def _take(self, owner: int, num_bytes: int) -> None:
         self._bytes[owner] = self._bytes.get(owner, 0) + num_bytes
+        for group in self._groups_of(owner):
+            self._group_bytes[group] = self._group_bytes.get(group, 0) + num_bytes
 
     def _give(self, owner: int, num_bytes: int) -> None:
+        for group in self._groups_of(owner):
+            left = self._group_bytes.get(group, 0) - num_bytes
+            if left > 0:
+                self._group_bytes[group] = left
+            else:
+                self._group_bytes.pop(group, None)
         left = self._bytes.get(owner, 0) - num_bytes
         if left > 0:
             self._bytes[owner] = left
-        else:
-            self._bytes.pop(owner, None)
+            return
+        self._bytes.pop(owner, None)
+        if owner in self._left:
+            self._left.discard(owner)
+            self._groups.pop(owner, None)
 
     def stats(self) -> LimitStats:
         timeout_s = float(self.timeout_s) if self.timeout_s is not None else None
         return LimitStats(
             slot_timeout_s=timeout_s,
             max_slot_bytes=self.max_bytes,
+            max_user_slot_bytes=self.max_user_bytes,
             max_held_bytes=max(self._bytes.values(), default=0),
             **vars(self.counters),
         )
+
+
+def _cap(held: HeldSlots, group: tuple[Hashable, ...]) -> int | None:
+    """The cap on what `group` holds: a process's or a user's."""
+    return held.max_bytes if group[0] == PROCESS else held.max_user_bytes
 
 
 class Holds:

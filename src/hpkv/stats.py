@@ -119,11 +119,12 @@ class LimitStats(msgspec.Struct):
     """The limits on what one client holds, and what they refused or took back."""
 
     slot_timeout_s: float | None  # None: no time limit
-    max_slot_bytes: int | None  # None: no cap
-    max_held_bytes: int
+    max_slot_bytes: int | None  # per client process; None: no cap
+    max_held_bytes: int  # by one connection now
     capped_keys: int
     expired_reservations: int
     expired_leases: int
+    max_user_slot_bytes: int | None = None  # per uid (all its processes); None: no cap
 
 
 class NamespaceSummary(msgspec.Struct):

@@ -279,7 +279,7 @@ def _server_table(stats: ServerStats) -> Table:
 
 def _limits(stats: ServerStats) -> tuple[tuple[str, str], ...]:
     """A row once a client has met the limits on what it may hold (HPKV_SERVER_SLOT_TIMEOUT_S,
-    HPKV_SERVER_MAX_SLOT_SHARE)."""
+    HPKV_SERVER_MAX_SLOT_SHARE, HPKV_SERVER_MAX_USER_SLOT_SHARE)."""
     limits = stats.limits
     expired = limits.expired_reservations + limits.expired_leases
     if not expired and not limits.capped_keys:
@@ -289,7 +289,7 @@ def _limits(stats: ServerStats) -> tuple[tuple[str, str], ...]:
             "held too long or too much",
             f"{limits.expired_reservations} reservations and "
             f"{limits.expired_leases} leases taken back at the time limit, {limits.capped_keys} keys asked for "
-            "past a client's share of the pool (misses)",
+            "past a process's or a user's share of the pool (misses)",
         ),
     )
 

@@ -3,7 +3,7 @@
 Owns the one table of units and the three ways HPKV writes a size: `human_bytes` (one decimal:
 status, logs), `exact_bytes` (as few digits as the value needs: settings) and `whole_unit_bytes`
 (only a whole number of a unit, else bytes: benchmark entry sizes). Parsing sizes is
-`configkeys.parse_size`. Also `short_duration`, for the one duration setting. Must not know
+`configvalues.parse_size`. Also `short_duration`, for the one duration setting. Must not know
 where a size comes from.
 """
 

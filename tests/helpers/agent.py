@@ -57,7 +57,11 @@ class AgentLoop:
     def op_reserve(self, prefix: str, n: int, rank: int = 0, entry_bytes: int = ENTRY_BYTES) -> dict:
         """Reserve and keep the reservations (no commit, no abort)."""
         res = self.client.reserve(self._ns(rank, entry_bytes), [entry_key(prefix, i) for i in range(n)])
-        return {"reserved": sum(o is not None for o in res.offsets)}
+        return {"reserved": sum(o is not None for o in res.offsets), "offsets": res.offsets}
+
+    def op_commit(self, prefix: str, n: int, rank: int = 0, entry_bytes: int = ENTRY_BYTES) -> dict:
+        """Commit whatever this client holds reserved of these keys (no reservation handle)."""
+        return {"committed": self.client.commit(self._ns(rank, entry_bytes), [entry_key(prefix, i) for i in range(n)])}
 
     def op_lookup(self, prefix: str, n: int, rank: int = 0, entry_bytes: int = ENTRY_BYTES) -> dict:
         hit = self.client.lookup(self._ns(rank, entry_bytes), [entry_key(prefix, i) for i in range(n)])
@@ -73,7 +77,7 @@ class AgentLoop:
             self.client.release(lease)
         else:
             self.leases.append(lease)
-        return {"num_leased": len(lease.offsets), "num_ready": num_ready, "same": same}
+        return {"num_leased": len(lease.offsets), "num_ready": num_ready, "same": same, "offsets": lease.offsets}
 
     def op_stats(self) -> dict:
         import msgspec

@@ -8,7 +8,9 @@ backoff up to MAX_RETRY_S (a server that cannot start must not cost a start-up a
 short once the server this channel lost is dead and another answers on the socket (looked at
 most every PROBE_S: a server restarted after a crash is used again within a second of answering,
 not after the backoff), the re-registering of known namespaces on a new connection, and the epoch, which bumps when a
-connection ends so handles made on it are known void.
+connection ends so handles made on it are known void. A connection the server closed for being
+idle (it answers `Error("idle")`, or takes no more bytes) is opened again at once, and a request
+it did not read is sent again, once (`_call`).
 Primitives: `_call`/`_ask` (one request and its reply), `_drop`, `_region`, `_deadline`.
 Knows nothing of what the requests mean.
 
@@ -45,6 +47,11 @@ class ServerError(HpkvError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class _Unsent(ServerUnavailable):
+    """The connection ended before the server read the request (it closed an idle connection):
+    the request may be sent again, once, on a new connection."""
 
 
 MAX_RETRY_S = 30.0
@@ -260,7 +267,11 @@ class Channel:
     def _call(self, msg: p.Msg, timeout_s: float | None = None) -> p.Reply:
         with self._lock:
             self._ensure()
-            return self._roundtrip(msg, timeout_s or self.timeout_s)
+            try:
+                return self._roundtrip(msg, timeout_s or self.timeout_s)
+            except _Unsent:
+                self._ensure()
+                return self._roundtrip(msg, timeout_s or self.timeout_s)
 
     def _ask(self, msg: p.Msg, reply_type: type[_R], timeout_s: float | None = None) -> _R:
         """`_call`, for the one reply type `msg` is answered with."""
@@ -271,8 +282,15 @@ class Channel:
         assert sock is not None  # the caller holds the lock and has connected
         try:
             sock.settimeout(timeout_s)
-            sock.sendall(p.encode(msg))
+            try:
+                sock.sendall(p.encode(msg))
+            except (BrokenPipeError, ConnectionResetError):
+                if _told_idle(sock):  # the server closed this connection idle: it read nothing
+                    self._closed_by_server()
+                raise
             reply = p.decode_reply(p.recv_frame(sock))
+        except _Unsent:
+            raise
         except TimeoutError:
             self._fail(f"the HPKV server did not answer {type(msg).__name__} within {timeout_s:.1f} s")
         except (OSError, EOFError, p.FrameError) as exc:
@@ -281,8 +299,18 @@ class Channel:
             self._drop("a call was interrupted")
             raise
         if isinstance(reply, p.Error):
+            if reply.code == "idle":
+                self._closed_by_server()
             raise ServerError(reply.code, reply.message)
         return reply
+
+    def _closed_by_server(self) -> NoReturn:
+        """The server closed this connection, idle, before it read a request: drop it, and let
+        the next call connect at once (this is no failure of the server's)."""
+        self._drop("the HPKV server closed an idle connection")
+        self._failures = 0
+        self._retry_at = 0.0
+        raise _Unsent("the HPKV server closed an idle connection before reading the request")
 
     def _region(self) -> PoolRegion:
         """The pool mapping of the live connection. Caller holds the lock, after a call."""
@@ -293,6 +321,16 @@ class Channel:
         """When a handle asked for now stops being held: the server's time limit counts from
         when it got the request, later than now, so the client lets go first."""
         return time.monotonic() + self.slot_timeout_s if self.slot_timeout_s > 0 else math.inf
+
+
+def _told_idle(sock: socket.socket) -> bool:
+    """Whether what the server sent before it closed `sock` is its `Error("idle")`."""
+    try:
+        sock.setblocking(False)
+        reply = p.decode_reply(p.recv_frame(sock))
+    except (OSError, EOFError, p.FrameError):
+        return False
+    return isinstance(reply, p.Error) and reply.code == "idle"
 
 
 def _expect(reply: p.Reply, reply_type: type[_R]) -> _R:

@@ -1,11 +1,13 @@
-"""One client connection of the HPKV Server: the handshake, then requests until it closes.
+"""One client connection of the HPKV Server: the handshake, then one request at a time.
 
-Owns the conversation on one socket: `admit` checks the peer's uid and protocol version and
-hands over the pool file's descriptor (never its name); `dialogue` reads requests, has them
-answered and runs the work a reply must not wait for. A bad frame gets an `Error` and ends only
-this connection; a client that stops within a message, or stops reading replies, for
+Owns the conversation on one socket, a frame at a time (`loop.py` reads the frames): `refusal`
+says why a peer's uid may not talk to this server (SO_PEERCRED); `admit` checks the Hello's
+protocol version and hands over the pool file's descriptor (never its name); `answer` has a
+request answered, sends the reply and runs the work a reply must not wait for. A bad frame gets
+an `Error` and ends only this connection; a client that stops reading replies for
 HPKV_SERVER_FRAME_TIMEOUT_S loses its connection. Must not know what a request does
-(`handlers.py`) nor who reclaims what the client held (`daemon.py`).
+(`handlers.py`), how connections are waited on (`loop.py`) nor who reclaims what the client held
+(`daemon.py`).
 """
 
 from __future__ import annotations
@@ -27,25 +29,23 @@ log = logging.getLogger("hpkv.server")
 _warned_uids: set[int] = set()  # admitted other uids told of a pool they could truncate
 
 
-def admit(conn: socket.socket, client: ClientInfo, store: TieredStore, settings: Settings) -> bool:
-    """The handshake: True once the client is welcomed, False after telling it why not."""
-    if client.uid != os.geteuid() and client.uid not in settings.server_allow_uids:
-        log.warning(
-            "refused a client of uid %d (pid %d): not this server's uid %d", client.uid, client.pid, os.geteuid()
-        )
-        send(
-            conn,
-            p.Error(
-                "permission",
-                f"uid {client.uid} may not use this HPKV server (uid "
-                f"{os.geteuid()}); run as uid {os.geteuid()} or start the server with "
-                f"HPKV_SERVER_ALLOW_UIDS={client.uid}",
-            ),
-        )
-        return False
-    conn.settimeout(settings.server_frame_timeout_s)
+def refusal(uid: int, settings: Settings) -> p.Error | None:
+    """Why a peer of `uid` may not talk to this server, or None: the uid is this server's or listed."""
+    if uid == os.geteuid() or uid in settings.server_allow_uids:
+        return None
+    return p.Error(
+        "permission",
+        f"uid {uid} may not use this HPKV server (uid "
+        f"{os.geteuid()}); run as uid {os.geteuid()} or start the server with "
+        f"HPKV_SERVER_ALLOW_UIDS={uid}",
+    )
+
+
+def admit(conn: socket.socket, client: ClientInfo, store: TieredStore, settings: Settings, frame: bytes) -> bool:
+    """The handshake, `frame` being the client's first: True once the client is welcomed, False
+    after telling it why not."""
     try:
-        hello = p.decode_request(p.recv_frame(conn))
+        hello = p.decode_request(frame)
     except p.FrameError as exc:
         send(conn, p.Error(exc.code, str(exc)))
         return False
@@ -95,34 +95,25 @@ def admit(conn: socket.socket, client: ClientInfo, store: TieredStore, settings:
     return True
 
 
-def dialogue(conn: socket.socket, client: ClientInfo, handlers: Handlers, settings: Settings, metrics) -> None:
-    """Answer requests until the client closes, sends a bad frame or stalls within a message."""
-    while True:
-        try:
-            request = p.decode_request(p.recv_frame(conn, idle_ok=True))
-        except p.FrameError as exc:
-            send(conn, p.Error(exc.code, str(exc)))
-            return  # framing is lost: close this connection only
-        except TimeoutError:
-            log.warning(
-                "client %d (pid %d, %s) sent part of a message and then nothing for %.0f s; closing "
-                "its connection and releasing its leases (HPKV_SERVER_FRAME_TIMEOUT_S)",
-                client.id,
-                client.pid,
-                client.kind,
-                settings.server_frame_timeout_s,
-            )
-            return
-        started = time.perf_counter()
-        reply = handlers.handle(request, client)
-        if metrics is not None:
-            metrics.observe(type(request).__name__, time.perf_counter() - started)
-        try:
-            send(conn, reply)
-        finally:
-            if client.after_reply is not None:
-                after, client.after_reply = client.after_reply, None
-                after()
+def answer(conn: socket.socket, client: ClientInfo, handlers: Handlers, frame: bytes, metrics) -> bool:
+    """Answer the request in `frame`; False once the connection must end (a frame that does not
+    decode: its framing can no longer be trusted)."""
+    try:
+        request = p.decode_request(frame)
+    except p.FrameError as exc:
+        send(conn, p.Error(exc.code, str(exc)))
+        return False
+    started = time.perf_counter()
+    reply = handlers.handle(request, client)
+    if metrics is not None:
+        metrics.observe(type(request).__name__, time.perf_counter() - started)
+    try:
+        send(conn, reply)
+    finally:
+        if client.after_reply is not None:
+            after, client.after_reply = client.after_reply, None
+            after()
+    return True
 
 
 def lives_on(pid: int, grace_s: float = 0.5) -> bool:

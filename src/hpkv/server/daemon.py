@@ -1,12 +1,15 @@
-"""The HPKV Server process: the tiered store behind a Unix socket, one thread per client.
+"""The HPKV Server process: the tiered store behind a Unix socket.
 
 Start-up: read the configuration and log it with sources; make the pool directory (0700) and
 refuse one another uid could replace names in (`pool.directory`); refuse to start if a live
-server answers on the socket, remove a stale one; create the store; bind the socket, mode 0600;
-a managed server (not auto-started) then marks the directory its own (`autostart.claim_managed`).
-Clients: each connection is one owner in the store, on a thread of its own (`connection.py`,
-`handlers.py`); when it closes its reservations are aborted (after QUARANTINE_S if its process
-lives on: it may still be copying) and its leases released; `limits.py` bounds what it holds.
+server answers on the socket, remove a stale one; create the store; bind the socket, mode 0600,
+and let the uids of HPKV_SERVER_ALLOW_UIDS reach it (`access.py`); a managed server (not
+auto-started) then marks the directory its own (`autostart.claim_managed`).
+Clients: `loop.py` waits on every connection in one thread and has a bounded pool of threads
+answer their requests; each connection is one owner in the store (`connection.py`,
+`handlers.py`), whose holdings count in the shares of its process and its uid (`limits.py`);
+when it closes its reservations are aborted (after QUARANTINE_S if its process lives on: it may
+still be copying) and its leases released.
 Stop: SIGTERM/SIGINT, or (auto-started servers only) no client for HPKV_SERVER_IDLE_EXIT_S:
 stop accepting, write the entries still waiting for storage, stop the write-through processes,
 remove socket and pool, exit 0; a second signal, or storage finishing no write for 30 s, gives
@@ -33,14 +36,13 @@ from .. import __version__, safefs
 from .. import stats as st
 from ..config import Settings, load_settings
 from ..errors import HpkvError, PoolError
-from ..logutil import Throttle
 from ..pool.region import prepare_directory
-from ..procs import peer_ids
 from ..store import TieredStore
-from . import connection
+from . import access, connection
 from . import protocol as p
 from .autostart import claim_managed, release_managed
 from .handlers import ClientInfo, Handlers
+from .loop import ConnectionLoop
 
 if TYPE_CHECKING:
     from .metrics import Metrics
@@ -50,7 +52,6 @@ log = logging.getLogger("hpkv.server")
 # How long the slots reserved by a client whose connection dropped while its process lives stay
 # unusable: far longer than any copy into them takes.
 QUARANTINE_S = 30.0
-ACCEPT_RETRY_S = 0.2  # the pause after a failed accept (out of file descriptors, say)
 
 
 class Server:
@@ -71,7 +72,6 @@ class Server:
         self._next_id = 1
         self._last_client_left = time.monotonic()
         self._listener: socket.socket | None = None
-        self._accept_warnings = Throttle()
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -80,7 +80,14 @@ class Server:
         self._log_settings()
         self._open()
         try:
-            self._accept_loop()
+            assert self._listener is not None  # _open made it
+            ConnectionLoop(
+                self._listener,
+                self,
+                self.settings.server_max_connections_per_uid,
+                self.settings.server_frame_timeout_s,
+                self.settings.server_connection_idle_s,
+            ).run()
         except Exception:
             log.exception("the HPKV server failed; stopping")
             self._status = 1
@@ -110,7 +117,11 @@ class Server:
         prepare_directory(self.directory)  # the socket goes there before the pool does
         _claim_socket_path(self.socket_path)
         self.store = TieredStore.open(self.settings.pool, self.settings.storage)
-        self.store.held.configure(self.settings.server_slot_timeout_s, max_slot_bytes(self.store, self.settings))
+        self.store.held.configure(
+            self.settings.server_slot_timeout_s,
+            share_bytes(self.store, self.settings.server_max_slot_share),
+            share_bytes(self.store, self.settings.server_max_user_slot_share),
+        )
         self.handlers = Handlers(self.store, self.settings, self.stats)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where others may connect
@@ -126,8 +137,16 @@ class Server:
             ) from None
         finally:
             os.umask(old_umask)
-        listener.listen(128)
-        listener.settimeout(0.2)
+        try:
+            access.open_to(self.directory, self.socket_path, self.settings.server_allow_uids)
+        except OSError as exc:
+            listener.close()
+            self.store.close()
+            raise PoolError(
+                f"cannot let the uids of HPKV_SERVER_ALLOW_UIDS reach {self.socket_path}: {exc.strerror or exc}; "
+                "use a pool directory of this user's own on tmpfs (HPKV_SHARE_MEM_FILE_PATH), or empty the list"
+            ) from None
+        listener.listen(512)
         self._listener = listener
         if not self.auto:  # once it serves: engines never auto-start a server in its place
             claim_managed(self.directory)
@@ -147,43 +166,6 @@ class Server:
             backing["ready_bytes"],
             f"no lock needed: {backing['no_lock_why']}" if backing["no_lock_why"] else "locked in memory as it goes",
         )
-
-    def _accept_loop(self) -> None:
-        listener = self._listener
-        assert listener is not None  # _open ran
-        while not self._stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                if self._idle_expired():
-                    log.info("no client for %.1f s: the auto-started server exits", self.settings.server_idle_exit_s)
-                    return
-                continue
-            except OSError as exc:
-                if self._stop.is_set():
-                    return
-                # Out of file descriptors or memory, or a client that gave up while queued: the
-                # clients already connected go on, and so does the server.
-                self._accept_failed(f"cannot accept a connection: {exc}")
-                continue
-            try:
-                threading.Thread(target=self._serve, args=(conn,), name="hpkv-client", daemon=True).start()
-            except RuntimeError as exc:  # "can't start new thread"
-                conn.close()
-                self._accept_failed(f"cannot start a thread for a new client: {exc}")
-
-    def _accept_failed(self, why: str) -> None:
-        """Logged at most once a minute (the rest at DEBUG); a short pause so that a lasting cause
-        (EMFILE) does not spin. The client sees its connection refused or closed and retries."""
-        if self._accept_warnings.allows(time.monotonic(), 60.0):
-            log.warning(
-                "%s; the clients connected already are served, new ones are retried (raise the limit "
-                "on open files, `ulimit -n`, or the memory limit if this repeats)",
-                why,
-            )
-        else:
-            log.debug("%s", why)
-        self._stop.wait(ACCEPT_RETRY_S)
 
     def _idle_expired(self) -> bool:
         if not self.auto:
@@ -224,29 +206,52 @@ class Server:
             logging.shutdown()
             os._exit(self._status)
 
-    # -- one client ---------------------------------------------------------------------------
+    # -- the clients (what `loop.ConnectionLoop` asks) -------------------------------------------
 
-    def _serve(self, conn: socket.socket) -> None:
-        store, handlers = self.store, self.handlers
-        assert store is not None and handlers is not None  # _open ran before the first client
-        pid, uid, _ = peer_ids(conn)
+    def refusal(self, uid: int) -> p.Error | None:
+        return connection.refusal(uid, self.settings)
+
+    def connected(self, pid: int, uid: int) -> ClientInfo:
+        store = self.store
+        assert store is not None  # _open ran before the first client
         with self._clients_lock:
             client = ClientInfo(self._next_id, pid, uid)
             self._next_id += 1
             self._clients[client.id] = client
-        try:
-            if connection.admit(conn, client, store, self.settings):
-                connection.dialogue(conn, client, handlers, self.settings, self.metrics)
-        except (TimeoutError, EOFError, ConnectionError, OSError):
-            pass  # the client went away; what it held is reclaimed below
-        finally:
-            conn.close()
-            # A live client lost its connection (its call timed out): it may still be copying.
-            copying = store.holds_reservations(client.id) and connection.lives_on(client.pid)
-            store.drop_owner(client.id, quarantine_s=QUARANTINE_S if copying else 0.0)
-            with self._clients_lock:
-                del self._clients[client.id]
-                self._last_client_left = time.monotonic()
+        store.join_owner(client.id, uid, pid)
+        return client
+
+    def welcome(self, conn: socket.socket, client: ClientInfo, frame: bytes) -> bool:
+        assert self.store is not None
+        return connection.admit(conn, client, self.store, self.settings, frame)
+
+    def answer(self, conn: socket.socket, client: ClientInfo, frame: bytes) -> bool:
+        assert self.handlers is not None
+        return connection.answer(conn, client, self.handlers, frame, self.metrics)
+
+    def holds_nothing(self, client: ClientInfo) -> bool:
+        store = self.store
+        assert store is not None
+        return not store.holds_reservations(client.id) and not any(store.leases.get(i) for i in list(client.leases))
+
+    def closed(self, client: ClientInfo) -> None:
+        """Reclaim what a client whose connection ended held."""
+        store = self.store
+        assert store is not None
+        # A live client lost its connection (its call timed out): it may still be copying.
+        copying = store.holds_reservations(client.id) and connection.lives_on(client.pid)
+        store.drop_owner(client.id, quarantine_s=QUARANTINE_S if copying else 0.0)
+        with self._clients_lock:
+            del self._clients[client.id]
+            self._last_client_left = time.monotonic()
+
+    def tick(self) -> bool:
+        if self._stop.is_set():
+            return False
+        if self._idle_expired():
+            log.info("no client for %.1f s: the auto-started server exits", self.settings.server_idle_exit_s)
+            return False
+        return True
 
     def stats(self) -> st.ServerStats:
         """The store's snapshot and this server's."""
@@ -278,12 +283,13 @@ class Server:
         return st.ServerStats(**msgspec.structs.asdict(snapshot), server=server, clients=clients)
 
 
-def max_slot_bytes(store: TieredStore, settings: Settings) -> int | None:
-    """The bytes one client may hold reserved or leased (None: no cap); at least a slab's."""
-    if settings.server_max_slot_share >= 1:
+def share_bytes(store: TieredStore, share: float) -> int | None:
+    """The bytes a share of the pool is, for a cap on what is held reserved or leased (None: no
+    cap); at least a slab's."""
+    if share >= 1:
         return None
     alloc = store.dram.alloc
-    return max(alloc.slab_bytes, int(alloc.num_slabs * alloc.slab_bytes * settings.server_max_slot_share))
+    return max(alloc.slab_bytes, int(alloc.num_slabs * alloc.slab_bytes * share))
 
 
 def _claim_socket_path(path: Path) -> None:

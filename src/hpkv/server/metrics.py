@@ -4,6 +4,7 @@ Pulled, not pushed: a custom collector reads `Server.stats()` on each scrape and
 snapshot into metric families, so no counter is kept twice. The one thing stats cannot give,
 request latency, is a histogram fed by `observe(op, seconds)` from the request loop.
 
+The HTTP server is `scrape.ScrapeServer`: bounded, so idle connections cost it no thread.
 Primitives: `Metrics(server)`, `start(host, port)`, `observe(op, seconds)`, `stop()`.
 Must not know: the store's internals beyond the fields of `hpkv.stats.ServerStats`.
 """
@@ -17,10 +18,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, MetricsHandler, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..stats import DramStats, ServerStats, StorageStats
+from .scrape import POLL_S, ScrapeServer
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +290,7 @@ class Metrics:
             registry=self.registry,
             buckets=_LATENCY_BUCKETS_S,
         )
-        self._http: Any = None  # prometheus_client's WSGIServer, once started
+        self._http: Any = None  # the ScrapeServer, once started
         self._thread: threading.Thread | None = None
         self.address: tuple[str, int] | None = None
 
@@ -296,7 +298,7 @@ class Metrics:
         """Listen on host:port. A port that cannot be had is logged, and the server goes on
         without metrics: the cache matters more than its dashboard."""
         try:
-            self._http, self._thread = start_http_server(port, addr=host, registry=self.registry)
+            self._http = ScrapeServer(host, port, MetricsHandler.factory(self.registry))
         except OSError as exc:
             log.error(
                 "cannot serve metrics on %s:%d: %s; the server runs without metrics. Fix: choose a free "
@@ -306,6 +308,10 @@ class Metrics:
                 exc.strerror or exc,
             )
             return
+        self._thread = threading.Thread(
+            target=self._http.serve_forever, args=(POLL_S,), name="hpkv-metrics", daemon=True
+        )
+        self._thread.start()
         self.address = (host, self._http.server_port)
         log.info("metrics on http://%s:%d/metrics", host, self._http.server_port)
 

@@ -168,7 +168,8 @@ class StatsReply(Msg):
 
 
 class Error(_Stable):
-    # "version", "permission", "malformed", "too_large", "unknown_namespace", "bad_request", "internal"
+    # "version", "permission", "limit" (too many connections of a uid), "idle" (closed idle: the request
+    # sent since was not read), "malformed", "too_large", "unknown_namespace", "bad_request", "internal"
     code: str
     message: str
 

@@ -2,7 +2,7 @@
 
 Primitives (keyed by namespace `ns` and engine keys, in prefix order): `lookup`; `reserve` ->
 `commit` | `abort`, or `reserve(..., hold=)` -> `settle`; `lease` -> `Lease.wait` -> `release`;
-`drop_owner`; `flush`, `clear`, `stats`, `close`. Each is its part's: `lookup.py` (namespaces,
+`join_owner`, `drop_owner`; `flush`, `clear`, `stats`, `close`. Each is its part's: `lookup.py` (namespaces,
 lookups), `leases.py` (leases, promotions), `reservations.py` (reservations, holds, what is
 taken back), `writethrough.py` (the backlog, flush, close); `limits.HeldSlots` keeps the books
 of what each owner holds. The policies (`StorePolicy`) are given at construction.
@@ -187,6 +187,11 @@ class TieredStore:
         with self._lock:
             return self.held.holds_reservations(owner)
 
+    def join_owner(self, owner: int, uid: int, pid: int) -> None:
+        """A client `owner` of process `pid`, user `uid`: its holdings count in their shares."""
+        with self._lock:
+            self.held.join(owner, uid, pid)
+
     def drop_owner(self, owner: int, quarantine_s: float = 0.0) -> None:
         """Abort the reservations and release the leases of a client that is gone, then forget
         the namespaces only it held that hold nothing now. With `quarantine_s`, its reserved
@@ -199,6 +204,7 @@ class TieredStore:
             self.leases.release(lease_id)
         with self._lock:
             self.lookups.drop_owner(owner)
+            self.held.leave(owner)
 
     def clear(self, memory: bool = True, storage: bool = False, ns: str | None = None) -> dict[str, int]:
         removed = {"memory": 0, "storage": 0}

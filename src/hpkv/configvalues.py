@@ -1,0 +1,163 @@
+"""The syntax of HPKV's setting values: sizes, booleans, bounded numbers, durations, shares,
+words, paths, uids, model ids and hosts.
+
+Primitives: `parse_size` and one parser (or parser factory) per kind of value; each takes the
+text as written (after expansion) and returns the value or raises ValueError with a short reason.
+Must not know the keys (`configkeys`), the config file or the environment.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable
+from fractions import Fraction
+from pathlib import Path
+
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(?:i?b)?)?", re.IGNORECASE)
+_UNITS = {"k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_size(text: str) -> int:
+    """`4096`, `512m`, `1.5g`, `8GiB` -> bytes (binary multiples). ValueError on anything else."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise ValueError("not a size")
+    number, unit = match.groups()
+    if unit is None and not number.isdigit():
+        raise ValueError("a plain byte count must be a whole number")
+    size_bytes = math.floor(Fraction(number) * 1024 ** _UNITS.get((unit or "").lower(), 0))
+    if size_bytes <= 0:
+        raise ValueError("must be greater than 0")
+    return size_bytes
+
+
+def parse_size_or_auto(text: str) -> int | None:
+    return None if text.strip().lower() == "auto" else parse_size(text)
+
+
+def parse_size_or_unlimited(text: str) -> int | None:
+    return None if text.strip().lower() == "unlimited" else parse_size(text)
+
+
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def parse_bool(text: str) -> bool:
+    try:
+        return _BOOLS[text.strip().lower()]
+    except KeyError:
+        raise ValueError("not a boolean") from None
+
+
+def int_in(low: int, high: int | None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            number = int(text.strip())
+        except ValueError:
+            raise ValueError("not an integer") from None
+        if number < low or (high is not None and number > high):
+            raise ValueError("out of range")
+        return number
+
+    return parse
+
+
+def parse_threshold(text: str) -> int | None:
+    return None if text.strip().lower() == "auto" else int_in(0, None)(text)
+
+
+def parse_seconds(text: str) -> float:
+    try:
+        seconds = float(text.strip())
+    except ValueError:
+        raise ValueError("not a number") from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError("out of range")
+    return seconds
+
+
+def parse_positive_seconds(text: str) -> float:
+    seconds = parse_seconds(text)
+    if seconds == 0:
+        raise ValueError("out of range")
+    return seconds
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d*)?)\s*([smhd]?)", re.IGNORECASE)
+_DURATION_UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration_or_off(text: str) -> float | None:
+    """`off` or `0` -> None; `3600`, `90m`, `12h`, `30d` -> seconds."""
+    if text.strip().lower() in ("off", "0"):
+        return None
+    match = _DURATION.fullmatch(text.strip())
+    if match is None:
+        raise ValueError("not a duration")
+    seconds = float(match.group(1)) * _DURATION_UNIT_S[match.group(2).lower()]
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError("out of range")
+    return seconds
+
+
+def parse_share(text: str) -> float:
+    try:
+        share = float(text.strip())
+    except ValueError:
+        raise ValueError("not a number") from None
+    if not 0 < share <= 1:  # NaN too
+        raise ValueError("out of range")
+    return share
+
+
+def one_of(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        word = text.strip().lower()
+        if word not in choices:
+            raise ValueError("not one of the accepted words")
+        return word
+
+    return parse
+
+
+def parse_path(text: str) -> Path:
+    # Expansion of ~ and $VAR happens before parsing (see _expand); here only make it absolute.
+    if not text.strip():
+        raise ValueError("empty path")
+    return Path(os.path.abspath(text.strip()))
+
+
+def parse_pool_dir(text: str) -> Path:
+    return parse_path(text.replace("<uid>", str(os.geteuid())))
+
+
+MAX_UID = 0xFFFFFFFE  # (uid_t)-1 means "no uid" to chown and setreuid: never a user's
+
+
+def parse_uids(text: str) -> tuple[int, ...]:
+    """`1001, 1002` -> (1001, 1002): ASCII digits only (int() takes `_`, signs, other scripts' digits)."""
+    parts = [part.strip(" \t") for part in text.split(",")]
+    bad = next((x for x in parts if x and not (x.isascii() and x.isdigit() and int(x) <= MAX_UID)), None)
+    if bad is not None:
+        raise ValueError(f"{bad!r} is not a user id (ASCII digits, at most {MAX_UID})")
+    return tuple(int(x) for x in parts if x)
+
+
+MODEL_ID_MAX_CHARS = 256
+
+
+def parse_model_id(text: str) -> str | None:
+    text = text.strip()
+    if not text:
+        return None
+    if len(text) > MODEL_ID_MAX_CHARS or not text.isprintable():
+        raise ValueError(f"at most {MODEL_ID_MAX_CHARS} printable characters")
+    return text
+
+
+def parse_host(text: str) -> str:
+    if not text.strip():
+        raise ValueError("empty host")
+    return text.strip()
