@@ -195,16 +195,7 @@ def test_a_prompt_prefilled_over_several_steps_is_saved_whole_and_loads_byte_for
     side.add("a", PROMPT)
     side.run("a")
     assert side.steps >= 3  # the later chunks came as cached requests
-    assert side.scheduler.reset_prefix_cache()
-    for cache in side.caches.values():
-        cache.zero_()
-
-    side.add("b", PROMPT)
-    out = side.step()
-
-    (new,) = out.scheduled_new_reqs
-    assert new.num_computed_tokens == 4 * BS  # the 4 blocks came from HPKV
-    assert side.block_bytes(new.block_ids[0][:4]) == expected_bytes(PROMPT, range(4))
+    assert_a_repeat_hits_every_block_in_dram(side)
 
 
 def test_a_request_resumed_after_preemption_keeps_saving_its_blocks(vllm_side):
@@ -217,14 +208,17 @@ def test_a_request_resumed_after_preemption_keeps_saving_its_blocks(vllm_side):
     side.step()  # blocks 0 and 1 computed and saved
     assert side.scheduler.reset_prefix_cache(reset_running_requests=True)
     side.run("a")
+    assert_a_repeat_hits_every_block_in_dram(side)
+
+
+def assert_a_repeat_hits_every_block_in_dram(side) -> None:
+    """vLLM's own prefix cache reset and its KV tensors wiped, request b (the same prompt) gets
+    all 4 blocks from HPKV's DRAM tier, with a's bytes."""
     assert side.scheduler.reset_prefix_cache()
     for cache in side.caches.values():
         cache.zero_()
-
     side.add("b", PROMPT)
-    out = side.step()
-
-    (new,) = out.scheduled_new_reqs
+    (new,) = side.step().scheduled_new_reqs
     assert new.num_computed_tokens == 4 * BS
     assert side.block_bytes(new.block_ids[0][:4]) == expected_bytes(PROMPT, range(4))
 

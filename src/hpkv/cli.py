@@ -177,9 +177,9 @@ def server_command(ctx: click.Context, auto: bool) -> None:
     """Run the node's HPKV Server in the foreground until SIGTERM or Ctrl-C.
 
     A server started this way stays up across engine restarts, so the DRAM tier stays warm
-    (an auto-started one exits after its last engine leaves). Settings are read once, now. Its
-    mark hpkv.managed keeps engines from auto-starting a server there while it is down; stopped
-    cleanly outside systemd, it removes the mark.
+    (an auto-started one exits after its last engine leaves). Settings are read once, now. Under
+    systemd it marks its directory hpkv.managed, which keeps engines from auto-starting a server
+    there while it is down.
     """
     from hpkv.server.daemon import serve
 

@@ -5,13 +5,13 @@ server takes an exclusive `flock` on `<dir>/hpkv.lock`, looks again, and only th
 server, so exactly one is started. The lock dies with its holder, so a killed starter leaves
 nothing stale; a socket left by a killed server is removed by the next server.
 
-A directory a managed server (`hpkv server`, e.g. the systemd unit under deploy/) serves is
-marked `hpkv.managed` by it: no engine auto-starts a server there, also while the managed one
-restarts (after a crash, or `systemctl restart`), so none races it with a server of the engine's
-settings; the engines recompute until it answers again. A server run by a service manager
-(systemd: `INVOCATION_ID`) leaves the mark when it stops, since it may be started again at once;
-removing the directory (systemd's RuntimeDirectory= on stop) or the mark ends it. One run by hand
-and stopped (SIGTERM, Ctrl-C) removes it: engines auto-start again.
+A directory that `hpkv server` serves under a service manager (systemd, which sets
+`INVOCATION_ID`: the unit under deploy/) is marked `hpkv.managed` by it, and the mark stays: no
+engine auto-starts a server there, also while the managed one restarts (after a crash, or
+`systemctl restart`), so none races it with a server of the engine's settings; the engines
+recompute until it answers again. Removing the directory (systemd's RuntimeDirectory= on stop) or
+the mark ends it. `hpkv server` run by hand marks nothing: nobody would restart it, so once it is
+gone the next engine auto-starts one.
 
 The server is started detached (its own session, stdio to `<dir>/server.log`, working directory
 /) with the caller's environment, and reads its settings in the caller's working directory, so it
@@ -118,9 +118,12 @@ def ensure_server(directory: Path, timeout_s: float = 60.0, trusted_uids: tuple[
 
 
 def claim_managed(directory: Path) -> None:
-    """Mark `directory` as a managed server's (its pid): called by `hpkv server` once it listens;
-    under a service manager never removed by it (a crash or a restart must leave no window for an
-    auto-start). Something else in the marker's place is logged, not fatal: the server serves."""
+    """Mark `directory` as a managed server's (its pid), where a service manager runs it: called by
+    `hpkv server` once it listens, never removed by it (a crash or a restart must leave no window
+    for an auto-start). Something else in the marker's place is logged, not fatal: the server
+    serves."""
+    if not os.environ.get("INVOCATION_ID"):
+        return
     path = directory / MANAGED_NAME
     try:
         fd = safefs.open_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, safefs.owners(), mode=0o644)
@@ -136,24 +139,6 @@ def claim_managed(directory: Path) -> None:
         os.write(fd, f"{os.getpid()}\n".encode())
     finally:
         os.close(fd)
-
-
-def release_managed(directory: Path) -> None:
-    """On a clean stop: remove this server's mark, unless a service manager runs it (module
-    docstring). A mark of another pid (a server started since) stays."""
-    if os.environ.get("INVOCATION_ID"):
-        return
-    path = directory / MANAGED_NAME
-    try:
-        fd = safefs.open_file(path, os.O_RDONLY, safefs.owners())
-    except (safefs.UnsafeFile, OSError):
-        return
-    try:
-        ours = os.read(fd, 64).strip() == str(os.getpid()).encode()
-    finally:
-        os.close(fd)
-    if ours:
-        path.unlink(missing_ok=True)
 
 
 def _refuse_if_managed(directory: Path, trusted: frozenset[int]) -> None:

@@ -4,7 +4,7 @@ Start-up: read the configuration and log it with sources; make the pool director
 refuse one another uid could replace names in (`pool.directory`); refuse to start if a live
 server answers on the socket, remove a stale one; create the store; bind the socket, mode 0600,
 and let the uids of HPKV_SERVER_ALLOW_UIDS reach it (`access.py`); a managed server (not
-auto-started) then marks the directory its own (`autostart.claim_managed`).
+auto-started) under a service manager then marks the directory its own (`autostart.claim_managed`).
 Clients: `loop.py` waits on every connection in one thread and has a bounded pool of threads
 answer their requests; each connection is one owner in the store (`connection.py`,
 `handlers.py`), whose holdings count in the shares of its process and its uid (`limits.py`);
@@ -40,7 +40,7 @@ from ..pool.region import prepare_directory
 from ..store import TieredStore
 from . import access, connection
 from . import protocol as p
-from .autostart import claim_managed, release_managed
+from .autostart import claim_managed
 from .handlers import ClientInfo, Handlers
 from .loop import ConnectionLoop
 
@@ -194,8 +194,6 @@ class Server:
             os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
-        if not self.auto:
-            release_managed(self.directory)
         if self.metrics is not None:
             self.metrics.stop()
         abandoned = self.store is not None and self.store.close(abandon=self._abandon)
