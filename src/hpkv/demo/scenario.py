@@ -137,6 +137,21 @@ def warm_up(engine: VllmServer, name: str, seed: int) -> Step:
     return Step(name, "-", 0, completion.ttft_s * 1e3, "-")
 
 
+def written_files(storage: Path, quiet_s: float = 0.5, timeout_s: float = 10.0) -> int:
+    """The KV files under `storage` once the write-through, which runs behind the requests, has
+    written none for `quiet_s` (or after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    count, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        now = sum(1 for _ in storage.rglob("*.kv"))
+        if now != count:
+            count, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+        time.sleep(0.1)
+    return count
+
+
 def run_demo(cfg: DemoConfig) -> list[Step]:
     steps: list[Step] = []
     with walk(cfg, "vllm") as w:
@@ -144,7 +159,7 @@ def run_demo(cfg: DemoConfig) -> list[Step]:
             steps.append(warm_up(engine, "warm-up: another prompt, the engine's first request", seed=1))
             cold = _measure(engine, w.prompt)
             steps.append(Step("cold request (computed)", "-", 0, cold[0].ttft_s * 1e3, "-"))
-            files = sum(1 for _ in w.storage.rglob("*.kv"))
+            files = written_files(w.storage)
             steps.append(Step(f"{files} KV files written under {w.storage}", "storage", 0, 0.0, "-", files))
             reference = _measure(engine, w.prompt)
             steps.append(
