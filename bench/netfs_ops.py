@@ -14,6 +14,8 @@ Per file system, in one directory of `--files` small files (4 KiB, as deep in th
 - `open_read`: B opens and reads 4 KiB of a file it has not read before;
 - `readdir_entry`: B lists the directory (`scandir`, names only), per entry;
 - `walk_entry`: B lists it and `lstat`s each entry (what a walk of the root costs per file);
+- `dir_list`: B opens and lists a leaf directory A made (one file in it), per directory (what a
+  walk costs per leaf directory: 65,536 of them per namespace once it holds a million files);
 - `unlink`: B unlinks a file A wrote.
 Then the cache lags, `--trials` each, B polling every 0.5 ms from before A acts: a new name
 renamed into place on A until B's `stat` finds it (`lag_new`), a file A replaced by rename until
@@ -53,6 +55,7 @@ OPS = (
     "open_read",
     "readdir_entry",
     "walk_entry",
+    "dir_list",
     "unlink",
 )
 LAGS = ("lag_new", "lag_replace", "lag_unlink", "lag_mtime")
@@ -104,9 +107,23 @@ def _read(path: Path) -> bytes:
         os.close(fd)
 
 
+def _list_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with os.scandir(fd) as it:
+            list(it)
+    finally:
+        os.close(fd)
+
+
 def ops(a: Path, b: Path, num: int) -> dict[str, dict[str, float]]:
-    """The per-operation costs with `num` files in one leaf directory (written through A)."""
+    """The per-operation costs with `num` files in one leaf directory (written through A), and
+    `num` // 3 sibling directories of one file each."""
     data = secrets.token_bytes(SMALL)
+    dirs = [f"d{i:04x}" for i in range(num // 3)]
+    for d in dirs:
+        (a.parent / d).mkdir()
+        (a.parent / d / "x.kv").write_bytes(b"x")
     names = [f"{secrets.token_hex(16)}.kv" for _ in range(num)]
     third = num // 3
     out = {"create_fsync_rename": _summary(_each(lambda n: _write(a, n, data), names))}
@@ -134,6 +151,7 @@ def ops(a: Path, b: Path, num: int) -> dict[str, dict[str, float]]:
                 entry.stat(follow_symlinks=False)
         walked.append((time.perf_counter() - started) / len(entries))
     out["readdir_entry"], out["walk_entry"] = _summary(listed), _summary(walked)
+    out["dir_list"] = _summary(_each(lambda d: _list_dir(b.parent / d), dirs))
     out["unlink"] = _summary(_each(lambda n: os.unlink(b / n), rest))
     return out
 
