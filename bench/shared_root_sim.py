@@ -53,9 +53,14 @@ Capacity and usage. `HPKV_KV_STORAGE_SIZE` C is for the root (as today); the fir
 writes it with PARTS to `<root>/cluster/config` (O_EXCL), and a server started with another
 setting says so and uses the file's. A node's quota is C x (parts it owns) / PARTS, and it runs
 one LRU over the files of its parts (a share of M/N files: the same order as a global LRU to
-within 1/sqrt(M/N)). It learns its parts' files by walking only their leaf directories, every
-max(30 s, 10x that walk), and counts its own writes at once. Usage is kept per part: after each
-walk or eviction pass the owner writes `<root>/cluster/usage/<member>` (bytes, files and LRU
+within 1/sqrt(M/N)). Only the owner unlinks in its parts (`hpkv clear` aside), so its index goes
+stale only by the others' new files, which it learns by a pass over its parts every max(30 s,
+10x the pass): a `stat` of each leaf directory, a listing of those whose mtime changed since it
+listed them (and of every one at least every RELIST_S: a change within the mtime's granularity,
+a clear), an `lstat` of each name it does not index (`owner_pass`); it counts its own writes at
+once. A file's mtime, which readers on every node refresh at most once a minute, is looked at
+before it is evicted, as today. Usage is kept per part: after each pass or eviction the owner
+writes `<root>/cluster/usage/<member>` (bytes, files and LRU
 horizon of each part it owns; one file per owner rather than 65,536), which a new owner reads at
 takeover (it can evict files older than the horizon while its walk runs) and `hpkv status` sums.
 
@@ -77,7 +82,7 @@ TAKEOVER_BOUND_S of any change while one node lives; temporaries older than an h
 by the part's owner); the root holds at most C plus the writes the owners have not walked yet
 (the cluster's write rate x the share walk's period) plus a dead node's share of the writes
 during its takeover.
-What it costs per node: memory and walk operations in proportion to its share (M/N, times
+What it costs per node: memory and pass operations in proportion to its share (M/N, times
 HRW's imbalance: 1.01 at 4 nodes, ~1.2 at 256 with 65,536 parts); per RENEW_S one rename and one
 listing of N names (the one term that grows with the nodes: 256 names every 10 s); and its own
 traffic.
@@ -91,6 +96,7 @@ cluster's write rate in all), so it is left out of the background figures.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
@@ -115,6 +121,7 @@ BATCH_S = 1.0
 HOLD_S = FRESH_S + MAX_LAG_S + BATCH_S + 2.0
 TAKEOVER_BOUND_S = MAX_LAG_S + 2 * RENEW_S + EXPIRE_S + HOLD_S
 NEG_S = 2.0
+RELIST_S = 600.0  # an owner lists each leaf directory of its parts at least this often, changed or not
 NEG_ENTRIES = 1 << 16
 NEG_ENTRY_BYTES = 150  # a key of 36 bytes and its expiry in a dict
 
@@ -130,6 +137,7 @@ class Costs:
     rename: float
     stat_hit: float
     stat_miss: float
+    readdir_entry: float  # per file: its share of a listing (names only)
     walk_entry: float  # per file: its share of the listing and its `lstat`
     dir_list: float  # per leaf directory: open and list
     unlink: float
@@ -140,9 +148,9 @@ class Costs:
 # `flock /tmp/hpkv-engine.lock python -m bench.netfs_ops` on this machine (2 cores, shared; 500
 # files, 5 trials): medians, in seconds. `--costs` takes a fresh run's JSON instead.
 DEFAULT_COSTS = {
-    "local": Costs(254e-6, 16e-6, 4.2e-6, 7.1e-6, 2.3e-6, 20e-6, 61e-6, 7e-6, 10e-6),
-    "glusterfs": Costs(2.3e-3, 540e-6, 205e-6, 137e-6, 25e-6, 600e-6, 377e-6, 273e-6, 1.0),
-    "moosefs": Costs(1.16e-3, 184e-6, 52e-6, 48e-6, 17e-6, 292e-6, 196e-6, 142e-6, 457e-6),
+    "local": Costs(254e-6, 16e-6, 4.2e-6, 7.1e-6, 0.6e-6, 2.3e-6, 20e-6, 61e-6, 7e-6, 10e-6),
+    "glusterfs": Costs(2.3e-3, 540e-6, 205e-6, 137e-6, 21e-6, 25e-6, 600e-6, 377e-6, 273e-6, 1.0),
+    "moosefs": Costs(1.16e-3, 184e-6, 52e-6, 48e-6, 1.2e-6, 17e-6, 292e-6, 196e-6, 142e-6, 457e-6),
 }
 
 
@@ -157,6 +165,7 @@ def load_costs(path: Path) -> dict[str, Costs]:
             rename=med["rename"],
             stat_hit=med["stat_hit"],
             stat_miss=med["stat_miss"],
+            readdir_entry=med["readdir_entry"],
             walk_entry=med["walk_entry"],
             dir_list=med.get("dir_list", DEFAULT_COSTS.get(name, DEFAULT_COSTS["glusterfs"]).dir_list),
             unlink=med["unlink"],
@@ -184,7 +193,7 @@ class Row:
     nodes: int
     files: int
     index_mib: float  # per node (the most loaded one)
-    walk_s: float  # one walk of what the node walks
+    walk_s: float  # one walk of the root (today), one pass over its parts (proposed)
     walk_every_s: float
     bg_ops_per_node: float  # background metadata operations per second (most loaded node)
     member_ops_per_node: float  # of which membership (leases)
@@ -255,23 +264,40 @@ def member_ops(nodes: int) -> float:
     return (1 + 2 + math.ceil(nodes / READDIR_BATCH)) / RENEW_S
 
 
+def owner_pass(files: float, dirs: float, new_per_s: float, costs: Costs) -> tuple[float, float, float]:
+    """(seconds, metadata operations, period) of an owner's pass over its parts, repeated every
+    max(RESCAN_S, RESCAN_COST_FACTOR x its duration): a `stat` of each leaf directory; a listing
+    (open, readdir calls, release) of those whose mtime changed since it last listed them, and of
+    every one at least every RELIST_S; an `lstat` of each name it does not index (the others' new
+    files, `new_per_s` of them)."""
+    period = RESCAN_S
+    for _ in range(50):  # the period and what changes in it depend on each other: to their fixed point
+        per_dir = new_per_s * period / max(dirs, 1.0)
+        listed = dirs * min(1.0, -math.expm1(-per_dir) + period / RELIST_S)
+        entries = files * listed / max(dirs, 1.0)
+        new = new_per_s * period
+        seconds = dirs * costs.stat_hit + listed * costs.dir_list + entries * costs.readdir_entry + new * costs.stat_hit
+        ops = dirs + listed * 2 + entries / READDIR_BATCH + new
+        period = max(RESCAN_S, RESCAN_COST_FACTOR * seconds)
+    return seconds, ops, period
+
+
 def proposed(fs: str, nodes: int, files: int, costs: Costs, traffic: Traffic, loads: list[int]) -> Row:
     dirs_all = occupied(files, LEAF_DIRS * traffic.namespaces)
+    writes_per_s = traffic.writes_per_s * nodes
 
     def node(load: int) -> tuple[float, float, float]:
-        """(walk seconds, walk period, background ops/s) of a node owning `load` parts."""
+        """(pass seconds, pass period, background ops/s) of a node owning `load` parts."""
         share = load / PARTS
-        walk_s, walk_ops = walk(files * share, dirs_all * share, costs)
-        every = max(RESCAN_S, RESCAN_COST_FACTOR * walk_s)
-        usage_ops = 2 / every  # its usage file: create and rename, once a walk
-        root_ops = 2 / every  # the root listed for its namespaces, once a walk
-        return walk_s, every, walk_ops / every + root_ops + usage_ops + member_ops(nodes)
+        pass_s, pass_ops, every = owner_pass(files * share, dirs_all * share, writes_per_s * share, costs)
+        usage_ops = 2 / every  # its usage file: create and rename, once a pass
+        root_ops = 2 / every  # the root listed for its namespaces, once a pass
+        return pass_s, every, pass_ops / every + root_ops + usage_ops + member_ops(nodes)
 
-    walk_s, every, bg = node(max(loads))
+    pass_s, every, bg = node(max(loads))
     most = max(loads) / PARTS
-    learns = every + walk_s
-    writes_per_s = traffic.writes_per_s * nodes
-    takeover_s = TAKEOVER_BOUND_S + walk_s / max(1, nodes - 1)
+    learns = every + pass_s + costs.lag_attr  # a directory's new mtime shows after the attribute lag
+    takeover_s = TAKEOVER_BOUND_S + pass_s / max(1, nodes - 1)
     over = writes_per_s * (nodes - 1) / nodes * learns + writes_per_s * most * takeover_s
     neg = min(NEG_ENTRIES, traffic.misses_per_s * NEG_S) * NEG_ENTRY_BYTES / (1 << 20)
     return Row(
@@ -280,7 +306,7 @@ def proposed(fs: str, nodes: int, files: int, costs: Costs, traffic: Traffic, lo
         nodes,
         files,
         index_mib=files * most / 1e6 * INDEX_MIB_PER_MILLION + neg,
-        walk_s=walk_s,
+        walk_s=pass_s,
         walk_every_s=every,
         bg_ops_per_node=bg,
         member_ops_per_node=member_ops(nodes),
@@ -315,7 +341,7 @@ def _duration(s: float) -> str:
 
 def markdown(rows: list[Row]) -> str:
     head = (
-        "| fs | design | nodes | files | index MiB/node | walk (every) | background ops/s per node (leases) "
+        "| fs | design | nodes | files | index MiB/node | walk or pass (every) | background ops/s per node (leases) "
         "| ops/s total | lookup sees a write | capacity counts it | overshoot |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -345,6 +371,12 @@ def mix(x: int) -> int:
 def hrw_owner(members: list[int], part: int) -> int:
     """The member of highest weight for `part` (rendezvous hashing)."""
     return max(members, key=lambda m: mix(mix(m) ^ part))
+
+
+@functools.lru_cache(maxsize=256)
+def _owners(live: tuple[int, ...], parts: int) -> tuple[int, ...]:
+    """Each part's owner among `live` (views repeat: computed once per view)."""
+    return tuple(hrw_owner(list(live), p) for p in range(parts))
 
 
 @dataclass
@@ -479,8 +511,7 @@ def _act(node: _Node, t: float, rng: random.Random, history, parts: int, hold_s:
             node.dropped[member] = (node.seen.pop(member)[0], now)  # expired: dead, or stalled and fenced
         node.seen[node.id] = (node.seq, now)
         node.last_list = now
-        live = sorted(node.seen)
-        mine = {p for p in range(parts) if hrw_owner(live, p) == node.id}
+        mine = {p for p, owner in enumerate(_owners(tuple(sorted(node.seen)), parts)) if owner == node.id}
         for p in [p for p in node.own_since if p not in mine]:
             del node.own_since[p]
         for p in mine:
