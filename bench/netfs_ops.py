@@ -2,7 +2,7 @@
 on the network file systems that run here (GlusterFS with default client caching, MooseFS), each
 mounted twice (node A's mount and node B's), and on a local directory for reference.
 
-    python -m bench.netfs_ops [--files 500] [--trials 5] [--out costs.json] [--json]   # as root
+    python -m bench.netfs_ops [--files 500] [--trials 5] [--walk-files 2000] [--out costs.json] [--json]  # as root
 
 Per file system, in one directory of `--files` small files (4 KiB, as deep in the tree as HPKV's
 `<ns>/<ab>/<cd>/` leaves; a leaf holds ~1,500 files at 100 million files):
@@ -21,6 +21,10 @@ Then the cache lags, `--trials` each, B polling every 0.5 ms from before A acts:
 renamed into place on A until B's `stat` finds it (`lag_new`), a file A replaced by rename until
 B reads the new content (`lag_replace`), an unlink on A until B's `stat` misses (`lag_unlink`), a
 `utime` on A until B's `stat` shows it (`lag_mtime`).
+Then, with `--walk-files` N, the model's check: N files written through A into HPKV's tree, spread
+over the leaf directories as keys fall (`spread`: about one file a directory) and packed into 16
+(`packed`), walked through B by the tier's own walk (`hpkv.storage.scan.walk`), first time:
+`bench.shared_root_sim` predicts these from the costs above.
 Every figure is the median and p90 in microseconds (lags: median and max). Run it under
 `flock /tmp/hpkv-engine.lock` on a shared machine; `--out` writes the JSON that
 `bench.shared_root_sim --costs` reads. Progress to stderr, the table (or --json) to stdout.
@@ -41,6 +45,8 @@ from pathlib import Path
 
 from bench.harness.netfs import Shared, netfs_beds
 from bench.harness.report import log
+from hpkv.storage import scan, tree
+from hpkv.storage.counters import StorageCounters
 
 SMALL = 4096
 POLL_S = 0.0005
@@ -212,6 +218,51 @@ def _lag_trial(a: Path, b: Path, name: str, out: dict[str, list[float]]) -> None
     out["lag_unlink"].append(_poll(lambda: not _exists(b / name)))
 
 
+def _fill(root: Path, keys: list[bytes], data: bytes) -> int:
+    """Files of `keys` in HPKV's layout under `root` (one namespace); the leaf directories made."""
+    ns, dirs = "ab" * 16, set()
+    for key in keys:
+        name = key.hex()
+        leaf = root / ns / name[:2] / name[2:4]
+        if leaf not in dirs:
+            leaf.mkdir(parents=True, exist_ok=True)
+            dirs.add(leaf)
+        (leaf / f"{name}.kv").write_bytes(data)
+    return len(dirs)
+
+
+def _tier_walk(root: Path) -> tuple[float, int]:
+    """(seconds, files found) of the storage tier's own walk of `root`."""
+    held = tree.Root(str(root))
+    try:
+        started = time.perf_counter()
+        found = scan.walk(held, "bench", lambda ns, key: key, lambda size: size, StorageCounters())
+        return time.perf_counter() - started, len(found.keys)
+    finally:
+        held.close()
+
+
+def walks(a_root: Path, b_root: Path, num: int) -> list[dict[str, float]]:
+    """The tier's walk through B of `num` files A wrote, spread and packed (see the docstring)."""
+    out = []
+    data = secrets.token_bytes(SMALL)
+    prefixes = [secrets.token_bytes(2) for _ in range(16)]
+    for layout in ("spread", "packed"):
+        tag = secrets.token_hex(4)
+        keys = [secrets.token_bytes(16) for _ in range(num)]
+        if layout == "packed":
+            keys = [prefixes[i % 16] + k[2:] for i, k in enumerate(keys)]
+        try:
+            dirs = _fill(a_root / f"walk-{tag}", keys, data)
+            time.sleep(1.5)
+            seconds, found = _tier_walk(b_root / f"walk-{tag}")
+        finally:
+            shutil.rmtree(a_root / f"walk-{tag}", ignore_errors=True)
+        out.append({"layout": layout, "files": found, "dirs": dirs, "seconds": seconds})
+        log(f"  walk, {layout}: {found} files in {dirs} leaf directories, {seconds:.2f} s")
+    return out
+
+
 def measure(name: str, a_root: Path, b_root: Path, num: int, trials: int) -> dict[str, dict[str, float]]:
     tag = secrets.token_hex(4)
     leaf = Path(f"ops-{tag}/cd/ab")
@@ -226,11 +277,18 @@ def measure(name: str, a_root: Path, b_root: Path, num: int, trials: int) -> dic
     return result
 
 
-def run(num: int, trials: int) -> dict[str, dict[str, dict[str, float]]]:
-    results: dict[str, dict[str, dict[str, float]]] = {}
+Results = dict[str, dict[str, dict[str, float]]]
+
+
+def run(num: int, trials: int, walk_files: int) -> tuple[Results, dict[str, list[dict[str, float]]]]:
+    """(per-operation costs, walks) per file system."""
+    results: Results = {}
+    checks: dict[str, list[dict[str, float]]] = {}
     local = Path(tempfile.mkdtemp(prefix="hpkv-bench-netfs-ops-", dir="/var/tmp"))
     try:
         results["local"] = measure("local", local, local, num, trials)
+        if walk_files:
+            checks["local"] = walks(local, local, walk_files)
     finally:
         shutil.rmtree(local, ignore_errors=True)
     with netfs_beds() as beds:
@@ -239,10 +297,12 @@ def run(num: int, trials: int) -> dict[str, dict[str, dict[str, float]]]:
                 log(f"{name}: skipped, {bed}")
                 continue
             results[name] = measure(name, bed.mount_a, bed.mount_b, num, trials)
-    return results
+            if walk_files:
+                checks[name] = walks(bed.mount_a, bed.mount_b, walk_files)
+    return results, checks
 
 
-def table(results: dict[str, dict[str, dict[str, float]]]) -> str:
+def table(results: Results) -> str:
     names = list(results)
     lines = [
         "| operation (µs: median / p90; lags: median / max) | " + " | ".join(names) + " |",
@@ -257,18 +317,29 @@ def table(results: dict[str, dict[str, dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
+def walks_table(checks: dict[str, list[dict[str, float]]]) -> str:
+    lines = [
+        f"walk through B, {c['layout']}: {name} {c['files']:.0f} files in {c['dirs']:.0f} leaf directories, "
+        f"{c['seconds']:.2f} s"
+        for name, rows in checks.items()
+        for c in rows
+    ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--files", type=int, default=500, help="small files in the leaf directory")
     parser.add_argument("--trials", type=int, default=5, help="trials of each cache lag")
+    parser.add_argument("--walk-files", type=int, default=2000, help="files per walk check (0: none)")
     parser.add_argument("--out", type=Path, help="write the JSON here (for bench.shared_root_sim --costs)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    results = run(max(args.files, 30), max(args.trials, 1))
-    doc = {"files": args.files, "trials": args.trials, "file_bytes": SMALL, "fs": results}
+    results, checks = run(max(args.files, 30), max(args.trials, 1), max(args.walk_files, 0))
+    doc = {"files": args.files, "trials": args.trials, "file_bytes": SMALL, "fs": results, "walks": checks}
     if args.out:
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(json.dumps(doc, indent=1) if args.json else table(results))
+    print(json.dumps(doc, indent=1) if args.json else table(results) + "\n" + walks_table(checks))
 
 
 if __name__ == "__main__":
