@@ -154,6 +154,22 @@ DEFAULT_COSTS = {
 }
 
 
+def walk_checks(path: Path) -> list[str]:
+    """The model's walk time against the tier's walk `bench.netfs_ops --walk-files` measured, one
+    line per file system and layout: files x walk_entry + leaf directories x dir_list."""
+    doc = json.loads(path.read_text())
+    costs = load_costs(path)
+    lines = []
+    for fs, checks in doc.get("walks", {}).items():
+        for c in checks:
+            model, _ = walk(c["files"], c["dirs"], costs[fs])
+            lines.append(
+                f"{fs}, {c['layout']}: {c['files']:.0f} files in {c['dirs']:.0f} leaf directories walked in "
+                f"{c['seconds']:.2f} s, the model says {model:.2f} s ({model / c['seconds']:.2f}x)"
+            )
+    return lines
+
+
 def load_costs(path: Path) -> dict[str, Costs]:
     """The file systems of a `bench.netfs_ops --out` JSON, as Costs."""
     doc = json.loads(path.read_text())
@@ -543,6 +559,8 @@ def main() -> None:
         print(json.dumps({"rows": [asdict(r) for r in rows], "protocol": asdict(protocol)}, indent=1))
         return
     print(markdown(rows))
+    for line in walk_checks(args.costs) if args.costs else []:
+        print(f"\ncheck: {line}")
     print(
         f"\nprotocol (seed {args.seed}): at most {protocol.max_evictors} node(s) evicting a part at once; "
         f"longest a part went without an evicting node {protocol.longest_unowned_s:.1f} s "

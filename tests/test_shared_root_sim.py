@@ -102,10 +102,15 @@ def test_costs_load_from_what_bench_netfs_ops_writes(tmp_path):
     ops.update({lag: {"median": 5.0, "p90": 5.0, "max": 9.0, "n": 5} for lag in ("lag_new", "lag_replace")})
     ops.update({lag: {"median": 7.0, "p90": 7.0, "max": 9.0, "n": 5} for lag in ("lag_unlink", "lag_mtime")})
     path = tmp_path / "costs.json"
-    path.write_text(json.dumps({"fs": {"somefs": ops}}))
+    walks = [{"layout": "packed", "files": 1000, "dirs": 10, "seconds": 0.002}]
+    path.write_text(json.dumps({"fs": {"somefs": ops}, "walks": {"somefs": walks}}))
 
     costs = sim.load_costs(path)["somefs"]
 
     assert costs.create == pytest.approx(100e-6) and costs.stat_miss == pytest.approx(10e-6)
     assert costs.lag_attr == pytest.approx(7e-6)
     assert "| somefs | proposed | 256 | 100 M |" in sim.markdown(sim.table_rows({"somefs": costs}, TRAFFIC, 0))
+    # 1,000 files x 1 us + 10 directories x 1 us, against 2 ms measured
+    assert sim.walk_checks(path) == [
+        "somefs, packed: 1000 files in 10 leaf directories walked in 0.00 s, the model says 0.00 s (0.51x)"
+    ]
