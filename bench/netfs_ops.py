@@ -38,12 +38,11 @@ import os
 import secrets
 import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.harness.netfs import Shared, netfs_beds
+from bench.harness.netfs import local_and_shared
 from bench.harness.report import log
 from hpkv.storage import scan, tree
 from hpkv.storage.counters import StorageCounters
@@ -284,21 +283,10 @@ def run(num: int, trials: int, walk_files: int) -> tuple[Results, dict[str, list
     """(per-operation costs, walks) per file system."""
     results: Results = {}
     checks: dict[str, list[dict[str, float]]] = {}
-    local = Path(tempfile.mkdtemp(prefix="hpkv-bench-netfs-ops-", dir="/var/tmp"))
-    try:
-        results["local"] = measure("local", local, local, num, trials)
+    for name, a_root, b_root in local_and_shared("hpkv-bench-netfs-ops-"):
+        results[name] = measure(name, a_root, b_root, num, trials)
         if walk_files:
-            checks["local"] = walks(local, local, walk_files)
-    finally:
-        shutil.rmtree(local, ignore_errors=True)
-    with netfs_beds() as beds:
-        for name, bed in beds.items():
-            if not isinstance(bed, Shared):
-                log(f"{name}: skipped, {bed}")
-                continue
-            results[name] = measure(name, bed.mount_a, bed.mount_b, num, trials)
-            if walk_files:
-                checks[name] = walks(bed.mount_a, bed.mount_b, walk_files)
+            checks[name] = walks(a_root, b_root, walk_files)
     return results, checks
 
 
