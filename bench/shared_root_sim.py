@@ -25,7 +25,8 @@ Membership. `<root>/cluster/members/` holds one lease file per running server, n
 `<member>.<seq>`: `<member>` is the host name and a random incarnation drawn at start (a restarted
 server is a new member; two nodes with one host name stay apart). The server renews it every
 RENEW_S by renaming it to `<member>.<seq+1>` (one metadata operation), and lists the directory
-every RENEW_S (one listing of N names). A member is live, in an observer's view, while the
+every RENEW_S (one listing of N names; a member's highest seq counts, as a listing may show a
+renamed lease under both names for a moment). A member is live, in an observer's view, while the
 observer has seen its name change within EXPIRE_S of its own monotonic clock, or first saw it
 less than EXPIRE_S ago. Nothing compares clocks across nodes: skewed or stepped wall clocks do not
 matter, only each node's monotonic rate (drift of 1e-4 is 3 ms in 30 s). A server that stops
@@ -34,7 +35,8 @@ removed by the live member that owns part 0.
 
 Ownership. A part belongs to the live member of highest rendezvous weight hash(member, part)
 (HRW: a join or a death moves only the parts that member gains or had, 1/N of them, spread over
-all the others). Each node computes owners from its own view; views differ for at most
+all the others; computed for 65,536 parts at each change of a node's view, vectorized: numpy
+is a dependency already). Each node computes owners from its own view; views differ for at most
 RENEW_S + MAX_LAG_S after a change. Rules that keep two nodes from evicting one part at once:
 - a node evicts in a part only once the part has been its own, in its view, for HOLD_S
   (FRESH_S + MAX_LAG_S + BATCH_S + margin): by then the previous owner has seen the change
@@ -62,7 +64,9 @@ once. A file's mtime, which readers on every node refresh at most once a minute,
 before it is evicted, as today. Usage is kept per part: after each pass or eviction the owner
 writes `<root>/cluster/usage/<member>` (bytes, files and LRU
 horizon of each part it owns; one file per owner rather than 65,536), which a new owner reads at
-takeover (it can evict files older than the horizon while its walk runs) and `hpkv status` sums.
+takeover (it can evict files older than the horizon while its first pass runs) and `hpkv status`
+sums. `hpkv clear --storage` on any node bumps `<root>/cluster/epoch`, which each owner stats
+once a pass: a new epoch drops its index and lists its parts again.
 
 Lookups. A lookup of a key outside the node's index stats the file by name, as today; a miss is
 remembered for NEG_S in a bounded negative cache (NEG_ENTRIES), so a prefix missed by many
@@ -79,8 +83,8 @@ longer than HOLD_S - FRESH_S - MAX_LAG_S between an ownership check and its unli
 listing lags more than MAX_LAG_S; no file evicted twice regardless (an unlink succeeds once; only
 a successful unlink counts as freed); no file leaked (every part has an evicting owner within
 TAKEOVER_BOUND_S of any change while one node lives; temporaries older than an hour are removed
-by the part's owner); the root holds at most C plus the writes the owners have not walked yet
-(the cluster's write rate x the share walk's period) plus a dead node's share of the writes
+by the part's owner); the root holds at most C plus the writes no owner has passed over yet
+(the other nodes' write rate x the owner's pass period) plus a dead node's share of the writes
 during its takeover.
 What it costs per node: memory and pass operations in proportion to its share (M/N, times
 HRW's imbalance: 1.01 at 4 nodes, ~1.2 at 256 with 65,536 parts); per RENEW_S one rename and one
