@@ -439,11 +439,14 @@ def simulate_protocol(
     dt: float = 0.1,
     hold_s: float = HOLD_S,
     max_lag_s: float = MAX_LAG_S,
+    fence: bool = True,
 ) -> ProtocolResult:
     """Run the membership rules (module docstring) on `nodes` servers and `parts` parts through a
     join, a graceful leave, a kill, a stall past EXPIRE_S, a stall under FRESH_S, two kills at
     once and two joins, with wall clocks up to an hour apart, monotonic rates 1 +- 1e-4 and every
-    listing lagging uniformly up to `max_lag_s`. Counts, every `dt`, the nodes evicting each part."""
+    listing lagging uniformly up to `max_lag_s`. Counts, every `dt`, the nodes evicting each part.
+    `hold_s` and `fence` (False: a node goes on evicting after a stall) are there to show that the
+    rules are what keeps a part to one node."""
     rng = random.Random(seed)
     history: dict[int, list[tuple[float, int | None]]] = {}  # member -> (true time, seq or None: removed)
     members: dict[int, _Node] = {}
@@ -479,7 +482,7 @@ def simulate_protocol(
                 members[i].stalled_until = t + arg
         acting = [n for n in members.values() if n.alive and n.stalled_until <= t]
         for node in acting:
-            _act(node, t, rng, history, parts, hold_s, max_lag_s)
+            _act(node, t, rng, history, parts, hold_s, max_lag_s, fence)
         count = [0] * parts
         for node in acting:
             for p in node.evicting:
@@ -509,11 +512,13 @@ def _listing(history: dict[int, list[tuple[float, int | None]]], at: float) -> d
     return out
 
 
-def _act(node: _Node, t: float, rng: random.Random, history, parts: int, hold_s: float, max_lag_s: float) -> None:
+def _act(
+    node: _Node, t: float, rng: random.Random, history, parts: int, hold_s: float, max_lag_s: float, fence: bool
+) -> None:
     """One step of a running node: fence, renew, list, own, evict (the module docstring's rules)."""
     assert node.seen is not None and node.own_since is not None and node.dropped is not None
     now = node.local(t)
-    if now - node.last_renew >= EXPIRE_S or now - node.last_list >= FRESH_S:
+    if fence and (now - node.last_renew >= EXPIRE_S or now - node.last_list >= FRESH_S):
         node.own_since.clear()  # fenced: a stall, or a first step; HOLD_S counts again
     if now - node.last_renew >= RENEW_S:
         node.seq += 1
@@ -545,7 +550,7 @@ def _act(node: _Node, t: float, rng: random.Random, history, parts: int, hold_s:
             for member, (seq, when) in node.dropped.items():
                 if now - when >= hold_s and listed.get(member) == seq:
                     history[member].append((t, None))
-    fenced = now - node.last_renew >= EXPIRE_S or now - node.last_list >= FRESH_S
+    fenced = fence and (now - node.last_renew >= EXPIRE_S or now - node.last_list >= FRESH_S)
     node.evicting = frozenset() if fenced else frozenset(p for p, s in node.own_since.items() if now - s >= hold_s)
 
 

@@ -73,6 +73,10 @@ def test_without_the_hold_off_two_nodes_evict_one_part_at_once():
     assert sim.simulate_protocol(0, hold_s=0.0).max_evictors > 1
 
 
+def test_without_the_fence_a_node_back_from_a_stall_evicts_beside_its_parts_new_owner():
+    assert sim.simulate_protocol(0, fence=False).max_evictors > 1
+
+
 def test_rendezvous_ownership_moves_only_the_parts_of_a_member_that_leaves():
     members = [sim.mix(i) for i in range(8)]
     before = {p: sim.hrw_owner(members, p) for p in range(512)}
