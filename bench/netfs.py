@@ -21,12 +21,11 @@ import json
 import os
 import secrets
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.harness.netfs import Shared, netfs_beds
+from bench.harness.netfs import local_and_shared
 from bench.harness.report import log, verdict
 from hpkv.config import StorageConfig
 from hpkv.storage.tier import StorageTier
@@ -122,17 +121,8 @@ def measure(name: str, a_root: Path, b_root: Path, n: int, rounds: int) -> list[
 
 def run(n: int, rounds: int) -> list[Row]:
     rows: list[Row] = []
-    local = Path(tempfile.mkdtemp(prefix="hpkv-bench-netfs-", dir="/var/tmp"))
-    try:
-        rows += measure("local (ext4 or what /var/tmp is)", local, local, n, rounds)
-    finally:
-        shutil.rmtree(local, ignore_errors=True)
-    with netfs_beds() as beds:
-        for name, bed in beds.items():
-            if not isinstance(bed, Shared):
-                log(f"{name}: skipped, {bed}")
-                continue
-            rows += measure(name, bed.mount_a, bed.mount_b, n, rounds)
+    for name, a_root, b_root in local_and_shared("hpkv-bench-netfs-", "local (ext4 or what /var/tmp is)"):
+        rows += measure(name, a_root, b_root, n, rounds)
     return rows
 
 

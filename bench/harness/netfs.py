@@ -5,6 +5,9 @@ MooseFS file system (master, one chunkserver), from Debian's packages, through F
 `NodeServer` is an `hpkv server` as one node runs it: in its own UTS namespace, with a host name
 of its own (temporaries are named by it).
 
+`local_and_shared()` gives a local directory as both nodes, then each of those that is up: what
+a benchmark compares.
+
 `netfs_beds()` installs what is missing (apt, idempotent: nothing is run when installed), starts
 both, and yields a `Shared` per file system; everything it started is stopped and unmounted on
 the way out, whatever happened inside. `why_not()` says in one line why this machine cannot
@@ -32,6 +35,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.harness.report import log
 
 GLUSTER_PACKAGES = ("glusterfs-server", "glusterfs-client")
 MOOSE_PACKAGES = ("moosefs-master", "moosefs-chunkserver", "moosefs-client")
@@ -250,6 +255,23 @@ def netfs_beds(names: tuple[str, ...] = ("glusterfs", "moosefs")) -> Iterator[di
             if why is not None:
                 beds[name] = why
         yield beds
+
+
+def local_and_shared(prefix: str, local_name: str = "local") -> Iterator[tuple[str, Path, Path]]:
+    """(name, node A's root, node B's root): a fresh local directory under /var/tmp (both nodes
+    on it, removed after), then each network file system of `netfs_beds` that is up (one not up
+    is logged, with why, and skipped)."""
+    local = Path(tempfile.mkdtemp(prefix=prefix, dir="/var/tmp"))
+    try:
+        yield local_name, local, local
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+    with netfs_beds() as beds:
+        for name, bed in beds.items():
+            if not isinstance(bed, Shared):
+                log(f"{name}: skipped, {bed}")
+                continue
+            yield name, bed.mount_a, bed.mount_b
 
 
 class NodeServer:
