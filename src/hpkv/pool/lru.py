@@ -1,7 +1,7 @@
 """The DRAM tier's evictable entries: per size class, an LRU in stamp order, and the books of
 slabs that could move (`movable.py`), kept from the time a second size class appears.
 
-Primitives, told by the tier: `add`, `unlist`, `freed`, `touch`, `track_slabs`, `drain`; asked by
+Primitives, told by the tier: `add`, `unlist`, `freed`, `touch`, `track_slabs`, `take_slab`; asked by
 room policies (`room.py`): `by_class`, `oldest_movable`.
 Must not know: the index, pins beyond "evictable", or which policy asks.
 """
@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 
+from .entry import DramEntry
 from .movable import MovableSlabs
 from .slots import SlotAllocator
-
-if TYPE_CHECKING:
-    from .tier import DramEntry
 
 
 class EvictableEntries:
@@ -61,11 +58,16 @@ class EvictableEntries:
         if self._slabs is not None:
             self._slabs.touched(entry)
 
-    def drain(self, slab: int) -> OrderedDict[DramEntry, None]:
-        """The entries of a slab that moves (all evictable), off the slabs' books; the caller
-        takes each off its class's LRU (one pass over a slab of thousands, under the lock)."""
+    def take_slab(self, slab: int) -> list[DramEntry]:
+        """The entries of a slab that moves (all evictable, of one class), off the slabs' books
+        and off their class's LRU: evictable no more (a pass over a slab of thousands, under the
+        lock)."""
         assert self._slabs is not None  # a slab moves only between two size classes
-        return self._slabs.drain(slab)
+        entries = list(self._slabs.drain(slab))
+        lru = self._lru[entries[0].slot_bytes]
+        for entry in entries:
+            del lru[entry]
+        return entries
 
     def by_class(self) -> dict[int, OrderedDict[DramEntry, None]]:
         """slot_bytes -> that class's evictable entries, oldest first (read-only for callers)."""

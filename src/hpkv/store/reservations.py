@@ -18,7 +18,8 @@ import threading
 from collections.abc import Iterable, Sequence
 
 from ..limits import HeldSlots, Reserved
-from ..pool.tier import DramEntry, DramTier
+from ..pool.entry import DramEntry
+from ..pool.tier import DramTier
 from ..stats import StoreCounters
 from ..types import HOLD_TIMEOUT_S
 from .leases import Leases
