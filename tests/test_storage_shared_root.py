@@ -24,7 +24,6 @@ from helpers.waiting import wait_for
 from hpkv import clearing
 from hpkv.doctor import Verdict, run_checks
 from hpkv.storage import format as fmt
-from hpkv.storage import rescan
 from hpkv.storage.tier import StorageTier
 from test_store import desc, keys, only_in_storage, open_store  # noqa: F401 (a fixture)
 from test_store import payload as store_payload
@@ -157,7 +156,7 @@ def test_sparse_files_that_declare_a_gibibyte_each_evict_nothing(open_tier, stor
     os.truncate(empty, 1 << 30)  # no block, no header
     assert planted[0].stat().st_size > 1 << 30 and planted[0].stat().st_blocks * 512 <= 64 << 10
 
-    found = rescan.once(tier)
+    found = tier.rescan.once()
 
     assert tier.stats().evictions == 0
     assert all(tier.indexed(NS, k) and read(tier, k) == payload(k) for k in mine)
@@ -182,7 +181,7 @@ def test_entries_being_promoted_are_not_evicted_by_another_nodes_files(open_stor
         assert len(lease.entries) == 8
         for k in keys(8, "other-node"):  # real files of another node, 16 entries' worth each
             assert other.write_from(OTHER_NS, k, memoryview(store_payload(k, 16 * len(store_payload(k)))))
-        rescan.once(store.storage)
+        store.storage.rescan.once()
 
         assert store.stats().storage.evictions >= 8
         assert all(entry_path(storage_dir, ns, k).exists() for k in leased)

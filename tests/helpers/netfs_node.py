@@ -108,9 +108,7 @@ class NodeLoop:
         return _stats(self.tier)
 
     def op_rescan(self) -> dict:
-        from hpkv.storage import rescan
-
-        rescan.once(self.tier)
+        self.tier.rescan.once()
         return _stats(self.tier)
 
     def op_age(self, prefix: str, n: int, age_s: float) -> dict:

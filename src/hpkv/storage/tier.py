@@ -26,8 +26,8 @@ from pathlib import Path
 
 from ..config import StorageConfig
 from ..stats import StorageStats
-from . import rescan, scan, startup, tree
 from . import root as storage_root
+from . import scan, startup, tree
 from .budget import WriteBudget
 from .capacity import CapacityPolicy
 from .counters import ErrorLog, StorageCounters
@@ -37,6 +37,7 @@ from .index import FileIndex
 from .layout import Layout
 from .publishing import Publisher
 from .reading import Reader
+from .rescan import Rescan, shared_root
 from .retention import Retention
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class StorageTier:
             config.fsync,
             self.scan_done,
         )
+        self.rescan = Rescan(self.index, self.layout, self.evictor, self.capacity, self.counters, wall_clock)
         self._lock = self.index.lock  # held for long by evictions and removes
         self._shared_fs = False  # on a file system other nodes mount (`rescan`)
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="hpkv-io")
@@ -105,7 +107,7 @@ class StorageTier:
                 "go through the page cache instead",
                 self.root,
             )
-        self._shared_fs = self.evictor.shared = rescan.shared_root(self.root)  # others read there too
+        self._shared_fs = self.evictor.shared = shared_root(self.root)  # others read there too
         threading.Thread(target=self._scan, name="hpkv-storage-scan", daemon=True).start()
         if self.retention is not None:
             args = (self._stop, self.scan_done)
@@ -118,7 +120,7 @@ class StorageTier:
         """The start-up scan, then the walks that learn other nodes' files (`rescan`)."""
         startup.rebuild(self.layout.tree, self.layout.node, self.index, self.capacity, self.evictor, self.counters)
         self.scan_done.set()
-        rescan.run(self, self._shared_fs, self._stop, self._walk_soon)
+        self.rescan.run(self._shared_fs, self._stop, self._walk_soon)
 
     def close(self, wait: bool = True) -> None:
         """Finish queued writes, then stop the I/O threads; without `wait`, drop what is queued
