@@ -1,7 +1,7 @@
 """One entry of the DRAM tier: a key's pool slot and the state the tier and its room policies
 read (`reserved`, `ready`, `refs`, `dead`, and `stamp`, its place in the LRU).
 
-Owns: `DramEntry`. Written by the tier (`pool/dram.py`) and its evictable entries (`pool/lru.py`)
+Owns: `DramEntry`. Written by the tier (`pool/dram_tier.py`) and its evictable entries (`pool/lru.py`)
 only; everyone else reads.
 Must not know: the index, the LRU, the policies, or the bytes in the slot.
 """

@@ -23,9 +23,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from ..limits import HeldSlots
+from ..pool.dram_tier import DramTier
 from ..pool.entry import DramEntry
 from ..pool.region import PoolRegion
-from ..pool.tier import DramTier
 from ..stats import StoreCounters
 from ..storage.tier import StorageTier
 from .lookup import Lookups, Probe

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from ..keys import NamespaceDesc
-from ..pool.tier import DramTier
+from ..pool.dram_tier import DramTier
 from ..stats import NamespaceStats, NamespaceSummary, StoreCounters
 from ..storage.tier import StorageTier
 from ..types import Lookup, Tier

@@ -18,8 +18,8 @@ import threading
 from collections.abc import Iterable, Sequence
 
 from ..limits import HeldSlots, Reserved
+from ..pool.dram_tier import DramTier
 from ..pool.entry import DramEntry
-from ..pool.tier import DramTier
 from ..stats import StoreCounters
 from ..types import HOLD_TIMEOUT_S
 from .leases import Leases

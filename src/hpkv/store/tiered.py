@@ -23,9 +23,9 @@ from ..config import PoolConfig, StorageConfig
 from ..fsinfo import MEMORY_FS, mount_of
 from ..keys import NamespaceDesc
 from ..limits import HeldSlots
+from ..pool.dram_tier import DramTier
 from ..pool.entry import DramEntry
 from ..pool.region import PoolRegion
-from ..pool.tier import DramTier
 from ..stats import StoreCounters, StoreStats, zeroed
 from ..storage.root import StorageUnusable
 from ..storage.tier import StorageTier

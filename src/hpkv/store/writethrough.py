@@ -22,9 +22,9 @@ from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
+from ..pool.dram_tier import DramTier
 from ..pool.entry import DramEntry
 from ..pool.region import PoolRegion
-from ..pool.tier import DramTier
 from ..stats import StoreCounters, WriteBacklogStats
 from ..storage.fileio import FileTarget
 from ..storage.tier import StorageTier
