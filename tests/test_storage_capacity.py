@@ -28,7 +28,7 @@ from helpers.storage_stories import (
 )
 from hpkv.storage import capacity as capacity_module
 from hpkv.storage.capacity import AUTO_CAPACITY_FRACTION, CAPACITY_RECOVERY_S, auto_capacity_bytes, little_room
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 
 open_tier, tier, small_disk = stories.open_tier, stories.tier, stories.small_disk
 

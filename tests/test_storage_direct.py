@@ -20,7 +20,7 @@ from hpkv.config import load_settings
 from hpkv.storage import fileio
 from hpkv.storage import format as fmt
 from hpkv.storage.fileio import O_DIRECT, FileIO
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 from test_storage_tier import NS, key, payload
 from test_store import desc, keys, load, open_store, save  # noqa: F401 (a fixture)
 from test_store import payload as store_payload
@@ -224,7 +224,7 @@ def test_direct_writes_a_device_refuses_are_written_through_the_page_cache(open_
 
 
 def test_a_storage_root_without_direct_io_is_said_once_at_start(open_tier, monkeypatch, caplog, storage_dir):
-    monkeypatch.setattr("hpkv.storage.tier.direct_supported", lambda directory: False)
+    monkeypatch.setattr("hpkv.storage.storage_tier.direct_supported", lambda directory: False)
     with caplog.at_level(logging.WARNING, logger="hpkv.storage.tier"):
         tier = open_tier()
     assert not tier.direct

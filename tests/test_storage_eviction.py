@@ -24,7 +24,7 @@ from helpers.storage_stories import (
     write,
 )
 from hpkv.storage.fileio import FileIO
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 
 open_tier = stories.open_tier
 

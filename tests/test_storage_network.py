@@ -16,7 +16,7 @@ from hpkv.storage import rescan
 from hpkv.storage.eviction import SLACK_MINUTES
 from hpkv.storage.fileio import FileIO
 from hpkv.storage.index import used_minute_s
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 
 open_tier, tier = stories.open_tier, stories.tier
 

@@ -19,7 +19,7 @@ from helpers.config import make_storage_config
 from helpers.storage_stories import ENTRY, NS, FailingIO, file_bytes, key, payload, read, temps, write
 from hpkv.storage import format as fmt
 from hpkv.storage.fileio import FileIO, FileTarget, direct_supported, write_entry_file
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 
 open_tier, tier = stories.open_tier, stories.tier
 

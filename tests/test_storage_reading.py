@@ -29,7 +29,7 @@ from hpkv.storage import format as fmt
 from hpkv.storage.counters import WARN_EVERY_S
 from hpkv.storage.fileio import FileIO
 from hpkv.storage.reading import UNREADABLE_EIO_S
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 
 open_tier, tier = stories.open_tier, stories.tier
 

@@ -16,7 +16,7 @@ from helpers.config import make_storage_config
 from helpers.storage_stories import NS, CountedStats, key, read, write
 from helpers.waiting import wait_for
 from hpkv.storage.retention import Retention
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 from hpkv.types import Tier
 
 HOUR = 3600.0

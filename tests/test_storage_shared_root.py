@@ -24,7 +24,7 @@ from helpers.waiting import wait_for
 from hpkv import clearing
 from hpkv.doctor import Verdict, run_checks
 from hpkv.storage import format as fmt
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 from test_store import desc, keys, only_in_storage, open_store  # noqa: F401 (a fixture)
 from test_store import payload as store_payload
 

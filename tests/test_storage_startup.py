@@ -14,7 +14,7 @@ from helpers.storage_stories import NS, OTHER_NS, eventually, file_bytes, held_s
 from hpkv.keys import make_key
 from hpkv.storage import startup
 from hpkv.storage.scan import STALE_TEMP_S
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 
 open_tier = stories.open_tier
 

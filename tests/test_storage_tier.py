@@ -17,7 +17,7 @@ from helpers.storage_stories import ENTRY, NS, OTHER_NS, file_bytes, key, mount_
 from hpkv.errors import StorageError
 from hpkv.storage.fileio import FileIO
 from hpkv.storage.root import StorageUnusable
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 
 open_tier, tier, small_disk = stories.open_tier, stories.tier, stories.small_disk
 

@@ -29,7 +29,7 @@ from helpers.waiting import wait_for
 from hpkv.doctor import Verdict, run_checks
 from hpkv.errors import PoolError
 from hpkv.storage import layout as layout_module
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 from hpkv.store import TieredStore
 
 NS = "0123456789abcdef" * 2

@@ -22,7 +22,7 @@ from helpers.config import make_storage_config
 from helpers.processes import stop
 from hpkv.config import StorageConfig
 from hpkv.stats import WriteBacklogStats
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 from hpkv.storage.writer import PROTOCOL_VERSION, Job, WriterPool, WriterProcess, WriterUnavailable
 from hpkv.store import write_threads
 from test_store import desc, keys, load, open_store, payload, save  # noqa: F401 (a fixture)

@@ -783,7 +783,7 @@ def test_a_slow_storage_stat_does_not_hold_up_other_clients(shm_dir, storage_dir
     lock, so other clients' lookups and saves go on meanwhile."""
     from hpkv.pool.region import PoolRegion
     from hpkv.storage.fileio import FileIO
-    from hpkv.storage.tier import StorageTier
+    from hpkv.storage.storage_tier import StorageTier
 
     class SlowMetadataIO(FileIO):
         """Real system calls; a `stat` of a path takes a second (a busy NFS server)."""

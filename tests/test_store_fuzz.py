@@ -25,7 +25,7 @@ from helpers.config import make_storage_config
 from hpkv.keys import NamespaceDesc, make_key
 from hpkv.pool.region import PoolRegion
 from hpkv.storage.fileio import FileIO
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 from hpkv.store import TieredStore
 
 DURATION_S = 6.0

@@ -21,7 +21,7 @@ from helpers.config import make_storage_config
 from hpkv.keys import make_key
 from hpkv.storage import format as fmt
 from hpkv.storage.fileio import FileIO
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 
 NS = "0123456789abcdef" * 2
 OTHER_NS = "fedcba9876543210" * 2

@@ -34,7 +34,7 @@ from ..config import PoolConfig, StorageConfig
 from ..errors import HpkvError
 from ..keys import Key, NamespaceDesc
 from ..pool.slots import SLABS_PER_POOL, SLOT_ALIGN
-from ..storage.tier import StorageTier
+from ..storage.storage_tier import StorageTier
 from ..store import TieredStore
 from ..units import whole_unit_bytes as human_bytes  # the name report.py and storage_peers.py import
 from . import lookup, machine

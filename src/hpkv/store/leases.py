@@ -27,7 +27,7 @@ from ..pool.dram_tier import DramTier
 from ..pool.entry import DramEntry
 from ..pool.region import PoolRegion
 from ..stats import StoreCounters
-from ..storage.tier import StorageTier
+from ..storage.storage_tier import StorageTier
 from .lookup import Lookups, Probe
 from .policies import PrefixOrder
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from ..keys import NamespaceDesc
 from ..pool.dram_tier import DramTier
 from ..stats import NamespaceStats, NamespaceSummary, StoreCounters
-from ..storage.tier import StorageTier
+from ..storage.storage_tier import StorageTier
 from ..types import Lookup, Tier
 from .counters import NamespaceHits
 from .owners import NamespaceOwners

@@ -28,7 +28,7 @@ from ..pool.entry import DramEntry
 from ..pool.region import PoolRegion
 from ..stats import StoreCounters, StoreStats, zeroed
 from ..storage.root import StorageUnusable
-from ..storage.tier import StorageTier
+from ..storage.storage_tier import StorageTier
 from ..storage.writer import WriterPool
 from ..types import Lookup
 from .leases import Lease, Leases

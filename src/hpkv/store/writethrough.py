@@ -27,7 +27,7 @@ from ..pool.entry import DramEntry
 from ..pool.region import PoolRegion
 from ..stats import StoreCounters, WriteBacklogStats
 from ..storage.fileio import FileTarget
-from ..storage.tier import StorageTier
+from ..storage.storage_tier import StorageTier
 from ..storage.writer import Job, WriterPool, WriterUnavailable
 
 log = logging.getLogger(__name__)
