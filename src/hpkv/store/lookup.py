@@ -19,10 +19,9 @@ from collections.abc import Callable, Sequence
 
 from ..keys import NamespaceDesc
 from ..pool.dram_tier import DramTier
-from ..stats import NamespaceStats, NamespaceSummary, StoreCounters
+from ..stats import NamespaceHits, NamespaceStats, NamespaceSummary, StoreCounters
 from ..storage.storage_tier import StorageTier
 from ..types import Lookup, Tier
-from .counters import NamespaceHits
 from .owners import NamespaceOwners
 
 Probe = tuple[bytes, Callable[[bytes], bool]]  # the storage tier's `index_probe(ns)`
