@@ -26,9 +26,8 @@ from helpers.storage_stories import (
     write,
 )
 from hpkv.storage import format as fmt
-from hpkv.storage.counters import WARN_EVERY_S
 from hpkv.storage.fileio import FileIO
-from hpkv.storage.reading import UNREADABLE_EIO_S
+from hpkv.storage.reading import UNREADABLE_EIO_S, WARN_EVERY_S
 from hpkv.storage.storage_tier import StorageTier
 
 open_tier, tier = stories.open_tier, stories.tier

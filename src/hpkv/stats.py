@@ -70,6 +70,26 @@ class NamespaceHits:
         self.hit_keys_storage += num_storage
 
 
+@dataclass
+class StorageCounters:
+    """The storage tier's counters (`StorageStats` carries each)."""
+
+    reads: int = 0
+    read_bytes: int = 0
+    read_misses: int = 0
+    writes: int = 0
+    write_bytes: int = 0
+    write_failures: int = 0
+    bad_files: int = 0
+    evictions: int = 0
+    space_errors: int = 0
+    files_scanned: int = 0
+    temps_removed: int = 0
+    over_budget: int = 0
+    untrusted_files: int = 0  # links, FIFOs... in the tree: skipped, never hits (`storage/tree.py`)
+    stale_entries: int = 0  # indexed files found gone (another server or node removed them): forgotten
+
+
 class DramStats(msgspec.Struct):
     """The DRAM tier's."""
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from .counters import StorageCounters
+from ..stats import StorageCounters
 from .index import FileIndex, Victims, size_of, used_minute_s
 from .layout import Layout
 

@@ -22,16 +22,16 @@ import functools
 import threading
 from collections.abc import Callable
 
+from ..stats import StorageCounters
 from . import format as fmt
 from . import tree
 from .budget import WriteBudget
 from .capacity import CapacityPolicy
-from .counters import ErrorLog, StorageCounters
 from .eviction import Evictor
 from .fileio import ALIGN, FileTarget, aligned, write_entry_file
 from .index import FileIndex
 from .layout import Layout
-from .reading import Reader
+from .reading import ErrorLog, Reader
 
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 

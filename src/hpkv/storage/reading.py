@@ -10,8 +10,10 @@ name too long) leaves the index for good, one its device fails to read (EIO, whi
 a Lustre client evicted, an NFS soft timeout) for UNREADABLE_EIO_S; a file in a newer format stays
 on disk for the nodes that read it.
 
+Also how the tier says its I/O errors (`ErrorLog`): each kind at most every WARN_EVERY_S.
+
 Primitives: `Reader.read_into`, `find_in_place`, `skip_untrusted`; `direct` (whether O_DIRECT is
-used: off for good once the file system refuses it).
+used: off for good once the file system refuses it); `ErrorLog.warn` (reads' and writes').
 Must not know: capacity, eviction, how files are written, the pool.
 """
 
@@ -24,9 +26,10 @@ import os
 import time
 from collections.abc import Callable
 
+from ..logutil import Throttle
+from ..stats import StorageCounters
 from . import format as fmt
 from . import scan, tree
-from .counters import ErrorLog, StorageCounters
 from .fileio import O_DIRECT, aligned, aligned_buffer, close_quietly, open_in_tree, read_full
 from .index import MAX_FILE_BYTES, NEVER, FileIndex
 from .layout import Layout
@@ -36,6 +39,28 @@ log = logging.getLogger("hpkv.storage.tier")
 TOUCH_EVERY_S = 60.0  # refresh a file's mtime (its LRU age across restarts) at most this often
 UNREADABLE_EIO_S = 60.0  # a file its device failed to read is a miss this long, then found again
 _REFUSED_ERRNOS = (errno.EACCES, errno.EPERM, errno.ENAMETOOLONG)
+WARN_EVERY_S = 600.0  # an I/O error of one kind (what failed, errno) is said at most this often
+
+
+class ErrorLog:
+    """Say an I/O error at most every WARN_EVERY_S per kind: once for the life of the process
+    hid a device that failed again hours later; every time flooded the log."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._said = Throttle()  # by (what failed, errno)
+
+    def warn(self, exc: OSError | None, what: str, then: str = "the entry stays in DRAM only") -> None:
+        code = exc.errno if exc else 0
+        if not self._said.allows(self._clock(), WARN_EVERY_S, (what, code)):
+            return
+        log.warning(
+            "%s: %s; %s (errors of this kind are counted, and said at most every %.0f minutes)",
+            what,
+            exc.strerror if exc else "no room within HPKV_KV_STORAGE_SIZE",
+            then,
+            WARN_EVERY_S / 60,
+        )
 
 
 class Reader:

@@ -30,9 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..fsinfo import Mount, mount_of
+from ..stats import StorageCounters
 from . import scan, startup
 from .capacity import CapacityPolicy
-from .counters import StorageCounters
 from .eviction import SLACK_MINUTES, Evictor
 from .index import MAX_FILE_BYTES, FileIndex
 from .layout import Layout

@@ -25,18 +25,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ..config import StorageConfig
-from ..stats import StorageStats
+from ..stats import StorageCounters, StorageStats
 from . import root as storage_root
 from . import scan, startup, tree
 from .budget import WriteBudget
 from .capacity import CapacityPolicy
-from .counters import ErrorLog, StorageCounters
 from .eviction import Evictor
 from .fileio import FileIO, FileTarget, direct_supported
 from .index import FileIndex
 from .layout import Layout
 from .publishing import Publisher
-from .reading import Reader
+from .reading import ErrorLog, Reader
 from .rescan import Rescan, shared_root
 from .retention import Retention
 
