@@ -1,6 +1,9 @@
 """The DRAM tier's evictable entries: per size class, an LRU in stamp order, and the books of
 slabs that could move (`movable.py`), kept from the time a second size class appears.
 
+Also `PrefixOrder`: the order in which entries used together (a commit, a lease's release) reach
+the LRU, which the store is given (`store.StorePolicy`).
+
 Primitives, told by the tier: `add`, `unlist`, `freed`, `touch`, `track_slabs`, `take_slab`; asked by
 room policies (`room.py`): `by_class`, `oldest_movable`.
 Must not know: the index, pins beyond "evictable", or which policy asks.
@@ -8,12 +11,28 @@ Must not know: the index, pins beyond "evictable", or which policy asks.
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import TypeVar
 
 from .entry import DramEntry
 from .movable import MovableSlabs
 from .slots import SlotAllocator
+
+T = TypeVar("T")
+
+
+class PrefixOrder(enum.Enum):
+    """How a prefix's entries, used together, reach the LRU (the last to reach it goes last)."""
+
+    LAST_FIRST = "last first"  # the store's: eviction shortens a prefix from its end
+    FIRST_FIRST = "first first"  # plain LRU in prefix order: a baseline for benchmarks
+
+    def arrange(self, entries: Sequence[T]) -> Iterable[T]:
+        """`entries` (in prefix order) in the order they are to be published or unpinned."""
+        return reversed(entries) if self is PrefixOrder.LAST_FIRST else iter(entries)
 
 
 class EvictableEntries:

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from ..limits import HeldSlots
 from ..pool.dram_tier import DramTier
 from ..pool.entry import DramEntry
+from ..pool.lru import PrefixOrder
 from ..pool.region import PoolRegion
 from ..stats import StoreCounters
 from ..storage.storage_tier import StorageTier
 from .lookup import Lookups, Probe
-from .policies import PrefixOrder
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from collections.abc import Iterable, Sequence
 from ..limits import HeldSlots, Reserved
 from ..pool.dram_tier import DramTier
 from ..pool.entry import DramEntry
+from ..pool.lru import PrefixOrder
 from ..stats import StoreCounters
 from ..types import HOLD_TIMEOUT_S
 from .leases import Leases
-from .policies import PrefixOrder
 from .writethrough import WriteThrough
 
 HOLD_QUARANTINE_S = 30.0  # what is taken back stays unusable this long: a copy into it may go on

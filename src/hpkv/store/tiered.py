@@ -5,7 +5,8 @@ Primitives (keyed by namespace `ns` and engine keys, in prefix order): `lookup`;
 `join_owner`, `drop_owner`; `flush`, `clear`, `stats`, `close`. Each is its part's: `lookup.py` (namespaces,
 lookups), `leases.py` (leases, promotions), `reservations.py` (reservations, holds, what is
 taken back), `writethrough.py` (the backlog, flush, close); `limits.HeldSlots` keeps the books
-of what each owner holds. The policies (`StorePolicy`) are given at construction.
+of what each owner holds. The policies (`StorePolicy`: what a benchmark may vary, apart from the
+mechanism; the defaults are the store's own) are given at construction.
 Owns: the parts, the one lock that guards the DRAM index and every part's tables (file I/O runs
 outside it), and the tiers' lifetime. The bytes are copied by callers through the mapped region.
 Must not know: the protocol, clients beyond their owner ids.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -25,7 +27,9 @@ from ..keys import NamespaceDesc
 from ..limits import HeldSlots
 from ..pool.dram_tier import DramTier
 from ..pool.entry import DramEntry
+from ..pool.lru import PrefixOrder
 from ..pool.region import PoolRegion
+from ..pool.room import OldestFirst, RoomPolicy
 from ..stats import StoreCounters, StoreStats, zeroed
 from ..storage.root import StorageUnusable
 from ..storage.storage_tier import StorageTier
@@ -34,11 +38,21 @@ from ..types import Lookup
 from .leases import Lease, Leases
 from .lookup import Lookups
 from .owners import NamespaceLimits
-from .policies import StorePolicy
 from .reservations import Reservations
-from .writethrough import WriteThrough
+from .writethrough import BACKLOG_LIMIT_SHARE, WriteThrough, backlog_limit
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StorePolicy:
+    order: PrefixOrder = PrefixOrder.LAST_FIRST  # how entries used together reach the DRAM LRU
+    room: RoomPolicy = field(default_factory=OldestFirst)  # how the DRAM tier finds room
+    backlog_share: float = BACKLOG_LIMIT_SHARE  # of the pool; math.inf: no limit (all pinned)
+
+    def backlog_limit(self, pool_bytes: int) -> float:
+        """Payload bytes the write backlog may pin."""
+        return backlog_limit(pool_bytes, self.backlog_share)
 
 
 class TieredStore:
