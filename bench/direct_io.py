@@ -118,7 +118,7 @@ class Side:
 
     def drop_page_cache(self, keys: list[bytes]) -> None:
         for key in keys:
-            fd = os.open(self.store.storage.layout.path_of(self.ns, key), os.O_RDONLY)
+            fd = os.open(self.store.storage.paths.path_of(self.ns, key), os.O_RDONLY)
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:

@@ -38,7 +38,7 @@ def test_an_entry_larger_than_the_capacity_is_not_written(open_tier):
 
     assert not write(tier, key(1))
 
-    assert not os.path.exists(tier.layout.path_of(NS, key(1)))
+    assert not os.path.exists(tier.paths.path_of(NS, key(1)))
     assert tier.stats().write_failures == 1
     assert tier.stats().evictions == 0
 
@@ -96,7 +96,7 @@ def test_an_injected_no_space_error_evicts_and_retries(open_tier, storage_dir):
     assert write(tier, key(1))
 
     assert tier.stats().space_errors == 1
-    assert not os.path.exists(tier.layout.path_of(NS, key(0)))  # evicted to make room
+    assert not os.path.exists(tier.paths.path_of(NS, key(0)))  # evicted to make room
     assert read(tier, key(1)) == payload(key(1))
     assert temps(storage_dir) == []
 
@@ -132,7 +132,7 @@ def test_a_quota_met_teaches_the_tier_its_capacity_and_evicts_little(open_tier, 
     stats = tier.stats()
     assert stats.capacity_bytes == 196 * file_bytes()
     assert stats.evictions == 4 and stats.space_errors == 2 and stats.num_entries == 196
-    assert [os.path.exists(tier.layout.path_of(NS, key(i))) for i in range(6)] == [False] * 4 + [True] * 2
+    assert [os.path.exists(tier.paths.path_of(NS, key(i))) for i in range(6)] == [False] * 4 + [True] * 2
     said = [r.getMessage() for r in caplog.records if "has no room for more KV files" in r.getMessage()]
     assert len(said) == 1 and "HPKV_KV_STORAGE_SIZE" in said[0]
     assert all(write(tier, key(i)) for i in range(200, 210))  # within what it learned: evicted LRU, no error
@@ -217,7 +217,7 @@ def test_no_room_while_the_start_up_scan_runs_evicts_a_little_and_learns_nothing
     HeldScan.gate.set()
     assert again.scan_done.wait(10)
     assert again.stats().capacity_bytes == 64 * file_bytes() and again.stats().num_entries == 11
-    assert all(os.path.exists(again.layout.path_of(NS, key(i))) for i in range(10))
+    assert all(os.path.exists(again.paths.path_of(NS, key(i))) for i in range(10))
 
 
 def test_no_room_that_one_eviction_does_not_cure_drops_the_write(open_tier):
@@ -258,7 +258,7 @@ def test_an_automatic_capacity_on_ramfs_has_room_and_writes(open_tier, tmp_path,
 
         assert 0.3 * mem_available_bytes() < tier.capacity_bytes < 0.5 * mem_available_bytes()
         assert write(tier, key(1))
-        assert list((point / "storage").rglob("*.kv")) == [Path(tier.layout.path_of(NS, key(1)))]
+        assert list((point / "storage").rglob("*.kv")) == [Path(tier.paths.path_of(NS, key(1)))]
         said = [r.getMessage() for r in caplog.records if "memory file system" in r.getMessage()]
         assert len(said) == 1 and "ramfs" in said[0] and "lost at reboot" in said[0]
         assert "HPKV_KV_STORAGE_SIZE=auto gave" in said[0]

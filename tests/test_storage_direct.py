@@ -117,7 +117,7 @@ def read(tier: StorageTier, k: bytes, aligned: bool = True) -> bytes | None:
 
 
 def entry_path(tier: StorageTier, k: bytes) -> Path:
-    return Path(tier.layout.path_of(NS, k))
+    return Path(tier.paths.path_of(NS, k))
 
 
 def version_on_disk(path: Path) -> int:
@@ -256,7 +256,7 @@ def test_write_through_processes_write_aligned_files_with_direct_io(open_store, 
     assert store.writers is not None and store.writers.pids()  # written by the child processes
     size = store.entry_bytes(ns)
     for k in ks:
-        path = Path(store.storage.layout.path_of(ns, k))
+        path = Path(store.storage.paths.path_of(ns, k))
         assert cached_bytes(path) == 0 and version_on_disk(path) == fmt.VERSION_ALIGNED
     fresh = StorageTier(make_storage_config(storage_dir))  # a buffered reader, unaligned buffers
     for k in ks:

@@ -71,7 +71,7 @@ def test_a_walk_indexes_what_another_tier_wrote_and_forgets_what_it_removed(open
     for i in range(4):
         write(a, key(i))
     write(b, key(9))
-    os.unlink(b.layout.path_of(NS, key(9)))  # as if another node evicted it
+    os.unlink(b.paths.path_of(NS, key(9)))  # as if another node evicted it
 
     assert b.rescan.once() == (4, 1)
     assert all(b.indexed(NS, key(i)) for i in range(4)) and not b.indexed(NS, key(9))

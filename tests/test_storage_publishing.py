@@ -42,7 +42,7 @@ def test_a_write_budget_refuses_writes_past_it_until_it_refills(storage_dir, cap
         stats = tier.stats()
         assert stats.over_budget == 2 and stats.write_failures == 0 and stats.writes == 3
         assert stats.write_budget_bytes == per_day and stats.write_budget_available_bytes < file_bytes()
-        assert not os.path.exists(tier.layout.path_of(NS, key(3)))
+        assert not os.path.exists(tier.paths.path_of(NS, key(3)))
         assert caplog.text.count("write budget (HPKV_KV_STORAGE_WRITE_BUDGET") == 1
         clock.advance(20 * 60)  # a file's worth more
         assert [write(tier, key(i)) for i in (3, 4)] == [True, False]
@@ -148,7 +148,7 @@ def test_writes_that_always_stop_short_are_dropped_and_leave_nothing(open_tier, 
 
     assert not write(tier, key(1))
 
-    assert not os.path.exists(tier.layout.path_of(NS, key(1)))
+    assert not os.path.exists(tier.paths.path_of(NS, key(1)))
     assert temps(storage_dir) == []
     assert tier.stats().write_failures == 1
 

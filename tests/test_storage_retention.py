@@ -30,7 +30,7 @@ def _tier(storage_dir, clock: FakeClock) -> tuple[StorageTier, Retention]:
     tier.start()
     tier.add_namespace(NS, '{"test": true}')
     assert tier.scan_done.wait(10)
-    return tier, Retention(HOUR, tier.index, tier.layout, tier.evictor, clock)
+    return tier, Retention(HOUR, tier.index, tier.paths, tier.evictor, clock)
 
 
 def test_a_file_unused_past_the_retention_is_gone_and_a_newer_one_stays(storage_dir):
@@ -42,7 +42,7 @@ def test_a_file_unused_past_the_retention_is_gone_and_a_newer_one_stays(storage_
         assert write(tier, key("new"))
         clock.advance(20 * 60)  # old: 70 minutes unused; new: 20
         assert retention.expire_once() == 1
-        assert not os.path.exists(tier.layout.path_of(NS, key("old"))) and not tier.contains(NS, key("old"))
+        assert not os.path.exists(tier.paths.path_of(NS, key("old"))) and not tier.contains(NS, key("old"))
         assert read(tier, key("new")) is not None
         assert retention.num_expired == 1
         assert retention.expire_once() == 0  # the oldest left is in use: nothing more looked at
@@ -59,10 +59,10 @@ def test_a_read_keeps_a_file_and_a_read_on_another_node_does_too(storage_dir):
         clock.advance(40 * 60)
         assert read(tier, key("read-here")) is not None
         elsewhere = clock.now
-        os.utime(tier.layout.path_of(NS, key("read-elsewhere")), (elsewhere, elsewhere))  # what a read there does
+        os.utime(tier.paths.path_of(NS, key("read-elsewhere")), (elsewhere, elsewhere))  # what a read there does
         clock.advance(40 * 60)
         assert retention.expire_once() == 1
-        assert not os.path.exists(tier.layout.path_of(NS, key("unused")))
+        assert not os.path.exists(tier.paths.path_of(NS, key("unused")))
         assert tier.contains(NS, key("read-here")) and tier.contains(NS, key("read-elsewhere"))
     finally:
         tier.close()

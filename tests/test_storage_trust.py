@@ -28,7 +28,7 @@ from helpers.server import Node
 from helpers.waiting import wait_for
 from hpkv.doctor import Verdict, run_checks
 from hpkv.errors import PoolError
-from hpkv.storage import layout as layout_module
+from hpkv.storage import paths as paths_module
 from hpkv.storage.storage_tier import StorageTier
 from hpkv.store import TieredStore
 
@@ -324,7 +324,7 @@ def test_the_description_is_written_through_no_planted_link(open_tier, storage_d
     (storage_dir / NS).mkdir()
     k = key(1)
     fan(storage_dir, NS, k).mkdir(parents=True)
-    seq = next(layout_module._TEMP_SEQ)
+    seq = next(paths_module._TEMP_SEQ)
     for n in range(seq + 1, seq + 20):
         (storage_dir / NS / f".namespace.{NODE}.{os.getpid()}.{n}.tmp").symlink_to(victim)
         (fan(storage_dir, NS, k) / f".{k.hex()}.{NODE}.{os.getpid()}.{n}.tmp").symlink_to(victim)

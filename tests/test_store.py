@@ -588,7 +588,7 @@ def test_a_corrupted_file_ends_the_loaded_prefix_and_is_removed(open_store, stor
     save(store, ns, ks)
     store.flush(timeout=10)
     store.clear(memory=True)
-    bad = store.storage.layout.path_of(ns, ks[2])
+    bad = store.storage.paths.path_of(ns, ks[2])
     with open(bad, "r+b") as f:
         f.seek(-100, os.SEEK_END)
         f.write(b"\x00" * 8)

@@ -117,7 +117,7 @@ def age(tier: StorageTier, ages_s: dict[int, float]) -> None:
     """Set the mtimes of key(i)'s files to `ages_s[i]` seconds ago."""
     now = time.time()
     for i, age_s in ages_s.items():
-        os.utime(tier.layout.path_of(NS, key(i)), (now - age_s, now - age_s))
+        os.utime(tier.paths.path_of(NS, key(i)), (now - age_s, now - age_s))
 
 
 def see_sharing(tier: StorageTier, other: StorageTier) -> None:

@@ -32,7 +32,7 @@ from . import format as fmt
 from . import scan, tree
 from .fileio import O_DIRECT, aligned, aligned_buffer, close_quietly, open_in_tree, read_full
 from .index import MAX_FILE_BYTES, NEVER, FileIndex
-from .layout import Layout
+from .paths import EntryPaths
 
 log = logging.getLogger("hpkv.storage.tier")
 
@@ -66,14 +66,14 @@ class ErrorLog:
 class Reader:
     def __init__(
         self,
-        layout: Layout,
+        paths: EntryPaths,
         index: FileIndex,
         counters: StorageCounters,
         errors: ErrorLog,
         direct: bool,
         on_gone: Callable[[], None] = lambda: None,
     ) -> None:
-        self._layout = layout
+        self._paths = paths
         self._on_gone = on_gone  # an indexed file was found gone: the rest of the index may be stale
         self._index = index
         self._counters = counters
@@ -103,9 +103,9 @@ class Reader:
         direct = self.direct and aligned(dest)
         try:
             fd, st = open_in_tree(
-                self._layout.io,
-                self._layout.tree,
-                *self._layout.where(ns, key),
+                self._paths.io,
+                self._paths.tree,
+                *self._paths.where(ns, key),
                 os.O_RDONLY | (O_DIRECT if direct else 0),
             )
         except tree.Untrusted as exc:
@@ -118,7 +118,7 @@ class Reader:
                     log.warning(
                         "the file system of %s refused O_DIRECT on a read (HPKV_KV_STORAGE_DIRECT_IO=on); "
                         "KV files go through the page cache from now on",
-                        self._layout.root,
+                        self._paths.root,
                     )
                 return self._read_by_name(ns, key, dest, last)
             return self._failed_once(ns, key, exc, last)
@@ -127,7 +127,7 @@ class Reader:
         except OSError as exc:
             return self._failed_once(ns, key, exc, last)
         finally:
-            close_quietly(self._layout.io, fd)
+            close_quietly(self._paths.io, fd)
 
     def _failed_once(self, ns: str, key: bytes, exc: OSError, last: bool) -> bool | None:
         if exc.errno == errno.ESTALE and not last:
@@ -138,7 +138,7 @@ class Reader:
     def _read(self, ns: str, key: bytes, fd: int, st: os.stat_result, dest: memoryview, direct: bool) -> bool | str:
         """Read the open file into `dest` and check it: True, good; False, a miss already
         counted; else why the file is bad."""
-        io = self._layout.io
+        io = self._paths.io
         version = fmt.version_of_size(st.st_size, len(key), len(dest))
         if version is None:
             head = bytearray(16)
@@ -176,11 +176,11 @@ class Reader:
         holds (no KV file of ours is larger), counted for what it takes (`scan.counted_bytes`).
         One `stat`: ask without holding a lock."""
         try:
-            st = self._layout.stat(ns, key)
+            st = self._paths.stat(ns, key)
         except OSError:
             return False
         if not tree.is_regular(st):  # a link, a FIFO...: never a hit
-            self.skip_untrusted(ns, key, tree.Untrusted(self._layout.path_of(ns, key), tree.kind_of(st.st_mode)))
+            self.skip_untrusted(ns, key, tree.Untrusted(self._paths.path_of(ns, key), tree.kind_of(st.st_mode)))
             return False
         size = scan.counted_bytes(st, lambda: self._declared(ns, key)) if st.st_size <= MAX_FILE_BYTES else None
         if size is None:
@@ -191,7 +191,7 @@ class Reader:
     def _declared(self, ns: str, key: bytes) -> int | None:
         """The size (ns, key)'s header declares; None where it has none (or cannot be read)."""
         try:
-            fd, _ = open_in_tree(self._layout.io, self._layout.tree, *self._layout.where(ns, key), os.O_RDONLY)
+            fd, _ = open_in_tree(self._paths.io, self._paths.tree, *self._paths.where(ns, key), os.O_RDONLY)
         except OSError:
             return None
         try:
@@ -199,7 +199,7 @@ class Reader:
         except OSError:
             return None
         finally:
-            close_quietly(self._layout.io, fd)
+            close_quietly(self._paths.io, fd)
 
     def skip_untrusted(self, ns: str, key: bytes, exc: tree.Untrusted) -> None:
         """Something not an entry file stands at (ns, key)'s name, or on the way to it: a miss,
@@ -208,7 +208,7 @@ class Reader:
         self._index.forget(self._index.key(ns, key), unreadable_s=NEVER)
         self._errors.warn(
             exc,
-            f"skipped a name under {self._layout.root}",
+            f"skipped a name under {self._paths.root}",
             "it is never a hit; someone who can write the storage directory put it there (see hpkv doctor)",
         )
 
@@ -236,7 +236,7 @@ class Reader:
             )
         else:
             then = "the request recomputes"
-        self._errors.warn(exc, f"cannot read KV files under {self._layout.root}", then)
+        self._errors.warn(exc, f"cannot read KV files under {self._paths.root}", then)
 
     def _newer_format(self, ns: str, key: bytes, version: int) -> bool:
         """A file a newer HPKV wrote (a node sharing this directory, upgraded first): a miss here
@@ -249,17 +249,17 @@ class Reader:
             log.warning(
                 "KV file %s is in file format %d, newer than this HPKV reads (%s): treated as a miss and "
                 "left in place for the nodes that wrote it; upgrade this node to use such files",
-                self._layout.path_of(ns, key),
+                self._paths.path_of(ns, key),
                 version,
                 ", ".join(map(str, fmt.VERSIONS)),
             )
         return False
 
     def _discard(self, ns: str, key: bytes, reason: str) -> None:
-        log.warning("removing bad KV file %s: %s (the request recomputes)", self._layout.path_of(ns, key), reason)
+        log.warning("removing bad KV file %s: %s (the request recomputes)", self._paths.path_of(ns, key), reason)
         self._counters.bad_files += 1
         self._index.forget(self._index.key(ns, key))
         try:
-            self._layout.unlink(ns, key)
+            self._paths.unlink(ns, key)
         except OSError:
             pass

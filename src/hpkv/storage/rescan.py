@@ -14,7 +14,7 @@ large directory on a slow file system): between two walks, a node does not count
 wrote since. A read that finds an indexed file gone asks for a walk soon, wherever the root is
 (another server on the same directory cleared it: the rest of the index is stale too).
 
-Owns: `Rescan`, built by the storage tier from the parts a walk needs (the index, the layout,
+Owns: `Rescan`, built by the storage tier from the parts a walk needs (the index, the entry paths,
 the evictor, the capacity, the counters) and the tier's wall clock; `on_shared_fs`, `SHARED_FS`.
 Primitives: `Rescan.once`, `Rescan.run`, `shared_root`, `on_shared_fs`.
 Must not know: the tier, how files are read or written, the pool, engines.
@@ -35,7 +35,7 @@ from . import scan, startup
 from .capacity import CapacityPolicy
 from .eviction import SLACK_MINUTES, Evictor
 from .index import MAX_FILE_BYTES, FileIndex
-from .layout import Layout
+from .paths import EntryPaths
 
 log = logging.getLogger("hpkv.storage.tier")
 
@@ -89,7 +89,7 @@ class Rescan:
     def __init__(
         self,
         index: FileIndex,
-        layout: Layout,
+        paths: EntryPaths,
         evictor: Evictor,
         capacity: CapacityPolicy,
         counters: StorageCounters,
@@ -97,7 +97,7 @@ class Rescan:
     ) -> None:
         """`wall_clock`: the tier's (file mtimes and the index's minutes are wall clock times)."""
         self._index = index
-        self._layout = layout
+        self._paths = paths
         self._evictor = evictor
         self._capacity = capacity
         self._counters = counters
@@ -117,8 +117,8 @@ class Rescan:
         counters = StorageCounters()  # the tier's own count the start-up scan (`hpkv status`)
         known_s = self._wall_clock() - SLACK_MINUTES * 60
         found = scan.walk(
-            self._layout.tree,
-            self._layout.node,
+            self._paths.tree,
+            self._paths.node,
             index.key,
             lambda size: index.value_of(size, known_s) if size <= MAX_FILE_BYTES else None,
             counters,
@@ -141,7 +141,7 @@ class Rescan:
 
     def _gone(self, ik: bytes) -> bool:
         try:
-            self._layout.stat(*self._index.split(ik))
+            self._paths.stat(*self._index.split(ik))
         except OSError as exc:
             return exc.errno in (errno.ENOENT, errno.ENOTDIR)
         return False
@@ -154,7 +154,7 @@ class Rescan:
         took (and MIN_RESCAN_S). Each period the root is checked against the one held
         (`tree.Root.check`: a replacement is said). Never raises: a walk that fails is said and
         tried again next time."""
-        root = self._layout.root
+        root = self._paths.root
         wait_s, took_s, ended = RESCAN_S, 0.0, time.monotonic()
         while True:
             soon.wait(wait_s)
@@ -166,7 +166,7 @@ class Rescan:
                     return
             asked, wait_s = soon.is_set(), RESCAN_S
             soon.clear()
-            self._layout.tree.check()
+            self._paths.tree.check()
             if not (shared_fs or self._evictor.shared or asked):
                 continue
             started = time.monotonic()

@@ -1,6 +1,6 @@
 """The storage tier: one checksummed file per entry, bounded, evicted LRU, shareable by nodes.
 
-A facade over the concepts of the package: `layout` (where files live), `index` (what counts as
+A facade over the concepts of the package: `paths` (where entry files live), `index` (what counts as
 a hit, in LRU order), `capacity` (how much may be held; HPKV_KV_STORAGE_SIZE), `eviction`,
 `reading`, `publishing`, `startup` (the index rebuilt from the start-up `scan`), `rescan` (other
 nodes' files learned by walking again), `budget` (HPKV_KV_STORAGE_WRITE_BUDGET), `retention`
@@ -33,7 +33,7 @@ from .capacity import CapacityPolicy
 from .eviction import Evictor
 from .fileio import FileIO, FileTarget, direct_supported
 from .index import FileIndex
-from .layout import Layout
+from .paths import EntryPaths
 from .publishing import Publisher
 from .reading import ErrorLog, Reader
 from .rescan import Rescan, shared_root
@@ -58,22 +58,22 @@ class StorageTier:
         self.counters = StorageCounters()
         self.scan_done = threading.Event()
         self.budget = WriteBudget(config.write_budget_bytes, clock)
-        self.layout = Layout(self.root, io or FileIO())
+        self.paths = EntryPaths(self.root, io or FileIO())
         self.index = FileIndex(str(self.root), clock, wall_clock)
         self.capacity = CapacityPolicy(self.root, config.capacity_bytes, clock)
         errors = ErrorLog(clock)
-        self.evictor = Evictor(self.index, self.layout, self.counters, wall_clock)
+        self.evictor = Evictor(self.index, self.paths, self.counters, wall_clock)
         self.retention = (
-            Retention(config.retention_s, self.index, self.layout, self.evictor, wall_clock)
+            Retention(config.retention_s, self.index, self.paths, self.evictor, wall_clock)
             if config.retention_s
             else None
         )
         self._stop = threading.Event()
         self._retention_thread: threading.Thread | None = None
         self._walk_soon = threading.Event()  # a read found an indexed file gone: walk the root soon (`rescan`)
-        self.reader = Reader(self.layout, self.index, self.counters, errors, config.direct_io, self._walk_soon.set)
+        self.reader = Reader(self.paths, self.index, self.counters, errors, config.direct_io, self._walk_soon.set)
         self.publisher = Publisher(
-            self.layout,
+            self.paths,
             self.index,
             self.capacity,
             self.evictor,
@@ -84,7 +84,7 @@ class StorageTier:
             config.fsync,
             self.scan_done,
         )
-        self.rescan = Rescan(self.index, self.layout, self.evictor, self.capacity, self.counters, wall_clock)
+        self.rescan = Rescan(self.index, self.paths, self.evictor, self.capacity, self.counters, wall_clock)
         self._lock = self.index.lock  # held for long by evictions and removes
         self._shared_fs = False  # on a file system other nodes mount (`rescan`)
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="hpkv-io")
@@ -97,7 +97,7 @@ class StorageTier:
         `promised_ram_bytes`: memory promised elsewhere and not taken yet (a DRAM pool on ramfs,
         whose pages arrive on first touch), which an automatic capacity on ramfs leaves out."""
         fs_type = storage_root.prepare(self.root)  # StorageUnusable: the server goes on with DRAM alone
-        self.layout.tree.fd()  # the root opened once: nothing below it is looked up by its name again
+        self.paths.tree.fd()  # the root opened once: nothing below it is looked up by its name again
         self.capacity.size_at_start(fs_type, promised_ram_bytes)
         if self.reader.direct and not direct_supported(str(self.root)):
             self.reader.direct = False
@@ -117,7 +117,7 @@ class StorageTier:
 
     def _scan(self) -> None:
         """The start-up scan, then the walks that learn other nodes' files (`rescan`)."""
-        startup.rebuild(self.layout.tree, self.layout.node, self.index, self.capacity, self.evictor, self.counters)
+        startup.rebuild(self.paths.tree, self.paths.node, self.index, self.capacity, self.evictor, self.counters)
         self.scan_done.set()
         self.rescan.run(self._shared_fs, self._stop, self._walk_soon)
 
@@ -130,7 +130,7 @@ class StorageTier:
             self._retention_thread.join(timeout=10.0)  # a pass removes at most MAX_PER_PASS files
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
         if wait:  # else a thread may still be in a system call on it: the process is about to exit
-            self.layout.close()
+            self.paths.close()
 
     def submit(self, fn: Callable, *args) -> Future:
         return self._executor.submit(fn, *args)
@@ -140,7 +140,7 @@ class StorageTier:
         the store from starting (the entries themselves do not need the description)."""
         try:
             tree.write_description(
-                self.layout.tree, ns, "namespace.json", self.layout.temp_name("namespace"), description_json + "\n"
+                self.paths.tree, ns, "namespace.json", self.paths.temp_name("namespace"), description_json + "\n"
             )
         except OSError as exc:
             log.warning("cannot write %s: %s; going on without it", self.root / ns / "namespace.json", exc.strerror)
@@ -229,8 +229,8 @@ class StorageTier:
         """Delete every entry file (of one namespace), including files other nodes wrote; only
         inside the tree (`scan.remove_entries`). The number removed."""
         self.index.remove(ns)
-        self.layout.tree.check()  # a root replaced: said, and not followed
-        return scan.remove_entries(self.layout.tree, ns)
+        self.paths.tree.check()  # a root replaced: said, and not followed
+        return scan.remove_entries(self.paths.tree, ns)
 
     def stats(self) -> StorageStats:
         return StorageStats(
@@ -244,18 +244,18 @@ class StorageTier:
             **vars(self.counters),
             retention_s=self.config.retention_s,
             expired=self.retention.num_expired if self.retention is not None else 0,
-            root_replaced=self.layout.tree.replaced,
+            root_replaced=self.paths.tree.replaced,
         )
 
     # -- views of the parts, and seams for tests and benchmarks ---------------------------------
 
     @property
     def io(self) -> FileIO:
-        return self.layout.io
+        return self.paths.io
 
     @io.setter
     def io(self, io: FileIO) -> None:
-        self.layout.io = io
+        self.paths.io = io
 
     @property
     def direct(self) -> bool:
