@@ -16,7 +16,7 @@ does not bring it back).
 Namespace numbers (`numbers.NamespaceNumbers`) are freed once unused, with the unreadable marks
 of their keys: namespaces come and go for ever.
 
-Primitives: `key`/`split`, `in`, `items`, `holds` (the bare membership test, for walks over many keys),
+Primitives: `key`/`split`, `in`, `items`, `has` (the bare membership test, for walks over many keys),
 `remember`, `forget`, `touch`, `in_use` (`InUse`), `was_read`, `pop_victims`/`evicted`/`unpop`/`put_back` (an
 eviction's steps), `oldest`/`pop_if_oldest`/`refresh` (retention's), `remove`,
 `add_scanned`/`scan_merged`; `numbers` (`pin`/`unpin`), `busy`; `used_bytes`. Thread-safe: one lock
@@ -160,7 +160,7 @@ class FileIndex:
         self._wall_clock = wall_clock  # file mtimes are wall clock times: so are the minutes here
         self.lock = threading.Lock()
         self._lru: OrderedDict[bytes, int] = OrderedDict()
-        self.holds: Callable[[bytes], bool] = self._lru.__contains__
+        self.has: Callable[[bytes], bool] = self._lru.__contains__  # `in` without a Python call
         self.used_bytes = 0
         self.marks = UnreadableMarks(self.lock, clock, max_marks)
         # Numbers are not taken back while the start-up scan is unmerged or victims are out; the

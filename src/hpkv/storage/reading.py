@@ -220,7 +220,7 @@ class Reader:
         self._counters.read_misses += 1
         ik = self._index.key(ns, key)
         if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-            if self._index.holds(ik):  # a hit with no file: another server or node removed it
+            if self._index.has(ik):  # a hit with no file: another server or node removed it
                 self._counters.stale_entries += 1
                 self._on_gone()
             self._index.forget(ik)

@@ -131,7 +131,7 @@ class Rescan:
                 new.keys.append(ik)
                 new.values.append(value)
         startup.merge(index, new)
-        gone = [ik for ik in before.difference(found.keys) if index.holds(ik) and self._gone(ik)]
+        gone = [ik for ik in before.difference(found.keys) if index.has(ik) and self._gone(ik)]
         for ik in gone:
             index.forget(ik)
         self._counters.stale_entries += len(gone)

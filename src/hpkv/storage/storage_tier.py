@@ -8,7 +8,7 @@ nodes' files learned by walking again), `budget` (HPKV_KV_STORAGE_WRITE_BUDGET),
 none, checked, and a bad file is a miss that deletes it; nothing below the root is followed
 (`tree`). Several tiers (nodes) may share one root: a lookup adopts files others wrote.
 
-Primitives: `start`, `add_namespace`, `hold_namespace`, `indexed` (`index_probe`), `contains`,
+Primitives: `start`, `add_namespace`, `pin_namespace`, `indexed` (`index_probe`), `contains`,
 `touch`/`done_with`, `read_into`,
 `write_from` (or `publish`/`publish_many`, where another process writes the files), `submit`, `remove`, `stats`,
 `close`. A write that cannot happen is dropped (counted), never raised.
@@ -145,10 +145,10 @@ class StorageTier:
         except OSError as exc:
             log.warning("cannot write %s: %s; going on without it", self.root / ns / "namespace.json", exc.strerror)
 
-    def hold_namespace(self, ns: str, held: bool = True) -> None:
-        """`ns` is registered: its index number stays until it is not `held` any more, and then
+    def pin_namespace(self, ns: str, pinned: bool = True) -> None:
+        """`ns` is registered: its index number stays until it is not `pinned` any more, and then
         goes once no file of it is indexed (no I/O)."""
-        if held:
+        if pinned:
             self.index.numbers.pin(ns)
         else:
             self.index.numbers.unpin(ns)
@@ -156,20 +156,20 @@ class StorageTier:
     # -- lookups ------------------------------------------------------------------------------
 
     def indexed(self, ns: str, key: bytes) -> bool:
-        """Whether the index holds (ns, key): no I/O, so callers may ask while holding a lock."""
-        return self.index.holds(self.index.key(ns, key))
+        """Whether (ns, key) is indexed: no I/O, so callers may ask while holding a lock."""
+        return self.index.has(self.index.key(ns, key))
 
     def index_probe(self, ns: str) -> tuple[bytes, Callable[[bytes], bool]]:
-        """(prefix, holds): `holds(prefix + key)` is `indexed(ns, key)` without a Python call per
+        """(prefix, has): `has(prefix + key)` is `indexed(ns, key)` without a Python call per
         key, for walks over long prefixes."""
-        return self.index.key(ns, b""), self.index.holds
+        return self.index.key(ns, b""), self.index.has
 
     def contains(self, ns: str, key: bytes) -> bool:
         """Whether a file for (ns, key) exists, adopting files other tiers wrote (one `lstat` of
         the file when the index does not hold it: ask without holding a lock); what stands
         there and is not a regular file is skipped and counted."""
         ik = self.index.key(ns, key)
-        if self.index.holds(ik):
+        if self.index.has(ik):
             return True
         if self.index.being_evicted(ik):
             return False
