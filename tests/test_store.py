@@ -199,7 +199,7 @@ def test_a_hold_nobody_settles_is_aborted_after_the_timeout(open_store):
     from hpkv.types import HOLD_TIMEOUT_S
 
     store = open_store()
-    clock = store.held.clock = FakeClock(time.monotonic())  # what was held before keeps its age
+    clock = store.limits.clock = FakeClock(time.monotonic())  # what was held before keeps its age
     ns = store.register(desc())
     ks = keys(3)
     store.reserve(ns, ks, owner=1, hold="forgotten")

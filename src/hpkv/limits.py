@@ -11,7 +11,7 @@ holds, and the counters of keys refused at a cap and taken back at the limit; th
 (reservations named `Reserved(ns, key, hold)`, settled together); and the quarantine: entries
 whose holder may still be copying, kept from reuse until a given time.
 Primitives: `join`, `leave`, `room(owner)`, `refused`; reservations `has`, `add`, `pop`,
-`pop_owner`; leases `leased`, `released`; `expired_reservations`, `expired_leases`; `bytes_held`, `stats`; the
+`pop_owner`; leases `leased`, `released`; `expired_reservations`, `expired_leases`; `bytes_taken`, `stats`; the
 holds (`holds`: `join`, `end`, `expired`) and the quarantine (`quarantined`: `add`, `over`).
 Must not know: the DRAM index, the leases' contents beyond their entries, the protocol (the store
 decides what an entry becomes once its quarantine is over). Not thread-safe: the store calls it
@@ -90,7 +90,7 @@ class LimitCounters:
     expired_leases: int = 0
 
 
-class HeldSlots(Generic[SlotT]):
+class SlotLimits(Generic[SlotT]):
     def __init__(
         self,
         timeout_s: float | None = None,
@@ -189,7 +189,7 @@ class HeldSlots(Generic[SlotT]):
             self._give(owner, entry.slot_bytes)
         return [entry for entry, _ in held.values()]
 
-    def holds_reservations(self, owner: int) -> bool:
+    def has_reservations(self, owner: int) -> bool:
         return owner in self._reserved
 
     @property
@@ -249,7 +249,7 @@ class HeldSlots(Generic[SlotT]):
 
     # -- the books ----------------------------------------------------------------------------
 
-    def bytes_held(self) -> dict[int, int]:
+    def bytes_taken(self) -> dict[int, int]:
         """owner -> slot bytes it holds reserved or leased now (a copy)."""
         return dict(self._bytes)
 
@@ -285,14 +285,14 @@ class HeldSlots(Generic[SlotT]):
         )
 
 
-def _cap(held: HeldSlots, group: tuple[Hashable, ...]) -> int | None:
+def _cap(limits: SlotLimits, group: tuple[Hashable, ...]) -> int | None:
     """The cap on what `group` holds: a process's or a user's."""
-    return held.max_bytes if group[0] == PROCESS else held.max_user_bytes
+    return limits.max_bytes if group[0] == PROCESS else limits.max_user_bytes
 
 
 class Holds:
     """The holds: reservations named `Reserved(ns, key, hold)`, settled together by whoever
-    settles the hold. Their entries are `HeldSlots`' reservations; this only names them."""
+    settles the hold. Their entries are `SlotLimits`' reservations; this only names them."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock

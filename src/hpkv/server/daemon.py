@@ -117,7 +117,7 @@ class Server:
         prepare_directory(self.directory)  # the socket goes there before the pool does
         _claim_socket_path(self.socket_path)
         self.store = TieredStore.open(self.settings.pool, self.settings.storage)
-        self.store.held.configure(
+        self.store.limits.configure(
             self.settings.server_slot_timeout_s,
             share_bytes(self.store, self.settings.server_max_slot_share),
             share_bytes(self.store, self.settings.server_max_user_slot_share),
@@ -230,14 +230,14 @@ class Server:
     def holds_nothing(self, client: ClientInfo) -> bool:
         store = self.store
         assert store is not None
-        return not store.holds_reservations(client.id) and not any(store.leases.get(i) for i in list(client.leases))
+        return not store.has_reservations(client.id) and not any(store.leases.get(i) for i in list(client.leases))
 
     def closed(self, client: ClientInfo) -> None:
         """Reclaim what a client whose connection ended held."""
         store = self.store
         assert store is not None
         # A live client lost its connection (its call timed out): it may still be copying.
-        copying = store.holds_reservations(client.id) and connection.lives_on(client.pid)
+        copying = store.has_reservations(client.id) and connection.lives_on(client.pid)
         store.drop_owner(client.id, quarantine_s=QUARANTINE_S if copying else 0.0)
         with self._clients_lock:
             del self._clients[client.id]

@@ -4,7 +4,7 @@ Primitives (keyed by namespace `ns` and engine keys, in prefix order): `lookup`;
 `commit` | `abort`, or `reserve(..., hold=)` -> `settle`; `lease` -> `Lease.wait` -> `release`;
 `join_owner`, `drop_owner`; `flush`, `clear`, `stats`, `close`. Each is its part's: `lookup.py` (namespaces,
 lookups), `leases.py` (leases, promotions), `reservations.py` (reservations, holds, what is
-taken back), `writethrough.py` (the backlog, flush, close); `limits.HeldSlots` keeps the books
+taken back), `writethrough.py` (the backlog, flush, close); `limits.SlotLimits` keeps the books
 of what each owner holds. The policies (`StorePolicy`: what a benchmark may vary, apart from the
 mechanism; the defaults are the store's own) are given at construction.
 Owns: the parts, the one lock that guards the DRAM index and every part's tables (file I/O runs
@@ -24,7 +24,7 @@ import msgspec
 from ..config import PoolConfig, StorageConfig
 from ..fsinfo import MEMORY_FS, mount_of
 from ..keys import NamespaceDesc
-from ..limits import HeldSlots
+from ..limits import SlotLimits
 from ..pool.dram_tier import DramTier
 from ..pool.entry import DramEntry
 from ..pool.lru import PrefixOrder
@@ -72,7 +72,7 @@ class TieredStore:
         self.storage = storage
         self.dram = DramTier(region.size_bytes, slab_bytes, room=policy.room, ready=lambda: region.ready_bytes)
         self.counters = zeroed(StoreCounters)
-        self.held: HeldSlots[DramEntry] = HeldSlots()  # reservations by owner, and the limits the server sets
+        self.limits: SlotLimits[DramEntry] = SlotLimits()  # reservations by owner, and the limits the server sets
         self._lock = threading.Lock()
         pool_bytes = self.dram.alloc.num_slabs * self.dram.alloc.slab_bytes
         # In process (no `write_processes`, or while no writer process can start) the writes run
@@ -92,14 +92,14 @@ class TieredStore:
             self.dram,
             storage,
             region,
-            self.held,
+            self.limits,
             self.counters,
             self.lookups,
             policy.order,
             reclaim=lambda: self.reservations.reclaim(),
         )
         self.reservations = Reservations(
-            self._lock, self.dram, self.held, self.counters, self.leases, self.writes, policy.order
+            self._lock, self.dram, self.limits, self.counters, self.leases, self.writes, policy.order
         )
 
     @classmethod
@@ -198,14 +198,14 @@ class TieredStore:
         (or have failed). False on timeout."""
         return self.writes.flush(timeout) if self.writes is not None else True
 
-    def holds_reservations(self, owner: int) -> bool:
+    def has_reservations(self, owner: int) -> bool:
         with self._lock:
-            return self.held.holds_reservations(owner)
+            return self.limits.has_reservations(owner)
 
     def join_owner(self, owner: int, uid: int, pid: int) -> None:
         """A client `owner` of process `pid`, user `uid`: its holdings count in their shares."""
         with self._lock:
-            self.held.join(owner, uid, pid)
+            self.limits.join(owner, uid, pid)
 
     def drop_owner(self, owner: int, quarantine_s: float = 0.0) -> None:
         """Abort the reservations and release the leases of a client that is gone, then forget
@@ -219,7 +219,7 @@ class TieredStore:
             self.leases.release(lease_id)
         with self._lock:
             self.lookups.drop_owner(owner)
-            self.held.leave(owner)
+            self.limits.leave(owner)
 
     def clear(self, memory: bool = True, storage: bool = False, ns: str | None = None) -> dict[str, int]:
         removed = {"memory": 0, "storage": 0}
@@ -238,10 +238,10 @@ class TieredStore:
                 namespaces=self.lookups.stats(),
                 namespace_summary=self.lookups.summary(),
                 leases=len(self.leases),
-                reservations=self.held.num_reservations,
-                limits=self.held.stats(),
-                quarantined=len(self.held.quarantined),
-                holds=len(self.held.holds),
+                reservations=self.limits.num_reservations,
+                limits=self.limits.stats(),
+                quarantined=len(self.limits.quarantined),
+                holds=len(self.limits.holds),
                 write_backlog=self.writes.stats() if self.writes is not None else None,
                 storage=None,
                 storage_unusable=self.storage_unusable,
