@@ -14,7 +14,8 @@ from helpers import storage_stories as stories
 from helpers.clock import FakeClock
 from helpers.storage_stories import NS, OTHER_NS, age, file_bytes, key, write
 from hpkv.errors import StorageError
-from hpkv.storage.index import MAX_FILE_BYTES, FileIndex, UnreadableMarks, size_of, used_minute_s
+from hpkv.storage.index import MAX_FILE_BYTES, FileIndex, size_of, used_minute_s
+from hpkv.storage.marks import UnreadableMarks
 
 open_tier = stories.open_tier
 

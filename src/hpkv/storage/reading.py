@@ -31,7 +31,8 @@ from ..stats import StorageCounters
 from . import format as fmt
 from . import scan, tree
 from .fileio import O_DIRECT, aligned, aligned_buffer, close_quietly, open_in_tree, read_full
-from .index import MAX_FILE_BYTES, NEVER, FileIndex
+from .index import MAX_FILE_BYTES, FileIndex
+from .marks import NEVER
 from .paths import EntryPaths
 
 log = logging.getLogger("hpkv.storage.tier")

@@ -7,7 +7,7 @@ scan does: known as used SLACK_MINUTES before the walk, so a read elsewhere sinc
 an eviction; counted for the blocks they take, `scan.counted_bytes`), forgets indexed files that
 are gone (another node evicted or cleared them: one `stat` each, to tell a file gone from a
 listing that lagged; counted in `stale_entries`), and evicts what is then over the capacity,
-never an entry in use (`index.InUse`). It runs where the root is on a file system other nodes
+never an entry in use (`marks.InUse`). It runs where the root is on a file system other nodes
 mount (`on_shared_fs`), or once a lookup has found a file another tier wrote (`Evictor.shared`),
 every RESCAN_S, or RESCAN_COST_FACTOR times the last walk's duration where that is longer (a
 large directory on a slow file system): between two walks, a node does not count what the others
