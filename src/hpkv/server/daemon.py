@@ -36,7 +36,7 @@ from .. import __version__, safefs
 from .. import stats as st
 from ..config import Settings, load_settings
 from ..errors import HpkvError, PoolError
-from ..pool.region import prepare_directory
+from ..pool.poolfile import prepare_directory
 from ..store import TieredStore
 from . import access, connection
 from . import protocol as p
