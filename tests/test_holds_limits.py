@@ -20,7 +20,7 @@ from hpkv.config import load_settings
 from hpkv.keys import NamespaceDesc
 from hpkv.server import daemon
 from hpkv.server.autostart import answers
-from hpkv.store import HOLD_QUARANTINE_S, TieredStore
+from hpkv.store import HOLD_QUARANTINE_S, TieredStore, create_store
 
 ENTRY = 64 << 10
 POOL = 16 << 20  # 256 entries, in 32 slabs of 8
@@ -36,7 +36,7 @@ def stopped_clock() -> FakeClock:
 @pytest.fixture
 def store(shm_dir, storage_dir):
     # DRAM only: no write-through pins what is committed
-    store = TieredStore.open(
+    store = create_store(
         make_pool_config(shm_dir, POOL), dataclasses.replace(make_storage_config(storage_dir), enabled=False)
     )
     store.limits.clock = stopped_clock()

@@ -254,7 +254,7 @@ def test_write_through_processes_write_aligned_files_with_direct_io(open_store, 
     ks = keys(6)
     assert save(store, ns, ks) == 6 and store.flush(timeout=20)
     assert store.writers is not None and store.writers.pids()  # written by the child processes
-    size = store.entry_bytes(ns)
+    size = store.namespaces()[ns].entry_bytes
     for k in ks:
         path = Path(store.storage.paths.path_of(ns, k))
         assert cached_bytes(path) == 0 and version_on_disk(path) == fmt.VERSION_ALIGNED

@@ -187,7 +187,7 @@ def test_entries_being_promoted_are_not_evicted_by_another_nodes_files(open_stor
         assert all(entry_path(storage_dir, ns, k).exists() for k in leased)
         store.leases.start_reads(lease)
         assert lease.wait(timeout=10) == 8
-        size = store.entry_bytes(ns)
+        size = store.namespaces()[ns].entry_bytes
         assert [bytes(store.region.buf[o : o + size]) for o in lease.offsets] == [store_payload(k) for k in leased]
         store.release(lease.id)
         assert store.storage is not None

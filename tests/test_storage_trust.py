@@ -30,7 +30,7 @@ from hpkv.doctor import Verdict, run_checks
 from hpkv.errors import PoolError
 from hpkv.storage import paths as paths_module
 from hpkv.storage.storage_tier import StorageTier
-from hpkv.store import TieredStore
+from hpkv.store import create_store
 
 NS = "0123456789abcdef" * 2
 OTHER_NS = "fedcba9876543210" * 2
@@ -470,7 +470,7 @@ def test_a_read_only_storage_directory_leaves_the_server_running_on_dram(node, t
 def test_a_storage_path_on_a_pseudo_file_system_still_stops_the_server(shm_dir, tmp_path):
     """A setting that can never work is refused at start, as before, with the error named."""
     with pytest.raises(Exception, match="pseudo file system"):
-        TieredStore.open(make_pool_config(shm_dir), make_storage_config(Path("/proc/hpkv-storage")))
+        create_store(make_pool_config(shm_dir), make_storage_config(Path("/proc/hpkv-storage")))
 
 
 # -- row 12: a refused Register --------------------------------------------------------------------
@@ -488,7 +488,7 @@ def test_a_register_the_server_refuses_writes_nothing(node):
 
 
 def test_a_refused_register_in_process_writes_nothing(shm_dir, storage_dir):
-    with TieredStore.open(make_pool_config(shm_dir, 32 << 20), make_storage_config(storage_dir)) as store:
+    with create_store(make_pool_config(shm_dir, 32 << 20), make_storage_config(storage_dir)) as store:
         with pytest.raises(PoolError, match="does not fit"):
             store.register(desc(0, 4 << 20))
         assert not (storage_dir / desc(0, 4 << 20).ns).exists()

@@ -10,7 +10,8 @@ its process and its user; an owner that never joined is a group of its own), the
 holds, and the counters of keys refused at a cap and taken back at the limit; the holds
 (reservations named `Reserved(ns, key, hold)`, settled together); and the quarantine: entries
 whose holder may still be copying, kept from reuse until a given time.
-Primitives: `join`, `leave`, `room(owner)`, `refused`; reservations `has`, `add`, `pop`,
+Primitives: `configure` (or `SlotShares` and `share_bytes`, the server's limits as shares of the
+pool), `join`, `leave`, `room(owner)`, `refused`; reservations `has`, `add`, `pop`,
 `pop_owner`; leases `leased`, `released`; `expired_reservations`, `expired_leases`; `bytes_taken`, `stats`; the
 holds (`holds`: `join`, `end`, `expired`) and the quarantine (`quarantined`: `add`, `over`).
 Must not know: the DRAM index, the leases' contents beyond their entries, the protocol (the store
@@ -63,6 +64,23 @@ class Reserved(NamedTuple):
     hold: str = ""
 
 
+class SlotShares(NamedTuple):
+    """The server's limits on slots: a time limit (None: none) and the shares of the pool one
+    client process and one user may hold reserved or leased (1 or more: no cap)."""
+
+    timeout_s: float | None
+    process_share: float
+    user_share: float
+
+
+def share_bytes(share: float, pool_bytes: int, slab_bytes: int) -> int | None:
+    """The bytes a share of the pool is, for a cap on what is held reserved or leased (None: no
+    cap); at least a slab's."""
+    if share >= 1:
+        return None
+    return max(slab_bytes, int(pool_bytes * share))
+
+
 @dataclass
 class HoldPart:
     owner: int
@@ -113,6 +131,7 @@ class SlotLimits(Generic[SlotT]):
         self._cap_log = Throttle()
 
     def configure(self, timeout_s: float | None, max_bytes: int | None, max_user_bytes: int | None = None) -> None:
+        """The time limit and the caps (per process, per user) in slot bytes; None: none."""
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
         self.max_user_bytes = max_user_bytes

@@ -4,7 +4,7 @@
 from ..pool.lru import PrefixOrder
 from .leases import Lease
 from .reservations import HOLD_QUARANTINE_S
-from .tiered import StorePolicy, TieredStore
+from .tiered import StorePolicy, TieredStore, create_store
 from .writethrough import BACKLOG_LIMIT_SHARE, write_threads
 
 __all__ = [
@@ -14,5 +14,6 @@ __all__ = [
     "PrefixOrder",
     "StorePolicy",
     "TieredStore",
+    "create_store",
     "write_threads",
 ]

@@ -1,14 +1,21 @@
-"""The tiered store: one DRAM pool and one storage tier behind a small in-process API.
+"""The tiered store: one DRAM pool and one storage tier behind a small in-process API, the one
+facade the server (its handlers and its daemon) goes through.
 
-Primitives (keyed by namespace `ns` and engine keys, in prefix order): `lookup`; `reserve` ->
-`commit` | `abort`, or `reserve(..., hold=)` -> `settle`; `lease` -> `Lease.wait` -> `release`;
-`join_owner`, `drop_owner`; `flush`, `clear`, `stats`, `close`. Each is its part's: `lookup.py` (namespaces,
-lookups), `leases.py` (leases, promotions), `reservations.py` (reservations, holds, what is
-taken back), `writethrough.py` (the backlog, flush, close); `limits.SlotLimits` keeps the books
-of what each owner holds. The policies (`StorePolicy`: what a benchmark may vary, apart from the
+Primitives (keyed by namespace `ns` and engine keys, in prefix order): `create_store`; `register`,
+`namespaces`, `check_desc_size`; `lookup`; `reserve` -> `commit` | `abort`, or
+`reserve(..., hold=)` -> `settle`; `lease` (-> `start_reads`) -> `Lease.wait` (`get_lease`) ->
+`release`; `join_owner`, `has_reservations`, `drop_owner`; `set_limits`; `flush`, `clear`,
+`stats`, `close`; `region`, the mapped pool the bytes are copied through by callers. Each is its
+part's: `lookup.py` (namespaces, lookups), `leases.py` (leases, promotions), `reservations.py`
+(reservations, holds, what is taken back), `writethrough.py` (the backlog, flush, close);
+`limits.SlotLimits` keeps the books of what each owner holds. Why one facade, of one-line
+delegations mostly: every caller outside the package sees one API whose methods take the lock
+where a part needs it, while the parts, one concept each, stay free to change (the batched
+protocol reshapes them); below it the parts call the tiers (`DramTier`, `StorageTier`) directly,
+with no layer between. The policies (`StorePolicy`: what a benchmark may vary, apart from the
 mechanism; the defaults are the store's own) are given at construction.
 Owns: the parts, the one lock that guards the DRAM index and every part's tables (file I/O runs
-outside it), and the tiers' lifetime. The bytes are copied by callers through the mapped region.
+outside it), and the tiers' lifetime.
 Must not know: the protocol, clients beyond their owner ids.
 """
 
@@ -24,7 +31,7 @@ import msgspec
 from ..config import PoolConfig, StorageConfig
 from ..fsinfo import MEMORY_FS, mount_of
 from ..keys import NamespaceDesc
-from ..limits import SlotLimits
+from ..limits import SlotLimits, SlotShares, share_bytes
 from ..pool.dram_tier import DramTier
 from ..pool.entry import DramEntry
 from ..pool.lru import PrefixOrder
@@ -102,42 +109,6 @@ class TieredStore:
             self._lock, self.dram, self.limits, self.counters, self.leases, self.writes, policy.order
         )
 
-    @classmethod
-    def open(
-        cls, pool: PoolConfig, storage: StorageConfig, slab_bytes: int | None = None, policy: StorePolicy | None = None
-    ) -> TieredStore:
-        """Create the pool file and start the storage tier (when enabled). A storage directory
-        that cannot be used as it stands (`StorageUnusable`: read-only, not writable) leaves the
-        store with its DRAM tier alone and `storage_unusable` saying why; a storage path that can
-        never work (a pseudo file system) raises."""
-        region = PoolRegion.create(pool.dir, pool.size_bytes)
-        tier = None
-        try:
-            # Pages of a pool on ramfs not there yet arrive on first touch: storage on ramfs
-            # must not take the memory they will need.
-            unbacked = region.unbacked_bytes() if mount_of(pool.dir).fs_type in MEMORY_FS else 0
-            unusable = None
-            if storage.enabled:
-                tier = StorageTier(storage)
-                try:
-                    tier.start(promised_ram_bytes=unbacked)
-                except StorageUnusable as exc:  # DRAM alone beats no server: said in the log, status, doctor
-                    tier.close(wait=False)
-                    tier, unusable = None, str(exc)
-                    log.warning(
-                        "%s. Until then the server runs with the DRAM tier only: no KV is read from or "
-                        "written to storage (fix it, then restart the server)",
-                        exc,
-                    )
-            store = cls(region, tier, slab_bytes, write_processes=True, policy=policy)
-            store.storage_unusable = unusable
-            return store
-        except BaseException:
-            if tier is not None:
-                tier.close(wait=False)
-            region.close()
-            raise
-
     def close(self, abandon: threading.Event | None = None) -> bool:
         """Finish the write-throughs queued and deferred (entries committed from now on are not
         written: the pool goes), then remove the pool. The writes are given up (their entries are
@@ -162,14 +133,30 @@ class TieredStore:
         """The namespace of `desc`, held by `owner` (of `uid`) until `drop_owner(owner)`."""
         return self.lookups.register(desc, owner, uid)
 
-    def limit_namespaces(self, limits: NamespaceLimits) -> None:
-        self.lookups.owners.limits = limits
+    def set_limits(self, namespaces: NamespaceLimits | None = None, slots: SlotShares | None = None) -> None:
+        """The server's limits: on namespaces, and on the slots each client takes (as shares of
+        the pool); those not given stay as they are (a store starts with none)."""
+        alloc = self.dram.alloc
+        with self._lock:
+            if namespaces is not None:
+                self.lookups.owners.limits = namespaces
+            if slots is not None:
+                pool_bytes = alloc.num_slabs * alloc.slab_bytes
+                self.limits.configure(
+                    slots.timeout_s,
+                    share_bytes(slots.process_share, pool_bytes, alloc.slab_bytes),
+                    share_bytes(slots.user_share, pool_bytes, alloc.slab_bytes),
+                )
 
     def namespaces(self) -> dict[str, NamespaceDesc]:
+        """The namespaces registered (a copy)."""
         return self.lookups.descs()
 
-    def entry_bytes(self, ns: str) -> int:
-        return self.dram.entry_bytes(ns)
+    def check_desc_size(self, desc_bytes: int) -> None:
+        """`NamespaceLimit` where a description of `desc_bytes` is too large to register: asked
+        before the description is parsed (its characters are at most its bytes)."""
+        with self._lock:
+            self.lookups.owners.check_size(desc_bytes)
 
     def lookup(self, ns: str, keys: Sequence[bytes]) -> Lookup:
         """The tier of each leading hit (DRAM before storage), up to the first miss."""
@@ -177,6 +164,14 @@ class TieredStore:
 
     def lease(self, ns: str, keys: Sequence[bytes], owner: int = 0, start_reads: bool = True) -> Lease:
         return self.leases.lease(ns, keys, owner, start_reads)
+
+    def start_reads(self, lease: Lease) -> None:
+        """Queue the storage reads of a lease taken with `start_reads=False` (after its reply)."""
+        self.leases.start_reads(lease)
+
+    def get_lease(self, lease_id: int) -> Lease | None:
+        """The lease, while it is held (None once released or taken back at its time limit)."""
+        return self.leases.get(lease_id)
 
     def release(self, lease_id: int) -> bool:
         return self.leases.release(lease_id)
@@ -252,3 +247,39 @@ class TieredStore:
         writers = self.writers
         stats.writers = writers.stats() if writers is not None else None
         return stats
+
+
+def create_store(
+    pool: PoolConfig, storage: StorageConfig, slab_bytes: int | None = None, policy: StorePolicy | None = None
+) -> TieredStore:
+    """Create the pool file and start the storage tier (when enabled). A storage directory
+    that cannot be used as it stands (`StorageUnusable`: read-only, not writable) leaves the
+    store with its DRAM tier alone and `storage_unusable` saying why; a storage path that can
+    never work (a pseudo file system) raises."""
+    region = PoolRegion.create(pool.dir, pool.size_bytes)
+    tier = None
+    try:
+        # Pages of a pool on ramfs not there yet arrive on first touch: storage on ramfs
+        # must not take the memory they will need.
+        unbacked = region.unbacked_bytes() if mount_of(pool.dir).fs_type in MEMORY_FS else 0
+        unusable = None
+        if storage.enabled:
+            tier = StorageTier(storage)
+            try:
+                tier.start(promised_ram_bytes=unbacked)
+            except StorageUnusable as exc:  # DRAM alone beats no server: said in the log, status, doctor
+                tier.close(wait=False)
+                tier, unusable = None, str(exc)
+                log.warning(
+                    "%s. Until then the server runs with the DRAM tier only: no KV is read from or "
+                    "written to storage (fix it, then restart the server)",
+                    exc,
+                )
+        store = TieredStore(region, tier, slab_bytes, write_processes=True, policy=policy)
+        store.storage_unusable = unusable
+        return store
+    except BaseException:
+        if tier is not None:
+            tier.close(wait=False)
+        region.close()
+        raise
