@@ -74,7 +74,7 @@ class Side:
         pool = configs.pool(self.pool_dir, 2 * entries * ENTRY + (64 << 20))
         storage = configs.storage(self.storage_dir, io_threads=8, direct_io=direct)
         self.store = create_store(pool, storage)
-        if direct and not self.store.storage.direct:
+        if direct and not self.store.storage.reader.direct:
             raise SystemExit(f"{storage_parent} does not take O_DIRECT; pick another --storage-dir")
         self.ns = self.store.register(namespace("direct-io", ENTRY, dtype="bfloat16", num_layers=28))
         self.src = np.random.default_rng(0).integers(0, 255, ENTRY, dtype=np.uint8)

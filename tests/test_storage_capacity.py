@@ -106,7 +106,7 @@ def test_one_no_room_that_an_eviction_cures_does_not_shrink_the_tier(open_tier):
     learned. Learning from each such error shrank the tier to one file under intermittent ones."""
     tier = open_tier(capacity=64 * file_bytes())
     assert tier.scan_done.wait(10)
-    io = tier.io = FailingIO()
+    io = tier.paths.io = FailingIO()
     assert all(write(tier, key(i)) for i in range(8))
 
     for i in range(100, 105):
@@ -123,7 +123,7 @@ def test_a_quota_met_teaches_the_tier_its_capacity_and_evicts_little(open_tier, 
     files too), and the tier holds at most what fitted from then on, saying so once."""
     tier = open_tier(capacity=1 << 52)
     assert tier.scan_done.wait(10)
-    io = tier.io = FailingIO()
+    io = tier.paths.io = FailingIO()
     assert all(write(tier, key(i)) for i in range(200))
     io.no_space_writes = 2  # no room even after a little eviction: the limit is real
 
@@ -144,7 +144,7 @@ def a_tier_that_learned_its_room(open_tier, clock: FakeClock | None = None) -> t
     that what it held (after a little eviction) is what fits."""
     tier = open_tier(capacity=64 * file_bytes(), clock=clock)
     assert tier.scan_done.wait(10)
-    io = tier.io = FailingIO()
+    io = tier.paths.io = FailingIO()
     assert all(write(tier, key(i)) for i in range(8))
     io.no_space_writes = 2
     assert not write(tier, key("new"))
@@ -241,7 +241,7 @@ def test_an_automatic_capacity_is_a_share_of_the_free_space(open_tier, small_dis
     tier = open_tier(root=small_disk, capacity=None)
     assert tier.scan_done.wait(10)
 
-    assert 0.7 * (4 << 20) < tier.capacity_bytes <= 0.8 * (4 << 20)
+    assert 0.7 * (4 << 20) < tier.capacity.capacity_bytes <= 0.8 * (4 << 20)
 
 
 def test_an_automatic_capacity_on_ramfs_has_room_and_writes(open_tier, tmp_path, caplog):
@@ -256,7 +256,7 @@ def test_an_automatic_capacity_on_ramfs_has_room_and_writes(open_tier, tmp_path,
             tier = open_tier(root=point / "storage", capacity=None)
             assert tier.scan_done.wait(10)
 
-        assert 0.3 * mem_available_bytes() < tier.capacity_bytes < 0.5 * mem_available_bytes()
+        assert 0.3 * mem_available_bytes() < tier.capacity.capacity_bytes < 0.5 * mem_available_bytes()
         assert write(tier, key(1))
         assert list((point / "storage").rglob("*.kv")) == [Path(tier.paths.path_of(NS, key(1)))]
         said = [r.getMessage() for r in caplog.records if "memory file system" in r.getMessage()]
@@ -285,7 +285,7 @@ def test_an_automatic_capacity_on_ramfs_leaves_out_the_pool_and_a_container_s_li
         tier.start(promised_ram_bytes=10 * GIB)
     try:
         assert tier.scan_done.wait(10)
-        assert tier.capacity_bytes == int(7 * GIB * 0.8)
+        assert tier.capacity.capacity_bytes == int(7 * GIB * 0.8)
         said = next(r.getMessage() for r in caplog.records if "memory file system" in r.getMessage())
         assert f"less the DRAM pool's {10 * GIB} bytes still to come" in said
     finally:
@@ -304,7 +304,7 @@ def test_an_automatic_capacity_on_a_full_disk_says_so_and_writes_nothing(open_ti
         tier = open_tier(root=small_disk / "kv", capacity=None)
         assert tier.scan_done.wait(10)
 
-    assert tier.capacity_bytes == 0
+    assert tier.capacity.capacity_bytes == 0
     warning = next(r.getMessage() for r in caplog.records if "storage tier holds only" in r.getMessage())
     assert str(small_disk / "kv") in warning and "are not written" in warning
     assert "HPKV_KV_STORAGE_SIZE" in warning
@@ -333,7 +333,7 @@ def test_an_automatic_capacity_counts_the_tiers_own_files_and_is_not_a_warning_t
         assert again.scan_done.wait(10)
 
     own = 0.8 * 8 * file_bytes()
-    assert int(own) <= again.capacity_bytes < own + 0.8 * (64 << 10)  # the filler leaves under 64 KiB free
+    assert int(own) <= again.capacity.capacity_bytes < own + 0.8 * (64 << 10)  # the filler leaves under 64 KiB free
     assert not [r for r in caplog.records if "storage tier holds only" in r.getMessage()]
 
 

@@ -142,7 +142,7 @@ def test_a_lookup_of_a_victim_on_a_tier_alone_neither_adopts_it_nor_thinks_it_sh
 
     assert write(tier, key(3))
 
-    assert found == [False] and not tier.shared
+    assert found == [False] and not tier.evictor.shared
     assert not tier.indexed(NS, key(0)) and tier.stats().used_bytes == 3 * file_bytes()
 
 

@@ -75,7 +75,7 @@ def test_a_walk_indexes_what_another_tier_wrote_and_forgets_what_it_removed(open
 
     assert b.rescan.once() == (4, 1)
     assert all(b.indexed(NS, key(i)) for i in range(4)) and not b.indexed(NS, key(9))
-    assert b.shared and b.used_bytes == 4 * file_bytes()
+    assert b.evictor.shared and b.index.used_bytes == 4 * file_bytes()
 
 
 def test_a_walk_dates_what_it_finds_by_the_tiers_wall_clock(open_tier, storage_dir):

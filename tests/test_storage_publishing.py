@@ -124,7 +124,7 @@ def test_a_write_reported_failed_after_its_rename_is_indexed(open_tier):
     header = fmt.encode_header(bytes.fromhex(NS), k, payload(k), fmt.VERSION)
 
     def killed_after_rename(target: FileTarget) -> OSError:
-        assert write_entry_file(tier.io, target, [header, payload(k)], "off") is None
+        assert write_entry_file(tier.paths.io, target, [header, payload(k)], "off") is None
         return OSError(errno.EIO, "the write-through process 1234 exited (-9)")
 
     assert tier.publish(NS, k, ENTRY, fmt.VERSION, killed_after_rename)

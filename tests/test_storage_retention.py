@@ -75,7 +75,7 @@ def test_a_pass_looks_at_the_old_end_only(storage_dir):
     try:
         for i in range(50):
             assert write(tier, key(i))
-        tier.io = counted = CountedStats()
+        tier.paths.io = counted = CountedStats()
         assert retention.expire_once() == 0
         assert counted.stats == 1
     finally:

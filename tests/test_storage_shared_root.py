@@ -68,7 +68,7 @@ def test_a_root_replaced_by_a_link_is_not_followed_by_reads_writes_evictions_or_
     assert tier.scan_done.wait(10)
     indexed = [key(f"indexed-{i}") for i in range(6)]  # in the index, their files nowhere in the tree held
     for k in indexed:
-        tier._remember(NS, k, file_bytes())
+        tier.index.remember(tier.index.key(NS, k), file_bytes())
     mine = key("mine")
     assert write(tier, mine)
     moved, elsewhere = replace_root(storage_dir, tmp_path)
@@ -162,7 +162,7 @@ def test_sparse_files_that_declare_a_gibibyte_each_evict_nothing(open_tier, stor
     assert all(tier.indexed(NS, k) and read(tier, k) == payload(k) for k in mine)
     assert found == (8, 0)  # the empty one is no KV file: not indexed
     assert tier.contains(PLANTER_NS, key("sparse-0")) and not tier.contains(PLANTER_NS, key("empty"))
-    assert tier.used_bytes <= 20 * file_bytes() + 8 * (64 << 10)
+    assert tier.index.used_bytes <= 20 * file_bytes() + 8 * (64 << 10)
 
 
 def test_entries_being_promoted_are_not_evicted_by_another_nodes_files(open_store, storage_dir):  # noqa: F811

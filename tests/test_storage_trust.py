@@ -128,7 +128,7 @@ def test_a_fifo_read_with_direct_io_is_a_miss_and_leaves_direct_io_on(storage_di
     tier = StorageTier(dataclasses.replace(make_storage_config(storage_dir, 64 * (ENTRY + 4096)), direct_io=True))
     tier.start()
     try:
-        if not tier.direct:
+        if not tier.reader.direct:
             pytest.skip(f"{storage_dir} does not take O_DIRECT")
         k = key("direct")
         slot = mmap.mmap(-1, ENTRY)  # page-aligned, as a pool slot is
@@ -146,7 +146,7 @@ def test_a_fifo_read_with_direct_io_is_a_miss_and_leaves_direct_io_on(storage_di
             os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
             reader.join(5)
         assert done == [False]
-        assert tier.direct and tier.stats().direct_io
+        assert tier.reader.direct and tier.stats().direct_io
         assert tier.stats().untrusted_files == 1
     finally:
         tier.close()
@@ -254,7 +254,7 @@ def test_eviction_and_a_bad_file_remove_nothing_through_a_linked_directory(open_
 
     tier2 = open_tier(capacity=2 * (ENTRY + 4096))  # k indexed again by a tier that has not read it
     assert tier2.scan_done.wait(10)
-    tier2._remember(NS, k, ENTRY + 4096)
+    tier2.index.remember(tier2.index.key(NS, k), ENTRY + 4096)
     for other in keys_in_other_fans(k, 3):
         assert tier2.write_from(NS, other, memoryview(payload(other)))
     assert tier2.stats().evictions >= 1 and not tier2.indexed(NS, k)

@@ -345,7 +345,7 @@ def test_a_lease_touches_its_storage_hits_before_looking_for_files_elsewhere(ope
     store = open_store()
     ns = store.register(desc())
     only_in_storage(store, ns, ks)
-    store.storage._forget(ns, ks[2])  # written by another node, say: found by a stat
+    store.storage.index.forget(store.storage.index.key(ns, ks[2]))  # written by another node, say: found by a stat
     events = []
     touch, found_elsewhere = store.storage.touch, store.lookups.found_elsewhere
     store.storage.touch = lambda ns_, touched, **kw: (
@@ -441,7 +441,7 @@ def test_storage_on_ramfs_beside_a_pool_on_ramfs_leaves_the_pool_its_memory(tmp_
     store = store_with_auto_storage_on(point, pool_bytes)
     try:
         to_come = pool_bytes if fallocate == "refused" else 0
-        assert store.storage.capacity_bytes == int((8 * GIB - to_come) // 2 * 0.8)
+        assert store.storage.capacity.capacity_bytes == int((8 * GIB - to_come) // 2 * 0.8)
     finally:
         store.close()
 
@@ -476,7 +476,7 @@ def test_storage_on_a_real_ramfs_beside_a_pool_on_it_leaves_the_pool_its_memory(
                 assert to_come == 0
             else:  # another C library's refuses, or emulates it
                 assert to_come in (0, pool_bytes)
-            assert store.storage.capacity_bytes == int((8 * GIB - to_come) // 2 * 0.8)
+            assert store.storage.capacity.capacity_bytes == int((8 * GIB - to_come) // 2 * 0.8)
         finally:
             store.close()
     finally:

@@ -125,7 +125,7 @@ def see_sharing(tier: StorageTier, other: StorageTier) -> None:
     write(other, key("shared"), ns=OTHER_NS)
     assert tier.contains(OTHER_NS, key("shared"))
     tier.remove(OTHER_NS)
-    assert tier.shared
+    assert tier.evictor.shared
 
 
 def held_scan() -> type[StorageTier]:

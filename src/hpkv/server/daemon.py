@@ -180,7 +180,7 @@ class Server:
 
     def _shutdown(self) -> None:
         waiting = 0
-        if self.store is not None and self.store.storage is not None:
+        if self.store is not None:  # no write backlog without a storage tier
             backlog = self.store.stats().write_backlog
             waiting = backlog.entries + backlog.deferred if backlog is not None else 0
         if waiting:

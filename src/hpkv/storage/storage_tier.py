@@ -12,6 +12,12 @@ Primitives: `start`, `add_namespace`, `pin_namespace`, `indexed` (`index_probe`)
 `touch`/`done_with`, `read_into`,
 `write_from` (or `publish`/`publish_many`, where another process writes the files), `submit`, `remove`, `stats`,
 `close`. A write that cannot happen is dropped (counted), never raised.
+Why a facade: everything outside the package (the store, `hpkv clear`, benchmarks) goes through
+these methods, in the (ns, key) words of the store, and the parts stay the package's to change;
+the few that delegate in one line (`read_into`, `write_from`, `publish`, `publish_many`) keep
+`Reader` and `Publisher` out of the store's sight. The parts (`paths`, `index`, `capacity`,
+`evictor`, `reader`, `publisher`, `rescan`) are attributes for the package's own tests, with no
+property passing them through.
 Must not know: the pool, engines, devices.
 """
 
@@ -246,39 +252,3 @@ class StorageTier:
             expired=self.retention.num_expired if self.retention is not None else 0,
             root_replaced=self.paths.tree.replaced,
         )
-
-    # -- views of the parts, and seams for tests and benchmarks ---------------------------------
-
-    @property
-    def io(self) -> FileIO:
-        return self.paths.io
-
-    @io.setter
-    def io(self, io: FileIO) -> None:
-        self.paths.io = io
-
-    @property
-    def direct(self) -> bool:
-        """Whether entry files go with O_DIRECT (cleared where the file system refuses it)."""
-        return self.reader.direct
-
-    @property
-    def shared(self) -> bool:
-        """Whether another tier writes here too (`eviction`)."""
-        return self.evictor.shared
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.capacity.capacity_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        return self.index.used_bytes
-
-    def _remember(self, ns: str, key: bytes, size: int) -> None:
-        """Index (ns, key) as the most recently used, as if just written (no I/O)."""
-        self.index.remember(self.index.key(ns, key), size)
-
-    def _forget(self, ns: str, key: bytes) -> None:
-        """Out of the index, its file left (as if another node wrote it)."""
-        self.index.forget(self.index.key(ns, key))
