@@ -15,7 +15,9 @@ Primitives: `add_namespace`/`remove_namespace`, `get`, `reserve`, `commit`, `abo
 `pin`, `unpin`, `touch`, `drop`;
 for room policies (`room.Evictions`): `lru`, `alloc`, `slab_entries`, `move_slab`, `evict_for`.
 Owns no memory: offsets refer to a `PoolRegion` someone else maps. Not thread-safe: the store
-serialises calls.
+serialises calls. The store's parts call the tier itself, and each call the tier passes to its
+evictable entries does work there (a class's LRU, the slab books): no layer below the store only
+passes a call on, but `lru.oldest_movable` (whether slab books are kept at all is `lru`'s).
 """
 
 from __future__ import annotations

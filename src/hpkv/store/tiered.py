@@ -12,8 +12,7 @@ part's: `lookup.py` (namespaces, lookups), `leases.py` (leases, promotions), `re
 delegations mostly: every caller outside the package sees one API whose methods take the lock
 where a part needs it, while the parts, one concept each, stay free to change (the batched
 protocol reshapes them); below it the parts call the tiers (`DramTier`, `StorageTier`) directly,
-with no layer between. The policies (`StorePolicy`: what a benchmark may vary, apart from the
-mechanism; the defaults are the store's own) are given at construction.
+with no layer between. The policies (`StorePolicy`) are given at construction.
 Owns: the parts, the one lock that guards the DRAM index and every part's tables (file I/O runs
 outside it), and the tiers' lifetime.
 Must not know: the protocol, clients beyond their owner ids.
@@ -53,6 +52,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StorePolicy:
+    """What a benchmark may vary, apart from the mechanism; the defaults are the store's own."""
+
     order: PrefixOrder = PrefixOrder.LAST_FIRST  # how entries used together reach the DRAM LRU
     room: RoomPolicy = field(default_factory=OldestFirst)  # how the DRAM tier finds room
     backlog_share: float = BACKLOG_LIMIT_SHARE  # of the pool; math.inf: no limit (all pinned)
@@ -64,7 +65,7 @@ class StorePolicy:
 
 class TieredStore:
     STALLED_S = 30.0  # at close, give up the storage writes when none has ended for this long
-    storage_unusable: str | None = None  # why the storage tier is off though enabled (`open`)
+    storage_unusable: str | None = None  # why the storage tier is off though enabled (`create_store`)
 
     def __init__(
         self,
