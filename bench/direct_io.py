@@ -1,7 +1,7 @@
 """Benchmark: the storage tier through the page cache (the default) against direct I/O
 (`HPKV_KV_STORAGE_DIRECT_IO=on`), what each costs the CPU, in the same run.
 
-A real store (`TieredStore.open`: the pool on /dev/shm, the storage tier on disk, write-throughs
+A real store (`create_store`: the pool on /dev/shm, the storage tier on disk, write-throughs
 in writer processes) gets rounds of N entries of 256 KiB (default 384: 96 MiB, one no-reuse
 round of `bench/peers.py` on the BENCH model). The two settings alternate, round by round, each
 in a store of its own. Per round:
@@ -37,7 +37,7 @@ import psutil
 from bench.harness import configs
 from bench.harness.keys import keys as make_keys
 from bench.harness.keys import namespace
-from hpkv.store import TieredStore
+from hpkv.store import TieredStore, create_store
 
 ENTRY = 256 << 10
 MODES = ("page cache", "direct")
@@ -73,8 +73,8 @@ class Side:
         self.storage_dir = Path(tempfile.mkdtemp(prefix="hpkv-bench-dio-", dir=storage_parent))
         pool = configs.pool(self.pool_dir, 2 * entries * ENTRY + (64 << 20))
         storage = configs.storage(self.storage_dir, io_threads=8, direct_io=direct)
-        self.store = TieredStore.open(pool, storage)
-        if direct and not self.store.storage.direct:
+        self.store = create_store(pool, storage)
+        if direct and not self.store.storage.reader.direct:
             raise SystemExit(f"{storage_parent} does not take O_DIRECT; pick another --storage-dir")
         self.ns = self.store.register(namespace("direct-io", ENTRY, dtype="bfloat16", num_layers=28))
         self.src = np.random.default_rng(0).integers(0, 255, ENTRY, dtype=np.uint8)
@@ -118,7 +118,7 @@ class Side:
 
     def drop_page_cache(self, keys: list[bytes]) -> None:
         for key in keys:
-            fd = os.open(self.store.storage.layout.path_of(self.ns, key), os.O_RDONLY)
+            fd = os.open(self.store.storage.paths.path_of(self.ns, key), os.O_RDONLY)
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:

@@ -4,7 +4,7 @@ entries indexed, and the write-through's CPU per GiB against the floor of the sa
 - DRAM index: a real server (storage off, a 4 GiB pool of 4 KiB slots); its anonymous resident
   memory (RssAnon: the pool's pages are shared memory, not counted) before and after a client
   reserves and commits 1,000,000 entries, per million.
-- Storage index: the store's storage tier (`TieredStore.open`, an empty directory), its index
+- Storage index: the store's storage tier (`create_store`, an empty directory), its index
   given `--storage-entries` entries (10 million) the way the start-up scan adds the files it
   finds (`FileIndex.add_scanned`, 32-byte engine keys); this process's resident memory before and
   after, per million; then a 4,096-key prefix lookup (`TieredStore.lookup`, all storage hits),
@@ -50,7 +50,7 @@ from bench.harness.keys import namespace
 from bench.harness.report import log, median_p99_ms, timed, verdict
 from bench.harness.server import SHM, huge_tmpfs, server_env, start_server, stop_server
 from hpkv.server.client import Client
-from hpkv.store import TieredStore
+from hpkv.store import create_store
 
 MiB, GiB = 1 << 20, 1 << 30
 TARGET_WRITE_RATIO = 1.5
@@ -94,7 +94,7 @@ def dram_index(num_entries: int = 1_000_000) -> dict:
 def storage_index(num_entries: int) -> dict:
     pool_dir = Path(tempfile.mkdtemp(prefix="hpkv-costs-", dir=SHM))
     storage_dir = Path(tempfile.mkdtemp(prefix="hpkv-costs-storage-"))
-    store = TieredStore.open(configs.pool(pool_dir, 64 * MiB), configs.storage(storage_dir))
+    store = create_store(configs.pool(pool_dir, 64 * MiB), configs.storage(storage_dir))
     try:
         assert store.storage is not None
         ns = store.register(namespace("costs-storage", 64 << 10, num_layers=1))

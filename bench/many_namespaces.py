@@ -31,7 +31,7 @@ from bench.harness.keys import key, namespace
 from bench.harness.report import log, verdict
 from bench.harness.server import SHM, server_env, start_server, stop_server
 from hpkv.server.client import Client
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 
 HPKV = Path(sys.executable).parent / "hpkv"
 STATUS_RATIO_TARGET = 2.0

@@ -28,7 +28,7 @@ from pathlib import Path
 from bench.harness.netfs import local_and_shared
 from bench.harness.report import log, verdict
 from hpkv.config import StorageConfig
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 
 MIB = 1 << 20
 NS = "cd" * 16

@@ -32,7 +32,7 @@ import numpy as np
 from bench.harness import configs
 from bench.harness.keys import keys, namespace
 from hpkv.config import PoolConfig
-from hpkv.store import PrefixOrder, StorePolicy, TieredStore
+from hpkv.store import PrefixOrder, StorePolicy, TieredStore, create_store
 
 ENTRY = 16 << 10
 
@@ -87,9 +87,7 @@ def run(args: argparse.Namespace) -> dict:
     }
     for name, policy in (("HPKV (last entries first)", StorePolicy()), ("plain LRU (prefix order)", PREFIX_ORDER)):
         with tempfile.TemporaryDirectory(dir=args.pool_dir, prefix="hpkv-bench-") as pool_dir:
-            store = TieredStore.open(
-                PoolConfig(dir=Path(pool_dir), size_bytes=args.pool_bytes), storage_off, policy=policy
-            )
+            store = create_store(PoolConfig(dir=Path(pool_dir), size_bytes=args.pool_bytes), storage_off, policy=policy)
             try:
                 ns = store.register(desc)
                 started = time.perf_counter()

@@ -30,7 +30,7 @@ from bench.harness.keys import namespace
 from hpkv.config import PoolConfig, parse_size
 from hpkv.keys import NamespaceDesc
 from hpkv.pool.room import WalkOldest
-from hpkv.store import StorePolicy, TieredStore
+from hpkv.store import StorePolicy, TieredStore, create_store
 
 SMALL, LARGE = 4 << 10, 64 << 10
 NUM_RESERVE = 128
@@ -73,7 +73,7 @@ def _lookup_ms(store: TieredStore, ns: str, keys: list[bytes]) -> float:
 def measure(policy: StorePolicy, pool_bytes: int, rounds: int, pool_dir: str) -> dict:
     storage_off = configs.storage_off()
     with tempfile.TemporaryDirectory(dir=pool_dir, prefix="hpkv-bench-") as directory:
-        store = TieredStore.open(PoolConfig(dir=Path(directory), size_bytes=pool_bytes), storage_off, policy=policy)
+        store = create_store(PoolConfig(dir=Path(directory), size_bytes=pool_bytes), storage_off, policy=policy)
         try:
             ns_a, ns_b, a = _fill(store)
             probe = a[:16]

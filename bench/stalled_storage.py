@@ -33,7 +33,7 @@ from bench.harness import configs
 from bench.harness.keys import keys, namespace
 from bench.prefix_eviction import ENTRY, workload_arguments, zipf_requests  # the same documents
 from hpkv.config import PoolConfig
-from hpkv.store import StorePolicy, TieredStore
+from hpkv.store import StorePolicy, TieredStore, create_store
 
 PERIOD_S = 0.1
 WARM = keys(4, "warm-")
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> dict:
             tempfile.TemporaryDirectory(dir=args.storage_dir, prefix="hpkv-bench-") as storage_dir,
         ):
             storage = configs.storage(Path(storage_dir))
-            store = TieredStore.open(PoolConfig(dir=Path(pool_dir), size_bytes=args.pool_bytes), storage, policy=policy)
+            store = create_store(PoolConfig(dir=Path(pool_dir), size_bytes=args.pool_bytes), storage, policy=policy)
             try:
                 ns = store.register(desc)
                 serve(store, ns, WARM)  # starts the writer processes

@@ -64,7 +64,7 @@ from hpkv.benchmark.disk import disk_limit
 from hpkv.config import parse_size
 from hpkv.errors import HpkvError
 from hpkv.keys import Key
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 
 LMCACHE_TIMEOUT_S = 900.0
 

@@ -33,7 +33,7 @@ import psutil
 from bench.harness import configs
 from bench.harness.keys import key, namespace
 from hpkv.config import StorageConfig
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 
 NS = namespace("storage-scan", 4096).ns
 

@@ -23,7 +23,7 @@ SERVER_SIDE = (
     "hpkv.server.connection",
     "hpkv.server.loop",
     "hpkv.server.access",
-    "hpkv.pool.tier",
+    "hpkv.pool.dram_tier",
     "hpkv.limits",
 )
 

@@ -20,7 +20,7 @@ from hpkv.config import load_settings
 from hpkv.keys import NamespaceDesc
 from hpkv.server import daemon
 from hpkv.server.autostart import answers
-from hpkv.store import HOLD_QUARANTINE_S, TieredStore
+from hpkv.store import HOLD_QUARANTINE_S, TieredStore, create_store
 
 ENTRY = 64 << 10
 POOL = 16 << 20  # 256 entries, in 32 slabs of 8
@@ -36,10 +36,10 @@ def stopped_clock() -> FakeClock:
 @pytest.fixture
 def store(shm_dir, storage_dir):
     # DRAM only: no write-through pins what is committed
-    store = TieredStore.open(
+    store = create_store(
         make_pool_config(shm_dir, POOL), dataclasses.replace(make_storage_config(storage_dir), enabled=False)
     )
-    store.held.clock = stopped_clock()
+    store.limits.clock = stopped_clock()
     yield store
     store.close()
 
@@ -59,7 +59,7 @@ def register(store: TieredStore) -> str:
 
 
 def test_a_client_that_reserves_the_whole_pool_gets_its_share_and_the_next_one_the_rest(store):
-    store.held.configure(TIMEOUT_S, POOL // 2)
+    store.limits.configure(TIMEOUT_S, POOL // 2)
     ns = register(store)
 
     hog = store.reserve(ns, entry_keys(256, "hog"), owner=1)
@@ -77,7 +77,7 @@ def test_a_lease_stops_at_the_clients_share_and_the_rest_is_a_miss(store):
     ks = entry_keys(48, "doc")
     store.reserve(ns, ks)
     store.commit(ns, ks)
-    store.held.configure(TIMEOUT_S, 32 * ENTRY)
+    store.limits.configure(TIMEOUT_S, 32 * ENTRY)
 
     first = store.lease(ns, ks[:24], owner=1)
     second = store.lease(ns, ks, owner=1)
@@ -91,15 +91,15 @@ def test_a_lease_stops_at_the_clients_share_and_the_rest_is_a_miss(store):
 def test_a_reservation_kept_past_the_limit_is_quarantined_then_reused(store):
     """A wedged copier reserved the whole pool. Past the limit its slots are taken back, but
     nobody else gets them while it may still be copying; after the quarantine they are free."""
-    store.held.configure(TIMEOUT_S, None)
+    store.limits.configure(TIMEOUT_S, None)
     ns = register(store)
     stuck = entry_keys(256, "stuck")
     slots = set(store.reserve(ns, stuck, owner=1))
     assert None not in slots
 
-    store.held.clock.now += TIMEOUT_S - 1
+    store.limits.clock.now += TIMEOUT_S - 1
     assert store.reserve(ns, entry_keys(1, "early"), owner=2) == [None]  # not yet: the pool is its own
-    store.held.clock.now += 1
+    store.limits.clock.now += 1
     during = store.reserve(ns, entry_keys(256, "during"), owner=2)
 
     assert during == [None] * 256  # taken back, but quarantined: the copy may still go on
@@ -109,13 +109,13 @@ def test_a_reservation_kept_past_the_limit_is_quarantined_then_reused(store):
     assert store.commit(ns, stuck, owner=1) == 0  # too late: nothing of it is published
     assert store.lookup(ns, stuck).num_hit == 0
 
-    store.held.clock.now += HOLD_QUARANTINE_S
+    store.limits.clock.now += HOLD_QUARANTINE_S
     after = store.reserve(ns, entry_keys(256, "after"), owner=2)
     assert set(after) == slots and store.stats().quarantined == 0
 
 
 def test_a_lease_kept_past_the_limit_pins_its_entries_through_the_quarantine_then_lets_go(store):
-    store.held.configure(TIMEOUT_S, None)
+    store.limits.configure(TIMEOUT_S, None)
     ns = register(store)
     ks = entry_keys(256, "doc")
     store.reserve(ns, ks)
@@ -123,21 +123,21 @@ def test_a_lease_kept_past_the_limit_pins_its_entries_through_the_quarantine_the
     lease = store.lease(ns, ks, owner=1)
     assert len(lease.entries) == 256
 
-    store.held.clock.now += TIMEOUT_S
+    store.limits.clock.now += TIMEOUT_S
     assert store.reserve(ns, entry_keys(8, "new"), owner=2) == [None] * 8  # its reader may still copy
     assert store.stats().limits.expired_leases == 1 and store.stats().leases == 0
     assert not store.release(lease.id)  # taken back already
 
-    store.held.clock.now += HOLD_QUARANTINE_S
+    store.limits.clock.now += HOLD_QUARANTINE_S
     assert None not in store.reserve(ns, entry_keys(8, "new"), owner=2)  # evicted now, like any entry
     assert store.lookup(ns, ks).num_hit == 256 - 8  # the last first: the lease unpinned them so
-    assert store.held.room(1) == float("inf") and store.held.bytes_held() == {2: 8 * ENTRY}
+    assert store.limits.room(1) == float("inf") and store.limits.bytes_taken() == {2: 8 * ENTRY}
 
 
 def test_without_limits_a_store_in_process_holds_as_before(store):
     ns = register(store)
     assert None not in store.reserve(ns, entry_keys(256, "all"), owner=1)
-    store.held.clock.now += 10 * TIMEOUT_S
+    store.limits.clock.now += 10 * TIMEOUT_S
     assert store.reserve(ns, entry_keys(1, "more"), owner=2) == [None]
     assert store.stats().limits.expired_reservations == 0
 
@@ -185,7 +185,7 @@ def test_a_client_that_keeps_what_it_reserved_and_leased_leaves_the_other_engine
     assert None not in res.offsets  # room left for the other engine
     engine.abort(ns, mine, reservation=res)
 
-    clock = node.server.store.held.clock = stopped_clock()
+    clock = node.server.store.limits.clock = stopped_clock()
     clock.now += 300
     more = [entry_key("more", i) for i in range(128)]
     res = engine.reserve(ns, more)  # takes the hog's holds back; their slots wait out the quarantine

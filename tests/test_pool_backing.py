@@ -20,9 +20,9 @@ from helpers.swap import with_swap_configured
 from helpers.waiting import wait_for
 from hpkv.config import load_settings
 from hpkv.pool.backing import CHUNK_BYTES, FIRST_BYTES, swap_needs_lock
+from hpkv.pool.dram_tier import DramTier
 from hpkv.pool.region import PoolRegion
 from hpkv.pool.slots import SlotAllocator
-from hpkv.pool.tier import DramTier
 from hpkv.server import daemon
 from hpkv.server.autostart import answers
 

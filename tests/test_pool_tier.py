@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hpkv.errors import PoolError
-from hpkv.pool.tier import DramTier
+from hpkv.pool.dram_tier import DramTier
 
 PAGE = 4096
 NS_A = "a" * 32

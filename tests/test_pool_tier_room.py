@@ -8,8 +8,9 @@ import random
 
 import pytest
 
+from hpkv.pool.dram_tier import DramTier
+from hpkv.pool.entry import DramEntry
 from hpkv.pool.room import WalkOldest
-from hpkv.pool.tier import DramEntry, DramTier
 
 PAGE = 4096
 NS_A = "a" * 32  # one page per entry

@@ -28,7 +28,7 @@ from helpers.storage_stories import (
 )
 from hpkv.storage import capacity as capacity_module
 from hpkv.storage.capacity import AUTO_CAPACITY_FRACTION, CAPACITY_RECOVERY_S, auto_capacity_bytes, little_room
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 
 open_tier, tier, small_disk = stories.open_tier, stories.tier, stories.small_disk
 
@@ -38,7 +38,7 @@ def test_an_entry_larger_than_the_capacity_is_not_written(open_tier):
 
     assert not write(tier, key(1))
 
-    assert not os.path.exists(tier.layout.path_of(NS, key(1)))
+    assert not os.path.exists(tier.paths.path_of(NS, key(1)))
     assert tier.stats().write_failures == 1
     assert tier.stats().evictions == 0
 
@@ -96,7 +96,7 @@ def test_an_injected_no_space_error_evicts_and_retries(open_tier, storage_dir):
     assert write(tier, key(1))
 
     assert tier.stats().space_errors == 1
-    assert not os.path.exists(tier.layout.path_of(NS, key(0)))  # evicted to make room
+    assert not os.path.exists(tier.paths.path_of(NS, key(0)))  # evicted to make room
     assert read(tier, key(1)) == payload(key(1))
     assert temps(storage_dir) == []
 
@@ -106,7 +106,7 @@ def test_one_no_room_that_an_eviction_cures_does_not_shrink_the_tier(open_tier):
     learned. Learning from each such error shrank the tier to one file under intermittent ones."""
     tier = open_tier(capacity=64 * file_bytes())
     assert tier.scan_done.wait(10)
-    io = tier.io = FailingIO()
+    io = tier.paths.io = FailingIO()
     assert all(write(tier, key(i)) for i in range(8))
 
     for i in range(100, 105):
@@ -123,7 +123,7 @@ def test_a_quota_met_teaches_the_tier_its_capacity_and_evicts_little(open_tier, 
     files too), and the tier holds at most what fitted from then on, saying so once."""
     tier = open_tier(capacity=1 << 52)
     assert tier.scan_done.wait(10)
-    io = tier.io = FailingIO()
+    io = tier.paths.io = FailingIO()
     assert all(write(tier, key(i)) for i in range(200))
     io.no_space_writes = 2  # no room even after a little eviction: the limit is real
 
@@ -132,7 +132,7 @@ def test_a_quota_met_teaches_the_tier_its_capacity_and_evicts_little(open_tier, 
     stats = tier.stats()
     assert stats.capacity_bytes == 196 * file_bytes()
     assert stats.evictions == 4 and stats.space_errors == 2 and stats.num_entries == 196
-    assert [os.path.exists(tier.layout.path_of(NS, key(i))) for i in range(6)] == [False] * 4 + [True] * 2
+    assert [os.path.exists(tier.paths.path_of(NS, key(i))) for i in range(6)] == [False] * 4 + [True] * 2
     said = [r.getMessage() for r in caplog.records if "has no room for more KV files" in r.getMessage()]
     assert len(said) == 1 and "HPKV_KV_STORAGE_SIZE" in said[0]
     assert all(write(tier, key(i)) for i in range(200, 210))  # within what it learned: evicted LRU, no error
@@ -144,7 +144,7 @@ def a_tier_that_learned_its_room(open_tier, clock: FakeClock | None = None) -> t
     that what it held (after a little eviction) is what fits."""
     tier = open_tier(capacity=64 * file_bytes(), clock=clock)
     assert tier.scan_done.wait(10)
-    io = tier.io = FailingIO()
+    io = tier.paths.io = FailingIO()
     assert all(write(tier, key(i)) for i in range(8))
     io.no_space_writes = 2
     assert not write(tier, key("new"))
@@ -217,7 +217,7 @@ def test_no_room_while_the_start_up_scan_runs_evicts_a_little_and_learns_nothing
     HeldScan.gate.set()
     assert again.scan_done.wait(10)
     assert again.stats().capacity_bytes == 64 * file_bytes() and again.stats().num_entries == 11
-    assert all(os.path.exists(again.layout.path_of(NS, key(i))) for i in range(10))
+    assert all(os.path.exists(again.paths.path_of(NS, key(i))) for i in range(10))
 
 
 def test_no_room_that_one_eviction_does_not_cure_drops_the_write(open_tier):
@@ -241,7 +241,7 @@ def test_an_automatic_capacity_is_a_share_of_the_free_space(open_tier, small_dis
     tier = open_tier(root=small_disk, capacity=None)
     assert tier.scan_done.wait(10)
 
-    assert 0.7 * (4 << 20) < tier.capacity_bytes <= 0.8 * (4 << 20)
+    assert 0.7 * (4 << 20) < tier.capacity.capacity_bytes <= 0.8 * (4 << 20)
 
 
 def test_an_automatic_capacity_on_ramfs_has_room_and_writes(open_tier, tmp_path, caplog):
@@ -256,9 +256,9 @@ def test_an_automatic_capacity_on_ramfs_has_room_and_writes(open_tier, tmp_path,
             tier = open_tier(root=point / "storage", capacity=None)
             assert tier.scan_done.wait(10)
 
-        assert 0.3 * mem_available_bytes() < tier.capacity_bytes < 0.5 * mem_available_bytes()
+        assert 0.3 * mem_available_bytes() < tier.capacity.capacity_bytes < 0.5 * mem_available_bytes()
         assert write(tier, key(1))
-        assert list((point / "storage").rglob("*.kv")) == [Path(tier.layout.path_of(NS, key(1)))]
+        assert list((point / "storage").rglob("*.kv")) == [Path(tier.paths.path_of(NS, key(1)))]
         said = [r.getMessage() for r in caplog.records if "memory file system" in r.getMessage()]
         assert len(said) == 1 and "ramfs" in said[0] and "lost at reboot" in said[0]
         assert "HPKV_KV_STORAGE_SIZE=auto gave" in said[0]
@@ -285,7 +285,7 @@ def test_an_automatic_capacity_on_ramfs_leaves_out_the_pool_and_a_container_s_li
         tier.start(promised_ram_bytes=10 * GIB)
     try:
         assert tier.scan_done.wait(10)
-        assert tier.capacity_bytes == int(7 * GIB * 0.8)
+        assert tier.capacity.capacity_bytes == int(7 * GIB * 0.8)
         said = next(r.getMessage() for r in caplog.records if "memory file system" in r.getMessage())
         assert f"less the DRAM pool's {10 * GIB} bytes still to come" in said
     finally:
@@ -304,7 +304,7 @@ def test_an_automatic_capacity_on_a_full_disk_says_so_and_writes_nothing(open_ti
         tier = open_tier(root=small_disk / "kv", capacity=None)
         assert tier.scan_done.wait(10)
 
-    assert tier.capacity_bytes == 0
+    assert tier.capacity.capacity_bytes == 0
     warning = next(r.getMessage() for r in caplog.records if "storage tier holds only" in r.getMessage())
     assert str(small_disk / "kv") in warning and "are not written" in warning
     assert "HPKV_KV_STORAGE_SIZE" in warning
@@ -333,7 +333,7 @@ def test_an_automatic_capacity_counts_the_tiers_own_files_and_is_not_a_warning_t
         assert again.scan_done.wait(10)
 
     own = 0.8 * 8 * file_bytes()
-    assert int(own) <= again.capacity_bytes < own + 0.8 * (64 << 10)  # the filler leaves under 64 KiB free
+    assert int(own) <= again.capacity.capacity_bytes < own + 0.8 * (64 << 10)  # the filler leaves under 64 KiB free
     assert not [r for r in caplog.records if "storage tier holds only" in r.getMessage()]
 
 

@@ -20,7 +20,7 @@ from hpkv.config import load_settings
 from hpkv.storage import fileio
 from hpkv.storage import format as fmt
 from hpkv.storage.fileio import O_DIRECT, FileIO
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 from test_storage_tier import NS, key, payload
 from test_store import desc, keys, load, open_store, save  # noqa: F401 (a fixture)
 from test_store import payload as store_payload
@@ -117,7 +117,7 @@ def read(tier: StorageTier, k: bytes, aligned: bool = True) -> bytes | None:
 
 
 def entry_path(tier: StorageTier, k: bytes) -> Path:
-    return Path(tier.layout.path_of(NS, k))
+    return Path(tier.paths.path_of(NS, k))
 
 
 def version_on_disk(path: Path) -> int:
@@ -133,7 +133,7 @@ def test_the_file_system_here_takes_direct_io(storage_dir):
 def test_a_direct_write_and_read_bypass_the_page_cache_and_keep_the_bytes(open_tier):
     io = RecordingIO()
     tier = open_tier(io=io)
-    assert tier.direct and tier.stats().direct_io
+    assert tier.reader.direct and tier.stats().direct_io
     k = key("direct")
     assert write(tier, k)
     path = entry_path(tier, k)
@@ -169,11 +169,11 @@ def test_a_restarted_direct_tier_counts_the_aligned_files_it_finds(open_tier):
     tier = open_tier()
     ks = [key(i) for i in range(5)]
     assert all(write(tier, k) for k in ks)
-    used = tier.used_bytes
+    used = tier.index.used_bytes
     assert used == 5 * (fmt.ALIGN + ENTRY)
     again = open_tier()
     assert again.scan_done.wait(10)
-    assert again.used_bytes == used
+    assert again.index.used_bytes == used
     assert [read(again, k) for k in ks] == [payload(k, ENTRY) for k in ks]
 
 
@@ -209,7 +209,7 @@ def test_a_file_system_that_refuses_direct_io_gets_the_same_files_through_the_pa
     with caplog.at_level("WARNING", logger="hpkv.storage.tier"):
         assert read(tier, k) == payload(k, ENTRY)  # its read falls back too, and from then on
         assert read(tier, k) == payload(k, ENTRY)
-    assert not tier.direct
+    assert not tier.reader.direct
     refusals = [r.getMessage() for r in caplog.records if "refused O_DIRECT on a read" in r.getMessage()]
     assert len(refusals) == 1 and str(tier.root) in refusals[0]  # said once, naming the directory
 
@@ -224,10 +224,10 @@ def test_direct_writes_a_device_refuses_are_written_through_the_page_cache(open_
 
 
 def test_a_storage_root_without_direct_io_is_said_once_at_start(open_tier, monkeypatch, caplog, storage_dir):
-    monkeypatch.setattr("hpkv.storage.tier.direct_supported", lambda directory: False)
+    monkeypatch.setattr("hpkv.storage.storage_tier.direct_supported", lambda directory: False)
     with caplog.at_level(logging.WARNING, logger="hpkv.storage.tier"):
         tier = open_tier()
-    assert not tier.direct
+    assert not tier.reader.direct
     assert [r.getMessage() for r in caplog.records if "O_DIRECT" in r.getMessage()] == [
         f"the file system of {storage_dir} does not take O_DIRECT (HPKV_KV_STORAGE_DIRECT_IO=on); KV files go "
         "through the page cache instead"
@@ -254,9 +254,9 @@ def test_write_through_processes_write_aligned_files_with_direct_io(open_store, 
     ks = keys(6)
     assert save(store, ns, ks) == 6 and store.flush(timeout=20)
     assert store.writers is not None and store.writers.pids()  # written by the child processes
-    size = store.entry_bytes(ns)
+    size = store.namespaces()[ns].entry_bytes
     for k in ks:
-        path = Path(store.storage.layout.path_of(ns, k))
+        path = Path(store.storage.paths.path_of(ns, k))
         assert cached_bytes(path) == 0 and version_on_disk(path) == fmt.VERSION_ALIGNED
     fresh = StorageTier(make_storage_config(storage_dir))  # a buffered reader, unaligned buffers
     for k in ks:

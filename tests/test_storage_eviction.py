@@ -24,7 +24,7 @@ from helpers.storage_stories import (
     write,
 )
 from hpkv.storage.fileio import FileIO
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 
 open_tier = stories.open_tier
 
@@ -34,7 +34,7 @@ def test_capacity_for_four_write_five_the_first_is_gone_from_disk(open_tier):
     for i in range(5):
         assert write(tier, key(i))
 
-    assert not os.path.exists(tier.layout.path_of(NS, key(0)))
+    assert not os.path.exists(tier.paths.path_of(NS, key(0)))
     assert not tier.contains(NS, key(0))
     assert all(read(tier, key(i)) == payload(key(i)) for i in range(1, 5))
     assert tier.stats().evictions == 1
@@ -55,7 +55,7 @@ def test_an_eviction_that_fails_midway_leaves_its_victims_indexed_and_counted(op
     with pytest.raises(RuntimeError):
         write(tier, key(4))
 
-    assert os.path.exists(tier.layout.path_of(NS, key(0)))
+    assert os.path.exists(tier.paths.path_of(NS, key(0)))
     assert tier.indexed(NS, key(0)) and tier.contains(NS, key(0))
     assert read(tier, key(0)) == payload(key(0))
     assert tier.stats().used_bytes == 4 * file_bytes()
@@ -69,8 +69,8 @@ def test_a_read_makes_an_entry_the_most_recently_used(open_tier):
     read(tier, key(0))
     write(tier, key(4))
 
-    assert os.path.exists(tier.layout.path_of(NS, key(0)))
-    assert not os.path.exists(tier.layout.path_of(NS, key(1)))
+    assert os.path.exists(tier.paths.path_of(NS, key(0)))
+    assert not os.path.exists(tier.paths.path_of(NS, key(1)))
 
 
 def test_eviction_spares_a_file_another_node_read_since(open_tier):
@@ -88,11 +88,11 @@ def test_eviction_spares_a_file_another_node_read_since(open_tier):
 
     assert write(tier, key(3))
 
-    assert os.path.exists(tier.layout.path_of(NS, key(0))) and tier.indexed(NS, key(0))
-    assert not os.path.exists(tier.layout.path_of(NS, key(1))) and not tier.indexed(NS, key(1))
+    assert os.path.exists(tier.paths.path_of(NS, key(0))) and tier.indexed(NS, key(0))
+    assert not os.path.exists(tier.paths.path_of(NS, key(1))) and not tier.indexed(NS, key(1))
     assert tier.stats().evictions == 1 and tier.stats().used_bytes == 3 * file_bytes()
     assert write(tier, key(4))  # key 0 is the most recent now, but for key 3: key 2 goes
-    assert not os.path.exists(tier.layout.path_of(NS, key(2))) and os.path.exists(tier.layout.path_of(NS, key(0)))
+    assert not os.path.exists(tier.paths.path_of(NS, key(2))) and os.path.exists(tier.paths.path_of(NS, key(0)))
 
 
 def test_a_tier_alone_in_its_directory_evicts_without_looking_at_its_victims(open_tier):
@@ -126,7 +126,7 @@ def test_a_victim_a_lookup_asks_for_before_its_unlink_is_a_miss(open_tier):
     assert write(tier, key(3))
 
     assert found == [False]
-    assert not tier.indexed(NS, key(0)) and not os.path.exists(tier.layout.path_of(NS, key(0)))
+    assert not tier.indexed(NS, key(0)) and not os.path.exists(tier.paths.path_of(NS, key(0)))
     assert tier.stats().used_bytes == 3 * file_bytes() and tier.stats().evictions == 1
 
 
@@ -142,7 +142,7 @@ def test_a_lookup_of_a_victim_on_a_tier_alone_neither_adopts_it_nor_thinks_it_sh
 
     assert write(tier, key(3))
 
-    assert found == [False] and not tier.shared
+    assert found == [False] and not tier.evictor.shared
     assert not tier.indexed(NS, key(0)) and tier.stats().used_bytes == 3 * file_bytes()
 
 
@@ -160,7 +160,7 @@ def test_an_eviction_ends_when_every_file_was_read_elsewhere(open_tier):
 
     assert write(tier, key(3))
 
-    assert [os.path.exists(tier.layout.path_of(NS, key(i))) for i in range(4)] == [False, True, True, True]
+    assert [os.path.exists(tier.paths.path_of(NS, key(i))) for i in range(4)] == [False, True, True, True]
     assert tier.stats().evictions == 1 and tier.stats().used_bytes == 3 * file_bytes()
 
 
@@ -187,7 +187,7 @@ def test_a_victim_spared_while_a_remove_runs_does_not_come_back(open_tier):
     assert write(tier, key(3))
 
     assert [tier.indexed(NS, key(i)) for i in range(4)] == [
-        os.path.exists(tier.layout.path_of(NS, key(i))) for i in range(4)
+        os.path.exists(tier.paths.path_of(NS, key(i))) for i in range(4)
     ]
     assert not tier.indexed(NS, key(0)) and tier.stats().used_bytes == file_bytes()
 
@@ -199,8 +199,8 @@ def test_a_victim_spared_while_another_namespace_is_removed_comes_back(open_tier
 
     assert write(tier, key(3))
 
-    assert tier.indexed(NS, key(0)) and os.path.exists(tier.layout.path_of(NS, key(0)))
-    assert [os.path.exists(tier.layout.path_of(NS, key(i))) for i in range(1, 4)] == [False, True, True]
+    assert tier.indexed(NS, key(0)) and os.path.exists(tier.paths.path_of(NS, key(0)))
+    assert [os.path.exists(tier.paths.path_of(NS, key(i))) for i in range(1, 4)] == [False, True, True]
     assert tier.stats().used_bytes == 3 * file_bytes() and tier.stats().evictions == 1
 
 

@@ -14,7 +14,8 @@ from helpers import storage_stories as stories
 from helpers.clock import FakeClock
 from helpers.storage_stories import NS, OTHER_NS, age, file_bytes, key, write
 from hpkv.errors import StorageError
-from hpkv.storage.index import MAX_FILE_BYTES, FileIndex, UnreadableMarks, size_of, used_minute_s
+from hpkv.storage.index import MAX_FILE_BYTES, FileIndex, size_of, used_minute_s
+from hpkv.storage.marks import UnreadableMarks
 
 open_tier = stories.open_tier
 
@@ -40,7 +41,7 @@ def test_files_found_by_a_scan_or_a_lookup_share_their_index_values(open_tier):
     values = [value for _, value in again.index.items()]
     assert len(values) == 9 and len({id(v) for v in values}) <= 3  # the scan's minute, the lookups'
     write(again, key(9))
-    assert not os.path.exists(again.layout.path_of(NS, key(5)))  # the oldest mtime scanned: the first evicted
+    assert not os.path.exists(again.paths.path_of(NS, key(5)))  # the oldest mtime scanned: the first evicted
 
 
 def test_a_file_of_a_terabyte_or_more_is_never_indexed(open_tier):
@@ -48,7 +49,7 @@ def test_a_file_of_a_terabyte_or_more_is_never_indexed(open_tier):
     neither adopted by a lookup nor found by a scan, and counts for nothing."""
     tier = open_tier()
     assert tier.scan_done.wait(10)  # else its scan may index the file while it is still empty
-    huge = Path(tier.layout.path_of(NS, key(1)))
+    huge = Path(tier.paths.path_of(NS, key(1)))
     huge.parent.mkdir(parents=True, exist_ok=True)
     try:
         with open(huge, "wb") as f:

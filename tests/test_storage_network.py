@@ -6,13 +6,17 @@ tiers sharing a directory hold at most its capacity together."""
 from __future__ import annotations
 
 import errno
+import functools
 import os
 
 from helpers import storage_stories as stories
 from helpers.storage_stories import NS, file_bytes, key, payload, read, write
 from hpkv.fsinfo import Mount
 from hpkv.storage import rescan
+from hpkv.storage.eviction import SLACK_MINUTES
 from hpkv.storage.fileio import FileIO
+from hpkv.storage.index import used_minute_s
+from hpkv.storage.storage_tier import StorageTier
 
 open_tier, tier = stories.open_tier, stories.tier
 
@@ -67,11 +71,25 @@ def test_a_walk_indexes_what_another_tier_wrote_and_forgets_what_it_removed(open
     for i in range(4):
         write(a, key(i))
     write(b, key(9))
-    os.unlink(b.layout.path_of(NS, key(9)))  # as if another node evicted it
+    os.unlink(b.paths.path_of(NS, key(9)))  # as if another node evicted it
 
-    assert rescan.once(b) == (4, 1)
+    assert b.rescan.once() == (4, 1)
     assert all(b.indexed(NS, key(i)) for i in range(4)) and not b.indexed(NS, key(9))
-    assert b.shared and b.used_bytes == 4 * file_bytes()
+    assert b.evictor.shared and b.index.used_bytes == 4 * file_bytes()
+
+
+def test_a_walk_dates_what_it_finds_by_the_tiers_wall_clock(open_tier, storage_dir):
+    """Files a walk learns are known as used SLACK_MINUTES before the walk, on the tier's clock."""
+    then = 1_000_000 * 60.0  # a minute long past
+    a = open_tier()
+    b = open_tier(cls=functools.partial(StorageTier, wall_clock=lambda: then))
+    assert a.scan_done.wait(10) and b.scan_done.wait(10)
+    write(a, key(1))
+
+    assert b.rescan.once() == (1, 0)
+    [(ik, value)] = b.index.items()
+    assert b.index.split(ik) == (NS, key(1))
+    assert used_minute_s(value) == then - SLACK_MINUTES * 60
 
 
 def test_tiers_sharing_a_directory_stay_within_its_capacity_together(open_tier, storage_dir):
@@ -81,7 +99,7 @@ def test_tiers_sharing_a_directory_stay_within_its_capacity_together(open_tier, 
     for i in range(0, 24, 4):
         for j in range(i, i + 4):
             write(a, key(f"a{j}")), write(b, key(f"b{j}"))
-        rescan.once(a), rescan.once(b)
+        a.rescan.once(), b.rescan.once()
 
     assert len(list(storage_dir.rglob("*.kv"))) <= 8
 

@@ -19,7 +19,7 @@ from helpers.config import make_storage_config
 from helpers.storage_stories import ENTRY, NS, FailingIO, file_bytes, key, payload, read, temps, write
 from hpkv.storage import format as fmt
 from hpkv.storage.fileio import FileIO, FileTarget, direct_supported, write_entry_file
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 
 open_tier, tier = stories.open_tier, stories.tier
 
@@ -42,7 +42,7 @@ def test_a_write_budget_refuses_writes_past_it_until_it_refills(storage_dir, cap
         stats = tier.stats()
         assert stats.over_budget == 2 and stats.write_failures == 0 and stats.writes == 3
         assert stats.write_budget_bytes == per_day and stats.write_budget_available_bytes < file_bytes()
-        assert not os.path.exists(tier.layout.path_of(NS, key(3)))
+        assert not os.path.exists(tier.paths.path_of(NS, key(3)))
         assert caplog.text.count("write budget (HPKV_KV_STORAGE_WRITE_BUDGET") == 1
         clock.advance(20 * 60)  # a file's worth more
         assert [write(tier, key(i)) for i in (3, 4)] == [True, False]
@@ -124,7 +124,7 @@ def test_a_write_reported_failed_after_its_rename_is_indexed(open_tier):
     header = fmt.encode_header(bytes.fromhex(NS), k, payload(k), fmt.VERSION)
 
     def killed_after_rename(target: FileTarget) -> OSError:
-        assert write_entry_file(tier.io, target, [header, payload(k)], "off") is None
+        assert write_entry_file(tier.paths.io, target, [header, payload(k)], "off") is None
         return OSError(errno.EIO, "the write-through process 1234 exited (-9)")
 
     assert tier.publish(NS, k, ENTRY, fmt.VERSION, killed_after_rename)
@@ -148,7 +148,7 @@ def test_writes_that_always_stop_short_are_dropped_and_leave_nothing(open_tier, 
 
     assert not write(tier, key(1))
 
-    assert not os.path.exists(tier.layout.path_of(NS, key(1)))
+    assert not os.path.exists(tier.paths.path_of(NS, key(1)))
     assert temps(storage_dir) == []
     assert tier.stats().write_failures == 1
 

@@ -26,10 +26,9 @@ from helpers.storage_stories import (
     write,
 )
 from hpkv.storage import format as fmt
-from hpkv.storage.counters import WARN_EVERY_S
 from hpkv.storage.fileio import FileIO
-from hpkv.storage.reading import UNREADABLE_EIO_S
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.reading import UNREADABLE_EIO_S, WARN_EVERY_S
+from hpkv.storage.storage_tier import StorageTier
 
 open_tier, tier = stories.open_tier, stories.tier
 
@@ -81,7 +80,7 @@ def test_a_damaged_or_foreign_file_is_a_miss_and_is_removed(tier, storage_dir, d
     write(tier, k)
     write(tier, key(2))
     tier.write_from(OTHER_NS, k, memoryview(b"x" * ENTRY))  # same size, other bytes
-    path = Path(tier.layout.path_of(NS, k))
+    path = Path(tier.paths.path_of(NS, k))
     damage(path, storage_dir)
     entries_before = tier.stats().num_entries
 
@@ -98,7 +97,7 @@ def test_a_removed_bad_file_frees_its_capacity(tier):
     k = key(1)
     write(tier, k)
     used = tier.stats().used_bytes
-    random_bytes(Path(tier.layout.path_of(NS, k)), tier.root)
+    random_bytes(Path(tier.paths.path_of(NS, k)), tier.root)
 
     read(tier, k)
 
@@ -116,7 +115,7 @@ def test_a_read_with_the_wrong_entry_size_is_a_miss(tier):
 def test_reading_an_old_file_refreshes_its_age_on_disk(tier):
     k = key(1)
     write(tier, k)
-    path = tier.layout.path_of(NS, k)
+    path = tier.paths.path_of(NS, k)
     old = time.time() - 3600
     os.utime(path, (old, old))
 
@@ -135,7 +134,7 @@ def test_an_io_error_on_read_is_a_miss(open_tier, storage_dir):
     io.read_errno = errno.EIO
 
     assert read(tier, key(1)) is None
-    assert os.path.exists(tier.layout.path_of(NS, key(1)))  # the medium failed, not the file: kept
+    assert os.path.exists(tier.paths.path_of(NS, key(1)))  # the medium failed, not the file: kept
     io.read_errno = None
     assert read(tier, key(1)) == payload(key(1))
 
@@ -172,7 +171,7 @@ def test_a_read_that_ends_short_is_a_miss_and_keeps_the_file(open_tier, caplog):
 
     assert read(tier, key(1)) is None and read(tier, key(1)) is None
 
-    assert os.path.exists(tier.layout.path_of(NS, key(1))) and tier.indexed(NS, key(1))
+    assert os.path.exists(tier.paths.path_of(NS, key(1))) and tier.indexed(NS, key(1))
     assert tier.stats().bad_files == 0 and tier.stats().read_misses == 2
     assert caplog.text.count("cannot read KV files") == 1
     io.ended = False
@@ -212,7 +211,7 @@ def test_a_file_this_tier_may_not_open_is_no_longer_a_hit(open_tier, caplog, ref
     assert [read(tier, key(i)) for i in (1, 2, 1)] == [None, None, None]
 
     assert not tier.indexed(NS, key(1)) and not tier.contains(NS, key(1)) and not tier.contains(NS, key(2))
-    assert os.path.exists(tier.layout.path_of(NS, key(1)))  # not this tier's to delete
+    assert os.path.exists(tier.paths.path_of(NS, key(1)))  # not this tier's to delete
     assert tier.stats().used_bytes == 0 and tier.stats().bad_files == 0
     assert caplog.text.count("cannot read KV files") == 1
     io.errno = 0

@@ -16,7 +16,7 @@ from helpers.config import make_storage_config
 from helpers.storage_stories import NS, CountedStats, key, read, write
 from helpers.waiting import wait_for
 from hpkv.storage.retention import Retention
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 from hpkv.types import Tier
 
 HOUR = 3600.0
@@ -30,7 +30,7 @@ def _tier(storage_dir, clock: FakeClock) -> tuple[StorageTier, Retention]:
     tier.start()
     tier.add_namespace(NS, '{"test": true}')
     assert tier.scan_done.wait(10)
-    return tier, Retention(HOUR, tier.index, tier.layout, tier.evictor, clock)
+    return tier, Retention(HOUR, tier.index, tier.paths, tier.evictor, clock)
 
 
 def test_a_file_unused_past_the_retention_is_gone_and_a_newer_one_stays(storage_dir):
@@ -42,7 +42,7 @@ def test_a_file_unused_past_the_retention_is_gone_and_a_newer_one_stays(storage_
         assert write(tier, key("new"))
         clock.advance(20 * 60)  # old: 70 minutes unused; new: 20
         assert retention.expire_once() == 1
-        assert not os.path.exists(tier.layout.path_of(NS, key("old"))) and not tier.contains(NS, key("old"))
+        assert not os.path.exists(tier.paths.path_of(NS, key("old"))) and not tier.contains(NS, key("old"))
         assert read(tier, key("new")) is not None
         assert retention.num_expired == 1
         assert retention.expire_once() == 0  # the oldest left is in use: nothing more looked at
@@ -59,10 +59,10 @@ def test_a_read_keeps_a_file_and_a_read_on_another_node_does_too(storage_dir):
         clock.advance(40 * 60)
         assert read(tier, key("read-here")) is not None
         elsewhere = clock.now
-        os.utime(tier.layout.path_of(NS, key("read-elsewhere")), (elsewhere, elsewhere))  # what a read there does
+        os.utime(tier.paths.path_of(NS, key("read-elsewhere")), (elsewhere, elsewhere))  # what a read there does
         clock.advance(40 * 60)
         assert retention.expire_once() == 1
-        assert not os.path.exists(tier.layout.path_of(NS, key("unused")))
+        assert not os.path.exists(tier.paths.path_of(NS, key("unused")))
         assert tier.contains(NS, key("read-here")) and tier.contains(NS, key("read-elsewhere"))
     finally:
         tier.close()
@@ -75,7 +75,7 @@ def test_a_pass_looks_at_the_old_end_only(storage_dir):
     try:
         for i in range(50):
             assert write(tier, key(i))
-        tier.io = counted = CountedStats()
+        tier.paths.io = counted = CountedStats()
         assert retention.expire_once() == 0
         assert counted.stats == 1
     finally:

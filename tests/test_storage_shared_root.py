@@ -24,8 +24,7 @@ from helpers.waiting import wait_for
 from hpkv import clearing
 from hpkv.doctor import Verdict, run_checks
 from hpkv.storage import format as fmt
-from hpkv.storage import rescan
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 from test_store import desc, keys, only_in_storage, open_store  # noqa: F401 (a fixture)
 from test_store import payload as store_payload
 
@@ -69,7 +68,7 @@ def test_a_root_replaced_by_a_link_is_not_followed_by_reads_writes_evictions_or_
     assert tier.scan_done.wait(10)
     indexed = [key(f"indexed-{i}") for i in range(6)]  # in the index, their files nowhere in the tree held
     for k in indexed:
-        tier._remember(NS, k, file_bytes())
+        tier.index.remember(tier.index.key(NS, k), file_bytes())
     mine = key("mine")
     assert write(tier, mine)
     moved, elsewhere = replace_root(storage_dir, tmp_path)
@@ -157,13 +156,13 @@ def test_sparse_files_that_declare_a_gibibyte_each_evict_nothing(open_tier, stor
     os.truncate(empty, 1 << 30)  # no block, no header
     assert planted[0].stat().st_size > 1 << 30 and planted[0].stat().st_blocks * 512 <= 64 << 10
 
-    found = rescan.once(tier)
+    found = tier.rescan.once()
 
     assert tier.stats().evictions == 0
     assert all(tier.indexed(NS, k) and read(tier, k) == payload(k) for k in mine)
     assert found == (8, 0)  # the empty one is no KV file: not indexed
     assert tier.contains(PLANTER_NS, key("sparse-0")) and not tier.contains(PLANTER_NS, key("empty"))
-    assert tier.used_bytes <= 20 * file_bytes() + 8 * (64 << 10)
+    assert tier.index.used_bytes <= 20 * file_bytes() + 8 * (64 << 10)
 
 
 def test_entries_being_promoted_are_not_evicted_by_another_nodes_files(open_store, storage_dir):  # noqa: F811
@@ -182,13 +181,13 @@ def test_entries_being_promoted_are_not_evicted_by_another_nodes_files(open_stor
         assert len(lease.entries) == 8
         for k in keys(8, "other-node"):  # real files of another node, 16 entries' worth each
             assert other.write_from(OTHER_NS, k, memoryview(store_payload(k, 16 * len(store_payload(k)))))
-        rescan.once(store.storage)
+        store.storage.rescan.once()
 
         assert store.stats().storage.evictions >= 8
         assert all(entry_path(storage_dir, ns, k).exists() for k in leased)
         store.leases.start_reads(lease)
         assert lease.wait(timeout=10) == 8
-        size = store.entry_bytes(ns)
+        size = store.namespaces()[ns].entry_bytes
         assert [bytes(store.region.buf[o : o + size]) for o in lease.offsets] == [store_payload(k) for k in leased]
         store.release(lease.id)
         assert store.storage is not None

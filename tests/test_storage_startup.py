@@ -14,7 +14,7 @@ from helpers.storage_stories import NS, OTHER_NS, eventually, file_bytes, held_s
 from hpkv.keys import make_key
 from hpkv.storage import startup
 from hpkv.storage.scan import STALE_TEMP_S
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 
 open_tier = stories.open_tier
 
@@ -41,29 +41,29 @@ def test_after_a_restart_the_file_used_longest_ago_is_evicted_first(open_tier):
     first.close()
     now = time.time()
     for i, age_s in ((0, 100), (1, 300), (2, 200)):  # key 1 was used longest ago, then key 2
-        os.utime(first.layout.path_of(NS, key(i)), (now - age_s, now - age_s))
+        os.utime(first.paths.path_of(NS, key(i)), (now - age_s, now - age_s))
 
     again = open_tier(capacity=3 * file_bytes())
     assert again.scan_done.wait(10)
     write(again, key(3))
-    assert not os.path.exists(again.layout.path_of(NS, key(1)))
+    assert not os.path.exists(again.paths.path_of(NS, key(1)))
     write(again, key(4))
-    assert not os.path.exists(again.layout.path_of(NS, key(2)))
-    assert os.path.exists(again.layout.path_of(NS, key(0)))
+    assert not os.path.exists(again.paths.path_of(NS, key(2)))
+    assert os.path.exists(again.paths.path_of(NS, key(0)))
 
 
 def test_a_restart_with_a_smaller_capacity_evicts_the_oldest_files(open_tier):
     first = open_tier()
     for i in range(5):
         write(first, key(i))
-        os.utime(first.layout.path_of(NS, key(i)), (time.time() - 100 + i, time.time() - 100 + i))
+        os.utime(first.paths.path_of(NS, key(i)), (time.time() - 100 + i, time.time() - 100 + i))
     first.close()
 
     again = open_tier(capacity=3 * file_bytes())
     assert again.scan_done.wait(10)
 
     assert eventually(lambda: again.stats().evictions == 2)
-    assert [os.path.exists(again.layout.path_of(NS, key(i))) for i in range(5)] == [False, False, True, True, True]
+    assert [os.path.exists(again.paths.path_of(NS, key(i))) for i in range(5)] == [False, False, True, True, True]
     assert again.stats().used_bytes == 3 * file_bytes()
 
 
@@ -75,7 +75,7 @@ def test_the_start_up_index_merged_in_slices_keeps_the_files_in_age_order(open_t
     ages = [50, 10, 70, 30, 60, 20, 40]
     for i, age_s in enumerate(ages):
         write(first, key(i))
-        os.utime(first.layout.path_of(NS, key(i)), (time.time() - age_s, time.time() - age_s))
+        os.utime(first.paths.path_of(NS, key(i)), (time.time() - age_s, time.time() - age_s))
     first.close()
 
     again = open_tier(capacity=len(ages) * file_bytes())
@@ -84,8 +84,8 @@ def test_the_start_up_index_merged_in_slices_keeps_the_files_in_age_order(open_t
     oldest_first = sorted(range(len(ages)), key=lambda i: -ages[i])
     for n, i in enumerate(oldest_first[:4]):
         write(again, key(100 + n))  # each new file evicts the oldest one left
-        assert not os.path.exists(again.layout.path_of(NS, key(i))), (n, i)
-    assert all(os.path.exists(again.layout.path_of(NS, key(i))) for i in oldest_first[4:])
+        assert not os.path.exists(again.paths.path_of(NS, key(i))), (n, i)
+    assert all(os.path.exists(again.paths.path_of(NS, key(i))) for i in oldest_first[4:])
 
 
 def test_a_one_byte_key_survives_a_restart_and_a_remove(open_tier):
@@ -99,7 +99,7 @@ def test_a_one_byte_key_survives_a_restart_and_a_remove(open_tier):
     assert again.stats().files_scanned == 1
 
     assert again.remove(NS) == 1
-    assert not os.path.exists(again.layout.path_of(NS, short))
+    assert not os.path.exists(again.paths.path_of(NS, short))
 
 
 def test_lookups_work_while_the_start_up_scan_is_still_running(open_tier):
@@ -124,7 +124,7 @@ def test_lookups_work_while_the_start_up_scan_is_still_running(open_tier):
 
 
 def make_temp(tier: StorageTier, k: bytes, node: str, pid: int, age_s: float = 0.0) -> Path:
-    final = Path(tier.layout.path_of(NS, k))
+    final = Path(tier.paths.path_of(NS, k))
     final.parent.mkdir(parents=True, exist_ok=True)
     temp = final.parent / f".{k.hex()}.{node}.{pid}.1.tmp"
     temp.write_bytes(b"half a file")
@@ -135,7 +135,7 @@ def make_temp(tier: StorageTier, k: bytes, node: str, pid: int, age_s: float = 0
 
 def test_temporaries_of_dead_writers_are_removed_at_start_and_live_ones_kept(open_tier):
     first = open_tier()
-    node = first.layout.node
+    node = first.paths.node
     finished = subprocess.Popen(["true"])
     finished.wait()
     dead_mine = make_temp(first, key(1), node, finished.pid)
@@ -172,7 +172,7 @@ def test_entries_removed_while_the_start_up_scan_runs_do_not_come_back(open_tier
         write(first, key(i), ns=OTHER_NS)
     first.close()
     monkeypatch.setattr(startup, "merge", gated_merge)
-    with open(first.layout.path_of(NS, key(2)), "r+b") as f:
+    with open(first.paths.path_of(NS, key(2)), "r+b") as f:
         f.seek(-1, os.SEEK_END)
         f.write(b"\xff")
 

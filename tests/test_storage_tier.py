@@ -17,7 +17,7 @@ from helpers.storage_stories import ENTRY, NS, OTHER_NS, file_bytes, key, mount_
 from hpkv.errors import StorageError
 from hpkv.storage.fileio import FileIO
 from hpkv.storage.root import StorageUnusable
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 
 open_tier, tier, small_disk = stories.open_tier, stories.tier, stories.small_disk
 
@@ -41,7 +41,7 @@ def test_an_entry_lives_in_its_fanned_out_file_and_leaves_no_temporary(tier, sto
 
     name = k.hex()
     path = storage_dir / NS / name[0:2] / name[2:4] / f"{name}.kv"
-    assert tier.layout.path_of(NS, k) == str(path)
+    assert tier.paths.path_of(NS, k) == str(path)
     assert path.stat().st_size == file_bytes(k)
     assert temps(storage_dir) == []
 
@@ -68,7 +68,7 @@ def test_the_namespace_description_is_kept_beside_the_data(tier, storage_dir):
 def test_entry_files_and_directories_are_private_to_their_owner(open_tier, storage_dir):
     tier = open_tier()
     write(tier, key(3))
-    path = tier.layout.path_of(NS, key(3))
+    path = tier.paths.path_of(NS, key(3))
     assert os.stat(path).st_mode & 0o777 == 0o600
     assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
 

@@ -28,9 +28,9 @@ from helpers.server import Node
 from helpers.waiting import wait_for
 from hpkv.doctor import Verdict, run_checks
 from hpkv.errors import PoolError
-from hpkv.storage import layout as layout_module
-from hpkv.storage.tier import StorageTier
-from hpkv.store import TieredStore
+from hpkv.storage import paths as paths_module
+from hpkv.storage.storage_tier import StorageTier
+from hpkv.store import create_store
 
 NS = "0123456789abcdef" * 2
 OTHER_NS = "fedcba9876543210" * 2
@@ -128,7 +128,7 @@ def test_a_fifo_read_with_direct_io_is_a_miss_and_leaves_direct_io_on(storage_di
     tier = StorageTier(dataclasses.replace(make_storage_config(storage_dir, 64 * (ENTRY + 4096)), direct_io=True))
     tier.start()
     try:
-        if not tier.direct:
+        if not tier.reader.direct:
             pytest.skip(f"{storage_dir} does not take O_DIRECT")
         k = key("direct")
         slot = mmap.mmap(-1, ENTRY)  # page-aligned, as a pool slot is
@@ -146,7 +146,7 @@ def test_a_fifo_read_with_direct_io_is_a_miss_and_leaves_direct_io_on(storage_di
             os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
             reader.join(5)
         assert done == [False]
-        assert tier.direct and tier.stats().direct_io
+        assert tier.reader.direct and tier.stats().direct_io
         assert tier.stats().untrusted_files == 1
     finally:
         tier.close()
@@ -254,7 +254,7 @@ def test_eviction_and_a_bad_file_remove_nothing_through_a_linked_directory(open_
 
     tier2 = open_tier(capacity=2 * (ENTRY + 4096))  # k indexed again by a tier that has not read it
     assert tier2.scan_done.wait(10)
-    tier2._remember(NS, k, ENTRY + 4096)
+    tier2.index.remember(tier2.index.key(NS, k), ENTRY + 4096)
     for other in keys_in_other_fans(k, 3):
         assert tier2.write_from(NS, other, memoryview(payload(other)))
     assert tier2.stats().evictions >= 1 and not tier2.indexed(NS, k)
@@ -324,7 +324,7 @@ def test_the_description_is_written_through_no_planted_link(open_tier, storage_d
     (storage_dir / NS).mkdir()
     k = key(1)
     fan(storage_dir, NS, k).mkdir(parents=True)
-    seq = next(layout_module._TEMP_SEQ)
+    seq = next(paths_module._TEMP_SEQ)
     for n in range(seq + 1, seq + 20):
         (storage_dir / NS / f".namespace.{NODE}.{os.getpid()}.{n}.tmp").symlink_to(victim)
         (fan(storage_dir, NS, k) / f".{k.hex()}.{NODE}.{os.getpid()}.{n}.tmp").symlink_to(victim)
@@ -470,7 +470,7 @@ def test_a_read_only_storage_directory_leaves_the_server_running_on_dram(node, t
 def test_a_storage_path_on_a_pseudo_file_system_still_stops_the_server(shm_dir, tmp_path):
     """A setting that can never work is refused at start, as before, with the error named."""
     with pytest.raises(Exception, match="pseudo file system"):
-        TieredStore.open(make_pool_config(shm_dir), make_storage_config(Path("/proc/hpkv-storage")))
+        create_store(make_pool_config(shm_dir), make_storage_config(Path("/proc/hpkv-storage")))
 
 
 # -- row 12: a refused Register --------------------------------------------------------------------
@@ -488,7 +488,7 @@ def test_a_register_the_server_refuses_writes_nothing(node):
 
 
 def test_a_refused_register_in_process_writes_nothing(shm_dir, storage_dir):
-    with TieredStore.open(make_pool_config(shm_dir, 32 << 20), make_storage_config(storage_dir)) as store:
+    with create_store(make_pool_config(shm_dir, 32 << 20), make_storage_config(storage_dir)) as store:
         with pytest.raises(PoolError, match="does not fit"):
             store.register(desc(0, 4 << 20))
         assert not (storage_dir / desc(0, 4 << 20).ns).exists()

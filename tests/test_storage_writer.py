@@ -22,7 +22,7 @@ from helpers.config import make_storage_config
 from helpers.processes import stop
 from hpkv.config import StorageConfig
 from hpkv.stats import WriteBacklogStats
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 from hpkv.storage.writer import PROTOCOL_VERSION, Job, WriterPool, WriterProcess, WriterUnavailable
 from hpkv.store import write_threads
 from test_store import desc, keys, load, open_store, payload, save  # noqa: F401 (a fixture)
@@ -306,10 +306,10 @@ def test_writers_exit_when_their_server_is_killed(shm_dir, storage_dir):
         import sys, time
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from helpers.config import make_pool_config, make_storage_config
-        from hpkv.store import TieredStore
+        from hpkv.store import create_store
         from test_store import desc, keys, save
-        store = TieredStore.open(make_pool_config({str(shm_dir)!r}, 16 << 20),
-                                 make_storage_config({str(storage_dir)!r}))
+        store = create_store(make_pool_config({str(shm_dir)!r}, 16 << 20),
+                             make_storage_config({str(storage_dir)!r}))
         ns = store.register(desc())
         save(store, ns, keys(8))
         assert store.flush(timeout=20)
@@ -356,7 +356,9 @@ def test_entries_waiting_for_their_write_through_are_counted_until_written(open_
         save(store, ns, ks)
         assert not store.flush(timeout=0.5)
         backlog = store.stats().write_backlog
-        assert backlog == WriteBacklogStats(entries=6, bytes=6 * store.entry_bytes(ns), limit_bytes=8 << 20, deferred=0)
+        assert backlog == WriteBacklogStats(
+            entries=6, bytes=6 * store.namespaces()[ns].entry_bytes, limit_bytes=8 << 20, deferred=0
+        )
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
@@ -371,7 +373,7 @@ def test_a_storage_device_that_falls_behind_pins_at_most_half_the_pool(open_stor
     still holds is written once the device answers again."""
     store = open_store(storage=storage(storage_dir))  # 16 MiB: 256 entries of 64 KiB
     ns = store.register(desc())
-    entry = store.entry_bytes(ns)
+    entry = store.namespaces()[ns].entry_bytes
     save(store, ns, keys(write_threads(store.storage.config.io_threads) * 2, "warm"))  # starts every writer
     assert store.flush(timeout=20)
     pids = store.writers.pids()

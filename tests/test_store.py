@@ -19,7 +19,7 @@ from helpers.clock import FakeClock
 from helpers.config import make_pool_config, make_storage_config
 from hpkv.config import StorageConfig
 from hpkv.keys import NamespaceDesc, make_key
-from hpkv.store import PrefixOrder, StorePolicy, TieredStore
+from hpkv.store import PrefixOrder, StorePolicy, TieredStore, create_store
 from hpkv.types import Tier
 
 ENTRY = 64 << 10
@@ -51,7 +51,9 @@ def save(store: TieredStore, ns: str, ks: list[bytes]) -> int:
     offsets = store.reserve(ns, ks)
     for key, offset in zip(ks, offsets):
         if offset is not None:
-            store.region.buf[offset : offset + store.entry_bytes(ns)] = payload(key, store.entry_bytes(ns))
+            store.region.buf[offset : offset + store.namespaces()[ns].entry_bytes] = payload(
+                key, store.namespaces()[ns].entry_bytes
+            )
     return store.commit(ns, ks)
 
 
@@ -66,7 +68,7 @@ def load(store: TieredStore, ns: str, ks: list[bytes]) -> list[bytes]:
     lease = store.lease(ns, ks)
     try:
         num_ready = lease.wait(timeout=10)
-        size = store.entry_bytes(ns)
+        size = store.namespaces()[ns].entry_bytes
         return [bytes(store.region.buf[o : o + size]) for o in lease.offsets[:num_ready]]
     finally:
         store.release(lease.id)
@@ -83,7 +85,7 @@ def open_store(shm_dir, storage_dir):
         pool_dir: Path | None = None,
         policy: StorePolicy | None = None,
     ) -> TieredStore:
-        store = TieredStore.open(
+        store = create_store(
             make_pool_config(pool_dir or shm_dir, pool_bytes),
             storage or make_storage_config(storage_dir, capacity),
             policy=policy,
@@ -199,7 +201,7 @@ def test_a_hold_nobody_settles_is_aborted_after_the_timeout(open_store):
     from hpkv.types import HOLD_TIMEOUT_S
 
     store = open_store()
-    clock = store.held.clock = FakeClock(time.monotonic())  # what was held before keeps its age
+    clock = store.limits.clock = FakeClock(time.monotonic())  # what was held before keeps its age
     ns = store.register(desc())
     ks = keys(3)
     store.reserve(ns, ks, owner=1, hold="forgotten")
@@ -283,7 +285,7 @@ def test_a_lease_can_answer_before_its_storage_reads_are_queued(open_store):
     assert store.counters.promotions == 4 and store.storage.stats().reads == 0
     store.leases.start_reads(lease)
     assert lease.wait(timeout=10) == 4
-    size = store.entry_bytes(ns)
+    size = store.namespaces()[ns].entry_bytes
     assert [bytes(store.region.buf[o : o + size]) for o in lease.offsets] == [payload(k) for k in ks]
     store.release(lease.id)
 
@@ -343,7 +345,7 @@ def test_a_lease_touches_its_storage_hits_before_looking_for_files_elsewhere(ope
     store = open_store()
     ns = store.register(desc())
     only_in_storage(store, ns, ks)
-    store.storage._forget(ns, ks[2])  # written by another node, say: found by a stat
+    store.storage.index.forget(store.storage.index.key(ns, ks[2]))  # written by another node, say: found by a stat
     events = []
     touch, found_elsewhere = store.storage.touch, store.lookups.found_elsewhere
     store.storage.touch = lambda ns_, touched, **kw: (
@@ -417,7 +419,7 @@ def no_fallocate(monkeypatch) -> None:
 def store_with_auto_storage_on(point: Path, pool_bytes: int) -> TieredStore:
     """A store whose pool and automatically sized storage are both under `point`, its
     start-up scan done."""
-    store = TieredStore.open(make_pool_config(point / "pool", pool_bytes), make_storage_config(point / "storage", None))
+    store = create_store(make_pool_config(point / "pool", pool_bytes), make_storage_config(point / "storage", None))
     assert store.storage.scan_done.wait(10)
     return store
 
@@ -439,7 +441,7 @@ def test_storage_on_ramfs_beside_a_pool_on_ramfs_leaves_the_pool_its_memory(tmp_
     store = store_with_auto_storage_on(point, pool_bytes)
     try:
         to_come = pool_bytes if fallocate == "refused" else 0
-        assert store.storage.capacity_bytes == int((8 * GIB - to_come) // 2 * 0.8)
+        assert store.storage.capacity.capacity_bytes == int((8 * GIB - to_come) // 2 * 0.8)
     finally:
         store.close()
 
@@ -474,7 +476,7 @@ def test_storage_on_a_real_ramfs_beside_a_pool_on_it_leaves_the_pool_its_memory(
                 assert to_come == 0
             else:  # another C library's refuses, or emulates it
                 assert to_come in (0, pool_bytes)
-            assert store.storage.capacity_bytes == int((8 * GIB - to_come) // 2 * 0.8)
+            assert store.storage.capacity.capacity_bytes == int((8 * GIB - to_come) // 2 * 0.8)
         finally:
             store.close()
     finally:
@@ -588,7 +590,7 @@ def test_a_corrupted_file_ends_the_loaded_prefix_and_is_removed(open_store, stor
     save(store, ns, ks)
     store.flush(timeout=10)
     store.clear(memory=True)
-    bad = store.storage.layout.path_of(ns, ks[2])
+    bad = store.storage.paths.path_of(ns, ks[2])
     with open(bad, "r+b") as f:
         f.seek(-100, os.SEEK_END)
         f.write(b"\x00" * 8)
@@ -783,7 +785,7 @@ def test_a_slow_storage_stat_does_not_hold_up_other_clients(shm_dir, storage_dir
     lock, so other clients' lookups and saves go on meanwhile."""
     from hpkv.pool.region import PoolRegion
     from hpkv.storage.fileio import FileIO
-    from hpkv.storage.tier import StorageTier
+    from hpkv.storage.storage_tier import StorageTier
 
     class SlowMetadataIO(FileIO):
         """Real system calls; a `stat` of a path takes a second (a busy NFS server)."""
@@ -814,7 +816,7 @@ def test_a_slow_storage_stat_does_not_hold_up_other_clients(shm_dir, storage_dir
 
 
 def test_a_failure_sizing_the_pool_s_pages_closes_the_pool(shm_dir, storage_dir, monkeypatch):
-    """TieredStore.open looks at the pool's mount after creating it: a failure there (a mount
+    """create_store looks at the pool's mount after creating it: a failure there (a mount
     table that cannot be read) must not leave the pool file behind."""
     import hpkv.store.tiered as store_module
     from hpkv.pool.region import POOL_FILE_NAME
@@ -825,7 +827,7 @@ def test_a_failure_sizing_the_pool_s_pages_closes_the_pool(shm_dir, storage_dir,
     monkeypatch.setattr(store_module, "mount_of", unreadable)
 
     with pytest.raises(OSError):
-        TieredStore.open(make_pool_config(shm_dir), make_storage_config(storage_dir))
+        create_store(make_pool_config(shm_dir), make_storage_config(storage_dir))
 
     assert not (shm_dir / POOL_FILE_NAME).exists()
 
@@ -835,7 +837,7 @@ def test_a_store_that_cannot_be_built_on_its_pool_leaves_no_pool_behind(shm_dir,
     from hpkv.pool.region import POOL_FILE_NAME
 
     with pytest.raises(ValueError):
-        TieredStore.open(make_pool_config(shm_dir), make_storage_config(storage_dir), slab_bytes=1 << 40)
+        create_store(make_pool_config(shm_dir), make_storage_config(storage_dir), slab_bytes=1 << 40)
 
     assert not (shm_dir / POOL_FILE_NAME).exists()
 

@@ -25,7 +25,7 @@ from helpers.config import make_storage_config
 from hpkv.keys import NamespaceDesc, make_key
 from hpkv.pool.region import PoolRegion
 from hpkv.storage.fileio import FileIO
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 from hpkv.store import TieredStore
 
 DURATION_S = 6.0
@@ -122,7 +122,7 @@ def run_mix(store: TieredStore, seed: int, duration_s: float) -> dict:
     def writer(rng: random.Random, owner: int) -> None:
         while time.monotonic() < deadline:
             ns = rng.choice(namespaces)
-            size = store.entry_bytes(ns)
+            size = store.namespaces()[ns].entry_bytes
             start = rng.randrange(NUM_KEYS)
             batch = ks[start : start + rng.randint(1, 6)]
             offsets = store.reserve(ns, batch, owner=owner)
@@ -139,7 +139,7 @@ def run_mix(store: TieredStore, seed: int, duration_s: float) -> dict:
     def reader(rng: random.Random) -> None:
         while time.monotonic() < deadline:
             ns = rng.choice(namespaces)
-            size = store.entry_bytes(ns)
+            size = store.namespaces()[ns].entry_bytes
             start = rng.randrange(NUM_KEYS)
             batch = ks[start : start + rng.randint(1, 8)]
             hit = store.lookup(ns, batch)

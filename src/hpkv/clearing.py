@@ -103,7 +103,7 @@ def model_namespaces(name: str, server_descs: Mapping[str, str], storage_path: P
 
 def clear_storage_directly(settings: Settings, ns: str | None) -> int | None:
     """Remove the entry files (of `ns`) with no server; None when the directory does not exist."""
-    from .storage.tier import StorageTier
+    from .storage.storage_tier import StorageTier
 
     if not Path(settings.storage.path).is_dir():
         return None

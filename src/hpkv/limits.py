@@ -10,8 +10,9 @@ its process and its user; an owner that never joined is a group of its own), the
 holds, and the counters of keys refused at a cap and taken back at the limit; the holds
 (reservations named `Reserved(ns, key, hold)`, settled together); and the quarantine: entries
 whose holder may still be copying, kept from reuse until a given time.
-Primitives: `join`, `leave`, `room(owner)`, `refused`; reservations `has`, `add`, `pop`,
-`pop_owner`; leases `leased`, `released`; `expired_reservations`, `expired_leases`; `bytes_held`, `stats`; the
+Primitives: `configure` (or `SlotShares` and `share_bytes`, the server's limits as shares of the
+pool), `join`, `leave`, `room(owner)`, `refused`; reservations `has`, `add`, `pop`,
+`pop_owner`; leases `leased`, `released`; `expired_reservations`, `expired_leases`; `bytes_taken`, `stats`; the
 holds (`holds`: `join`, `end`, `expired`) and the quarantine (`quarantined`: `add`, `over`).
 Must not know: the DRAM index, the leases' contents beyond their entries, the protocol (the store
 decides what an entry becomes once its quarantine is over). Not thread-safe: the store calls it
@@ -63,6 +64,23 @@ class Reserved(NamedTuple):
     hold: str = ""
 
 
+class SlotShares(NamedTuple):
+    """The server's limits on slots: a time limit (None: none) and the shares of the pool one
+    client process and one user may hold reserved or leased (1 or more: no cap)."""
+
+    timeout_s: float | None
+    process_share: float
+    user_share: float
+
+
+def share_bytes(share: float, pool_bytes: int, slab_bytes: int) -> int | None:
+    """The bytes a share of the pool is, for a cap on what is held reserved or leased (None: no
+    cap); at least a slab's."""
+    if share >= 1:
+        return None
+    return max(slab_bytes, int(pool_bytes * share))
+
+
 @dataclass
 class HoldPart:
     owner: int
@@ -90,7 +108,7 @@ class LimitCounters:
     expired_leases: int = 0
 
 
-class HeldSlots(Generic[SlotT]):
+class SlotLimits(Generic[SlotT]):
     def __init__(
         self,
         timeout_s: float | None = None,
@@ -113,6 +131,7 @@ class HeldSlots(Generic[SlotT]):
         self._cap_log = Throttle()
 
     def configure(self, timeout_s: float | None, max_bytes: int | None, max_user_bytes: int | None = None) -> None:
+        """The time limit and the caps (per process, per user) in slot bytes; None: none."""
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
         self.max_user_bytes = max_user_bytes
@@ -189,7 +208,7 @@ class HeldSlots(Generic[SlotT]):
             self._give(owner, entry.slot_bytes)
         return [entry for entry, _ in held.values()]
 
-    def holds_reservations(self, owner: int) -> bool:
+    def has_reservations(self, owner: int) -> bool:
         return owner in self._reserved
 
     @property
@@ -249,7 +268,7 @@ class HeldSlots(Generic[SlotT]):
 
     # -- the books ----------------------------------------------------------------------------
 
-    def bytes_held(self) -> dict[int, int]:
+    def bytes_taken(self) -> dict[int, int]:
         """owner -> slot bytes it holds reserved or leased now (a copy)."""
         return dict(self._bytes)
 
@@ -285,14 +304,14 @@ class HeldSlots(Generic[SlotT]):
         )
 
 
-def _cap(held: HeldSlots, group: tuple[Hashable, ...]) -> int | None:
+def _cap(limits: SlotLimits, group: tuple[Hashable, ...]) -> int | None:
     """The cap on what `group` holds: a process's or a user's."""
-    return held.max_bytes if group[0] == PROCESS else held.max_user_bytes
+    return limits.max_bytes if group[0] == PROCESS else limits.max_user_bytes
 
 
 class Holds:
     """The holds: reservations named `Reserved(ns, key, hold)`, settled together by whoever
-    settles the hold. Their entries are `HeldSlots`' reservations; this only names them."""
+    settles the hold. Their entries are `SlotLimits`' reservations; this only names them."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock

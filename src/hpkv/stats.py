@@ -2,7 +2,8 @@
 
 Owns: one msgspec Struct per component (`StoreCounters`, `DramStats`, `StorageStats`,
 `WriteBacklogStats`, `WriterStats`, `LimitStats`, `NamespaceSummary`, `NamespaceStats`, `ClientStats`,
-`ServerInfo`), each returned by its component's `stats()`; `StoreStats` (the store's) and the
+`ServerInfo`), each returned by its component's `stats()`, and the counters components count
+into (`StoreCounters` itself, `NamespaceHits`, `StorageCounters`); `StoreStats` (the store's) and the
 whole `ServerStats` (the store's and the server's); `from_wire` (the client's conversion) and
 `from_parts` (the strict one: a field the schema lacks fails too). Field names are the wire's: the snapshot
 crosses the socket as a plain map, so a struct is renamed only with the protocol version.
@@ -13,6 +14,7 @@ Engine processes read stats through `Client.stats()`, so this module imports not
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -48,6 +50,44 @@ class StoreCounters(msgspec.Struct):
     write_through_skipped: int
     write_through_deferred: int
     write_through_lost: int
+
+
+@dataclass
+class NamespaceHits:
+    """One namespace's hit counters (`StoreStats.namespaces[ns]`, beside its description), which
+    the lookups bump under the store's lock."""
+
+    lookups: int = 0
+    lookup_keys: int = 0
+    hit_keys_dram: int = 0
+    hit_keys_storage: int = 0
+
+    def count(self, num_keys: int, num_dram: int, num_storage: int) -> None:
+        """One lookup of `num_keys` keys, whose leading hits were in DRAM and on storage."""
+        self.lookups += 1
+        self.lookup_keys += num_keys
+        self.hit_keys_dram += num_dram
+        self.hit_keys_storage += num_storage
+
+
+@dataclass
+class StorageCounters:
+    """The storage tier's counters (`StorageStats` carries each)."""
+
+    reads: int = 0
+    read_bytes: int = 0
+    read_misses: int = 0
+    writes: int = 0
+    write_bytes: int = 0
+    write_failures: int = 0
+    bad_files: int = 0
+    evictions: int = 0
+    space_errors: int = 0
+    files_scanned: int = 0
+    temps_removed: int = 0
+    over_budget: int = 0
+    untrusted_files: int = 0  # links, FIFOs... in the tree: skipped, never hits (`storage/tree.py`)
+    stale_entries: int = 0  # indexed files found gone (another server or node removed them): forgotten
 
 
 class DramStats(msgspec.Struct):

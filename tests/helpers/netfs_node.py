@@ -28,7 +28,7 @@ TAGS = (1, 2)
 class NodeLoop:
     def __init__(self, root: str, capacity_bytes: int) -> None:
         from helpers.config import make_storage_config
-        from hpkv.storage.tier import StorageTier
+        from hpkv.storage.storage_tier import StorageTier
 
         self.tier = StorageTier(make_storage_config(root, capacity_bytes, io_threads=2))
         self._good: dict[bytes, tuple[bytes, ...]] = {}
@@ -108,9 +108,7 @@ class NodeLoop:
         return _stats(self.tier)
 
     def op_rescan(self) -> dict:
-        from hpkv.storage import rescan
-
-        rescan.once(self.tier)
+        self.tier.rescan.once()
         return _stats(self.tier)
 
     def op_age(self, prefix: str, n: int, age_s: float) -> dict:

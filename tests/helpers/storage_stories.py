@@ -21,7 +21,7 @@ from helpers.config import make_storage_config
 from hpkv.keys import make_key
 from hpkv.storage import format as fmt
 from hpkv.storage.fileio import FileIO
-from hpkv.storage.tier import StorageTier
+from hpkv.storage.storage_tier import StorageTier
 
 NS = "0123456789abcdef" * 2
 OTHER_NS = "fedcba9876543210" * 2
@@ -117,7 +117,7 @@ def age(tier: StorageTier, ages_s: dict[int, float]) -> None:
     """Set the mtimes of key(i)'s files to `ages_s[i]` seconds ago."""
     now = time.time()
     for i, age_s in ages_s.items():
-        os.utime(tier.layout.path_of(NS, key(i)), (now - age_s, now - age_s))
+        os.utime(tier.paths.path_of(NS, key(i)), (now - age_s, now - age_s))
 
 
 def see_sharing(tier: StorageTier, other: StorageTier) -> None:
@@ -125,7 +125,7 @@ def see_sharing(tier: StorageTier, other: StorageTier) -> None:
     write(other, key("shared"), ns=OTHER_NS)
     assert tier.contains(OTHER_NS, key("shared"))
     tier.remove(OTHER_NS)
-    assert tier.shared
+    assert tier.evictor.shared
 
 
 def held_scan() -> type[StorageTier]:

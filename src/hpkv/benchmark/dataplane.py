@@ -34,8 +34,8 @@ from ..config import PoolConfig, StorageConfig
 from ..errors import HpkvError
 from ..keys import Key, NamespaceDesc
 from ..pool.slots import SLABS_PER_POOL, SLOT_ALIGN
-from ..storage.tier import StorageTier
-from ..store import TieredStore
+from ..storage.storage_tier import StorageTier
+from ..store import TieredStore, create_store
 from ..units import whole_unit_bytes as human_bytes  # the name report.py and storage_peers.py import
 from . import lookup, machine
 from .disk import disk_limit
@@ -208,7 +208,7 @@ def dram_rows(pool_dir: Path, entry_bytes: int, buffers: _Buffers, reps: int) ->
     # Room for the working set twice over, and slabs (1/32 of the pool) that hold an entry.
     pool_bytes = max(2 * num * slot_bytes, SLABS_PER_POOL * slot_bytes)
     times: dict[str, list[float]] = {"write": [], "read": [], "limit write": [], "limit read": []}
-    with TieredStore.open(PoolConfig(pool_dir, pool_bytes), _no_storage(pool_dir)) as store:
+    with create_store(PoolConfig(pool_dir, pool_bytes), _no_storage(pool_dir)) as store:
         ns = store.register(_desc(entry_bytes))
         # A view of a slice of the map, not of `region.buf` itself, so that `close` can release
         # the region even if an error leaves this array alive in a traceback.
@@ -253,7 +253,7 @@ def _timed(fn, *args) -> float:
 
 
 def _store_write(store: TieredStore, ns: str, keys: list[Key], pool: np.ndarray, src: np.ndarray) -> None:
-    size = store.entry_bytes(ns)
+    size = store.namespaces()[ns].entry_bytes
     for first in range(0, len(keys), BATCH_KEYS):
         batch = keys[first : first + BATCH_KEYS]
         for i, offset in enumerate(store.reserve(ns, batch), first):
@@ -264,7 +264,7 @@ def _store_write(store: TieredStore, ns: str, keys: list[Key], pool: np.ndarray,
 
 
 def _store_read(store: TieredStore, ns: str, keys: list[Key], pool: np.ndarray, dst: np.ndarray) -> None:
-    size = store.entry_bytes(ns)
+    size = store.namespaces()[ns].entry_bytes
     for first in range(0, len(keys), BATCH_KEYS):
         batch = keys[first : first + BATCH_KEYS]
         lease = store.lease(ns, batch)

@@ -25,7 +25,7 @@ import numpy as np
 from ..config import PoolConfig, StorageConfig
 from ..keys import Key, NamespaceDesc, make_key
 from ..storage import format as fmt
-from ..store import TieredStore
+from ..store import TieredStore, create_store
 
 PREFIX_KEYS = 4096
 NUM_DRAM_KEYS = 1024
@@ -81,7 +81,7 @@ def measure(pool_dir: Path, storage_dir: Path, num_keys: int, rounds: int = 200)
         fsync="off",
         io_threads=2,
     )
-    with TieredStore.open(PoolConfig(pool_dir, POOL_BYTES), tier_config) as store:
+    with create_store(PoolConfig(pool_dir, POOL_BYTES), tier_config) as store:
         ns = store.register(desc)
         _fill(store, ns, keys, prefix[:NUM_DRAM_KEYS])
         found = store.lookup(ns, prefix)

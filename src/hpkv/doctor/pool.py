@@ -238,7 +238,7 @@ def check_pool_space(pool: PoolConfig) -> Check:
         )
     memory = meminfo_available_bytes() + held
     left = cgroup_memory_left() if mount.fs_type in MEMORY_FS else None
-    if left is not None and pool.size_bytes > left + held:  # a warning only, as the server's (`_check_space`)
+    if left is not None and pool.size_bytes > left + held:  # a warning only, as the server's (`poolfile.check_space`)
         return Check(
             name,
             Verdict.WARN,

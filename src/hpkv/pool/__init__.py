@@ -1,2 +1,2 @@
 """The DRAM tier: a shared-memory pool file (`region`), its slot allocator (`slots`) and the index
-of entries held in it (`tier`). No torch, no engines."""
+of entries held in it (`dram_tier`, `entry`). No torch, no engines."""

@@ -1,22 +1,38 @@
 """The DRAM tier's evictable entries: per size class, an LRU in stamp order, and the books of
 slabs that could move (`movable.py`), kept from the time a second size class appears.
 
-Primitives, told by the tier: `add`, `unlist`, `freed`, `touch`, `track_slabs`, `drain`; asked by
+Also `PrefixOrder`: the order in which entries used together (a commit, a lease's release) reach
+the LRU, which the store is given (`store.StorePolicy`).
+
+Primitives, told by the tier: `add`, `unlist`, `freed`, `touch`, `track_slabs`, `take_slab`; asked by
 room policies (`room.py`): `by_class`, `oldest_movable`.
 Must not know: the index, pins beyond "evictable", or which policy asks.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from typing import TypeVar
 
+from .entry import DramEntry
 from .movable import MovableSlabs
 from .slots import SlotAllocator
 
-if TYPE_CHECKING:
-    from .tier import DramEntry
+T = TypeVar("T")
+
+
+class PrefixOrder(enum.Enum):
+    """How a prefix's entries, used together, reach the LRU (the last to reach it goes last)."""
+
+    LAST_FIRST = "last first"  # the store's: eviction shortens a prefix from its end
+    FIRST_FIRST = "first first"  # plain LRU in prefix order: a baseline for benchmarks
+
+    def arrange(self, entries: Sequence[T]) -> Iterable[T]:
+        """`entries` (in prefix order) in the order they are to be published or unpinned."""
+        return reversed(entries) if self is PrefixOrder.LAST_FIRST else iter(entries)
 
 
 class EvictableEntries:
@@ -61,11 +77,16 @@ class EvictableEntries:
         if self._slabs is not None:
             self._slabs.touched(entry)
 
-    def drain(self, slab: int) -> OrderedDict[DramEntry, None]:
-        """The entries of a slab that moves (all evictable), off the slabs' books; the caller
-        takes each off its class's LRU (one pass over a slab of thousands, under the lock)."""
+    def take_slab(self, slab: int) -> list[DramEntry]:
+        """The entries of a slab that moves (all evictable, of one class), off the slabs' books
+        and off their class's LRU: evictable no more (a pass over a slab of thousands, under the
+        lock)."""
         assert self._slabs is not None  # a slab moves only between two size classes
-        return self._slabs.drain(slab)
+        entries = list(self._slabs.drain(slab))
+        lru = self._lru[entries[0].slot_bytes]
+        for entry in entries:
+            del lru[entry]
+        return entries
 
     def by_class(self) -> dict[int, OrderedDict[DramEntry, None]]:
         """slot_bytes -> that class's evictable entries, oldest first (read-only for callers)."""

@@ -15,12 +15,9 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
+from .entry import DramEntry
 from .slots import SlotAllocator
-
-if TYPE_CHECKING:
-    from .tier import DramEntry
 
 
 class MovableSlabs:

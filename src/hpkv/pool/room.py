@@ -1,31 +1,52 @@
 """How the DRAM tier finds room for a new entry when no slab is free: a policy given to the tier.
 
-Owns: `RoomPolicy` (what a policy is), `OldestFirst` (the tier's own: the oldest evictable entry
+Owns: `RoomPolicy` (what a policy is), `Evictions` (what a policy may ask of the tier and tell
+it: the narrow view the tier gives it), `OldestFirst` (the tier's own: the oldest evictable entry
 goes, or, when another size class holds older ones, that class's movable slab with the oldest
 entry moves over) and `WalkOldest` (the same choice made by walking entries oldest first: the
 reference the fast one must match, for tests and `bench/reserve_contention.py`).
-Primitives, the tier's (`DramTier`) and its evictable entries' (`tier.lru`, `pool/lru.py`):
-`lru.by_class()`, `lru.oldest_movable(slot_bytes)`, `slab_entries(slab)`, `move_slab(slab, slot_bytes)`,
-`evict_for(entry, slot_bytes)`.
-Must not know: the store, leases, reservations, or what an entry holds. Runs under the caller's
-lock: its cost is what every other client of the store waits for.
+Primitives, through `Evictions`: `lru.by_class()`, `lru.oldest_movable(slot_bytes)` (the tier's
+evictable entries, `pool/lru.py`), `alloc.slab_of`, `slab_entries(slab)`,
+`move_slab(slab, slot_bytes)`, `evict_for(entry, slot_bytes)`.
+Must not know: the tier's index, the store, leases, reservations, or what an entry holds. Runs
+under the caller's lock: its cost is what every other client of the store waits for.
 """
 
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .tier import DramEntry, DramTier
+from .entry import DramEntry
+from .lru import EvictableEntries
+from .slots import SlotAllocator
+
+
+class Evictions(Protocol):
+    """What a room policy may ask of the DRAM tier (`DramTier` is one) and tell it."""
+
+    @property
+    def lru(self) -> EvictableEntries: ...
+
+    @property
+    def alloc(self) -> SlotAllocator: ...
+
+    def slab_entries(self, slab: int) -> list[DramEntry]:
+        """The entries whose slots are in `slab`."""
+
+    def move_slab(self, slab: int, slot_bytes: int) -> int | None:
+        """Evict every entry of `slab` (all evictable); a slot of it, moved to `slot_bytes`."""
+
+    def evict_for(self, entry: DramEntry, slot_bytes: int) -> int | None:
+        """Evict `entry` (evictable, of the class); a slot of the class."""
 
 
 class RoomPolicy(Protocol):
-    def make_room(self, tier: DramTier, slot_bytes: int) -> int | None:
+    def make_room(self, tier: Evictions, slot_bytes: int) -> int | None:
         """A free slot of `slot_bytes` made by evicting, or None where nothing may go."""
 
 
-def oldest(tier: DramTier, slot_bytes: int) -> DramEntry | None:
+def oldest(tier: Evictions, slot_bytes: int) -> DramEntry | None:
     """The class's least recently used evictable entry."""
     own = tier.lru.by_class().get(slot_bytes)
     return next(iter(own)) if own else None
@@ -34,7 +55,7 @@ def oldest(tier: DramTier, slot_bytes: int) -> DramEntry | None:
 class OldestFirst:
     """O(log slabs): the tier keeps each class's movable slabs in a heap by their oldest entry."""
 
-    def make_room(self, tier: DramTier, slot_bytes: int) -> int | None:
+    def make_room(self, tier: Evictions, slot_bytes: int) -> int | None:
         own_oldest = oldest(tier, slot_bytes)
         best = tier.lru.oldest_movable(slot_bytes)
         if best is not None and (own_oldest is None or best[0] < own_oldest.stamp):
@@ -49,7 +70,7 @@ class WalkOldest:
     the class's own oldest; move the first slab whose entries are all evictable; else evict the
     class's own oldest entry. Every step is a walk over entries."""
 
-    def make_room(self, tier: DramTier, slot_bytes: int) -> int | None:
+    def make_room(self, tier: Evictions, slot_bytes: int) -> int | None:
         own_oldest = oldest(tier, slot_bytes)
         lrus = [lru for size, lru in tier.lru.by_class().items() if size != slot_bytes and lru]
         tried: set[int] = set()

@@ -36,8 +36,9 @@ from .. import __version__, safefs
 from .. import stats as st
 from ..config import Settings, load_settings
 from ..errors import HpkvError, PoolError
-from ..pool.region import prepare_directory
-from ..store import TieredStore
+from ..limits import SlotShares
+from ..pool.poolfile import prepare_directory
+from ..store import TieredStore, create_store
 from . import access, connection
 from . import protocol as p
 from .autostart import claim_managed
@@ -116,11 +117,13 @@ class Server:
     def _open(self) -> None:
         prepare_directory(self.directory)  # the socket goes there before the pool does
         _claim_socket_path(self.socket_path)
-        self.store = TieredStore.open(self.settings.pool, self.settings.storage)
-        self.store.held.configure(
-            self.settings.server_slot_timeout_s,
-            share_bytes(self.store, self.settings.server_max_slot_share),
-            share_bytes(self.store, self.settings.server_max_user_slot_share),
+        self.store = create_store(self.settings.pool, self.settings.storage)
+        self.store.set_limits(
+            slots=SlotShares(
+                self.settings.server_slot_timeout_s,
+                self.settings.server_max_slot_share,
+                self.settings.server_max_user_slot_share,
+            )
         )
         self.handlers = Handlers(self.store, self.settings, self.stats)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -177,7 +180,7 @@ class Server:
 
     def _shutdown(self) -> None:
         waiting = 0
-        if self.store is not None and self.store.storage is not None:
+        if self.store is not None:  # no write backlog without a storage tier
             backlog = self.store.stats().write_backlog
             waiting = backlog.entries + backlog.deferred if backlog is not None else 0
         if waiting:
@@ -230,14 +233,14 @@ class Server:
     def holds_nothing(self, client: ClientInfo) -> bool:
         store = self.store
         assert store is not None
-        return not store.holds_reservations(client.id) and not any(store.leases.get(i) for i in list(client.leases))
+        return not store.has_reservations(client.id) and not any(store.get_lease(i) for i in list(client.leases))
 
     def closed(self, client: ClientInfo) -> None:
         """Reclaim what a client whose connection ended held."""
         store = self.store
         assert store is not None
         # A live client lost its connection (its call timed out): it may still be copying.
-        copying = store.holds_reservations(client.id) and connection.lives_on(client.pid)
+        copying = store.has_reservations(client.id) and connection.lives_on(client.pid)
         store.drop_owner(client.id, quarantine_s=QUARANTINE_S if copying else 0.0)
         with self._clients_lock:
             del self._clients[client.id]
@@ -264,7 +267,7 @@ class Server:
                     uid=c.uid,
                     kind=c.kind,
                     connected_s=round(time.time() - c.connected_at, 1),
-                    leases=sum(store.leases.get(i) is not None for i in list(c.leases)),
+                    leases=sum(store.get_lease(i) is not None for i in list(c.leases)),
                 )
                 for c in self._clients.values()
             ]  # leases: not taken back
@@ -279,15 +282,6 @@ class Server:
             storage_path=p.display_path(self.settings.storage.path),
         )
         return st.ServerStats(**msgspec.structs.asdict(snapshot), server=server, clients=clients)
-
-
-def share_bytes(store: TieredStore, share: float) -> int | None:
-    """The bytes a share of the pool is, for a cap on what is held reserved or leased (None: no
-    cap); at least a slab's."""
-    if share >= 1:
-        return None
-    alloc = store.dram.alloc
-    return max(alloc.slab_bytes, int(alloc.num_slabs * alloc.slab_bytes * share))
 
 
 def _claim_socket_path(path: Path) -> None:

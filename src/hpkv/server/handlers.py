@@ -58,7 +58,7 @@ class Handlers:
         self.store = store
         self.settings = settings
         self._stats = stats
-        store.limit_namespaces(  # here, beside the Register they bound
+        store.set_limits(  # here, beside the Register they bound
             NamespaceLimits(
                 min(settings.server_max_namespace_bytes, MAX_DESC_BYTES),
                 settings.server_max_namespaces_per_uid,
@@ -81,7 +81,7 @@ class Handlers:
             return p.Error("internal", f"internal server error: {exc!r}")
 
     def _on_Register(self, r: p.Register, client: ClientInfo) -> p.Reply:
-        self.store.lookups.owners.check_size(len(r.desc_json))  # before parsing: its characters are at most its bytes
+        self.store.check_desc_size(len(r.desc_json))  # before parsing: its characters are at most its bytes
         try:
             desc = NamespaceDesc.from_json(r.desc_json)
         except (ValueError, TypeError, AttributeError) as exc:  # JSON of the wrong shape is the peer's fault
@@ -119,12 +119,12 @@ class Handlers:
         lease = self.store.lease(r.ns, r.keys, owner=client.id, start_reads=False)
         client.leases.add(lease.id)
         if lease.reads:
-            client.after_reply = lambda: self.store.leases.start_reads(lease)
+            client.after_reply = lambda: self.store.start_reads(lease)
             return p.Leased(lease.id, lease.offsets, None)
         return p.Leased(lease.id, lease.offsets, lease.wait() if lease.done else None)
 
     def _on_LeaseWait(self, r: p.LeaseWait, client: ClientInfo) -> p.Reply:
-        lease = self.store.leases.get(r.lease_id) if r.lease_id in client.leases else None
+        lease = self.store.get_lease(r.lease_id) if r.lease_id in client.leases else None
         if lease is None:
             return p.Error(
                 "bad_request",

@@ -18,9 +18,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from .counters import StorageCounters
+from ..stats import StorageCounters
 from .index import FileIndex, Victims, size_of, used_minute_s
-from .layout import Layout
+from .paths import EntryPaths
 
 SPARE_CHECKS_PER_PASS = 16  # eviction victims whose mtime one eviction looks at
 SLACK_MINUTES = 2  # a file read elsewhere since: its mtime this many minutes past the minute known
@@ -28,10 +28,14 @@ SLACK_MINUTES = 2  # a file read elsewhere since: its mtime this many minutes pa
 
 class Evictor:
     def __init__(
-        self, index: FileIndex, layout: Layout, counters: StorageCounters, wall_clock: Callable[[], float] = time.time
+        self,
+        index: FileIndex,
+        paths: EntryPaths,
+        counters: StorageCounters,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._index = index
-        self._layout = layout
+        self._paths = paths
         self._counters = counters
         self._wall_clock = wall_clock
         self.shared = False  # another tier writes here too: victims are looked at first
@@ -85,7 +89,7 @@ class Evictor:
                     settled.add(ik)
                     continue
                 try:
-                    self._layout.unlink(ns, key)
+                    self._paths.unlink(ns, key)
                 except OSError:
                     pass  # another node evicted it first (or a link stands there: not followed)
                 self._index.evicted(ik)
@@ -100,7 +104,7 @@ class Evictor:
         """The mtime of (ns, key)'s file where it is later than the minute `value` knows, with
         minutes to spare for clocks and for reads refreshing it at most every minute; else None."""
         try:
-            mtime = self._layout.stat(ns, key).st_mtime
+            mtime = self._paths.stat(ns, key).st_mtime
         except OSError:
             return None
         return mtime if mtime >= used_minute_s(value) + SLACK_MINUTES * 60 else None

@@ -5,18 +5,18 @@ An index key is a namespace's number (NS_ID_BYTES) and the engine key in one byt
 by every file of that size and minute (`value_of`; read with `size_of`, `used_minute_s`). Why
 packed: a directory may hold millions of files.
 
-Entries in use (`touch(..., in_use=True)`: a promotion is about to read them) are never popped as
-victims until `in_use.done`: the files of other nodes, however many, cannot evict what a reader
-is about to read.
+Entries in use (`touch(..., in_use=True)`: a promotion is about to read them; `marks.InUse`)
+are never popped as victims until `in_use.done`: the files of other nodes, however many, cannot
+evict what a reader is about to read.
 Besides the order it keeps what must not become a hit again: victims an eviction popped and has
-not unlinked yet (`being_evicted`), files this tier cannot read (`UnreadableMarks`, until a time
-or for good), and, while the start-up scan runs, what left the index meanwhile (`add_scanned`
-does not bring it back).
+not unlinked yet (`being_evicted`), files this tier cannot read (`marks.UnreadableMarks`, until a
+time or for good), and, while the start-up scan runs, what left the index meanwhile
+(`add_scanned` does not bring it back).
 
 Namespace numbers (`numbers.NamespaceNumbers`) are freed once unused, with the unreadable marks
 of their keys: namespaces come and go for ever.
 
-Primitives: `key`/`split`, `in`, `items`, `holds` (the bare membership test, for walks over many keys),
+Primitives: `key`/`split`, `in`, `items`, `has` (the bare membership test, for walks over many keys),
 `remember`, `forget`, `touch`, `in_use` (`InUse`), `was_read`, `pop_victims`/`evicted`/`unpop`/`put_back` (an
 eviction's steps), `oldest`/`pop_if_oldest`/`refresh` (retention's), `remove`,
 `add_scanned`/`scan_merged`; `numbers` (`pin`/`unpin`), `busy`; `used_bytes`. Thread-safe: one lock
@@ -26,19 +26,17 @@ Must not know: the file system, capacity, how files are read or written.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 
+from .marks import MAX_UNREADABLE, InUse, UnreadableMarks
 from .numbers import MAX_NAMESPACES, NS_ID_BYTES, NamespaceNumbers
 
 SIZE_BITS = 40  # an index value: the file's size in its low bits, the minute above them
 MAX_FILE_BYTES = (1 << SIZE_BITS) - 1  # a file larger than this (1 TiB) is no KV file of ours: never indexed
 MAX_VALUES = 1 << 16  # distinct index values kept for sharing (`value_of`)
-MAX_UNREADABLE = 1 << 20  # files this tier cannot read, remembered so that no lookup counts them as hits
-NEVER = math.inf  # an unreadable mark for good
 REMOVALS_KEPT = 64  # removes an eviction tells apart by namespace; past that many, all count as removed
 
 Clock = Callable[[], float]
@@ -55,98 +53,6 @@ def used_minute_s(value: int) -> float:
     return (value >> SIZE_BITS) * 60
 
 
-class UnreadableMarks:
-    """Files this tier cannot read, by index key: not adopted again by a lookup's `stat`, or
-    every lookup would count them as hits that every read then misses. A mark holds until the
-    clock passes its time (inf: for good), or until it is dropped (`unmark`: the key was written
-    or read after all). Bounded: marks past their time go first, then, if that is not enough, all
-    (those files are found again, one read each)."""
-
-    def __init__(self, lock: threading.Lock, clock: Clock = time.monotonic, max_marks: int = MAX_UNREADABLE) -> None:
-        self._lock = lock
-        self._clock = clock
-        self._max_marks = max_marks
-        self._until: dict[bytes, float] = {}
-
-    def __contains__(self, ik: bytes) -> bool:
-        """Whether `ik` has a mark, past its time or not: no lock, no clock."""
-        return ik in self._until
-
-    def __iter__(self):
-        return iter(list(self._until))
-
-    def mark(self, ik: bytes, for_s: float) -> None:
-        """Caller holds the lock."""
-        now = self._clock()
-        if len(self._until) >= self._max_marks:
-            for k in [k for k, until in self._until.items() if until <= now]:
-                del self._until[k]
-            if len(self._until) >= self._max_marks:
-                self._until.clear()
-        self._until[ik] = now + for_s
-
-    def drop_prefixes(self, prefixes: set[bytes]) -> None:
-        """Drop the marks of keys of these namespace numbers (taken back). Caller holds the lock."""
-        if self._until:
-            for k in [k for k in self._until if k[:NS_ID_BYTES] in prefixes]:
-                del self._until[k]
-
-    def unmark(self, ik: bytes, locked: bool = False) -> None:
-        if locked:
-            self._until.pop(ik, None)
-        else:
-            with self._lock:
-                self._until.pop(ik, None)
-
-    def is_marked(self, ik: bytes, locked: bool = False) -> bool:
-        """Whether `ik` is marked; a mark past its time is dropped, unless marked again
-        meanwhile. `locked`: the caller holds the lock (else it is taken only to drop a mark)."""
-        until = self._until.get(ik)
-        if until is None:
-            return False
-        if until > self._clock():
-            return True
-        if locked:
-            self._drop(ik, until)
-        else:
-            with self._lock:
-                self._drop(ik, until)
-        return False
-
-    def _drop(self, ik: bytes, until: float) -> None:
-        """Caller holds the lock."""
-        if self._until.get(ik) == until:
-            del self._until[ik]
-
-
-class InUse:
-    """Index keys readers are about to read, each with how many: never eviction victims. Shares
-    the index's lock: `add` is called with it held."""
-
-    def __init__(self, lock: threading.Lock) -> None:
-        self._lock = lock
-        self._num: dict[bytes, int] = {}
-
-    def __contains__(self, ik: bytes) -> bool:
-        return ik in self._num
-
-    def __len__(self) -> int:
-        return len(self._num)
-
-    def add(self, ik: bytes) -> None:
-        """Caller holds the lock."""
-        self._num[ik] = self._num.get(ik, 0) + 1
-
-    def done(self, ik: bytes) -> None:
-        """One reader `add` counted is done with `ik`."""
-        with self._lock:
-            num = self._num.get(ik, 0) - 1
-            if num > 0:
-                self._num[ik] = num
-            else:
-                self._num.pop(ik, None)
-
-
 class FileIndex:
     def __init__(
         self,
@@ -160,7 +66,7 @@ class FileIndex:
         self._wall_clock = wall_clock  # file mtimes are wall clock times: so are the minutes here
         self.lock = threading.Lock()
         self._lru: OrderedDict[bytes, int] = OrderedDict()
-        self.holds: Callable[[bytes], bool] = self._lru.__contains__
+        self.has: Callable[[bytes], bool] = self._lru.__contains__  # `in` without a Python call
         self.used_bytes = 0
         self.marks = UnreadableMarks(self.lock, clock, max_marks)
         # Numbers are not taken back while the start-up scan is unmerged or victims are out; the

@@ -22,16 +22,16 @@ import functools
 import threading
 from collections.abc import Callable
 
+from ..stats import StorageCounters
 from . import format as fmt
 from . import tree
 from .budget import WriteBudget
 from .capacity import CapacityPolicy
-from .counters import ErrorLog, StorageCounters
 from .eviction import Evictor
 from .fileio import ALIGN, FileTarget, aligned, write_entry_file
 from .index import FileIndex
-from .layout import Layout
-from .reading import Reader
+from .paths import EntryPaths
+from .reading import ErrorLog, Reader
 
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
@@ -44,7 +44,7 @@ Item = tuple[str, bytes, int, int]  # ns, key, payload bytes, format version
 class Publisher:
     def __init__(
         self,
-        layout: Layout,
+        paths: EntryPaths,
         index: FileIndex,
         capacity: CapacityPolicy,
         evictor: Evictor,
@@ -55,7 +55,7 @@ class Publisher:
         fsync: str,
         scan_done: threading.Event,
     ) -> None:
-        self._layout = layout
+        self._paths = paths
         self._index = index
         self._capacity = capacity
         self._evictor = evictor
@@ -82,7 +82,7 @@ class Publisher:
             key,
             len(payload),
             version,
-            lambda target: write_entry_file(self._layout.io, target, [header, payload], self._fsync, direct),
+            lambda target: write_entry_file(self._paths.io, target, [header, payload], self._fsync, direct),
         )
 
     def publish(self, ns: str, key: bytes, payload_bytes: int, version: int, write: Write) -> bool:
@@ -103,7 +103,7 @@ class Publisher:
         it concerns; the others are published or not as their own writes went)."""
         results = [False] * len(items)
         admitted = [(i, size) for i, size in enumerate(self._size(item) for item in items) if self._admit(size)]
-        targets = [self._layout.target(items[i][0], items[i][1], self._dirs) for i, _ in admitted]
+        targets = [self._paths.target(items[i][0], items[i][1], self._dirs) for i, _ in admitted]
         try:
             errors = write_many([(i, target) for (i, _), target in zip(admitted, targets)]) if targets else []
         except BaseException:
@@ -163,7 +163,7 @@ class Publisher:
             return True
         if isinstance(error, tree.Untrusted):  # a link planted on the way: not followed
             self._counters.untrusted_files += 1
-        self._errors.warn(error, f"cannot write KV files under {self._layout.root}")
+        self._errors.warn(error, f"cannot write KV files under {self._paths.root}")
         self._counters.write_failures += 1
         self._budget.refund(size)  # nothing was written
         return False
@@ -181,15 +181,15 @@ class Publisher:
         """Index the file the first write put at `target`, retrying with `write` where `error`
         says a retry can help; the error where it could not."""
         if error is not None and error.errno == errno.ENOENT:
-            renewed = self._layout.tree.check(create=True)  # the root removed: made again (never one replaced)
+            renewed = self._paths.tree.check(create=True)  # the root removed: made again (never one replaced)
             if renewed or not target.mkdir:
                 self._dirs.clear() if renewed else self._dirs.discard(target.directory)
-                target = self._layout.target(ns, key, self._dirs)
+                target = self._paths.target(ns, key, self._dirs)
                 error = write(target)
         if error is not None and error.errno in _SPACE_ERRNOS:
             self._counters.space_errors += 1  # one an eviction cures does not hold off the recovery
             self._evictor.evict_bytes(max(4 * size, self._index.used_bytes // 100))
-            target = self._layout.target(ns, key, self._dirs)
+            target = self._paths.target(ns, key, self._dirs)
             error = write(target)
             if error is not None and error.errno in _SPACE_ERRNOS:  # given up: a miss later, never a lost entry
                 self._counters.space_errors += 1

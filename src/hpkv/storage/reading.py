@@ -10,8 +10,10 @@ name too long) leaves the index for good, one its device fails to read (EIO, whi
 a Lustre client evicted, an NFS soft timeout) for UNREADABLE_EIO_S; a file in a newer format stays
 on disk for the nodes that read it.
 
+Also how the tier says its I/O errors (`ErrorLog`): each kind at most every WARN_EVERY_S.
+
 Primitives: `Reader.read_into`, `find_in_place`, `skip_untrusted`; `direct` (whether O_DIRECT is
-used: off for good once the file system refuses it).
+used: off for good once the file system refuses it); `ErrorLog.warn` (reads' and writes').
 Must not know: capacity, eviction, how files are written, the pool.
 """
 
@@ -24,31 +26,55 @@ import os
 import time
 from collections.abc import Callable
 
+from ..logutil import Throttle
+from ..stats import StorageCounters
 from . import format as fmt
 from . import scan, tree
-from .counters import ErrorLog, StorageCounters
 from .fileio import O_DIRECT, aligned, aligned_buffer, close_quietly, open_in_tree, read_full
-from .index import MAX_FILE_BYTES, NEVER, FileIndex
-from .layout import Layout
+from .index import MAX_FILE_BYTES, FileIndex
+from .marks import NEVER
+from .paths import EntryPaths
 
 log = logging.getLogger("hpkv.storage.tier")
 
 TOUCH_EVERY_S = 60.0  # refresh a file's mtime (its LRU age across restarts) at most this often
 UNREADABLE_EIO_S = 60.0  # a file its device failed to read is a miss this long, then found again
 _REFUSED_ERRNOS = (errno.EACCES, errno.EPERM, errno.ENAMETOOLONG)
+WARN_EVERY_S = 600.0  # an I/O error of one kind (what failed, errno) is said at most this often
+
+
+class ErrorLog:
+    """Say an I/O error at most every WARN_EVERY_S per kind: once for the life of the process
+    hid a device that failed again hours later; every time flooded the log."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._said = Throttle()  # by (what failed, errno)
+
+    def warn(self, exc: OSError | None, what: str, then: str = "the entry stays in DRAM only") -> None:
+        code = exc.errno if exc else 0
+        if not self._said.allows(self._clock(), WARN_EVERY_S, (what, code)):
+            return
+        log.warning(
+            "%s: %s; %s (errors of this kind are counted, and said at most every %.0f minutes)",
+            what,
+            exc.strerror if exc else "no room within HPKV_KV_STORAGE_SIZE",
+            then,
+            WARN_EVERY_S / 60,
+        )
 
 
 class Reader:
     def __init__(
         self,
-        layout: Layout,
+        paths: EntryPaths,
         index: FileIndex,
         counters: StorageCounters,
         errors: ErrorLog,
         direct: bool,
         on_gone: Callable[[], None] = lambda: None,
     ) -> None:
-        self._layout = layout
+        self._paths = paths
         self._on_gone = on_gone  # an indexed file was found gone: the rest of the index may be stale
         self._index = index
         self._counters = counters
@@ -78,9 +104,9 @@ class Reader:
         direct = self.direct and aligned(dest)
         try:
             fd, st = open_in_tree(
-                self._layout.io,
-                self._layout.tree,
-                *self._layout.where(ns, key),
+                self._paths.io,
+                self._paths.tree,
+                *self._paths.where(ns, key),
                 os.O_RDONLY | (O_DIRECT if direct else 0),
             )
         except tree.Untrusted as exc:
@@ -93,7 +119,7 @@ class Reader:
                     log.warning(
                         "the file system of %s refused O_DIRECT on a read (HPKV_KV_STORAGE_DIRECT_IO=on); "
                         "KV files go through the page cache from now on",
-                        self._layout.root,
+                        self._paths.root,
                     )
                 return self._read_by_name(ns, key, dest, last)
             return self._failed_once(ns, key, exc, last)
@@ -102,7 +128,7 @@ class Reader:
         except OSError as exc:
             return self._failed_once(ns, key, exc, last)
         finally:
-            close_quietly(self._layout.io, fd)
+            close_quietly(self._paths.io, fd)
 
     def _failed_once(self, ns: str, key: bytes, exc: OSError, last: bool) -> bool | None:
         if exc.errno == errno.ESTALE and not last:
@@ -113,7 +139,7 @@ class Reader:
     def _read(self, ns: str, key: bytes, fd: int, st: os.stat_result, dest: memoryview, direct: bool) -> bool | str:
         """Read the open file into `dest` and check it: True, good; False, a miss already
         counted; else why the file is bad."""
-        io = self._layout.io
+        io = self._paths.io
         version = fmt.version_of_size(st.st_size, len(key), len(dest))
         if version is None:
             head = bytearray(16)
@@ -151,11 +177,11 @@ class Reader:
         holds (no KV file of ours is larger), counted for what it takes (`scan.counted_bytes`).
         One `stat`: ask without holding a lock."""
         try:
-            st = self._layout.stat(ns, key)
+            st = self._paths.stat(ns, key)
         except OSError:
             return False
         if not tree.is_regular(st):  # a link, a FIFO...: never a hit
-            self.skip_untrusted(ns, key, tree.Untrusted(self._layout.path_of(ns, key), tree.kind_of(st.st_mode)))
+            self.skip_untrusted(ns, key, tree.Untrusted(self._paths.path_of(ns, key), tree.kind_of(st.st_mode)))
             return False
         size = scan.counted_bytes(st, lambda: self._declared(ns, key)) if st.st_size <= MAX_FILE_BYTES else None
         if size is None:
@@ -166,7 +192,7 @@ class Reader:
     def _declared(self, ns: str, key: bytes) -> int | None:
         """The size (ns, key)'s header declares; None where it has none (or cannot be read)."""
         try:
-            fd, _ = open_in_tree(self._layout.io, self._layout.tree, *self._layout.where(ns, key), os.O_RDONLY)
+            fd, _ = open_in_tree(self._paths.io, self._paths.tree, *self._paths.where(ns, key), os.O_RDONLY)
         except OSError:
             return None
         try:
@@ -174,7 +200,7 @@ class Reader:
         except OSError:
             return None
         finally:
-            close_quietly(self._layout.io, fd)
+            close_quietly(self._paths.io, fd)
 
     def skip_untrusted(self, ns: str, key: bytes, exc: tree.Untrusted) -> None:
         """Something not an entry file stands at (ns, key)'s name, or on the way to it: a miss,
@@ -183,7 +209,7 @@ class Reader:
         self._index.forget(self._index.key(ns, key), unreadable_s=NEVER)
         self._errors.warn(
             exc,
-            f"skipped a name under {self._layout.root}",
+            f"skipped a name under {self._paths.root}",
             "it is never a hit; someone who can write the storage directory put it there (see hpkv doctor)",
         )
 
@@ -195,7 +221,7 @@ class Reader:
         self._counters.read_misses += 1
         ik = self._index.key(ns, key)
         if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-            if self._index.holds(ik):  # a hit with no file: another server or node removed it
+            if self._index.has(ik):  # a hit with no file: another server or node removed it
                 self._counters.stale_entries += 1
                 self._on_gone()
             self._index.forget(ik)
@@ -211,7 +237,7 @@ class Reader:
             )
         else:
             then = "the request recomputes"
-        self._errors.warn(exc, f"cannot read KV files under {self._layout.root}", then)
+        self._errors.warn(exc, f"cannot read KV files under {self._paths.root}", then)
 
     def _newer_format(self, ns: str, key: bytes, version: int) -> bool:
         """A file a newer HPKV wrote (a node sharing this directory, upgraded first): a miss here
@@ -224,17 +250,17 @@ class Reader:
             log.warning(
                 "KV file %s is in file format %d, newer than this HPKV reads (%s): treated as a miss and "
                 "left in place for the nodes that wrote it; upgrade this node to use such files",
-                self._layout.path_of(ns, key),
+                self._paths.path_of(ns, key),
                 version,
                 ", ".join(map(str, fmt.VERSIONS)),
             )
         return False
 
     def _discard(self, ns: str, key: bytes, reason: str) -> None:
-        log.warning("removing bad KV file %s: %s (the request recomputes)", self._layout.path_of(ns, key), reason)
+        log.warning("removing bad KV file %s: %s (the request recomputes)", self._paths.path_of(ns, key), reason)
         self._counters.bad_files += 1
         self._index.forget(self._index.key(ns, key))
         try:
-            self._layout.unlink(ns, key)
+            self._paths.unlink(ns, key)
         except OSError:
             pass

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from .eviction import Evictor
 from .index import FileIndex, used_minute_s
-from .layout import Layout
+from .paths import EntryPaths
 
 log = logging.getLogger("hpkv.storage.tier")
 
@@ -39,13 +39,13 @@ class Retention:
         self,
         retention_s: float,
         index: FileIndex,
-        layout: Layout,
+        paths: EntryPaths,
         evictor: Evictor,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.retention_s = retention_s
         self._index = index
-        self._layout = layout
+        self._paths = paths
         self._evictor = evictor
         self._wall_clock = wall_clock
         self.num_expired = 0
@@ -109,6 +109,6 @@ class Retention:
     def _mtime(self, ik: bytes) -> float:
         ns, key = self._index.split(ik)
         try:
-            return self._layout.stat(ns, key).st_mtime
+            return self._paths.stat(ns, key).st_mtime
         except OSError:
             return 0.0  # gone: removing it from the index is right

@@ -4,7 +4,7 @@ and what to do about it.
 Two kinds of refusal. `StorageError` for a path that can never hold KV files (on a kernel pseudo
 file system: a setting to correct). `StorageUnusable` (a StorageError) for a directory that cannot
 be used as it stands (read-only, not writable by this uid, a file in the way): a server goes on
-with its DRAM tier and says why (`TieredStore.open`), since losing the DRAM tier over it helps
+with its DRAM tier and says why (`store.create_store`), since losing the DRAM tier over it helps
 no one. The same words serve `hpkv doctor` (`problem`), which changes nothing.
 
 Primitives: `StorageUnusable`, `prepare(root) -> fs_type`, `problem(root)`, `read_only(path)`,

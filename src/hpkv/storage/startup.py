@@ -18,9 +18,9 @@ import time
 
 import numpy as np
 
+from ..stats import StorageCounters
 from . import scan
 from .capacity import CapacityPolicy
-from .counters import StorageCounters
 from .eviction import SLACK_MINUTES, Evictor
 from .index import MAX_FILE_BYTES, FileIndex
 from .tree import Root

@@ -1,11 +1,11 @@
 """The tiered store (`TieredStore`, in `tiered.py`) and its parts, one concept per module:
-`lookup.py`, `leases.py`, `reservations.py`, `writethrough.py`, `counters.py`, `policies.py`."""
+`lookup.py`, `leases.py`, `reservations.py`, `writethrough.py`."""
 
+from ..pool.lru import PrefixOrder
 from .leases import Lease
-from .policies import BACKLOG_LIMIT_SHARE, PrefixOrder, StorePolicy
 from .reservations import HOLD_QUARANTINE_S
-from .tiered import TieredStore
-from .writethrough import write_threads
+from .tiered import StorePolicy, TieredStore, create_store
+from .writethrough import BACKLOG_LIMIT_SHARE, write_threads
 
 __all__ = [
     "BACKLOG_LIMIT_SHARE",
@@ -14,5 +14,6 @@ __all__ = [
     "PrefixOrder",
     "StorePolicy",
     "TieredStore",
+    "create_store",
     "write_threads",
 ]

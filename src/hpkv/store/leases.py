@@ -6,7 +6,7 @@ the lease ids. A leased entry is never evicted or overwritten until `release` (o
 through `reclaim`) lets it go; a promotion always resolves (True: ready to copy from), so a
 reader may wait on it without a timeout.
 Primitives: `lease`, `start_reads`, `get`, `release`, `owned_by`, `take_expired`, `__len__`.
-Must not know: reservations, holds, the write backlog; the limits are `HeldSlots`' (`held`).
+Must not know: reservations, holds, the write backlog; the limits are `SlotLimits`' (`held`).
 Called without the store's lock, except `owned_by` and `take_expired` (caller holds it); the
 storage I/O runs on the storage tier's threads, never under the lock.
 """
@@ -22,13 +22,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from ..limits import HeldSlots
+from ..limits import SlotLimits
+from ..pool.dram_tier import DramTier
+from ..pool.entry import DramEntry
+from ..pool.lru import PrefixOrder
 from ..pool.region import PoolRegion
-from ..pool.tier import DramEntry, DramTier
 from ..stats import StoreCounters
-from ..storage.tier import StorageTier
+from ..storage.storage_tier import StorageTier
 from .lookup import Lookups, Probe
-from .policies import PrefixOrder
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class Leases:
         dram: DramTier,
         storage: StorageTier | None,
         region: PoolRegion,
-        held: HeldSlots[DramEntry],
+        held: SlotLimits[DramEntry],
         counters: StoreCounters,
         lookups: Lookups,
         order: PrefixOrder,

@@ -18,11 +18,10 @@ import threading
 from collections.abc import Callable, Sequence
 
 from ..keys import NamespaceDesc
-from ..pool.tier import DramTier
-from ..stats import NamespaceStats, NamespaceSummary, StoreCounters
-from ..storage.tier import StorageTier
+from ..pool.dram_tier import DramTier
+from ..stats import NamespaceHits, NamespaceStats, NamespaceSummary, StoreCounters
+from ..storage.storage_tier import StorageTier
 from ..types import Lookup, Tier
-from .counters import NamespaceHits
 from .owners import NamespaceOwners
 
 Probe = tuple[bytes, Callable[[bytes], bool]]  # the storage tier's `index_probe(ns)`
@@ -58,7 +57,7 @@ class Lookups:
                 self._descs[ns] = desc
                 self._hits[ns] = NamespaceHits()
                 if self._storage is not None:
-                    self._storage.hold_namespace(ns)
+                    self._storage.pin_namespace(ns)
             self.owners.add(ns, owner, uid)
         if not known and self._storage is not None:
             # File I/O (a hung network file system) outside the lock, which every client needs;
@@ -93,7 +92,7 @@ class Lookups:
             del self._descs[ns]
             del self._hits[ns]
             if self._storage is not None:
-                self._storage.hold_namespace(ns, held=False)
+                self._storage.pin_namespace(ns, pinned=False)
 
     def known(self, ns: str) -> bool:
         return ns in self._descs

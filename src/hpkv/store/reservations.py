@@ -6,7 +6,7 @@ Owns the rules of a reservation: an owner is one writer, and a key it holds rese
 the hold's to publish (`settle`), never its owner's; a hold not settled within HOLD_TIMEOUT_S
 is aborted whole; what is taken back (at a time limit, or from a client gone while its process
 lives) is quarantined first, as its holder may still be copying. The books themselves (who
-holds what, the holds, the quarantine) are `HeldSlots`' (`limits.py`), named by `Reserved`.
+holds what, the holds, the quarantine) are `SlotLimits`' (`limits.py`), named by `Reserved`.
 Primitives: `reserve`, `commit`, `settle`, `abort`, `drop_owner`, `reclaim`.
 Must not know: how a write-through runs (`WriteThrough.admit`/`submit` decide), lease contents
 beyond their entries. Called without the store's lock, except `reclaim` (caller holds it).
@@ -17,12 +17,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 
-from ..limits import HeldSlots, Reserved
-from ..pool.tier import DramEntry, DramTier
+from ..limits import Reserved, SlotLimits
+from ..pool.dram_tier import DramTier
+from ..pool.entry import DramEntry
+from ..pool.lru import PrefixOrder
 from ..stats import StoreCounters
 from ..types import HOLD_TIMEOUT_S
 from .leases import Leases
-from .policies import PrefixOrder
 from .writethrough import WriteThrough
 
 HOLD_QUARANTINE_S = 30.0  # what is taken back stays unusable this long: a copy into it may go on
@@ -33,7 +34,7 @@ class Reservations:
         self,
         lock: threading.Lock,
         dram: DramTier,
-        held: HeldSlots[DramEntry],
+        held: SlotLimits[DramEntry],
         counters: StoreCounters,
         leases: Leases,
         writes: WriteThrough | None,

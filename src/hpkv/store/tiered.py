@@ -1,13 +1,20 @@
-"""The tiered store: one DRAM pool and one storage tier behind a small in-process API.
+"""The tiered store: one DRAM pool and one storage tier behind a small in-process API, the one
+facade the server (its handlers and its daemon) goes through.
 
-Primitives (keyed by namespace `ns` and engine keys, in prefix order): `lookup`; `reserve` ->
-`commit` | `abort`, or `reserve(..., hold=)` -> `settle`; `lease` -> `Lease.wait` -> `release`;
-`join_owner`, `drop_owner`; `flush`, `clear`, `stats`, `close`. Each is its part's: `lookup.py` (namespaces,
-lookups), `leases.py` (leases, promotions), `reservations.py` (reservations, holds, what is
-taken back), `writethrough.py` (the backlog, flush, close); `limits.HeldSlots` keeps the books
-of what each owner holds. The policies (`StorePolicy`) are given at construction.
+Primitives (keyed by namespace `ns` and engine keys, in prefix order): `create_store`; `register`,
+`namespaces`, `check_desc_size`; `lookup`; `reserve` -> `commit` | `abort`, or
+`reserve(..., hold=)` -> `settle`; `lease` (-> `start_reads`) -> `Lease.wait` (`get_lease`) ->
+`release`; `join_owner`, `has_reservations`, `drop_owner`; `set_limits`; `flush`, `clear`,
+`stats`, `close`; `region`, the mapped pool the bytes are copied through by callers. Each is its
+part's: `lookup.py` (namespaces, lookups), `leases.py` (leases, promotions), `reservations.py`
+(reservations, holds, what is taken back), `writethrough.py` (the backlog, flush, close);
+`limits.SlotLimits` keeps the books of what each owner holds. Why one facade, of one-line
+delegations mostly: every caller outside the package sees one API whose methods take the lock
+where a part needs it, while the parts, one concept each, stay free to change (the batched
+protocol reshapes them); below it the parts call the tiers (`DramTier`, `StorageTier`) directly,
+with no layer between. The policies (`StorePolicy`) are given at construction.
 Owns: the parts, the one lock that guards the DRAM index and every part's tables (file I/O runs
-outside it), and the tiers' lifetime. The bytes are copied by callers through the mapped region.
+outside it), and the tiers' lifetime.
 Must not know: the protocol, clients beyond their owner ids.
 """
 
@@ -16,33 +23,49 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import msgspec
 
 from ..config import PoolConfig, StorageConfig
 from ..fsinfo import MEMORY_FS, mount_of
 from ..keys import NamespaceDesc
-from ..limits import HeldSlots
+from ..limits import SlotLimits, SlotShares, share_bytes
+from ..pool.dram_tier import DramTier
+from ..pool.entry import DramEntry
+from ..pool.lru import PrefixOrder
 from ..pool.region import PoolRegion
-from ..pool.tier import DramEntry, DramTier
+from ..pool.room import OldestFirst, RoomPolicy
 from ..stats import StoreCounters, StoreStats, zeroed
 from ..storage.root import StorageUnusable
-from ..storage.tier import StorageTier
+from ..storage.storage_tier import StorageTier
 from ..storage.writer import WriterPool
 from ..types import Lookup
 from .leases import Lease, Leases
 from .lookup import Lookups
 from .owners import NamespaceLimits
-from .policies import StorePolicy
 from .reservations import Reservations
-from .writethrough import WriteThrough
+from .writethrough import BACKLOG_LIMIT_SHARE, WriteThrough, backlog_limit
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class StorePolicy:
+    """What a benchmark may vary, apart from the mechanism; the defaults are the store's own."""
+
+    order: PrefixOrder = PrefixOrder.LAST_FIRST  # how entries used together reach the DRAM LRU
+    room: RoomPolicy = field(default_factory=OldestFirst)  # how the DRAM tier finds room
+    backlog_share: float = BACKLOG_LIMIT_SHARE  # of the pool; math.inf: no limit (all pinned)
+
+    def backlog_limit(self, pool_bytes: int) -> float:
+        """Payload bytes the write backlog may pin."""
+        return backlog_limit(pool_bytes, self.backlog_share)
+
+
 class TieredStore:
     STALLED_S = 30.0  # at close, give up the storage writes when none has ended for this long
-    storage_unusable: str | None = None  # why the storage tier is off though enabled (`open`)
+    storage_unusable: str | None = None  # why the storage tier is off though enabled (`create_store`)
 
     def __init__(
         self,
@@ -57,7 +80,7 @@ class TieredStore:
         self.storage = storage
         self.dram = DramTier(region.size_bytes, slab_bytes, room=policy.room, ready=lambda: region.ready_bytes)
         self.counters = zeroed(StoreCounters)
-        self.held: HeldSlots[DramEntry] = HeldSlots()  # reservations by owner, and the limits the server sets
+        self.limits: SlotLimits[DramEntry] = SlotLimits()  # reservations by owner, and the limits the server sets
         self._lock = threading.Lock()
         pool_bytes = self.dram.alloc.num_slabs * self.dram.alloc.slab_bytes
         # In process (no `write_processes`, or while no writer process can start) the writes run
@@ -77,51 +100,15 @@ class TieredStore:
             self.dram,
             storage,
             region,
-            self.held,
+            self.limits,
             self.counters,
             self.lookups,
             policy.order,
             reclaim=lambda: self.reservations.reclaim(),
         )
         self.reservations = Reservations(
-            self._lock, self.dram, self.held, self.counters, self.leases, self.writes, policy.order
+            self._lock, self.dram, self.limits, self.counters, self.leases, self.writes, policy.order
         )
-
-    @classmethod
-    def open(
-        cls, pool: PoolConfig, storage: StorageConfig, slab_bytes: int | None = None, policy: StorePolicy | None = None
-    ) -> TieredStore:
-        """Create the pool file and start the storage tier (when enabled). A storage directory
-        that cannot be used as it stands (`StorageUnusable`: read-only, not writable) leaves the
-        store with its DRAM tier alone and `storage_unusable` saying why; a storage path that can
-        never work (a pseudo file system) raises."""
-        region = PoolRegion.create(pool.dir, pool.size_bytes)
-        tier = None
-        try:
-            # Pages of a pool on ramfs not there yet arrive on first touch: storage on ramfs
-            # must not take the memory they will need.
-            unbacked = region.unbacked_bytes() if mount_of(pool.dir).fs_type in MEMORY_FS else 0
-            unusable = None
-            if storage.enabled:
-                tier = StorageTier(storage)
-                try:
-                    tier.start(promised_ram_bytes=unbacked)
-                except StorageUnusable as exc:  # DRAM alone beats no server: said in the log, status, doctor
-                    tier.close(wait=False)
-                    tier, unusable = None, str(exc)
-                    log.warning(
-                        "%s. Until then the server runs with the DRAM tier only: no KV is read from or "
-                        "written to storage (fix it, then restart the server)",
-                        exc,
-                    )
-            store = cls(region, tier, slab_bytes, write_processes=True, policy=policy)
-            store.storage_unusable = unusable
-            return store
-        except BaseException:
-            if tier is not None:
-                tier.close(wait=False)
-            region.close()
-            raise
 
     def close(self, abandon: threading.Event | None = None) -> bool:
         """Finish the write-throughs queued and deferred (entries committed from now on are not
@@ -147,14 +134,30 @@ class TieredStore:
         """The namespace of `desc`, held by `owner` (of `uid`) until `drop_owner(owner)`."""
         return self.lookups.register(desc, owner, uid)
 
-    def limit_namespaces(self, limits: NamespaceLimits) -> None:
-        self.lookups.owners.limits = limits
+    def set_limits(self, namespaces: NamespaceLimits | None = None, slots: SlotShares | None = None) -> None:
+        """The server's limits: on namespaces, and on the slots each client takes (as shares of
+        the pool); those not given stay as they are (a store starts with none)."""
+        alloc = self.dram.alloc
+        with self._lock:
+            if namespaces is not None:
+                self.lookups.owners.limits = namespaces
+            if slots is not None:
+                pool_bytes = alloc.num_slabs * alloc.slab_bytes
+                self.limits.configure(
+                    slots.timeout_s,
+                    share_bytes(slots.process_share, pool_bytes, alloc.slab_bytes),
+                    share_bytes(slots.user_share, pool_bytes, alloc.slab_bytes),
+                )
 
     def namespaces(self) -> dict[str, NamespaceDesc]:
+        """The namespaces registered (a copy)."""
         return self.lookups.descs()
 
-    def entry_bytes(self, ns: str) -> int:
-        return self.dram.entry_bytes(ns)
+    def check_desc_size(self, desc_bytes: int) -> None:
+        """`NamespaceLimit` where a description of `desc_bytes` is too large to register: asked
+        before the description is parsed (its characters are at most its bytes)."""
+        with self._lock:
+            self.lookups.owners.check_size(desc_bytes)
 
     def lookup(self, ns: str, keys: Sequence[bytes]) -> Lookup:
         """The tier of each leading hit (DRAM before storage), up to the first miss."""
@@ -162,6 +165,14 @@ class TieredStore:
 
     def lease(self, ns: str, keys: Sequence[bytes], owner: int = 0, start_reads: bool = True) -> Lease:
         return self.leases.lease(ns, keys, owner, start_reads)
+
+    def start_reads(self, lease: Lease) -> None:
+        """Queue the storage reads of a lease taken with `start_reads=False` (after its reply)."""
+        self.leases.start_reads(lease)
+
+    def get_lease(self, lease_id: int) -> Lease | None:
+        """The lease, while it is held (None once released or taken back at its time limit)."""
+        return self.leases.get(lease_id)
 
     def release(self, lease_id: int) -> bool:
         return self.leases.release(lease_id)
@@ -183,14 +194,14 @@ class TieredStore:
         (or have failed). False on timeout."""
         return self.writes.flush(timeout) if self.writes is not None else True
 
-    def holds_reservations(self, owner: int) -> bool:
+    def has_reservations(self, owner: int) -> bool:
         with self._lock:
-            return self.held.holds_reservations(owner)
+            return self.limits.has_reservations(owner)
 
     def join_owner(self, owner: int, uid: int, pid: int) -> None:
         """A client `owner` of process `pid`, user `uid`: its holdings count in their shares."""
         with self._lock:
-            self.held.join(owner, uid, pid)
+            self.limits.join(owner, uid, pid)
 
     def drop_owner(self, owner: int, quarantine_s: float = 0.0) -> None:
         """Abort the reservations and release the leases of a client that is gone, then forget
@@ -204,7 +215,7 @@ class TieredStore:
             self.leases.release(lease_id)
         with self._lock:
             self.lookups.drop_owner(owner)
-            self.held.leave(owner)
+            self.limits.leave(owner)
 
     def clear(self, memory: bool = True, storage: bool = False, ns: str | None = None) -> dict[str, int]:
         removed = {"memory": 0, "storage": 0}
@@ -223,10 +234,10 @@ class TieredStore:
                 namespaces=self.lookups.stats(),
                 namespace_summary=self.lookups.summary(),
                 leases=len(self.leases),
-                reservations=self.held.num_reservations,
-                limits=self.held.stats(),
-                quarantined=len(self.held.quarantined),
-                holds=len(self.held.holds),
+                reservations=self.limits.num_reservations,
+                limits=self.limits.stats(),
+                quarantined=len(self.limits.quarantined),
+                holds=len(self.limits.holds),
                 write_backlog=self.writes.stats() if self.writes is not None else None,
                 storage=None,
                 storage_unusable=self.storage_unusable,
@@ -237,3 +248,39 @@ class TieredStore:
         writers = self.writers
         stats.writers = writers.stats() if writers is not None else None
         return stats
+
+
+def create_store(
+    pool: PoolConfig, storage: StorageConfig, slab_bytes: int | None = None, policy: StorePolicy | None = None
+) -> TieredStore:
+    """Create the pool file and start the storage tier (when enabled). A storage directory
+    that cannot be used as it stands (`StorageUnusable`: read-only, not writable) leaves the
+    store with its DRAM tier alone and `storage_unusable` saying why; a storage path that can
+    never work (a pseudo file system) raises."""
+    region = PoolRegion.create(pool.dir, pool.size_bytes)
+    tier = None
+    try:
+        # Pages of a pool on ramfs not there yet arrive on first touch: storage on ramfs
+        # must not take the memory they will need.
+        unbacked = region.unbacked_bytes() if mount_of(pool.dir).fs_type in MEMORY_FS else 0
+        unusable = None
+        if storage.enabled:
+            tier = StorageTier(storage)
+            try:
+                tier.start(promised_ram_bytes=unbacked)
+            except StorageUnusable as exc:  # DRAM alone beats no server: said in the log, status, doctor
+                tier.close(wait=False)
+                tier, unusable = None, str(exc)
+                log.warning(
+                    "%s. Until then the server runs with the DRAM tier only: no KV is read from or "
+                    "written to storage (fix it, then restart the server)",
+                    exc,
+                )
+        store = TieredStore(region, tier, slab_bytes, write_processes=True, policy=policy)
+        store.storage_unusable = unusable
+        return store
+    except BaseException:
+        if tier is not None:
+            tier.close(wait=False)
+        region.close()
+        raise

@@ -6,7 +6,8 @@ take batches from, the backlog (entries committed whose write, or that of one qu
 them, has not ended: each pins its slot, released in the order queued, so that a prefix becomes
 evictable last entries first; their count and payload bytes), its limit, the deferred entries
 (committed past the limit, oldest first: unpinned, written once the backlog drains if DRAM still
-holds them), and the closing and abandoned flags.
+holds them), and the closing and abandoned flags; `BACKLOG_LIMIT_SHARE`, the share of the pool the
+backlog may pin by default (`backlog_limit`).
 Primitives: `admit` (caller holds the lock), `submit`, `flush`, `close`, `stats` (caller holds
 the lock).
 Must not know: leases, reservations, holds; who committed an entry.
@@ -15,6 +16,7 @@ Must not know: leases, reservations, holds; who committed an entry.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -22,14 +24,26 @@ from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
+from ..pool.dram_tier import DramTier
+from ..pool.entry import DramEntry
 from ..pool.region import PoolRegion
-from ..pool.tier import DramEntry, DramTier
 from ..stats import StoreCounters, WriteBacklogStats
 from ..storage.fileio import FileTarget
-from ..storage.tier import StorageTier
+from ..storage.storage_tier import StorageTier
 from ..storage.writer import Job, WriterPool, WriterUnavailable
 
 log = logging.getLogger(__name__)
+
+# Entries waiting for their write-through pin their pool slots, at most this share of the pool;
+# past it a committed entry waits unpinned (deferred): a storage device slower than the engines
+# must not pin the whole pool.
+BACKLOG_LIMIT_SHARE = 0.5
+
+
+def backlog_limit(pool_bytes: int, share: float = BACKLOG_LIMIT_SHARE) -> float:
+    """Payload bytes the write backlog may pin: `share` of the pool (math.inf: no limit)."""
+    return math.inf if math.isinf(share) else int(pool_bytes * share)
+
 
 BATCH_ENTRIES = 16  # written by one process in one round trip: the per-entry costs shared
 

@@ -5,7 +5,7 @@ the directory of the file it becomes (`scan` reads the writer back from the name
 looked up from the root held open (`tree.Root`); removal is an `unlink` by name in a directory
 reached without following a link.
 
-Primitives: `Layout.where`, `path_of`, `stat`, `unlink`, `temp_name`, `target`, `close`; `io`, the system
+Primitives: `EntryPaths.where`, `path_of`, `stat`, `unlink`, `temp_name`, `target`, `close`; `io`, the system
 calls (a seam tests replace, also on a running tier).
 Must not know: the index, capacity, what a file holds.
 """
@@ -25,7 +25,7 @@ from .fileio import FileIO, FileTarget
 _TEMP_SEQ = itertools.count(1)
 
 
-class Layout:
+class EntryPaths:
     def __init__(self, root: Path, io: FileIO) -> None:
         self.root = root
         self.tree = tree.Root(str(root))  # held open: everything below it starts there

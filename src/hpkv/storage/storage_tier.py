@@ -1,6 +1,6 @@
 """The storage tier: one checksummed file per entry, bounded, evicted LRU, shareable by nodes.
 
-A facade over the concepts of the package: `layout` (where files live), `index` (what counts as
+A facade over the concepts of the package: `paths` (where entry files live), `index` (what counts as
 a hit, in LRU order), `capacity` (how much may be held; HPKV_KV_STORAGE_SIZE), `eviction`,
 `reading`, `publishing`, `startup` (the index rebuilt from the start-up `scan`), `rescan` (other
 nodes' files learned by walking again), `budget` (HPKV_KV_STORAGE_WRITE_BUDGET), `retention`
@@ -8,10 +8,16 @@ nodes' files learned by walking again), `budget` (HPKV_KV_STORAGE_WRITE_BUDGET),
 none, checked, and a bad file is a miss that deletes it; nothing below the root is followed
 (`tree`). Several tiers (nodes) may share one root: a lookup adopts files others wrote.
 
-Primitives: `start`, `add_namespace`, `hold_namespace`, `indexed` (`index_probe`), `contains`,
+Primitives: `start`, `add_namespace`, `pin_namespace`, `indexed` (`index_probe`), `contains`,
 `touch`/`done_with`, `read_into`,
 `write_from` (or `publish`/`publish_many`, where another process writes the files), `submit`, `remove`, `stats`,
 `close`. A write that cannot happen is dropped (counted), never raised.
+Why a facade: everything outside the package (the store, `hpkv clear`, benchmarks) goes through
+these methods, in the (ns, key) words of the store, and the parts stay the package's to change;
+the few that delegate in one line (`read_into`, `write_from`, `publish`, `publish_many`) keep
+`Reader` and `Publisher` out of the store's sight. The parts (`paths`, `index`, `capacity`,
+`evictor`, `reader`, `publisher`, `rescan`) are attributes for the package's own tests, with no
+property passing them through.
 Must not know: the pool, engines, devices.
 """
 
@@ -25,18 +31,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ..config import StorageConfig
-from ..stats import StorageStats
-from . import rescan, scan, startup, tree
+from ..stats import StorageCounters, StorageStats
 from . import root as storage_root
+from . import scan, startup, tree
 from .budget import WriteBudget
 from .capacity import CapacityPolicy
-from .counters import ErrorLog, StorageCounters
 from .eviction import Evictor
 from .fileio import FileIO, FileTarget, direct_supported
 from .index import FileIndex
-from .layout import Layout
+from .paths import EntryPaths
 from .publishing import Publisher
-from .reading import Reader
+from .reading import ErrorLog, Reader
+from .rescan import Rescan, shared_root
 from .retention import Retention
 
 log = logging.getLogger(__name__)
@@ -58,22 +64,22 @@ class StorageTier:
         self.counters = StorageCounters()
         self.scan_done = threading.Event()
         self.budget = WriteBudget(config.write_budget_bytes, clock)
-        self.layout = Layout(self.root, io or FileIO())
+        self.paths = EntryPaths(self.root, io or FileIO())
         self.index = FileIndex(str(self.root), clock, wall_clock)
         self.capacity = CapacityPolicy(self.root, config.capacity_bytes, clock)
         errors = ErrorLog(clock)
-        self.evictor = Evictor(self.index, self.layout, self.counters, wall_clock)
+        self.evictor = Evictor(self.index, self.paths, self.counters, wall_clock)
         self.retention = (
-            Retention(config.retention_s, self.index, self.layout, self.evictor, wall_clock)
+            Retention(config.retention_s, self.index, self.paths, self.evictor, wall_clock)
             if config.retention_s
             else None
         )
         self._stop = threading.Event()
         self._retention_thread: threading.Thread | None = None
         self._walk_soon = threading.Event()  # a read found an indexed file gone: walk the root soon (`rescan`)
-        self.reader = Reader(self.layout, self.index, self.counters, errors, config.direct_io, self._walk_soon.set)
+        self.reader = Reader(self.paths, self.index, self.counters, errors, config.direct_io, self._walk_soon.set)
         self.publisher = Publisher(
-            self.layout,
+            self.paths,
             self.index,
             self.capacity,
             self.evictor,
@@ -84,6 +90,7 @@ class StorageTier:
             config.fsync,
             self.scan_done,
         )
+        self.rescan = Rescan(self.index, self.paths, self.evictor, self.capacity, self.counters, wall_clock)
         self._lock = self.index.lock  # held for long by evictions and removes
         self._shared_fs = False  # on a file system other nodes mount (`rescan`)
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="hpkv-io")
@@ -96,7 +103,7 @@ class StorageTier:
         `promised_ram_bytes`: memory promised elsewhere and not taken yet (a DRAM pool on ramfs,
         whose pages arrive on first touch), which an automatic capacity on ramfs leaves out."""
         fs_type = storage_root.prepare(self.root)  # StorageUnusable: the server goes on with DRAM alone
-        self.layout.tree.fd()  # the root opened once: nothing below it is looked up by its name again
+        self.paths.tree.fd()  # the root opened once: nothing below it is looked up by its name again
         self.capacity.size_at_start(fs_type, promised_ram_bytes)
         if self.reader.direct and not direct_supported(str(self.root)):
             self.reader.direct = False
@@ -105,7 +112,7 @@ class StorageTier:
                 "go through the page cache instead",
                 self.root,
             )
-        self._shared_fs = self.evictor.shared = rescan.shared_root(self.root)  # others read there too
+        self._shared_fs = self.evictor.shared = shared_root(self.root)  # others read there too
         threading.Thread(target=self._scan, name="hpkv-storage-scan", daemon=True).start()
         if self.retention is not None:
             args = (self._stop, self.scan_done)
@@ -116,9 +123,9 @@ class StorageTier:
 
     def _scan(self) -> None:
         """The start-up scan, then the walks that learn other nodes' files (`rescan`)."""
-        startup.rebuild(self.layout.tree, self.layout.node, self.index, self.capacity, self.evictor, self.counters)
+        startup.rebuild(self.paths.tree, self.paths.node, self.index, self.capacity, self.evictor, self.counters)
         self.scan_done.set()
-        rescan.run(self, self._shared_fs, self._stop, self._walk_soon)
+        self.rescan.run(self._shared_fs, self._stop, self._walk_soon)
 
     def close(self, wait: bool = True) -> None:
         """Finish queued writes, then stop the I/O threads; without `wait`, drop what is queued
@@ -129,7 +136,7 @@ class StorageTier:
             self._retention_thread.join(timeout=10.0)  # a pass removes at most MAX_PER_PASS files
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
         if wait:  # else a thread may still be in a system call on it: the process is about to exit
-            self.layout.close()
+            self.paths.close()
 
     def submit(self, fn: Callable, *args) -> Future:
         return self._executor.submit(fn, *args)
@@ -139,15 +146,15 @@ class StorageTier:
         the store from starting (the entries themselves do not need the description)."""
         try:
             tree.write_description(
-                self.layout.tree, ns, "namespace.json", self.layout.temp_name("namespace"), description_json + "\n"
+                self.paths.tree, ns, "namespace.json", self.paths.temp_name("namespace"), description_json + "\n"
             )
         except OSError as exc:
             log.warning("cannot write %s: %s; going on without it", self.root / ns / "namespace.json", exc.strerror)
 
-    def hold_namespace(self, ns: str, held: bool = True) -> None:
-        """`ns` is registered: its index number stays until it is not `held` any more, and then
+    def pin_namespace(self, ns: str, pinned: bool = True) -> None:
+        """`ns` is registered: its index number stays until it is not `pinned` any more, and then
         goes once no file of it is indexed (no I/O)."""
-        if held:
+        if pinned:
             self.index.numbers.pin(ns)
         else:
             self.index.numbers.unpin(ns)
@@ -155,20 +162,20 @@ class StorageTier:
     # -- lookups ------------------------------------------------------------------------------
 
     def indexed(self, ns: str, key: bytes) -> bool:
-        """Whether the index holds (ns, key): no I/O, so callers may ask while holding a lock."""
-        return self.index.holds(self.index.key(ns, key))
+        """Whether (ns, key) is indexed: no I/O, so callers may ask while holding a lock."""
+        return self.index.has(self.index.key(ns, key))
 
     def index_probe(self, ns: str) -> tuple[bytes, Callable[[bytes], bool]]:
-        """(prefix, holds): `holds(prefix + key)` is `indexed(ns, key)` without a Python call per
+        """(prefix, has): `has(prefix + key)` is `indexed(ns, key)` without a Python call per
         key, for walks over long prefixes."""
-        return self.index.key(ns, b""), self.index.holds
+        return self.index.key(ns, b""), self.index.has
 
     def contains(self, ns: str, key: bytes) -> bool:
         """Whether a file for (ns, key) exists, adopting files other tiers wrote (one `lstat` of
         the file when the index does not hold it: ask without holding a lock); what stands
         there and is not a regular file is skipped and counted."""
         ik = self.index.key(ns, key)
-        if self.index.holds(ik):
+        if self.index.has(ik):
             return True
         if self.index.being_evicted(ik):
             return False
@@ -228,8 +235,8 @@ class StorageTier:
         """Delete every entry file (of one namespace), including files other nodes wrote; only
         inside the tree (`scan.remove_entries`). The number removed."""
         self.index.remove(ns)
-        self.layout.tree.check()  # a root replaced: said, and not followed
-        return scan.remove_entries(self.layout.tree, ns)
+        self.paths.tree.check()  # a root replaced: said, and not followed
+        return scan.remove_entries(self.paths.tree, ns)
 
     def stats(self) -> StorageStats:
         return StorageStats(
@@ -243,41 +250,5 @@ class StorageTier:
             **vars(self.counters),
             retention_s=self.config.retention_s,
             expired=self.retention.num_expired if self.retention is not None else 0,
-            root_replaced=self.layout.tree.replaced,
+            root_replaced=self.paths.tree.replaced,
         )
-
-    # -- views of the parts, and seams for tests and benchmarks ---------------------------------
-
-    @property
-    def io(self) -> FileIO:
-        return self.layout.io
-
-    @io.setter
-    def io(self, io: FileIO) -> None:
-        self.layout.io = io
-
-    @property
-    def direct(self) -> bool:
-        """Whether entry files go with O_DIRECT (cleared where the file system refuses it)."""
-        return self.reader.direct
-
-    @property
-    def shared(self) -> bool:
-        """Whether another tier writes here too (`eviction`)."""
-        return self.evictor.shared
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.capacity.capacity_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        return self.index.used_bytes
-
-    def _remember(self, ns: str, key: bytes, size: int) -> None:
-        """Index (ns, key) as the most recently used, as if just written (no I/O)."""
-        self.index.remember(self.index.key(ns, key), size)
-
-    def _forget(self, ns: str, key: bytes) -> None:
-        """Out of the index, its file left (as if another node wrote it)."""
-        self.index.forget(self.index.key(ns, key))

@@ -9,10 +9,15 @@ Which entry or slab goes is the room policy's (`pool/room.py`, given to the tier
 the evictable entries (`lru`, `pool/lru.py`: each class's LRU and the books of slabs that could
 move, kept from the time a second size class appears: a pool of one size class never moves a slab).
 
+Owns: the index (namespace -> key -> `DramEntry`, `pool/entry.py`), the entries by slot, the
+allocator, the evictable entries, the counters.
 Primitives: `add_namespace`/`remove_namespace`, `get`, `reserve`, `commit`, `abort`,
 `pin`, `unpin`, `touch`, `drop`;
-for room policies: `lru`, `slab_entries`, `move_slab`, `evict_for`. Owns no memory: offsets
-refer to a `PoolRegion` someone else maps. Not thread-safe: the store serialises calls.
+for room policies (`room.Evictions`): `lru`, `alloc`, `slab_entries`, `move_slab`, `evict_for`.
+Owns no memory: offsets refer to a `PoolRegion` someone else maps. Not thread-safe: the store
+serialises calls. The store's parts call the tier itself, and each call the tier passes to its
+evictable entries does work there (a class's LRU, the slab books): no layer below the store only
+passes a call on, but `lru.oldest_movable` (whether slab books are kept at all is `lru`'s).
 """
 
 from __future__ import annotations
@@ -22,30 +27,12 @@ from dataclasses import dataclass
 
 from ..errors import PoolError
 from ..stats import DramStats
+from .entry import DramEntry
 from .lru import EvictableEntries
 from .room import OldestFirst, RoomPolicy
 from .slots import SlotAllocator
 
 _NO_ENTRIES: dict = {}  # never written to
-
-
-class DramEntry:
-    __slots__ = ("ns", "key", "offset", "slot_bytes", "reserved", "ready", "refs", "dead", "stamp")
-
-    def __init__(self, ns: str, key: bytes, offset: int, slot_bytes: int) -> None:
-        self.ns = ns
-        self.key = key
-        self.offset = offset
-        self.slot_bytes = slot_bytes
-        self.reserved = True  # a writer owns the slot until commit or abort
-        self.ready = False
-        self.refs = 0
-        self.dead = False  # out of the index; the slot is freed once nobody holds it
-        self.stamp = 0
-
-    @property
-    def evictable(self) -> bool:
-        return self.ready and self.refs == 0 and not self.dead
 
 
 @dataclass
@@ -221,13 +208,12 @@ class DramTier:
         """Evict every entry of a slab whose entries are all evictable (in bulk: a slab of small
         entries holds thousands, and this runs under the store's lock); a slot of the freed slab,
         which moves to the class of `slot_bytes`."""
-        entries = self.lru.drain(slab)
-        their_bytes = next(iter(entries)).slot_bytes  # a slab that moves holds entries, all of one class
-        lru, by_offset, index, live = self.lru.by_class()[their_bytes], self._by_offset, self._index, self._live
+        entries = self.lru.take_slab(slab)
+        their_bytes = entries[0].slot_bytes  # a slab that moves holds entries, all of one class
+        by_offset, index, live = self._by_offset, self._index, self._live
         for entry in entries:
             entry.dead = True
             del index[entry.ns][entry.key]
-            del lru[entry]
             del by_offset[entry.offset]
             live[entry.ns] -= 1
             if not live[entry.ns]:
