@@ -44,8 +44,8 @@ from pathlib import Path
 
 from bench.harness.netfs import local_and_shared
 from bench.harness.report import log
+from hpkv.stats import StorageCounters
 from hpkv.storage import scan, tree
-from hpkv.storage.counters import StorageCounters
 
 SMALL = 4096
 POLL_S = 0.0005
