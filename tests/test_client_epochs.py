@@ -14,7 +14,7 @@ from helpers.waiting import wait_for
 from hpkv.config import load_settings
 from hpkv.server import daemon
 from hpkv.server.autostart import answers
-from hpkv.types import Tier
+from hpkv.tiers import Tier
 
 ENTRY = 64 << 10
 

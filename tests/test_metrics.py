@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.cli import ENTRY_BYTES, ServerProcess, hpkv_env, wait_for_storage, write_entries
 from hpkv.server.metrics import op_label
-from hpkv.types import Tier
+from hpkv.tiers import Tier
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

@@ -20,7 +20,7 @@ from helpers.config import make_pool_config, make_storage_config
 from hpkv.config import StorageConfig
 from hpkv.keys import NamespaceDesc, make_key
 from hpkv.store import PrefixOrder, StorePolicy, TieredStore
-from hpkv.types import Tier
+from hpkv.tiers import Tier
 
 ENTRY = 64 << 10
 
@@ -196,7 +196,7 @@ def test_an_owner_gives_back_what_it_reserved_in_a_hold_and_the_settle_cannot_pu
 
 def test_a_hold_nobody_settles_is_aborted_after_the_timeout(open_store):
     from hpkv.store import HOLD_QUARANTINE_S
-    from hpkv.types import HOLD_TIMEOUT_S
+    from hpkv.tiers import HOLD_TIMEOUT_S
 
     store = open_store()
     clock = store.held.clock = FakeClock(time.monotonic())  # what was held before keeps its age

@@ -29,7 +29,7 @@ from ..keys import NamespaceDesc
 from ..pool.region import PoolRegion
 from ..stats import ServerStats
 from ..stats import from_wire as stats_from_wire
-from ..types import Lookup, Tier
+from ..tiers import Lookup, Tier
 from . import protocol as p
 from .autostart import ServerUnavailable
 from .channel import MAX_RETRY_S, Channel, ServerError, _expect

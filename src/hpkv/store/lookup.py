@@ -21,7 +21,7 @@ from ..keys import NamespaceDesc
 from ..pool.tier import DramTier
 from ..stats import NamespaceStats, NamespaceSummary, StoreCounters
 from ..storage.tier import StorageTier
-from ..types import Lookup, Tier
+from ..tiers import Lookup, Tier
 from .counters import NamespaceHits
 from .owners import NamespaceOwners
 

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from ..limits import HeldSlots, Reserved
 from ..pool.tier import DramEntry, DramTier
 from ..stats import StoreCounters
-from ..types import HOLD_TIMEOUT_S
+from ..tiers import HOLD_TIMEOUT_S
 from .leases import Leases
 from .policies import PrefixOrder
 from .writethrough import WriteThrough

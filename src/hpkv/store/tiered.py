@@ -29,7 +29,7 @@ from ..stats import StoreCounters, StoreStats, zeroed
 from ..storage.root import StorageUnusable
 from ..storage.tier import StorageTier
 from ..storage.writer import WriterPool
-from ..types import Lookup
+from ..tiers import Lookup
 from .leases import Lease, Leases
 from .lookup import Lookups
 from .owners import NamespaceLimits

@@ -19,7 +19,7 @@ import time
 from ...config import Settings
 from ...errors import HpkvError
 from ...server.client import Client
-from ...types import HOLD_TIMEOUT_S, Tier
+from ...tiers import HOLD_TIMEOUT_S, Tier
 from . import compat, groups, mamba, modelid, optout, outputs, probes
 from . import layout as lay
 from .holds import SaveHolds
