@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..logutil import Throttle
+from ..throttle import Throttle
 
 log = logging.getLogger("hpkv.storage.tier")
 

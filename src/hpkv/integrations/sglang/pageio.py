@@ -20,9 +20,9 @@ from pathlib import Path
 
 from ...errors import HpkvError
 from ...keys import NamespaceDesc
-from ...logutil import Throttle
 from ...server.autostart import ServerUnavailable
 from ...server.client import Client
+from ...throttle import Throttle
 from . import layout as lay
 from . import pages as pg
 from .stats import BackendStats
