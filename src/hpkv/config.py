@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from hpkv.configkeys import CONFIG_FILE_KEY, KEYS, KEYS_BY_NAME, KeySpec
-from hpkv.configvalues import MODEL_ID_MAX_CHARS, parse_size
+from hpkv.configvalues import MODEL_ID_MAX_CHARS
 from hpkv.errors import ConfigError
+from hpkv.units import parse_size
 
 __all__ = [
     "CONFIG_FILE_KEY",
