@@ -38,7 +38,7 @@ from ..storage.tier import StorageTier
 from ..store import TieredStore
 from ..units import whole_unit_bytes as human_bytes  # the name report.py and storage_peers.py import
 from . import lookup, machine
-from .disk import disk_limit
+from .machine import disk_limit
 
 GB = 1e9
 TARGET_RATIO = 0.7
