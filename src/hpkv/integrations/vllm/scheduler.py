@@ -1,7 +1,7 @@
 """The scheduler half of HpkvConnectorV1: decides what to load and what to save.
 
 Owns each request's lookup and leases (`requests.RequestState`), the load decision (the
-policy from `probes.load_policy`: a fixed threshold or `auto`) and the save jobs of every
+policy from `loadpolicy.load_policy`: a fixed threshold or `auto`) and the save jobs of every
 step; reading a step's output and settling its held saves is in `outputs.py`, what each KV
 cache group of a hybrid model loads and saves in `groups.py` (all groups of a hit, or none; such
 loads are asynchronous to vLLM, so that a failure reaches it as failed_recving).
@@ -20,7 +20,7 @@ from ...config import Settings
 from ...errors import HpkvError
 from ...server.client import Client
 from ...tiers import HOLD_TIMEOUT_S, Tier
-from . import compat, groups, mamba, modelid, optout, outputs, probes
+from . import compat, groups, loadpolicy, mamba, modelid, optout, outputs, probes
 from . import layout as lay
 from .holds import SaveHolds
 from .metadata import HpkvConnectorMetadata, HpkvConnectorStats, LoadJob
@@ -52,7 +52,7 @@ class HpkvScheduler:
         self.client = Client(settings.pool.dir, kind="vllm-scheduler", trusted_uids=settings.server_allow_uids)
         self.stats = HpkvConnectorStats()
         self._ns: list[str] | None = None
-        self.policy = probes.load_policy(
+        self.policy = loadpolicy.load_policy(
             settings,
             vllm_config.model_config,
             lay.moved_per_block(self.layouts),
