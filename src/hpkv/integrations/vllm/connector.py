@@ -189,7 +189,7 @@ class HpkvConnectorV1(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        from .prom import HpkvPromMetrics
+        from .connectorstats import HpkvPromMetrics
 
         return HpkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
