@@ -20,10 +20,10 @@ from ...config import Settings
 from ...errors import HpkvError
 from ...server.client import Client
 from ...tiers import HOLD_TIMEOUT_S, Tier
-from . import compat, groups, loadpolicy, mamba, modelid, optout, outputs, probes
+from . import compat, connectorstats, groups, loadpolicy, mamba, modelid, optout, outputs, probes
 from . import layout as lay
 from .holds import SaveHolds
-from .metadata import HpkvConnectorMetadata, HpkvConnectorStats, LoadJob
+from .metadata import HpkvConnectorMetadata, LoadJob
 from .requests import RequestState
 
 log = logging.getLogger("hpkv.vllm.scheduler")
@@ -50,7 +50,7 @@ class HpkvScheduler:
                 "and path, not its content): they are computed by vLLM alone; base-model requests are cached"
             )
         self.client = Client(settings.pool.dir, kind="vllm-scheduler", trusted_uids=settings.server_allow_uids)
-        self.stats = HpkvConnectorStats()
+        self.stats = connectorstats.HpkvConnectorStats()
         self._ns: list[str] | None = None
         self.policy = loadpolicy.load_policy(
             settings,
@@ -369,10 +369,10 @@ class HpkvScheduler:
         log.warning("HPKV lookup failed, recomputing: %s", exc)
         state.release(self.client)  # the leases of the ranks before the one that failed
 
-    def take_stats(self) -> HpkvConnectorStats | None:
+    def take_stats(self) -> connectorstats.HpkvConnectorStats | None:
         if self.stats.is_empty():
             return None
-        stats, self.stats = self.stats, HpkvConnectorStats()
+        stats, self.stats = self.stats, connectorstats.HpkvConnectorStats()
         return stats
 
     def shutdown(self) -> None:
