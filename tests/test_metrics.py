@@ -29,7 +29,7 @@ def test_metrics_count_what_the_client_did(server, env):
         ns, keys = write_entries(client, 4)
         assert client.lookup(ns, keys + [b"x" * 16]).num_dram == 4  # 5 keys, 4 DRAM hits
         wait_for_storage(client, 4)
-        client.clear(memory=True)
+        client.clear(dram=True)
         assert client.lookup(ns, keys).tiers == (Tier.STORAGE,) * 4  # 4 keys, 4 storage hits
         lease = client.lease(ns, keys)  # promotes the four back into DRAM
         assert client.wait(lease) == 4

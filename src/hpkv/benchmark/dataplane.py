@@ -224,7 +224,7 @@ def dram_rows(pool_dir: Path, entry_bytes: int, buffers: _Buffers, reps: int) ->
                 write_s = _timed(_store_write, store, ns, keys, pool, buffers.src)
                 read_s = _timed(_store_read, store, ns, keys, pool, buffers.dst)
                 _check_same(buffers.src[:num_bytes], buffers.dst[:num_bytes], "DRAM")
-                store.clear(memory=True)
+                store.clear(dram=True)
                 seconds = (
                     write_s,
                     read_s,

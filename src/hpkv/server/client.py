@@ -145,8 +145,8 @@ class Client(Channel):
         (`_drop`)."""
         return handle.epoch == self.epoch and self._sock is not None and time.monotonic() < handle.deadline
 
-    def clear(self, memory: bool = True, storage: bool = False, ns: str | None = None) -> p.Cleared:
-        return self._ask(p.Clear(memory, storage, ns), p.Cleared, max(self.timeout_s, 300.0))
+    def clear(self, dram: bool = True, storage: bool = False, ns: str | None = None) -> p.Cleared:
+        return self._ask(p.Clear(dram, storage, ns), p.Cleared, max(self.timeout_s, 300.0))
 
     def stats(self, after: str = "", max_namespaces: int = 256, busiest: bool = False) -> ServerStats:
         """The server's snapshot with one page of its namespaces (`protocol.Stats`; the page after

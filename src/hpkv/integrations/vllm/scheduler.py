@@ -354,7 +354,7 @@ class HpkvScheduler:
             state.release(self.client)
         try:
             for ns in self.namespaces() or []:
-                self.client.clear(memory=True, storage=False, ns=ns)
+                self.client.clear(dram=True, storage=False, ns=ns)
         except HpkvError as exc:
             log.warning("HPKV reset: the server is not reachable (%s); its DRAM tier is gone with it", exc)
         return True
