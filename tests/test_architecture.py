@@ -1,5 +1,6 @@
 """The dependency rules of docs/architecture.md: an engine process imports nothing server-side,
-no import circle in src/hpkv, one concept per module of at most about 400 lines."""
+no import circle in src/hpkv, the store imports nothing of the server, one concept per module
+of at most about 400 lines."""
 
 import ast
 import json
@@ -171,3 +172,16 @@ def test_the_circle_check_finds_a_circle_through_function_level_and_type_checkin
     assert import_circles(import_graph(tmp_path, "pkg")) == [["pkg.a", "pkg.sub.b", "pkg.sub.c"]]
     (pkg / "sub" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import os\n")
     assert import_circles(import_graph(tmp_path, "pkg")) == []
+
+
+def test_the_store_and_its_tiers_import_nothing_of_the_server():
+    graph = import_graph(Path(__file__).resolve().parents[1] / "src")
+    below = ("hpkv.store", "hpkv.pool", "hpkv.storage", "hpkv.limits")
+    reaching_up = sorted(
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        if any(m == b or m.startswith(b + ".") for b in below)
+        for d in deps
+        if d.startswith("hpkv.server")
+    )
+    assert reaching_up == [], "the store, pool and storage tier import the server (docs/architecture.md)"
