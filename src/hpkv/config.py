@@ -1,7 +1,7 @@
 """HPKV settings: where each key's value came from, and the frozen config components take.
 
 Owns the config-file format and the resolution order; the keys and their value syntax live in
-`hpkv.configkeys` (re-exported here: `KEYS`, `parse_size`). The one primitive is
+`hpkv.configkeys` (re-exported here: `KEYS`; and `parse_size`, from `hpkv.units`). The one primitive is
 `load_settings(env)`, which resolves every key once, at the edge, into frozen dataclasses;
 components take the part they need (`PoolConfig`, `StorageConfig`) and never read the
 environment themselves.
