@@ -98,13 +98,13 @@ class Side:
         row["hot_read_s"], row["hot_read_cpu_s"] = self.promote(keys)
         self.drop_page_cache(keys)
         row["cold_read_s"], row["cold_read_cpu_s"] = self.promote(keys)
-        store.clear(memory=True, storage=True, ns=self.ns)
+        store.clear(dram=True, storage=True, ns=self.ns)
         return row
 
     def promote(self, keys: list[bytes]) -> tuple[float, float]:
         """Drop the DRAM copies, lease every key (a promotion from storage), wait for them."""
         store = self.store
-        store.clear(memory=True, ns=self.ns)
+        store.clear(dram=True, ns=self.ns)
         m0, t0 = machine_cpu(), time.perf_counter()
         lease = store.lease(self.ns, keys)
         try:

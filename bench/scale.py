@@ -39,7 +39,7 @@ from bench.harness.server import SHM, huge_tmpfs, server_env, stop_server
 from hpkv.server.autostart import answers
 from hpkv.server.client import Client
 from hpkv.server.protocol import SOCKET_NAME
-from hpkv.types import Tier
+from hpkv.tiers import Tier
 
 GiB = 1 << 30
 HEADROOM_GIB = 3

@@ -25,7 +25,7 @@ subprocess; HPKV's side is driven here in the same shape, so that both do the sa
   a temporary and renames it into place. HPKV runs with `fsync=off` (its default) and, as always,
   temporary + rename. HPKV also writes a 52+ byte header and checks an xxh3 checksum on every
   read; LMCache stores raw bytes and checks only the length.
-- The limit is `hpkv.benchmark.disk.disk_limit`: one thread writing the round's bytes to one new file in
+- The limit is `hpkv.benchmark.machine.disk_limit`: one thread writing the round's bytes to one new file in
   the same directory, one entry size per call, then reading them back (best of the same rounds).
 
 Every byte HPKV reads back is compared with its source; LMCache's own `--no-skip-verify` compares
@@ -60,7 +60,7 @@ from bench.harness.keys import namespace
 from bench.harness.report import verdict
 from hpkv.benchmark import lookup, machine
 from hpkv.benchmark.dataplane import GB, TARGET_ENTRY_BYTES, TARGET_RATIO, human_bytes, temporary_dir
-from hpkv.benchmark.disk import disk_limit
+from hpkv.benchmark.machine import disk_limit
 from hpkv.config import parse_size
 from hpkv.errors import HpkvError
 from hpkv.keys import Key

@@ -23,4 +23,4 @@ def test_every_benchmark_imports_as_a_module_of_the_package(name):
 def test_the_shipped_benchmark_package_holds_only_what_hpkv_bench_runs():
     shipped = {p.stem for p in (ROOT / "src" / "hpkv" / "benchmark").glob("*.py")}
 
-    assert shipped == {"__init__", "dataplane", "disk", "lookup", "machine", "report"}
+    assert shipped == {"__init__", "dataplane", "lookup", "machine", "report"}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from helpers.cli import DESC, hpkv, wait_for_storage, write_entries
 from hpkv.identity import content_identity
-from hpkv.types import Tier
+from hpkv.tiers import Tier
 
 
 def _model_dir(path: Path, seed: int) -> Path:

@@ -20,7 +20,7 @@ from hpkv.cli import main
 from hpkv.keys import NamespaceDesc
 from hpkv.pool.backing import swap_needs_lock
 from hpkv.status import human_bytes
-from hpkv.types import Tier
+from hpkv.tiers import Tier
 
 
 def kv_files(storage_dir: Path) -> list[Path]:

@@ -14,7 +14,7 @@ from helpers.waiting import wait_for
 from hpkv.config import load_settings
 from hpkv.server import daemon
 from hpkv.server.autostart import answers
-from hpkv.types import Tier
+from hpkv.tiers import Tier
 
 ENTRY = 64 << 10
 
@@ -87,7 +87,7 @@ def test_a_lease_is_void_as_soon_as_its_connection_goes(node):
     res.view(0)[:] = payload(key, 0, ENTRY)
     assert client.commit(ns, [key], reservation=res) == 1
     wait_for(lambda: client.stats().storage.num_entries == 1, what="the write-through")
-    client.clear(memory=True)
+    client.clear(dram=True)
     assert client.lookup(ns, [key]).tiers == (Tier.STORAGE,)
 
     lease = client.lease(ns, [key])

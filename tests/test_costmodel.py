@@ -14,7 +14,7 @@ from hpkv.costmodel import (
     FixedThreshold,
     attention_kappa,
 )
-from hpkv.types import Tier
+from hpkv.tiers import Tier
 
 D, S = Tier.DRAM, Tier.STORAGE
 BS = 32

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.cli import ENTRY_BYTES, ServerProcess, hpkv_env, wait_for_storage, write_entries
 from hpkv.server.metrics import op_label
-from hpkv.types import Tier
+from hpkv.tiers import Tier
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -29,7 +29,7 @@ def test_metrics_count_what_the_client_did(server, env):
         ns, keys = write_entries(client, 4)
         assert client.lookup(ns, keys + [b"x" * 16]).num_dram == 4  # 5 keys, 4 DRAM hits
         wait_for_storage(client, 4)
-        client.clear(memory=True)
+        client.clear(dram=True)
         assert client.lookup(ns, keys).tiers == (Tier.STORAGE,) * 4  # 4 keys, 4 storage hits
         lease = client.lease(ns, keys)  # promotes the four back into DRAM
         assert client.wait(lease) == 4

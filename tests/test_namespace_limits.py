@@ -13,7 +13,7 @@ import pytest
 
 from helpers.cli import DESC, ServerProcess, hpkv, hpkv_env, wait_for_storage, write_entries
 from hpkv.server.client import ServerError
-from hpkv.types import Tier
+from hpkv.tiers import Tier
 
 PER_UID = 16
 TOTAL = 24

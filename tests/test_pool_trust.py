@@ -66,7 +66,7 @@ def test_write_throughs_write_the_servers_pool_even_when_its_name_is_swapped(nod
     keys = [entry_key("victim", i) for i in range(4)]
     save(client, ns, keys)
     wait_for(lambda: len(kv_files(node)) == 4 and client.stats().write_backlog.entries == 0, what="the write-throughs")
-    client.clear(memory=True)  # what is read next comes from the entry files
+    client.clear(dram=True)  # what is read next comes from the entry files
 
     lease = client.lease(ns, keys)
     assert client.wait(lease, timeout_s=10) == 4

@@ -24,7 +24,7 @@ from hpkv.config import load_settings
 from hpkv.errors import PoolError
 from hpkv.server import daemon
 from hpkv.server import protocol as p
-from hpkv.types import Tier
+from hpkv.tiers import Tier
 
 DRAM, STORAGE = int(Tier.DRAM), int(Tier.STORAGE)
 SMALL = 64 << 10

@@ -8,7 +8,7 @@ import time
 
 from helpers.server import Node
 from helpers.waiting import wait_for
-from hpkv.types import Tier
+from hpkv.tiers import Tier
 
 DRAM, STORAGE = int(Tier.DRAM), int(Tier.STORAGE)
 

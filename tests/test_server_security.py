@@ -257,6 +257,6 @@ def test_clear_refuses_a_namespace_that_is_not_a_namespace_id(node, tmp_path):
     from hpkv.server.client import ServerError
 
     with pytest.raises(ServerError) as raised:
-        client.clear(memory=True, storage=True, ns="../elsewhere")
+        client.clear(dram=True, storage=True, ns="../elsewhere")
     assert raised.value.code == "bad_request"
     assert victim.exists()

@@ -20,7 +20,7 @@ from helpers.waiting import wait_for
 from hpkv.errors import ConfigError
 from hpkv.integrations.sglang import flag
 from hpkv.keys import NamespaceDesc, make_key
-from hpkv.types import Tier
+from hpkv.tiers import Tier
 
 PAGES = 6
 

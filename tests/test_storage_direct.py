@@ -262,7 +262,7 @@ def test_write_through_processes_write_aligned_files_with_direct_io(open_store, 
     for k in ks:
         dest = bytearray(size)
         assert fresh.read_into(ns, k, memoryview(dest)) and bytes(dest) == store_payload(k, size)
-    store.clear(memory=True)  # a storage hit: promoted with O_DIRECT straight into pool slots
+    store.clear(dram=True)  # a storage hit: promoted with O_DIRECT straight into pool slots
     reads = store.storage.counters.reads
     assert load(store, ns, ks) == [store_payload(k, size) for k in ks]
     assert store.storage.counters.reads == reads + len(ks)

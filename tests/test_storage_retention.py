@@ -17,7 +17,7 @@ from helpers.storage_stories import NS, CountedStats, key, read, write
 from helpers.waiting import wait_for
 from hpkv.storage.retention import Retention
 from hpkv.storage.storage_tier import StorageTier
-from hpkv.types import Tier
+from hpkv.tiers import Tier
 
 HOUR = 3600.0
 open_tier = stories.open_tier

@@ -446,7 +446,7 @@ def test_entries_cleared_while_deferred_are_not_written(open_store, storage_dir)
         ks = keys(150)
         assert save(store, ns, ks) == 150
         assert store.stats().write_backlog.deferred == 22
-        store.clear(memory=True)
+        store.clear(dram=True)
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)

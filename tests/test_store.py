@@ -20,7 +20,7 @@ from helpers.config import make_pool_config, make_storage_config
 from hpkv.config import StorageConfig
 from hpkv.keys import NamespaceDesc, make_key
 from hpkv.store import PrefixOrder, StorePolicy, TieredStore, create_store
-from hpkv.types import Tier
+from hpkv.tiers import Tier
 
 ENTRY = 64 << 10
 
@@ -61,7 +61,7 @@ def only_in_storage(store: TieredStore, ns: str, ks: list[bytes]) -> None:
     """Save `ks`, wait for their files, and empty DRAM: they are storage hits now."""
     save(store, ns, ks)
     assert store.flush(timeout=10)
-    store.clear(memory=True)
+    store.clear(dram=True)
 
 
 def load(store: TieredStore, ns: str, ks: list[bytes]) -> list[bytes]:
@@ -198,7 +198,7 @@ def test_an_owner_gives_back_what_it_reserved_in_a_hold_and_the_settle_cannot_pu
 
 def test_a_hold_nobody_settles_is_aborted_after_the_timeout(open_store):
     from hpkv.store import HOLD_QUARANTINE_S
-    from hpkv.types import HOLD_TIMEOUT_S
+    from hpkv.tiers import HOLD_TIMEOUT_S
 
     store = open_store()
     clock = store.limits.clock = FakeClock(time.monotonic())  # what was held before keeps its age
@@ -239,7 +239,7 @@ def test_a_key_cleared_while_reserved_keeps_its_slot_until_the_owner_lets_go(ope
     ns = store.register(desc())
     k, other = keys(1)[0], keys(16, "other")
     (first,) = store.reserve(ns, [k], owner=1)
-    store.clear(memory=True)
+    store.clear(dram=True)
     assert store.reserve(ns, [k], owner=1) == [None]
     assert first not in store.reserve(ns, other, owner=2)  # fifteen slots left for sixteen keys
     assert store.commit(ns, [k], owner=1) == 0  # dropped by the clear: not published, slot freed
@@ -255,7 +255,7 @@ def test_a_key_cleared_while_reserved_in_a_hold_is_not_reserved_twice_in_it(open
     ns = store.register(desc())
     k = keys(1)[0]
     assert store.reserve(ns, [k], owner=1, hold="h") != [None]
-    store.clear(memory=True)
+    store.clear(dram=True)
 
     assert store.reserve(ns, [k], owner=1, hold="h") == [None]
 
@@ -563,7 +563,7 @@ def test_dram_hits_are_listed_before_storage_hits_in_one_prefix(open_store):
     ks = keys(4)
     save(store, ns, ks)
     store.flush(timeout=10)
-    store.clear(memory=True)
+    store.clear(dram=True)
     load(store, ns, ks[:2])  # the first two come back into DRAM
     assert store.lookup(ns, ks).tiers == (Tier.DRAM, Tier.DRAM, Tier.STORAGE, Tier.STORAGE)
 
@@ -589,7 +589,7 @@ def test_a_corrupted_file_ends_the_loaded_prefix_and_is_removed(open_store, stor
     ks = keys(4)
     save(store, ns, ks)
     store.flush(timeout=10)
-    store.clear(memory=True)
+    store.clear(dram=True)
     bad = store.storage.paths.path_of(ns, ks[2])
     with open(bad, "r+b") as f:
         f.seek(-100, os.SEEK_END)
@@ -726,7 +726,7 @@ def test_clear_memory_of_one_namespace_leaves_the_other(open_store):
     save(store, ns_a, ks)
     save(store, ns_b, ks)
     store.flush(timeout=10)
-    store.clear(memory=True, ns=ns_a)
+    store.clear(dram=True, ns=ns_a)
     assert store.lookup(ns_a, ks).tiers == (Tier.STORAGE,) * 3
     assert store.lookup(ns_b, ks).tiers == (Tier.DRAM,) * 3
 
@@ -737,10 +737,10 @@ def test_clear_storage_leaves_dram(open_store):
     ks = keys(3)
     save(store, ns, ks)
     store.flush(timeout=10)
-    removed = store.clear(memory=False, storage=True)
+    removed = store.clear(dram=False, storage=True)
     assert removed["storage"] == 3
     assert store.lookup(ns, ks).tiers == (Tier.DRAM,) * 3
-    store.clear(memory=True)
+    store.clear(dram=True)
     assert store.lookup(ns, ks).num_hit == 0
 
 

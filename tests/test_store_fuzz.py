@@ -163,7 +163,7 @@ def run_mix(store: TieredStore, seed: int, duration_s: float) -> dict:
     def clearer(rng: random.Random) -> None:
         while time.monotonic() < deadline:
             time.sleep(rng.uniform(0.2, 0.6))
-            store.clear(memory=True, ns=rng.choice([None, *namespaces]))
+            store.clear(dram=True, ns=rng.choice([None, *namespaces]))
 
     threads = [threading.Thread(target=writer, args=(random.Random(seed * 10 + i), i + 1)) for i in range(3)]
     threads += [threading.Thread(target=reader, args=(random.Random(seed * 10 + 5 + i),)) for i in range(3)]

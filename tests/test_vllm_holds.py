@@ -100,8 +100,8 @@ def test_the_scheduler_settles_a_step_on_every_rank_and_rewinds_the_requests_tha
     from helpers.keys import desc, entry_key, payload
     from helpers.server import Node
     from hpkv.costmodel import FixedThreshold
+    from hpkv.integrations.vllm.connectorstats import HpkvConnectorStats
     from hpkv.integrations.vllm.holds import HpkvWorkerMeta, SaveHolds
-    from hpkv.integrations.vllm.metadata import HpkvConnectorStats
     from hpkv.integrations.vllm.requests import NEVER
     from hpkv.integrations.vllm.requests import RequestState as _Req
     from hpkv.integrations.vllm.scheduler import HpkvScheduler

@@ -264,7 +264,7 @@ def _boundaries(client) -> None:
     from helpers.keys import desc, entry_keys
     from hpkv.integrations.vllm import mamba
     from hpkv.integrations.vllm.layout import BlockLayout
-    from hpkv.types import Tier
+    from hpkv.tiers import Tier
 
     namespaces = [client.register(desc(0, 4096, model=f"group-{g}")) for g in range(3)]
     layouts = [

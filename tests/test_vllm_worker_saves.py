@@ -25,7 +25,7 @@ ENTRY = LAYERS * PAGE
 
 @pytest.fixture
 def worker(shm_dir, tmp_path):
-    from hpkv.integrations.vllm.metadata import HpkvConnectorStats
+    from hpkv.integrations.vllm.connectorstats import HpkvConnectorStats
     from hpkv.integrations.vllm.savequeue import SaveQueue
     from hpkv.integrations.vllm.worker import HpkvWorker
     from hpkv.server.client import Client

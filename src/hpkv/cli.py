@@ -223,7 +223,7 @@ def _clear_storage_directly(settings: Settings, ns: str | None) -> None:
 
 
 @main.command()
-@click.option("--memory", is_flag=True, help="Drop the entries in the DRAM pool (needs the running server).")
+@click.option("--memory", "dram", is_flag=True, help="Drop the entries in the DRAM pool (needs the running server).")
 @click.option(
     "--storage", is_flag=True, help="Delete the entry files in the storage directory (works without a server)."
 )
@@ -237,7 +237,7 @@ def _clear_storage_directly(settings: Settings, ns: str | None) -> None:
     help="Every namespace of this model (the path or hub id it was served from, or its HPKV_MODEL_ID); "
     "memory and storage unless --memory or --storage says which.",
 )
-def clear(memory: bool, storage: bool, namespace: str | None, model: str | None) -> None:
+def clear(dram: bool, storage: bool, namespace: str | None, model: str | None) -> None:
     """Remove cached KV. With neither --memory nor --storage, clears memory (the DRAM pool) only.
 
     This is the DRAM clear endpoint: after it, the next request can only hit storage.
@@ -246,9 +246,9 @@ def clear(memory: bool, storage: bool, namespace: str | None, model: str | None)
 
     if model is not None and namespace is not None:
         raise click.UsageError("give --model or --namespace, not both")
-    if model is not None and not (memory or storage):
-        memory = storage = True
-    memory = memory or not storage
+    if model is not None and not (dram or storage):
+        dram = storage = True
+    dram = dram or not storage
     settings = load_settings()
     storage_path = Path(settings.storage.path)
     client = _connect(settings)
@@ -262,17 +262,17 @@ def clear(memory: bool, storage: bool, namespace: str | None, model: str | None)
         targets = [resolve_ns(namespace, list(descs) + storage_namespaces(storage_path))]
     try:
         for ns in targets:
-            _clear_one(settings, client, stats, memory, storage, ns)
+            _clear_one(settings, client, stats, dram, storage, ns)
     finally:
         if client is not None:
             client.close()
 
 
-def _clear_one(settings: Settings, client, stats, memory: bool, storage: bool, ns: str | None) -> None:
+def _clear_one(settings: Settings, client, stats, dram: bool, storage: bool, ns: str | None) -> None:
     from hpkv.server.protocol import SOCKET_NAME
 
     if client is None:
-        if memory:
+        if dram:
             click.echo(
                 f"memory: no HPKV server is running on {Path(settings.pool.dir) / SOCKET_NAME}, so the "
                 "DRAM pool is already empty (it lives only as long as a server)"
@@ -281,10 +281,10 @@ def _clear_one(settings: Settings, client, stats, memory: bool, storage: bool, n
             _clear_storage_directly(settings, ns)
         return
     server_has_storage = stats.storage is not None
-    cleared = client.clear(memory=memory, storage=storage and server_has_storage, ns=ns)
-    if memory:
+    cleared = client.clear(dram=dram, storage=storage and server_has_storage, ns=ns)
+    if dram:
         click.echo(
-            f"memory: dropped {cleared.memory} entries{_ns_words(ns)} from the DRAM pool of the server "
+            f"memory: dropped {cleared.dram} entries{_ns_words(ns)} from the DRAM pool of the server "
             f"(pid {stats.server.pid})"
         )
     if storage and server_has_storage:

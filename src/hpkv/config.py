@@ -1,7 +1,7 @@
 """HPKV settings: where each key's value came from, and the frozen config components take.
 
 Owns the config-file format and the resolution order; the keys and their value syntax live in
-`hpkv.configkeys` (re-exported here: `KEYS`, `parse_size`). The one primitive is
+`hpkv.configkeys` (re-exported here: `KEYS`; and `parse_size`, from `hpkv.units`). The one primitive is
 `load_settings(env)`, which resolves every key once, at the edge, into frozen dataclasses;
 components take the part they need (`PoolConfig`, `StorageConfig`) and never read the
 environment themselves.
@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from hpkv.configkeys import CONFIG_FILE_KEY, KEYS, KEYS_BY_NAME, KeySpec
-from hpkv.configvalues import MODEL_ID_MAX_CHARS, parse_size
+from hpkv.configvalues import MODEL_ID_MAX_CHARS
 from hpkv.errors import ConfigError
+from hpkv.units import parse_size
 
 __all__ = [
     "CONFIG_FILE_KEY",

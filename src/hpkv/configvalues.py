@@ -1,8 +1,9 @@
 """The syntax of HPKV's setting values: sizes, booleans, bounded numbers, durations, shares,
 words, paths, uids, model ids and hosts.
 
-Primitives: `parse_size` and one parser (or parser factory) per kind of value; each takes the
-text as written (after expansion) and returns the value or raises ValueError with a short reason.
+Primitives: one parser (or parser factory) per kind of value; each takes the text as written
+(after expansion) and returns the value or raises ValueError with a short reason. Sizes and
+durations are read by `units` (`parse_size`, `parse_duration`), which also writes them back.
 Must not know the keys (`configkeys`), the config file or the environment.
 """
 
@@ -10,27 +11,10 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Callable
-from fractions import Fraction
 from pathlib import Path
 
-_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(?:i?b)?)?", re.IGNORECASE)
-_UNITS = {"k": 1, "m": 2, "g": 3, "t": 4}
-
-
-def parse_size(text: str) -> int:
-    """`4096`, `512m`, `1.5g`, `8GiB` -> bytes (binary multiples). ValueError on anything else."""
-    match = _SIZE.fullmatch(text.strip())
-    if match is None:
-        raise ValueError("not a size")
-    number, unit = match.groups()
-    if unit is None and not number.isdigit():
-        raise ValueError("a plain byte count must be a whole number")
-    size_bytes = math.floor(Fraction(number) * 1024 ** _UNITS.get((unit or "").lower(), 0))
-    if size_bytes <= 0:
-        raise ValueError("must be greater than 0")
-    return size_bytes
+from .units import parse_duration, parse_size
 
 
 def parse_size_or_auto(text: str) -> int | None:
@@ -85,21 +69,9 @@ def parse_positive_seconds(text: str) -> float:
     return seconds
 
 
-_DURATION = re.compile(r"(\d+(?:\.\d*)?)\s*([smhd]?)", re.IGNORECASE)
-_DURATION_UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
 def parse_duration_or_off(text: str) -> float | None:
-    """`off` or `0` -> None; `3600`, `90m`, `12h`, `30d` -> seconds."""
-    if text.strip().lower() in ("off", "0"):
-        return None
-    match = _DURATION.fullmatch(text.strip())
-    if match is None:
-        raise ValueError("not a duration")
-    seconds = float(match.group(1)) * _DURATION_UNIT_S[match.group(2).lower()]
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError("out of range")
-    return seconds
+    """`off` or `0` -> None; else `parse_duration`."""
+    return None if text.strip().lower() in ("off", "0") else parse_duration(text)
 
 
 def parse_share(text: str) -> float:

@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .types import Tier
+from .tiers import Tier
 
 log = logging.getLogger("hpkv.vllm.costmodel")  # the name docs/vllm.md tells users to read: vLLM runs it
 

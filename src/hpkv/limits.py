@@ -32,8 +32,8 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
-from .logutil import Throttle
 from .stats import LimitStats
+from .throttle import Throttle
 
 log = logging.getLogger(__name__)
 

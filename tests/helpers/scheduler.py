@@ -14,9 +14,9 @@ def scheduler_half(node, num_ranks: int):
     """The half as vLLM's engine core holds it, loading every hit (threshold 0)."""
     from hpkv.costmodel import FixedThreshold
     from hpkv.identity import IdentityTask, override_identity
+    from hpkv.integrations.vllm.connectorstats import HpkvConnectorStats
     from hpkv.integrations.vllm.holds import SaveHolds
     from hpkv.integrations.vllm.layout import BlockLayout
-    from hpkv.integrations.vllm.metadata import HpkvConnectorStats
     from hpkv.integrations.vllm.scheduler import HpkvScheduler
 
     scheduler = HpkvScheduler.__new__(HpkvScheduler)

@@ -38,7 +38,7 @@ from ..storage.storage_tier import StorageTier
 from ..store import TieredStore, create_store
 from ..units import whole_unit_bytes as human_bytes  # the name report.py and storage_peers.py import
 from . import lookup, machine
-from .disk import disk_limit
+from .machine import disk_limit
 
 GB = 1e9
 TARGET_RATIO = 0.7
@@ -224,7 +224,7 @@ def dram_rows(pool_dir: Path, entry_bytes: int, buffers: _Buffers, reps: int) ->
                 write_s = _timed(_store_write, store, ns, keys, pool, buffers.src)
                 read_s = _timed(_store_read, store, ns, keys, pool, buffers.dst)
                 _check_same(buffers.src[:num_bytes], buffers.dst[:num_bytes], "DRAM")
-                store.clear(memory=True)
+                store.clear(dram=True)
                 seconds = (
                     write_s,
                     read_s,

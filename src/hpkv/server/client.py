@@ -29,7 +29,7 @@ from ..keys import NamespaceDesc
 from ..pool.region import PoolRegion
 from ..stats import ServerStats
 from ..stats import from_wire as stats_from_wire
-from ..types import Lookup, Tier
+from ..tiers import Lookup, Tier
 from . import protocol as p
 from .autostart import ServerUnavailable
 from .channel import MAX_RETRY_S, Channel, ServerError, _expect
@@ -145,8 +145,8 @@ class Client(Channel):
         (`_drop`)."""
         return handle.epoch == self.epoch and self._sock is not None and time.monotonic() < handle.deadline
 
-    def clear(self, memory: bool = True, storage: bool = False, ns: str | None = None) -> p.Cleared:
-        return self._ask(p.Clear(memory, storage, ns), p.Cleared, max(self.timeout_s, 300.0))
+    def clear(self, dram: bool = True, storage: bool = False, ns: str | None = None) -> p.Cleared:
+        return self._ask(p.Clear(dram, storage, ns), p.Cleared, max(self.timeout_s, 300.0))
 
     def stats(self, after: str = "", max_namespaces: int = 256, busiest: bool = False) -> ServerStats:
         """The server's snapshot with one page of its namespaces (`protocol.Stats`; the page after

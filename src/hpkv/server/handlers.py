@@ -149,16 +149,16 @@ class Handlers:
                 "bad_request",
                 f"{r.ns[:80]!r} is not a namespace id ({2 * NS_DIGEST_BYTES} hex digits, as `hpkv status` shows them)",
             )
-        removed = self.store.clear(memory=r.memory, storage=r.storage, ns=r.ns)
+        removed = self.store.clear(dram=r.dram, storage=r.storage, ns=r.ns)
         log.info(
             "cleared %s%s (ns %s) at the request of pid %d: %s",
-            "memory " if r.memory else "",
+            "dram " if r.dram else "",
             "storage" if r.storage else "",
             r.ns or "all",
             client.pid,
             removed,
         )
-        return p.Cleared(removed["memory"], removed["storage"])
+        return p.Cleared(removed["dram"], removed["storage"])
 
     def _on_Stats(self, r: p.Stats, client: ClientInfo) -> p.Reply:
         stats = self._stats()

@@ -28,8 +28,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..logutil import Throttle
 from ..procs import peer_ids
+from ..throttle import Throttle
 from . import protocol as p
 from .handlers import ClientInfo
 

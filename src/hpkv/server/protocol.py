@@ -99,7 +99,7 @@ class Release(Msg):
 
 
 class Clear(Msg):
-    memory: bool
+    dram: bool
     storage: bool
     ns: str | None = None
 
@@ -154,7 +154,7 @@ class Leased(Msg):
 
 
 class Cleared(Msg):
-    memory: int
+    dram: int
     storage: int
 
 

@@ -26,8 +26,8 @@ import os
 import time
 from collections.abc import Callable
 
-from ..logutil import Throttle
 from ..stats import StorageCounters
+from ..throttle import Throttle
 from . import format as fmt
 from . import scan, tree
 from .fileio import O_DIRECT, aligned, aligned_buffer, close_quietly, open_in_tree, read_full

@@ -21,7 +21,7 @@ from ..keys import NamespaceDesc
 from ..pool.dram_tier import DramTier
 from ..stats import NamespaceHits, NamespaceStats, NamespaceSummary, StoreCounters
 from ..storage.storage_tier import StorageTier
-from ..types import Lookup, Tier
+from ..tiers import Lookup, Tier
 from .owners import NamespaceOwners
 
 Probe = tuple[bytes, Callable[[bytes], bool]]  # the storage tier's `index_probe(ns)`

@@ -22,7 +22,7 @@ from ..pool.dram_tier import DramTier
 from ..pool.entry import DramEntry
 from ..pool.lru import PrefixOrder
 from ..stats import StoreCounters
-from ..types import HOLD_TIMEOUT_S
+from ..tiers import HOLD_TIMEOUT_S
 from .leases import Leases
 from .writethrough import WriteThrough
 

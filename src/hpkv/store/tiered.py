@@ -40,7 +40,7 @@ from ..stats import StoreCounters, StoreStats, zeroed
 from ..storage.root import StorageUnusable
 from ..storage.storage_tier import StorageTier
 from ..storage.writer import WriterPool
-from ..types import Lookup
+from ..tiers import Lookup
 from .leases import Lease, Leases
 from .lookup import Lookups
 from .owners import NamespaceLimits
@@ -217,11 +217,11 @@ class TieredStore:
             self.lookups.drop_owner(owner)
             self.limits.leave(owner)
 
-    def clear(self, memory: bool = True, storage: bool = False, ns: str | None = None) -> dict[str, int]:
-        removed = {"memory": 0, "storage": 0}
-        if memory:
+    def clear(self, dram: bool = True, storage: bool = False, ns: str | None = None) -> dict[str, int]:
+        removed = {"dram": 0, "storage": 0}
+        if dram:
             with self._lock:
-                removed["memory"] = self.dram.drop(ns) if ns is None or self.lookups.known(ns) else 0
+                removed["dram"] = self.dram.drop(ns) if ns is None or self.lookups.known(ns) else 0
         if storage and self.storage is not None:
             removed["storage"] = self.storage.remove(ns)
         return removed

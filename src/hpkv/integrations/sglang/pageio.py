@@ -20,9 +20,9 @@ from pathlib import Path
 
 from ...errors import HpkvError
 from ...keys import NamespaceDesc
-from ...logutil import Throttle
 from ...server.autostart import ServerUnavailable
 from ...server.client import Client
+from ...throttle import Throttle
 from . import layout as lay
 from . import pages as pg
 from .stats import BackendStats
@@ -132,7 +132,7 @@ class PageIO:
         mapped the pool must not populate all of it for one message."""
         ns, _ = self._registered()
         with Client(self.pool_dir, kind="sglang-clear", prefault=False, trusted_uids=self.trusted_uids) as client:
-            client.clear(memory=True, storage=True, ns=ns)
+            client.clear(dram=True, storage=True, ns=ns)
 
     def close(self) -> None:
         with self._lock:

@@ -26,8 +26,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ...config import load_settings
 from ...errors import ConfigError, HpkvError
 from . import layout as lay
+from .connectorstats import HpkvConnectorStats, HpkvPromMetrics
 from .guard import GuardedScheduler
-from .metadata import HpkvConnectorMetadata, HpkvConnectorStats
+from .metadata import HpkvConnectorMetadata
 
 if TYPE_CHECKING:  # each half is imported only by the process that runs it
     from .worker import HpkvWorker
@@ -189,8 +190,6 @@ class HpkvConnectorV1(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        from .prom import HpkvPromMetrics
-
         return HpkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 

@@ -4,7 +4,7 @@ Owns `GuardedScheduler`, the scheduler-side entry points of HpkvConnectorV1 wrap
 exception escaping one (a bug here, a vLLM that changed under us), which would stop the engine,
 is logged (the first of each kind with its traceback, then at most one a minute) and answered
 as a miss: vLLM recomputes what HPKV would have supplied.
-Primitives: `HpkvScheduler`, `logutil.Throttle`. Knows nothing of what the scheduler decides.
+Primitives: `HpkvScheduler`, `throttle.Throttle`. Knows nothing of what the scheduler decides.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from ...logutil import Throttle
+from ...throttle import Throttle
 from .metadata import HpkvConnectorMetadata
 
 if TYPE_CHECKING:

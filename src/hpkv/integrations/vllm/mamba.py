@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from ...server.client import Client
-from ...types import Tier
+from ...tiers import Tier
 from . import layout as lay
 from .metadata import SaveJob
 

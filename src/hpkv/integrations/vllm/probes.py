@@ -1,11 +1,12 @@
-"""Start-up estimates for VLLM_HPKV_TOKEN_THRESHOLD=auto, taken by the scheduler half once, so its
-first decisions rest on this machine's figures before the engine's own steps refine them.
+"""Start-up measurements of this machine for VLLM_HPKV_TOKEN_THRESHOLD=auto, taken by the scheduler
+half once, so its first decisions rest on this machine's figures before the engine's own steps
+refine them (`loadpolicy.py` seeds the cost model with them).
 
 Primitives: `round_trip_s` (one RPC to the HPKV server, such as `empty_lookup`), `copy_cost` (a
-memory copy the size of a large load), `storage_read_cost` (a file read back from the storage directory with its pages
-dropped from the page cache), `kappa_of` (the model's attention share, from its config),
-`auto_threshold`, the cost model they seed, and `load_policy`, which picks it or a fixed
-threshold. Each returns None or a default when it cannot measure; none raises for the engine to see.
+memory copy the size of a large load), `storage_read_cost` (a file read back from the storage
+directory with its pages dropped from the page cache), `kappa_of` (the model's attention share,
+from its config). Each returns None or a default when it cannot measure; none raises for the
+engine to see. Must not know the load decision.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...config import Settings, StorageConfig
-from ...costmodel import AffineCost, AutoThreshold, CostModel, FixedThreshold, attention_kappa
+from ...costmodel import AffineCost, attention_kappa
 from ...errors import HpkvError
 from ...server.channel import ServerError
 
@@ -28,7 +28,6 @@ log = logging.getLogger("hpkv.vllm.probes")
 COPY_BYTES = 32 << 20
 PROBE_BYTES = 8 << 20
 SMALL_BYTES = 4096
-DEFAULT_THRESHOLD = 1204  # VLLM_HPKV_TOKEN_THRESHOLD's documented default: prefill's seed under auto
 
 
 def round_trip_s(call, num: int = 5, default_s: float = 1e-3) -> float:
@@ -120,52 +119,3 @@ def kappa_of(hf_text_config) -> float:
         )
     except (AttributeError, TypeError, ValueError, ZeroDivisionError):
         return 0.0
-
-
-def auto_threshold(
-    storage: StorageConfig,
-    model_config,
-    block_size: int,
-    entry_bytes: int,
-    num_ranks: int,
-    empty_lookup,
-    hit_bytes: int = 0,
-) -> AutoThreshold:
-    """VLLM_HPKV_TOKEN_THRESHOLD=auto for one engine, seeded by this machine's figures;
-    `empty_lookup()` is one round trip to the server; a hit moves `entry_bytes` per block and
-    `hit_bytes` more (a hybrid model's windows and states), per rank."""
-    rtt_s = round_trip_s(empty_lookup)
-    storage_cost = None
-    if storage.enabled:  # a promotion: the lease, a poll, then one read per block and rank
-        storage_cost = storage_read_cost(storage.path, 2 * rtt_s)
-    model = CostModel(
-        block_size,
-        entry_bytes,
-        num_ranks,
-        kappa_of(model_config.hf_text_config),
-        prefill=AffineCost(0.0, 0.0),
-        storage=storage_cost,
-        # on a load's critical path: the scheduler's lease, the worker's lease and release
-        dram=copy_cost(3 * rtt_s),
-        hit_bytes=hit_bytes,
-    )
-    model.seed_prefill(DEFAULT_THRESHOLD)
-    return AutoThreshold(
-        model,
-        model_config.max_model_len,
-        f"start-up estimates: server round trip {rtt_s * 1e3:.2f} ms, a host copy, a "
-        f"storage read; prefill set to break even at the documented {DEFAULT_THRESHOLD} "
-        f"tokens until the engine has computed a prompt",
-    )
-
-
-def load_policy(
-    settings: Settings, model_config, layout, num_ranks: int, lookup, hit_bytes: int = 0
-) -> FixedThreshold | AutoThreshold:
-    """The load decision: VLLM_HPKV_TOKEN_THRESHOLD if set, else `auto` from start-up estimates."""
-    if settings.token_threshold is not None:
-        log.info("HPKV loads hits of at least %d tokens (VLLM_HPKV_TOKEN_THRESHOLD)", settings.token_threshold)
-        return FixedThreshold(settings.token_threshold, layout.block_size)
-    return auto_threshold(
-        settings.storage, model_config, layout.block_size, layout.entry_bytes, num_ranks, lookup, hit_bytes
-    )

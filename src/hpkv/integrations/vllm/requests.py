@@ -15,7 +15,7 @@ from typing import Any
 
 from ...errors import HpkvError
 from ...server.client import Client, LeaseHandle
-from ...types import Tier
+from ...tiers import Tier
 
 NEVER = 1 << 62  # saved_blocks of a request whose KV may rest on a block that failed to load
 

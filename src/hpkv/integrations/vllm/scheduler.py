@@ -1,7 +1,7 @@
 """The scheduler half of HpkvConnectorV1: decides what to load and what to save.
 
 Owns each request's lookup and leases (`requests.RequestState`), the load decision (the
-policy from `probes.load_policy`: a fixed threshold or `auto`) and the save jobs of every
+policy from `loadpolicy.load_policy`: a fixed threshold or `auto`) and the save jobs of every
 step; reading a step's output and settling its held saves is in `outputs.py`, what each KV
 cache group of a hybrid model loads and saves in `groups.py` (all groups of a hit, or none; such
 loads are asynchronous to vLLM, so that a failure reaches it as failed_recving).
@@ -19,11 +19,11 @@ import time
 from ...config import Settings
 from ...errors import HpkvError
 from ...server.client import Client
-from ...types import HOLD_TIMEOUT_S, Tier
-from . import compat, groups, mamba, modelid, optout, outputs, probes
+from ...tiers import HOLD_TIMEOUT_S, Tier
+from . import compat, connectorstats, groups, loadpolicy, mamba, modelid, optout, outputs, probes
 from . import layout as lay
 from .holds import SaveHolds
-from .metadata import HpkvConnectorMetadata, HpkvConnectorStats, LoadJob
+from .metadata import HpkvConnectorMetadata, LoadJob
 from .requests import RequestState
 
 log = logging.getLogger("hpkv.vllm.scheduler")
@@ -50,9 +50,9 @@ class HpkvScheduler:
                 "and path, not its content): they are computed by vLLM alone; base-model requests are cached"
             )
         self.client = Client(settings.pool.dir, kind="vllm-scheduler", trusted_uids=settings.server_allow_uids)
-        self.stats = HpkvConnectorStats()
+        self.stats = connectorstats.HpkvConnectorStats()
         self._ns: list[str] | None = None
-        self.policy = probes.load_policy(
+        self.policy = loadpolicy.load_policy(
             settings,
             vllm_config.model_config,
             lay.moved_per_block(self.layouts),
@@ -354,7 +354,7 @@ class HpkvScheduler:
             state.release(self.client)
         try:
             for ns in self.namespaces() or []:
-                self.client.clear(memory=True, storage=False, ns=ns)
+                self.client.clear(dram=True, storage=False, ns=ns)
         except HpkvError as exc:
             log.warning("HPKV reset: the server is not reachable (%s); its DRAM tier is gone with it", exc)
         return True
@@ -369,10 +369,10 @@ class HpkvScheduler:
         log.warning("HPKV lookup failed, recomputing: %s", exc)
         state.release(self.client)  # the leases of the ranks before the one that failed
 
-    def take_stats(self) -> HpkvConnectorStats | None:
+    def take_stats(self) -> connectorstats.HpkvConnectorStats | None:
         if self.stats.is_empty():
             return None
-        stats, self.stats = self.stats, HpkvConnectorStats()
+        stats, self.stats = self.stats, connectorstats.HpkvConnectorStats()
         return stats
 
     def shutdown(self) -> None:
