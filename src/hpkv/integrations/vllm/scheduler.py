@@ -22,9 +22,9 @@ from ...server.client import Client
 from ...tiers import HOLD_TIMEOUT_S, Tier
 from . import compat, connectorstats, groups, loadpolicy, mamba, modelid, optout, outputs, probes
 from . import layout as lay
-from .holds import SaveHolds
 from .metadata import HpkvConnectorMetadata, LoadJob
 from .requests import RequestState
+from .table import RequestTable
 
 log = logging.getLogger("hpkv.vllm.scheduler")
 
@@ -60,14 +60,10 @@ class HpkvScheduler:
             lambda: probes.empty_lookup(self.client),
             lay.moved_per_hit(self.layouts),
         )
-        self._reqs: dict[str, RequestState] = {}
+        self.table = RequestTable()  # requests, loads in flight, pending saves: shared with outputs.py
         self._pending_loads: list[LoadJob] = []
-        self._seq = 0  # steps built
-        # step -> (request, its leases, the blocks loaded) it loads for, until its output is back
-        self._loading: dict[int, list[tuple[str, dict, list[int]]]] = {}
         self._step_loads: list[LoadJob] = []  # the loads of the step being built
         self.kv_cache_manager = None  # vLLM's, once bound: to un-hash blocks that failed to load
-        self.holds = SaveHolds()
         modelid.warn_if_hashes_unstable(vllm_config)
 
     def namespaces(self) -> list[str] | None:
@@ -84,9 +80,7 @@ class HpkvScheduler:
     # -- lookups ------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        state = self._reqs.get(request.request_id)
-        if state is None:
-            state = self._reqs[request.request_id] = RequestState(request)
+        state = self.table.state_of(request)
         if self._uncached(request, state):  # first: a LoRA request is not saved either
             return 0, False
         if state.load_failed:  # recomputed once, not looked up again (a broken entry would loop)
@@ -197,9 +191,7 @@ class HpkvScheduler:
         return min(c for c in counts if c is not None)  # none is None by now
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        state = self._reqs.get(request.request_id)
-        if state is None:
-            state = self._reqs[request.request_id] = RequestState(request)
+        state = self.table.state_of(request)
         if num_external_tokens <= 0:  # vLLM loads nothing after all (it may trim a hit): unpin it
             state.release(self.client)
             return
@@ -229,7 +221,7 @@ class HpkvScheduler:
 
     def forget_lookup(self, request) -> None:
         """vLLM got no answer for `request` (a bug): what it leased is not needed."""
-        state = self._reqs.get(request.request_id)
+        state = self.table.get(request.request_id)
         if state is not None:
             state.release(self.client)
 
@@ -239,14 +231,14 @@ class HpkvScheduler:
         recomputes."""
         if num_external_tokens <= 0:
             return
-        state = self._reqs.get(request.request_id)
+        state = self.table.get(request.request_id)
         start = state.lease_start if state is not None and state.lease_start >= 0 else 0
         stop = start + -(-num_external_tokens // self.block_size)
         job = LoadJob(request.request_id, [], list(blocks.get_block_ids()[0][start:stop]), notify=self.async_loads)
         self._pending_loads.append(job)
 
     def hit_sources(self, request, num_external_tokens: int) -> dict[str, int]:
-        state = self._reqs.get(request.request_id)
+        state = self.table.get(request.request_id)
         if state is None or num_external_tokens <= 0:
             return {}
         tiers = state.tiers[: num_external_tokens // self.block_size]
@@ -255,25 +247,20 @@ class HpkvScheduler:
     # -- saves --------------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output) -> HpkvConnectorMetadata:
-        self._seq += 1
         self._step_loads, self._pending_loads = self._pending_loads, []
+        seq, hold = self.table.begin_step(bool(self._step_loads))
         meta = HpkvConnectorMetadata(
             loads=self._step_loads,
             allocated=outputs.allocated_blocks(scheduler_output),
-            seq=self._seq,
-            hold=self.holds.begin_step(self._seq, bool(self._step_loads)),
+            seq=seq,
+            hold=hold,
             identity=self.identity.get(),
         )
-        if meta.loads:
-            self._loading[self._seq] = [
-                (job.req_id, self._reqs[job.req_id].leases, job.block_ids)
-                for job in meta.loads
-                if job.req_id in self._reqs
-            ]
+        self.table.loading(seq, ((job.req_id, job.block_ids) for job in meta.loads))
         scheduled = scheduler_output.num_scheduled_tokens
         offers = mamba.offers_of(scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
-            state = self._reqs.get(new.req_id)
+            state = self.table.get(new.req_id)
             if state is None:
                 continue
             state.set_blocks(new.block_ids)
@@ -282,7 +269,7 @@ class HpkvScheduler:
             self._add_saves(meta, new.req_id, state, num_tokens, offers.get(new.req_id, ()))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            state = self._reqs.get(req_id)
+            state = self.table.get(req_id)
             if state is None:
                 continue
             new_ids = cached.new_block_ids[i]
@@ -302,14 +289,16 @@ class HpkvScheduler:
         workers cannot fence an earlier step's save, which could publish a block being
         overwritten; a vLLM whose step this cannot read is better stopped."""
         return HpkvConnectorMetadata(
-            loads=self._step_loads, allocated=outputs.allocated_blocks(scheduler_output), seq=self._seq
+            loads=self._step_loads, allocated=outputs.allocated_blocks(scheduler_output), seq=self.table.seq
         )
 
     def update_connector_output(self, connector_output) -> None:
         """A step's output is back, with the workers' stats of that step (summed over ranks):
         settle the holds it decides, and learn from its timings."""
         try:
-            outputs.settle(self, connector_output)
+            outputs.settle(
+                self.table, self.client, self.stats, self.kv_cache_manager, self.block_size, connector_output
+            )
         except Exception:  # a bug here must not stop the engine: the holds time out on the server
             log.exception(
                 "HPKV could not settle this step's held saves; the server aborts them after %.0f s", HOLD_TIMEOUT_S
@@ -337,20 +326,20 @@ class HpkvScheduler:
         meta.saves += jobs
         if meta.hold and jobs:
             held = list(dict.fromkeys(key for job in jobs for key in job.keys))
-            self.holds.add(meta.seq, req_id, held, state.block_ids[:stop], state.saved_blocks)
+            self.table.pending.add(meta.seq, req_id, held, state.block_ids[:stop], state.saved_blocks)
         state.saved_blocks = stop
 
     # -- end of requests, resets, faults ------------------------------------------------------
 
     def request_finished(self, request) -> None:
-        state = self._reqs.pop(request.request_id, None)
+        state = self.table.pop(request.request_id)
         if state is not None:
             state.release(self.client)
 
     def reset_cache(self) -> bool:
         """Clear this engine's entries from the DRAM tier (storage stays), as vLLM's
         /reset_prefix_cache?reset_external=true asks."""
-        for state in self._reqs.values():
+        for state in self.table.states():
             state.release(self.client)
         try:
             for ns in self.namespaces() or []:
@@ -377,9 +366,9 @@ class HpkvScheduler:
 
     def shutdown(self) -> None:
         self.policy.close()
-        for state in self._reqs.values():
+        for state in self.table.states():
             state.release(self.client)
-        for settle in self.holds.abandon():  # not left pinned until the server's timeout
+        for settle in self.table.pending.abandon():  # not left pinned until the server's timeout
             try:
                 self.client.settle(settle.hold, settle.abort)
             except HpkvError:

@@ -36,8 +36,8 @@ from ...server.client import Client, Reservation
 from ...transfer.blocks import BlockCopier
 from . import layout as lay
 from .connectorstats import HpkvConnectorStats
-from .holds import HpkvWorkerMeta
 from .metadata import HpkvConnectorMetadata
+from .pending import HpkvWorkerMeta
 from .savequeue import SaveQueue
 from .views import block_rows, writes_reused_blocks_early
 
