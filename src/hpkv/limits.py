@@ -320,6 +320,9 @@ class Holds:
     def __len__(self) -> int:
         return len(self._holds)
 
+    def __contains__(self, hold: object) -> bool:
+        return hold in self._holds
+
     def join(self, hold: str, owner: int, ns: str, keys: list[bytes]) -> None:
         """`owner` has reserved `keys` (each named Reserved(ns, key, hold)) in `hold`."""
         self._holds.setdefault(hold, Hold(self._clock(), [])).parts.append(HoldPart(owner, ns, keys))

@@ -29,9 +29,11 @@ from ..pool.lru import PrefixOrder
 from ..pool.region import PoolRegion
 from ..stats import StoreCounters
 from ..storage.storage_tier import StorageTier
+from ..tiers import Tier
 from .lookup import Lookups, Probe
 
 log = logging.getLogger(__name__)
+_DRAM, _STORAGE = int(Tier.DRAM), int(Tier.STORAGE)
 
 
 @dataclass
@@ -65,6 +67,12 @@ class Lease:
     @property
     def done(self) -> bool:
         return all(p is None or p.done() for p in self.promotions)
+
+    @property
+    def tiers(self) -> bytes:
+        """Each leased entry's tier as the lease found it (`Tier` codes): DRAM, or storage when a
+        promotion reads it into its slot."""
+        return bytes(_DRAM if p is None else _STORAGE for p in self.promotions)
 
 
 @dataclass

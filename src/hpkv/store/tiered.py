@@ -2,8 +2,8 @@
 facade the server (its handlers and its daemon) goes through.
 
 Primitives (keyed by namespace `ns` and engine keys, in prefix order): `create_store`; `register`,
-`namespaces`, `check_desc_size`; `lookup`; `reserve` -> `commit` | `abort`, or
-`reserve(..., hold=)` -> `settle`; `lease` (-> `start_reads`) -> `Lease.wait` (`get_lease`) ->
+`namespaces`, `known`, `check_desc_size`; `lookup`, `lookup_each`; `reserve` -> `commit` | `abort`, or
+`reserve(..., hold=)` -> `settle` (`hold_open`); `lease` (-> `start_reads`) -> `Lease.wait` (`get_lease`) ->
 `release`; `join_owner`, `has_reservations`, `drop_owner`; `set_limits`; `flush`, `clear`,
 `stats`, `close`; `region`, the mapped pool the bytes are copied through by callers. Each is its
 part's: `lookup.py` (namespaces, lookups), `leases.py` (leases, promotions), `reservations.py`
@@ -153,6 +153,15 @@ class TieredStore:
         """The namespaces registered (a copy)."""
         return self.lookups.descs()
 
+    def known(self, ns: str) -> bool:
+        """Whether `ns` is registered (no copy of the table: asked on every request)."""
+        return self.lookups.known(ns)
+
+    def hold_open(self, hold: str) -> bool:
+        """Whether `hold` has reservations nobody settled yet (not settled, not timed out)."""
+        with self._lock:
+            return hold in self.limits.holds
+
     def check_desc_size(self, desc_bytes: int) -> None:
         """`NamespaceLimit` where a description of `desc_bytes` is too large to register: asked
         before the description is parsed (its characters are at most its bytes)."""
@@ -162,6 +171,10 @@ class TieredStore:
     def lookup(self, ns: str, keys: Sequence[bytes]) -> Lookup:
         """The tier of each leading hit (DRAM before storage), up to the first miss."""
         return self.lookups.lookup(ns, keys)
+
+    def lookup_each(self, ns: str, keys: Sequence[bytes]) -> bytes:
+        """The tier of every key (`Tier` codes; 0: a miss), not only up to the first miss."""
+        return self.lookups.lookup_each(ns, keys)
 
     def lease(self, ns: str, keys: Sequence[bytes], owner: int = 0, start_reads: bool = True) -> Lease:
         return self.leases.lease(ns, keys, owner, start_reads)

@@ -5,7 +5,8 @@ policy from `loadpolicy.load_policy`: a fixed threshold or `auto`) and the save 
 step; reading a step's output and settling its held saves is in `outputs.py`, what each KV
 cache group of a hybrid model loads and saves in `groups.py` (all groups of a hit, or none; such
 loads are asynchronous to vLLM, so that a failure reaches it as failed_recving).
-Primitives: `Client.lookup/lease/wait/settle`. A load is announced only once every promotion
+Primitives: `Client.lease_many/lookup_many/wait_all/release/settle`, a constant number per request
+whatever the ranks, KV cache groups and blocks (`hitplan.py`). A load is announced only once every promotion
 is done (None, "ask again", until then), so the worker copies from pinned memory and a load
 cannot fail for want of an entry. HPKV faults make a lookup a miss: the engine recomputes.
 Knows nothing of the worker's copies or of the server's store.
@@ -20,7 +21,7 @@ from ...config import Settings
 from ...errors import HpkvError
 from ...server.client import Client
 from ...tiers import HOLD_TIMEOUT_S, Tier
-from . import compat, connectorstats, groups, loadpolicy, mamba, modelid, optout, outputs, probes
+from . import compat, connectorstats, groups, hitplan, loadpolicy, mamba, modelid, optout, outputs, probes
 from . import layout as lay
 from .metadata import HpkvConnectorMetadata, LoadJob
 from .requests import RequestState
@@ -29,7 +30,9 @@ from .table import RequestTable
 log = logging.getLogger("hpkv.vllm.scheduler")
 
 PROMOTION_DEADLINE_S = 30.0
-_POLL_S = 0.002
+# How long the server waits for a request's promotions within one `LeaseWait`, while vLLM's step
+# waits: short, the request is asked again next step.
+READY_WAIT_S = 0.002
 
 
 class HpkvScheduler:
@@ -129,46 +132,53 @@ class HpkvScheduler:
         return True
 
     def _lease(self, state: RequestState, start: int, stop: int) -> int | None:
+        """Lease the hit of blocks [start, stop) on every rank and group: one `Lease` (a
+        full-attention model reads its hit from it), or one `Lookup` then one `Lease` (a model
+        with sliding-window or state groups, which lease part of a hit whose length they must
+        know first)."""
         state.release(self.client)
         keys = lay.block_keys(state.request.block_hashes, self.layout, start, stop)
         namespaces = self.namespaces() or []  # known: get_num_new_matched_tokens asked
         plan = lambda hit: self.policy.plan(start * self.block_size, hit)  # noqa: E731
-        num_hit, tiers = mamba.plan_hit(self.client, self.layouts, namespaces, keys, plan)
+        state.asked_at = time.perf_counter()
+        if hitplan.needs_lookup(self.layouts):
+            num_hit, tiers = hitplan.plan_hit(hitplan.looked_up(self.client, self.layouts, namespaces, keys), plan)
+            ranges = groups.lease_ranges(self.layouts, self.num_ranks, len(tiers)) if tiers else []
+            leases = self.client.lease_many([(ns, keys[a:b]) for ns, (a, b) in zip(namespaces, ranges)])
+            sizes = [b - a for a, b in ranges]
+        else:
+            leases = self.client.lease_many([(ns, keys) for ns in namespaces])
+            hit = hitplan.leased_tiers(leases)
+            num_hit, tiers = len(hit), hit[: plan(hit)]
+            sizes = [len(tiers)] * len(leases)
+        state.leases, state.lease_sizes = dict(enumerate(leases)), dict(enumerate(sizes))
         self.stats.add("lookups", 1)
         if not num_hit:
             log.debug(
-                "request %s: no HPKV hit: block %d (of %d looked up) is in no tier (never saved with "
-                "these settings, or evicted)",
+                "request %s: no HPKV hit: block %d is in no tier (never saved, or evicted)",
                 state.request.request_id,
                 start,
-                stop - start,
             )
-        num_load = len(tiers)
-        _count_skipped(self, state, num_hit, num_load)
-        if not num_load:
+        _count_skipped(self, state, num_hit, len(tiers))
+        if not tiers:
+            state.release(self.client)
             return 0
         state.tiers = tiers
-        state.num_promoting = state.tiers.count(Tier.STORAGE)
-        state.asked_at = state.polled_at = time.perf_counter()
-        ranges = groups.lease_ranges(self.layouts, self.num_ranks, num_load)
-        for i, ns in enumerate(namespaces):  # one at a time, so a fault releases those taken
-            first, stop = ranges[i]
-            state.leases[i] = self.client.lease(ns, keys[first:stop])
-            state.lease_sizes[i] = stop - first
+        state.num_promoting = tiers.count(Tier.STORAGE)
+        state.polled_at = state.asked_at
         state.lease_start = start
         state.leased_at = time.monotonic()
         return self._ready(state)
 
     def _ready(self, state: RequestState) -> int | None:
-        """Leading entries ready on every rank, or None while promotions run. A lease whose
-        connection has been dropped (and maybe opened again) pins nothing any more: a miss,
-        and the rest of the request's leases go with it."""
-        counts: list[int | None] = []
-        for lease in state.leases.values():
-            if not self.client.holds(lease):
-                state.release(self.client)
-                return 0
-            counts.append(self.client.wait(lease, timeout_s=_POLL_S))
+        """Leading entries ready on every rank, or None while promotions run (asked in one
+        `LeaseWait` over the request's leases, which the server answers within READY_WAIT_S). A
+        lease whose connection has been dropped (and maybe opened again) pins nothing any more:
+        a miss, and the rest of the request's leases go with it."""
+        counts = state.ready_counts(self.client, READY_WAIT_S)
+        if counts is None:
+            state.release(self.client)
+            return 0
         if time.monotonic() - state.leased_at > PROMOTION_DEADLINE_S and None in counts:
             log.warning(
                 "HPKV promotions for request %s took over %.0f s; recomputing",
@@ -180,15 +190,16 @@ class HpkvScheduler:
         if None in counts:
             state.polled_at = time.perf_counter()
             return None
-        timed = state.take_promotion_time(_POLL_S) if state.num_promoting else None
+        timed = state.take_promotion_time(READY_WAIT_S) if state.num_promoting else None
         if timed is not None:  # (storage blocks, seconds)
             self.policy.promoted(timed[0] * lay.moved_per_block(self.layouts).entry_bytes * self.num_ranks, timed[1])
-        if all(count == state.lease_sizes.get(i) for i, count in zip(state.leases, counts)):
+        sizes = [state.lease_sizes.get(i, 0) for i in state.leases]
+        if all(count is not None and count >= size for count, size in zip(counts, sizes)):
             return len(state.tiers)
         if self.async_loads or self.layout.window_blocks:  # all or nothing per boundary: a miss
             state.release(self.client)
             return 0
-        return min(c for c in counts if c is not None)  # none is None by now
+        return min(min(c for c in counts if c is not None), len(state.tiers))  # none is None by now
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         state = self.table.state_of(request)
