@@ -131,8 +131,7 @@ def test_the_scheduler_settles_a_step_on_every_rank_and_rewinds_the_requests_tha
         )
         loaded = entry_key("loaded", 0)
         for r, client in enumerate(ranks):  # an entry a request loaded, under the scheduler's lease
-            client.reserve(namespaces[r], [loaded])
-            client.commit(namespaces[r], [loaded])
+            client.commit(client.reserve(namespaces[r], [loaded]))
         scheduler.table.reqs["good"].leases = {0: scheduler.client.lease(namespaces[0], [loaded])}
         scheduler.table.loading(1, [("good", [20]), ("bad", [10, 11])])
         bad_keys = [entry_key("bad", 2), entry_key("bad", 3), entry_key("shares", 2)]

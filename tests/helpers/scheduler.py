@@ -37,8 +37,7 @@ def saved(node, scheduler, keys: list[bytes]) -> None:
     for rank, ns in enumerate(scheduler._ns):
         worker = node.client(f"vllm-worker-{rank}")
         worker.register(desc(rank))
-        worker.reserve(ns, keys)
-        worker.commit(ns, keys)
+        worker.commit(worker.reserve(ns, keys))
 
 
 def prompt(node, scheduler, num_blocks: int, **request_kw):
