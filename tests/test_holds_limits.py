@@ -245,3 +245,25 @@ def test_a_handle_past_the_servers_time_limit_is_not_held_on_the_clients_side_ei
         node.close()
         server.stop()
         thread.join(timeout=30)
+
+
+def test_a_connection_holds_a_bounded_number_of_keys_reserved_and_a_hold_is_never_committed_by_its_owner(node):
+    """The server names a connection's reservations until they end (commit and abort name them
+    by id): past MAX_OPEN_KEYS keys a Reserve is refused with an error naming the limit, and a
+    reservation made in a hold cannot be committed by the client that made it, only settled."""
+    from hpkv.server.channel import ServerError
+    from hpkv.server.handlers import MAX_OPEN_KEYS
+
+    node.start_server()
+    client = node.client("engine")
+    ns = client.register(desc(0, ENTRY))
+    with pytest.raises(ServerError, match=f"over the limit of {MAX_OPEN_KEYS}") as refused:
+        client.reserve(ns, [i.to_bytes(8, "little") for i in range(MAX_OPEN_KEYS + 1)])
+    assert refused.value.code == "limit" and client.stats().reservations == 0
+
+    held = client.reserve(ns, entry_keys(2, "held"), hold="step-1")
+    with pytest.raises(ServerError, match="settled by Settle"):
+        client.commit(held)
+    assert client.lookup(ns, entry_keys(2, "held")).num_hit == 0
+    assert client.settle("step-1", []).num_committed == 2
+    assert client.lookup(ns, entry_keys(2, "held")).num_hit == 2
