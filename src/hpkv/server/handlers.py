@@ -12,6 +12,7 @@ the server's start and stop.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -184,7 +185,7 @@ class Handlers:
         """Drop the connection's reservations in holds that have ended (settled by whoever
         settles them, or timed out): nothing of them is left to abort."""
         for rid, res in list(client.reservations.items()):
-            if res.hold and not self.store.hold_open(res.hold):
+            if res.hold and not self.store.has_reservations(client.id, res.hold):
                 client.take_reservation(rid)
 
     def _on_Settle(self, r: p.Settle, client: ClientInfo) -> p.Reply:
@@ -206,12 +207,8 @@ class Handlers:
             parts.append(p.LeasePart(lease.id, lease.tiers, lease.offsets, num_ready))
         reading = [lease for lease in leases if lease.reads]
         if reading:  # the storage reads queued once the reply is sent
-            client.after_reply = lambda: self._start_reads(reading)
+            client.after_reply = functools.partial(_start_reads, reading)
         return p.Leased(parts)
-
-    def _start_reads(self, leases: list) -> None:
-        for lease in leases:
-            self.store.start_reads(lease)
 
     def _on_LeaseWait(self, r: p.LeaseWait, client: ClientInfo) -> p.Reply:
         leases = [self.store.get_lease(i) if i in client.leases else None for i in r.lease_ids]
@@ -263,7 +260,7 @@ class Handlers:
         return p.StatsReply(msgspec.to_builtins(stats))
 
     def _check_ns(self, ns: str) -> None:
-        if not self.store.known(ns):
+        if ns not in self.store.namespaces():
             raise UnknownNamespace(ns)
 
 
@@ -285,6 +282,11 @@ def namespace_page(namespaces: dict[str, NamespaceStats], r: p.Stats) -> tuple[d
     if r.busiest or len(page) == len(order):
         return page, None
     return page, max(page) if page else r.after
+
+
+def _start_reads(leases: list) -> None:
+    for lease in leases:
+        lease.start_reads()
 
 
 def _is_ns_id(text: str) -> bool:

@@ -15,7 +15,8 @@ Must not know: leases, reservations, write-throughs.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 
 from ..keys import NamespaceDesc
 from ..pool.dram_tier import DramTier
@@ -98,8 +99,9 @@ class Lookups:
     def known(self, ns: str) -> bool:
         return ns in self._descs
 
-    def descs(self) -> dict[str, NamespaceDesc]:
-        return dict(self._descs)
+    def descs(self) -> Mapping[str, NamespaceDesc]:
+        """A read-only view of the namespaces registered (no copy)."""
+        return MappingProxyType(self._descs)
 
     def probe(self, ns: str) -> Probe:
         return self._storage.index_probe(ns) if self._storage is not None else NOWHERE

@@ -2,8 +2,8 @@
 facade the server (its handlers and its daemon) goes through.
 
 Primitives (keyed by namespace `ns` and engine keys, in prefix order): `create_store`; `register`,
-`namespaces`, `known`, `check_desc_size`; `lookup`, `lookup_each`; `reserve` -> `commit` | `abort`, or
-`reserve(..., hold=)` -> `settle` (`hold_open`); `lease` (-> `start_reads`) -> `Lease.wait` (`get_lease`) ->
+`namespaces`, `check_desc_size`; `lookup`, `lookup_each`; `reserve` -> `commit` | `abort`, or
+`reserve(..., hold=)` -> `settle`; `lease` (-> `Lease.start_reads`) -> `Lease.wait` (`get_lease`) ->
 `release`; `join_owner`, `has_reservations`, `drop_owner`; `set_limits`; `flush`, `clear`,
 `stats`, `close`; `region`, the mapped pool the bytes are copied through by callers. Each is its
 part's: `lookup.py` (namespaces, lookups), `leases.py` (leases, promotions), `reservations.py`
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -149,18 +149,10 @@ class TieredStore:
                     share_bytes(slots.user_share, pool_bytes, alloc.slab_bytes),
                 )
 
-    def namespaces(self) -> dict[str, NamespaceDesc]:
-        """The namespaces registered (a copy)."""
+    def namespaces(self) -> Mapping[str, NamespaceDesc]:
+        """The namespaces registered: a read-only view, not a copy (asked on every request);
+        copy it to iterate while clients may register."""
         return self.lookups.descs()
-
-    def known(self, ns: str) -> bool:
-        """Whether `ns` is registered (no copy of the table: asked on every request)."""
-        return self.lookups.known(ns)
-
-    def hold_open(self, hold: str) -> bool:
-        """Whether `hold` has reservations nobody settled yet (not settled, not timed out)."""
-        with self._lock:
-            return hold in self.limits.holds
 
     def check_desc_size(self, desc_bytes: int) -> None:
         """`NamespaceLimit` where a description of `desc_bytes` is too large to register: asked
@@ -178,10 +170,6 @@ class TieredStore:
 
     def lease(self, ns: str, keys: Sequence[bytes], owner: int = 0, start_reads: bool = True) -> Lease:
         return self.leases.lease(ns, keys, owner, start_reads)
-
-    def start_reads(self, lease: Lease) -> None:
-        """Queue the storage reads of a lease taken with `start_reads=False` (after its reply)."""
-        self.leases.start_reads(lease)
 
     def get_lease(self, lease_id: int) -> Lease | None:
         """The lease, while it is held (None once released or taken back at its time limit)."""
@@ -207,8 +195,12 @@ class TieredStore:
         (or have failed). False on timeout."""
         return self.writes.flush(timeout) if self.writes is not None else True
 
-    def has_reservations(self, owner: int) -> bool:
+    def has_reservations(self, owner: int, hold: str | None = None) -> bool:
+        """Whether `owner` holds reservations; with `hold`, reservations in that hold (until it
+        is settled or times out)."""
         with self._lock:
+            if hold is not None:
+                return self.limits.holds.has(hold, owner)
             return self.limits.has_reservations(owner)
 
     def join_owner(self, owner: int, uid: int, pid: int) -> None:
