@@ -185,10 +185,10 @@ class HpkvWorker:
             leases = self.client.lease_many([(nss[jobs[i].group], jobs[i].keys) for i in todo])
             try:
                 leased = time.perf_counter()
-                counts = self.client.wait_all(leases, timeout_s=LOAD_WAIT_S)
                 deadline = time.monotonic() + LOAD_WAIT_S
+                counts = self.client.wait_all(leases, timeout_s=LOAD_WAIT_S)
                 while None in counts and time.monotonic() < deadline:
-                    counts = self.client.wait_all(leases, timeout_s=LOAD_WAIT_S)
+                    counts = self.client.wait_all(leases, timeout_s=max(0.0, deadline - time.monotonic()))
                 ready = time.perf_counter()
                 for i, lease, count in zip(todo, leases, counts):
                     num_ready = min(count or 0, len(jobs[i].block_ids))
