@@ -209,3 +209,17 @@ def test_a_hybrid_model_asks_the_same_few_calls_whatever_its_ranks_groups_and_bl
     for calls in runs.values():
         assert dict(calls[0]) == expected_sched
         assert all(dict(w) == expected_worker for w in calls[1:])
+
+
+@pytest.mark.parametrize("num_state_groups, asked", [(0, "Lease"), (1, "Lookup")], ids=["one-group", "hybrid"])
+def test_a_miss_costs_the_scheduler_one_call_and_pins_nothing(server, num_state_groups, asked):
+    layouts = layouts_of(num_state_groups) if num_state_groups else layouts_of(0)[-1:]
+    sched = scheduler_half(server, layouts, 2)
+    calls = counted(sched.client)
+    keys = [entry_key(f"never-saved-{num_state_groups}", i) for i in range(4)]
+    request = SimpleNamespace(request_id="r", num_tokens=len(keys) * BS + 1, block_hashes=keys)
+
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert dict(calls) == {asked: 1}
+    assert sched.client.stats().leases == 0
+    sched.client.close()

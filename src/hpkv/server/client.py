@@ -102,6 +102,8 @@ class Client(Channel):
     def lookup_many(self, parts: Sequence[Part], each: Collection[int] = ()) -> list[bytes]:
         """Each part's tiers as wire codes (1 DRAM, 2 storage): one per leading hit, or, for the
         parts whose index is in `each`, one per key, 0 for a miss."""
+        if not parts:
+            return []
         return self._ask(p.Lookup(_parts(parts), sorted(each)), p.Hits).tiers
 
     def reserve(self, ns: str, keys: Sequence[bytes], hold: str = "") -> Reservation:
@@ -147,6 +149,8 @@ class Client(Channel):
 
     def lease_many(self, parts: Sequence[Part]) -> list[LeaseHandle]:
         """One lease per part, each with the tiers of what it leased (its leading hits)."""
+        if not parts:
+            return []
         with self._lock:
             deadline = self._deadline()
             r = self._ask(p.Lease(_parts(parts)), p.Leased)
