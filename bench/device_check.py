@@ -419,7 +419,7 @@ def restart_check(opts: Options) -> dict:
             if None in res.offsets:
                 raise SystemExit(f"the pool of {pool_bytes} bytes had no room for {opts.num_moved} entries")
             copier.save(res.region, src, res.offsets)
-            client.commit(ns, keys, reservation=res)
+            client.commit(res)
             lease = client.lease(ns, keys)
             ready = client.wait(lease, timeout_s=30)
             copier.load(lease.region, dst, lease.offsets)

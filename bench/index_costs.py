@@ -80,8 +80,7 @@ def dram_index(num_entries: int = 1_000_000) -> dict:
                 before = rss_anon(proc.pid)
                 for start in range(0, num_entries, 4096):
                     batch = [i.to_bytes(32, "little") for i in range(start, min(start + 4096, num_entries))]
-                    client.reserve(ns, batch)
-                    client.commit(ns, batch)
+                    client.commit(client.reserve(ns, batch))
                 assert client.stats().dram.num_entries == num_entries
                 after = rss_anon(proc.pid)
         finally:
@@ -177,7 +176,7 @@ def _saved(
                     for offset in reservation.offsets:
                         assert offset is not None
                         np.copyto(pool[offset : offset + entry], payload)
-                    client.commit(ns, batch)
+                    client.commit(reservation)
                 done += n
 
             def written() -> int:

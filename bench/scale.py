@@ -81,7 +81,7 @@ def measure(parent: Path, size_gib: int) -> dict:
             assert reservation.offsets[0] is not None, "no slot right after start"
             offset = reservation.offsets[0]
             np.frombuffer(reservation.region.buf, dtype=np.uint8)[offset : offset + ENTRY] = 7
-            client.commit(ns, key)
+            client.commit(reservation)
             assert list(client.lookup(ns, key).tiers) == [Tier.DRAM]
             hit = time.monotonic()
             while (stats := client.stats().dram).ready_bytes < stats.capacity_bytes:

@@ -43,7 +43,7 @@ def _measure(client: Client) -> dict:
     prefix = _keys(4096, "lookup")
     reservation = client.reserve(small, prefix)
     assert None not in reservation.offsets
-    client.commit(small, prefix)
+    client.commit(reservation)
     assert client.lookup(small, prefix).num_hit == 4096
     lookup = median_p99_ms(timed(lambda: client.lookup(small, prefix), 300))
 
@@ -51,8 +51,7 @@ def _measure(client: Client) -> dict:
 
     def reserve_commit() -> None:
         batch = _keys(64, f"rc{next(counter)}-")
-        client.reserve(small, batch)
-        client.commit(small, batch)
+        client.commit(client.reserve(small, batch))
 
     reserve_commit_ms = median_p99_ms(timed(reserve_commit, 200))
 
@@ -63,7 +62,7 @@ def _measure(client: Client) -> dict:
     pool = np.frombuffer(reservation.region.buf, dtype=np.uint8)
     for i, offset in enumerate(reservation.offsets):
         np.copyto(pool[offset : offset + ENTRY], src[i * ENTRY : (i + 1) * ENTRY])
-    client.commit(big, keys)
+    client.commit(reservation)
     dst = np.empty_like(src)
 
     def read_pool() -> None:

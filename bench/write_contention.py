@@ -53,8 +53,7 @@ def run_one(nice: int | None, seconds: float, storage_parent: Path) -> dict:
         client = Client(pool_dir, kind="bench", autostart=False)
         small = client.register(_desc(4096))
         prefix = _keys(64, "lookup")
-        client.reserve(small, prefix)
-        client.commit(small, prefix)
+        client.commit(client.reserve(small, prefix))
         busy.extend(subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(os.cpu_count() or 1))
         stop = threading.Event()
         committed = [0]
@@ -106,7 +105,7 @@ def _commit_loop(pool_dir: Path, stop: threading.Event, committed: list[int]) ->
         for offset in reservation.offsets:
             if offset is not None:
                 np.copyto(pool[offset : offset + ENTRY], src)
-        committed[0] += client.commit(ns, keys)
+        committed[0] += client.commit(reservation)
         time.sleep(BATCH_EVERY_S)
     client.close()
 

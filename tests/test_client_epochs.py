@@ -49,14 +49,14 @@ def test_a_reservation_of_a_closed_connection_neither_commits_nor_aborts_what_a_
         lambda: (lambda r: r if r.offsets != [None] else None)(writer.reserve(ns, [key])),
         what="the key reserved again after the quarantine",
     )
-    assert not writer.holds(old) and writer.holds(new)
-    assert writer.commit(ns, [key], reservation=old) == 0
-    writer.abort(ns, [key], reservation=old)
+    assert not writer.alive(old) and writer.alive(new)
+    assert writer.commit(old) == 0
+    writer.abort(old)
     assert writer.lookup(ns, [key]).num_hit == 0  # nothing published before its copy
     assert writer.stats().reservations == 1  # and the new slot is still the copier's
 
     new.view(0)[:] = payload(key, 0, ENTRY)
-    assert writer.commit(ns, [key], reservation=new) == 1
+    assert writer.commit(new) == 1
     lease = writer.lease(ns, [key])
     assert writer.wait(lease) == 1 and bytes(lease.view(0)) == payload(key, 0, ENTRY)
     writer.release(lease)
@@ -71,8 +71,8 @@ def test_commit_and_abort_never_connect(node):
     res = writer.reserve(ns, [key])
     writer._drop("a call timed out")
 
-    assert writer.commit(ns, [key]) == 0 and writer.commit(ns, [key], reservation=res) == 0
-    writer.abort(ns, [key], reservation=res)
+    assert writer.commit(res) == 0
+    writer.abort(res)
     assert not writer.connected
 
 
@@ -85,7 +85,7 @@ def test_a_lease_is_void_as_soon_as_its_connection_goes(node):
     key = entry_key("prompt", 0)
     res = client.reserve(ns, [key])
     res.view(0)[:] = payload(key, 0, ENTRY)
-    assert client.commit(ns, [key], reservation=res) == 1
+    assert client.commit(res) == 1
     wait_for(lambda: client.stats().storage.num_entries == 1, what="the write-through")
     client.clear(dram=True)
     assert client.lookup(ns, [key]).tiers == (Tier.STORAGE,)
@@ -94,7 +94,7 @@ def test_a_lease_is_void_as_soon_as_its_connection_goes(node):
     assert lease.num_ready is None  # the read from storage starts after the reply
     client._drop("a call timed out")
 
-    assert not client.holds(lease)
+    assert not client.alive(lease)
     assert client.wait(lease) == 0
     client.release(lease)
     assert not client.connected

@@ -77,7 +77,7 @@ def test_engines_attach_to_the_units_server_and_never_start_one_while_it_restart
     reservation = worker.reserve(ns, keys)
     for i in range(len(keys)):
         reservation.view(i)[:] = bytes([i + 1]) * DESC.entry_bytes
-    assert worker.commit(ns, keys) == len(keys)
+    assert worker.commit(reservation) == len(keys)
     stats = worker.stats()
     assert stats.server.pid == unit_server.proc.pid and not stats.server.auto
     assert stats.server.storage_path.startswith(str(unit_server.state_dir))  # the config file's settings

@@ -173,7 +173,7 @@ def test_a_client_that_keeps_what_it_reserved_and_leased_leaves_the_other_engine
     res = engine.reserve(ns, saved)
     for i, key in enumerate(saved):
         res.view(i)[:] = payload(key)
-    assert engine.commit(ns, saved, reservation=res) == 64
+    assert engine.commit(res) == 64
     region = res.region
     lease = hog.call("load", prefix="saved", n=64, release=False)
     assert lease["num_ready"] == 64
@@ -183,7 +183,7 @@ def test_a_client_that_keeps_what_it_reserved_and_leased_leaves_the_other_engine
     mine = [entry_key("mine", i) for i in range(64)]
     res = engine.reserve(ns, mine)
     assert None not in res.offsets  # room left for the other engine
-    engine.abort(ns, mine, reservation=res)
+    engine.abort(res)
 
     clock = node.server.store.limits.clock = stopped_clock()
     clock.now += 300
@@ -193,11 +193,11 @@ def test_a_client_that_keeps_what_it_reserved_and_leased_leaves_the_other_engine
     stats = engine.stats()
     assert stats.limits.expired_reservations == 64 and stats.limits.expired_leases == 1
     assert [c.leases for c in stats.clients if c.kind == "hog"] == [0]
-    assert hog.call("commit", prefix="grab", n=256)["committed"] == 0
+    assert hog.call("commit")["committed"] == 0
     assert engine.lookup(ns, [entry_key("grab", i) for i in range(256)]).num_hit == 0
     # still its bytes: nobody may write there yet
     assert bytes(region.view(lease["offsets"][0], res.entry_bytes)) == payload(saved[0])
-    engine.abort(ns, more, reservation=res)
+    engine.abort(res)
 
     clock.now += HOLD_QUARANTINE_S
     res = engine.reserve(ns, [entry_key("after", i) for i in range(128)])
@@ -231,17 +231,39 @@ def test_a_handle_past_the_servers_time_limit_is_not_held_on_the_clients_side_ei
         ns = client.register(desc(0))
         saved = [entry_key("saved", i) for i in range(4)]
         res = client.reserve(ns, saved)
-        assert client.slot_timeout_s == 1.0 and client.holds(res)
+        assert client.slot_timeout_s == 1.0 and client.alive(res)
         for i, key in enumerate(saved):
             res.view(i)[:] = payload(key)
-        client.commit(ns, saved, reservation=res)
+        client.commit(res)
         lease = client.lease(ns, saved)
         late = client.reserve(ns, [entry_key("late", 0)])
-        assert client.holds(lease) and client.holds(late)
+        assert client.alive(lease) and client.alive(late)
         time.sleep(1.05)
-        assert not client.holds(lease) and not client.holds(late)
+        assert not client.alive(lease) and not client.alive(late)
         assert client.connected  # the connection lives on: only the expired handles are void
     finally:
         node.close()
         server.stop()
         thread.join(timeout=30)
+
+
+def test_a_connection_holds_a_bounded_number_of_keys_reserved_and_a_hold_is_never_committed_by_its_owner(node):
+    """The server names a connection's reservations until they end (commit and abort name them
+    by id): past MAX_OPEN_KEYS keys a Reserve is refused with an error naming the limit, and a
+    reservation made in a hold cannot be committed by the client that made it, only settled."""
+    from hpkv.server.channel import ServerError
+    from hpkv.server.handlers import MAX_OPEN_KEYS
+
+    node.start_server()
+    client = node.client("engine")
+    ns = client.register(desc(0, ENTRY))
+    with pytest.raises(ServerError, match=f"over the limit of {MAX_OPEN_KEYS}") as refused:
+        client.reserve(ns, [i.to_bytes(8, "little") for i in range(MAX_OPEN_KEYS + 1)])
+    assert refused.value.code == "limit" and client.stats().reservations == 0
+
+    held = client.reserve(ns, entry_keys(2, "held"), hold="step-1")
+    with pytest.raises(ServerError, match="settled by Settle"):
+        client.commit(held)
+    assert client.lookup(ns, entry_keys(2, "held")).num_hit == 0
+    assert client.settle("step-1", []).num_committed == 2
+    assert client.lookup(ns, entry_keys(2, "held")).num_hit == 2

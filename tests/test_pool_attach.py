@@ -100,7 +100,7 @@ def test_a_pinning_worker_unregisters_each_old_pool_once_no_handle_refers_to_it(
             keys = [entry_key(f"gen{generation}", i) for i in range(2)]
             res = client.reserve(ns, keys)
             copier.save(res.region, [3, 5], res.offsets)
-            assert client.commit(ns, keys, reservation=res) == 2
+            assert client.commit(res) == 2
             lease = client.lease(ns, keys)
             assert client.wait(lease) == 2
             copier.load(lease.region, [7, 9], lease.offsets)

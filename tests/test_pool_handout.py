@@ -127,7 +127,7 @@ def seed(node: Node) -> None:
                 ns = client.register(desc())
                 res = client.reserve(ns, [KEY])
                 res.view(0)[:] = payload(KEY)
-                code = 0 if client.commit(ns, [KEY], reservation=res) == 1 else 1
+                code = 0 if client.commit(res) == 1 else 1
         finally:
             os._exit(code)
     assert os.waitpid(pid, 0)[1] == 0

@@ -34,7 +34,7 @@ def save(client: Client, ns: str, keys: list[bytes]) -> None:
     res = client.reserve(ns, keys)
     for i, key in enumerate(keys):
         res.view(i)[:] = payload(key)
-    assert client.commit(ns, keys, reservation=res) == len(keys)
+    assert client.commit(res) == len(keys)
 
 
 def kv_files(node: Node) -> list[Path]:

@@ -111,9 +111,12 @@ def test_a_client_killed_with_reservations_and_leases_gives_them_back(node):
 
     victim.kill()
     wait_for(lambda: (lambda s: s.reservations == 0 and s.leases == 0)(other.stats()), what="reclaim")
-    assert None not in other.reserve(ns, pending).offsets  # the victim's keys are free again
-    assert None not in other.reserve(ns, fresh).offsets  # leased entries were evictable
-    other.abort(ns, pending + fresh)
+    again = other.reserve(ns, pending)
+    assert None not in again.offsets  # the victim's keys are free again
+    evicting = other.reserve(ns, fresh)
+    assert None not in evicting.offsets  # leased entries were evictable
+    other.abort(again)
+    other.abort(evicting)
     assert other.stats().dram.evictions >= 8
 
 
@@ -354,7 +357,7 @@ def save_big(client, ns: str, keys: list[bytes]) -> int:
     res = client.reserve(ns, keys)
     for i, key in enumerate(keys):
         res.view(i)[:] = payload(key, 0, BIG)
-    return client.commit(ns, keys)
+    return client.commit(res)
 
 
 def test_sigterm_finishes_storage_writes_in_flight_and_exits_cleanly(node):

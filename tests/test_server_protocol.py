@@ -127,9 +127,10 @@ def test_a_client_stuck_mid_frame_loses_its_connection_and_leases_but_a_quiet_on
         sock = raw_connect(node, timeout_s=10.0)
         assert isinstance(call(sock, p.Register(desc().to_json())), p.Registered)
         key = entry_key(name, 0)
-        assert call(sock, p.Reserve(ns, [key])).offsets[0] is not None
-        assert call(sock, p.Commit(ns, [key])).num == 1
-        assert call(sock, p.Lease(ns, [key])).offsets
+        reserved = call(sock, p.Reserve([p.Part(ns, [key])]))
+        assert reserved.offsets[0][0] is not None
+        assert call(sock, p.Commit(reserved.reservation_id)).num == 1
+        assert call(sock, p.Lease([p.Part(ns, [key])])).leases[0].offsets
         clients.append(sock)
     stuck, quiet = clients
     stats = node.client("observer")
@@ -170,12 +171,15 @@ bodies = st.one_of(
 )
 ns_names = st.sampled_from([FUZZ_NS, "0" * 32]) | st.text(max_size=8)
 keys = st.lists(st.binary(max_size=8), max_size=3)
+parts = st.lists(st.builds(p.Part, ns_names, keys), max_size=3)
 requests = st.one_of(
     st.builds(p.Hello, st.integers(0, 3), st.text(max_size=8), st.integers(0, 2**31)),
     st.builds(p.Register, st.sampled_from([desc().to_json(), "{}", "[]", '{"extra": 1}']) | st.text(max_size=8)),
-    *(st.builds(cls, ns_names, keys) for cls in (p.Lookup, p.Reserve, p.Commit, p.Abort, p.Lease)),
-    st.builds(p.LeaseWait, st.integers(0, 3), st.floats()),
-    st.builds(p.Release, st.integers(0, 3)),
+    *(st.builds(cls, parts) for cls in (p.Lookup, p.Reserve, p.Lease)),
+    st.builds(p.Lookup, parts, st.lists(st.integers(-1, 3), max_size=3)),
+    *(st.builds(cls, st.integers(-1, 3)) for cls in (p.Commit, p.Abort)),
+    st.builds(p.LeaseWait, st.lists(st.integers(-1, 3), max_size=3), st.floats()),
+    st.builds(p.Release, st.lists(st.integers(-1, 3), max_size=3)),
     st.just(p.Stats()),
 ).map(p.encode)
 pieces = st.one_of(
@@ -228,7 +232,7 @@ def test_fuzzed_connections_never_take_the_server_down(node):
     res = good.reserve(ns, keys)
     for i in range(4):
         res.view(i)[:] = bytes([i]) * len(res.view(i))
-    good.commit(ns, keys)
+    good.commit(res)
     lease = good.lease(ns, keys)  # pinned: whatever the fuzzer reserves, these stay
 
     @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)

@@ -119,7 +119,7 @@ def test_an_admitted_uid_maps_the_pool_it_is_passed_though_the_file_is_0600(node
             ns = client.register(desc())
             res = client.reserve(ns, [key])
             res.view(0)[:] = payload(key)
-            return {"committed": client.commit(ns, [key], reservation=res)}
+            return {"committed": client.commit(res)}
 
     seen = as_other_uid(save)
     assert seen == {"committed": 1}

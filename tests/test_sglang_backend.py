@@ -293,7 +293,7 @@ def test_a_vllm_engine_on_the_node_never_sees_sglangs_pages(node):
     reservation = vllm.reserve(vllm_ns, entry_keys)  # vLLM stores first, under the very same keys
     for i in range(3):
         reservation.view(i)[:] = b"\x5a" * storage.layout.entry_bytes
-    assert vllm.commit(vllm_ns, entry_keys) == 3
+    assert vllm.commit(reservation) == 3
 
     assert storage.batch_exists(keys) == 0
     assert write_pages(storage, pool, keys) == [True] * 3

@@ -1,4 +1,4 @@
-"""Which saves the vLLM scheduler holds, and how it settles them (`holds.SaveHolds`): steps are
+"""Which saves the vLLM scheduler holds, and how it settles them (`pending.PendingSaves`): steps are
 numbered, a step with loads holds its saves and those of every step built before its output is
 back, and a request vLLM finds reading a failed block loses the saves held on top of it."""
 
@@ -14,13 +14,13 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 
 @pytest.fixture
 def holds():
-    from hpkv.integrations.vllm.holds import SaveHolds
+    from hpkv.integrations.vllm.pending import PendingSaves
 
-    return SaveHolds()
+    return PendingSaves()
 
 
 def test_steps_hold_their_saves_from_a_load_until_its_output_is_back(holds):
-    from hpkv.integrations.vllm.holds import Settle
+    from hpkv.integrations.vllm.pending import Settle
 
     assert holds.begin_step(1, has_loads=False) == ""
     assert holds.begin_step(2, has_loads=True) == holds.name(2)
@@ -82,7 +82,7 @@ def test_a_stopping_engine_aborts_every_hold_it_has_not_settled(holds):
 
 
 def test_worker_metadata_of_every_rank_aggregates_to_the_steps_they_ran():
-    from hpkv.integrations.vllm.holds import HpkvWorkerMeta
+    from hpkv.integrations.vllm.pending import HpkvWorkerMeta
 
     meta = HpkvWorkerMeta({4}).aggregate(HpkvWorkerMeta({4}, {4})).aggregate(HpkvWorkerMeta({5}))
     assert (meta.seqs, meta.failed) == ({4, 5}, {4})
@@ -101,10 +101,11 @@ def test_the_scheduler_settles_a_step_on_every_rank_and_rewinds_the_requests_tha
     from helpers.server import Node
     from hpkv.costmodel import FixedThreshold
     from hpkv.integrations.vllm.connectorstats import HpkvConnectorStats
-    from hpkv.integrations.vllm.holds import HpkvWorkerMeta, SaveHolds
+    from hpkv.integrations.vllm.pending import HpkvWorkerMeta
     from hpkv.integrations.vllm.requests import NEVER
     from hpkv.integrations.vllm.requests import RequestState as _Req
     from hpkv.integrations.vllm.scheduler import HpkvScheduler
+    from hpkv.integrations.vllm.table import RequestTable
 
     node = Node(shm_dir, tmp_path)
     node.start_server()
@@ -115,31 +116,30 @@ def test_the_scheduler_settles_a_step_on_every_rank_and_rewinds_the_requests_tha
         scheduler.client = node.client("vllm-scheduler")
         for r in (0, 1):
             scheduler.client.register(desc(r))
-        scheduler.stats, scheduler.holds = HpkvConnectorStats(), SaveHolds()
-        scheduler._seq, scheduler._loading, scheduler._reqs, scheduler.block_size = 1, {}, {}, 32
+        scheduler.stats, scheduler.table, scheduler.block_size = HpkvConnectorStats(), RequestTable(), 32
+        scheduler.table.seq = 1
         scheduler.policy = FixedThreshold(1204, 32)
         scheduler.kv_cache_manager = None  # un-hashing failed blocks: tests/test_vllm_scheduler.py
         # vLLM's requests as update_from_output leaves them: "bad" rolled back to its failed block
         # 11, "shares" (block 11 through vLLM's prefix cache) left relying on bad's recompute.
-        scheduler._reqs["bad"] = _Req(
+        scheduler.table.reqs["bad"] = _Req(
             SimpleNamespace(num_computed_tokens=32), block_ids=[10, 11, 12, 13], saved_blocks=4
         )
-        scheduler._reqs["good"] = _Req(SimpleNamespace(num_computed_tokens=64), block_ids=[20, 21], saved_blocks=2)
-        scheduler._reqs["shares"] = _Req(
+        scheduler.table.reqs["good"] = _Req(SimpleNamespace(num_computed_tokens=64), block_ids=[20, 21], saved_blocks=2)
+        scheduler.table.reqs["shares"] = _Req(
             SimpleNamespace(num_computed_tokens=96), block_ids=[10, 11, 30], saved_blocks=3
         )
         loaded = entry_key("loaded", 0)
         for r, client in enumerate(ranks):  # an entry a request loaded, under the scheduler's lease
-            client.reserve(namespaces[r], [loaded])
-            client.commit(namespaces[r], [loaded])
-        scheduler._reqs["good"].leases = {0: scheduler.client.lease(namespaces[0], [loaded])}
-        scheduler._loading[1] = [("good", scheduler._reqs["good"].leases, [20]), ("bad", {}, [10, 11])]
+            client.commit(client.reserve(namespaces[r], [loaded]))
+        scheduler.table.reqs["good"].leases = {0: scheduler.client.lease(namespaces[0], [loaded])}
+        scheduler.table.loading(1, [("good", [20]), ("bad", [10, 11])])
         bad_keys = [entry_key("bad", 2), entry_key("bad", 3), entry_key("shares", 2)]
         good_keys = [entry_key("good", 1)]
-        hold = scheduler.holds.begin_step(1, has_loads=True)
-        scheduler.holds.add(1, "bad", bad_keys[:2], [10, 11, 12, 13], first_block=2)
-        scheduler.holds.add(1, "shares", bad_keys[2:], [10, 11, 30], first_block=2)
-        scheduler.holds.add(1, "good", good_keys, [20, 21], first_block=1)
+        hold = scheduler.table.pending.begin_step(1, has_loads=True)
+        scheduler.table.pending.add(1, "bad", bad_keys[:2], [10, 11, 12, 13], first_block=2)
+        scheduler.table.pending.add(1, "shares", bad_keys[2:], [10, 11, 30], first_block=2)
+        scheduler.table.pending.add(1, "good", good_keys, [20, 21], first_block=1)
         for r, client in enumerate(ranks):
             reservation = client.reserve(namespaces[r], bad_keys + good_keys, hold=hold)
             for key, offset in zip(bad_keys + good_keys, reservation.offsets):
@@ -154,10 +154,10 @@ def test_the_scheduler_settles_a_step_on_every_rank_and_rewinds_the_requests_tha
             assert client.lookup(namespaces[r], good_keys).num_hit == 1
             assert client.lookup(namespaces[r], bad_keys).num_hit == 0
             assert client.stats().reservations == 0 and client.stats().holds == 0
-        assert scheduler._reqs["bad"].saved_blocks == 1  # from block 11, which vLLM recomputes
-        assert scheduler._reqs["good"].saved_blocks == 2
-        assert scheduler._reqs["shares"].saved_blocks == NEVER  # its KV rests on bad's recompute
+        assert scheduler.table.reqs["bad"].saved_blocks == 1  # from block 11, which vLLM recomputes
+        assert scheduler.table.reqs["good"].saved_blocks == 2
+        assert scheduler.table.reqs["shares"].saved_blocks == NEVER  # its KV rests on bad's recompute
         assert scheduler.stats.data["held_saves_aborted"] == 3
-        assert scheduler._reqs["good"].leases == {} and scheduler.client.stats().leases == 0
+        assert scheduler.table.reqs["good"].leases == {} and scheduler.client.stats().leases == 0
     finally:
         node.close()

@@ -249,7 +249,7 @@ def test_linear_attention_hybrids_vllm_keeps_no_boundary_states_for_are_refused_
 def test_a_hit_ends_at_the_last_boundary_every_state_group_has(shm_dir, tmp_path):
     """On a real HPKV server: the attention group's leading blocks, cut back to the last block
     whose state all state groups hold; a policy that takes fewer blocks gets a hit looked up
-    again that short (ending on a state too), or none."""
+    again that short (ending on a state too), or none; all from one lookup."""
     from helpers.server import Node
 
     node = Node(shm_dir, tmp_path)
@@ -262,7 +262,7 @@ def test_a_hit_ends_at_the_last_boundary_every_state_group_has(shm_dir, tmp_path
 
 def _boundaries(client) -> None:
     from helpers.keys import desc, entry_keys
-    from hpkv.integrations.vllm import mamba
+    from hpkv.integrations.vllm import hitplan
     from hpkv.integrations.vllm.layout import BlockLayout
     from hpkv.tiers import Tier
 
@@ -274,18 +274,18 @@ def _boundaries(client) -> None:
     keys = entry_keys(10, "blocks")
 
     def save(ns: str, chosen: list[bytes]) -> None:
-        client.reserve(ns, chosen)
-        client.commit(ns, chosen)
+        client.commit(client.reserve(ns, chosen))
 
     save(namespaces[2], keys[:8])  # attention: blocks 0..7
     save(namespaces[0], [keys[i] for i in (1, 3, 5, 8)])  # states at the ends of blocks 1, 3, 5, 8
     save(namespaces[1], [keys[i] for i in (1, 3, 8)])
-    assert mamba.hit_tiers(client, layouts, namespaces, keys) == (Tier.DRAM,) * 4  # up to block 3
+    answer = hitplan.looked_up(client, layouts, namespaces, keys)
+    assert answer.tiers(len(keys)) == (Tier.DRAM,) * 4  # up to block 3
     everything = lambda tiers: len(tiers)  # noqa: E731
-    assert mamba.plan_hit(client, layouts, namespaces, keys, everything) == (4, (Tier.DRAM,) * 4)
+    assert hitplan.plan_hit(answer, everything) == (4, (Tier.DRAM,) * 4)
     three = lambda tiers: min(len(tiers), 3)  # noqa: E731  # a policy that would stop inside
-    assert mamba.plan_hit(client, layouts, namespaces, keys, three) == (4, (Tier.DRAM,) * 2)
-    assert mamba.plan_hit(client, layouts, namespaces, keys, lambda tiers: min(len(tiers), 1)) == (4, ())
+    assert hitplan.plan_hit(answer, three) == (4, (Tier.DRAM,) * 2)
+    assert hitplan.plan_hit(answer, lambda tiers: min(len(tiers), 1)) == (4, ())
     save(namespaces[1], [keys[5]])
-    assert len(mamba.hit_tiers(client, layouts, namespaces, keys)) == 6
-    assert mamba.hit_tiers(client, layouts, namespaces, keys[:1]) == ()  # no state at block 0
+    assert len(hitplan.looked_up(client, layouts, namespaces, keys).tiers(len(keys))) == 6
+    assert hitplan.looked_up(client, layouts, namespaces, keys[:1]).tiers(1) == ()  # no state at block 0

@@ -186,7 +186,7 @@ def test_saves_are_synchronous_where_vllm_writes_reused_blocks_before_the_fence(
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, UniformTypeKVCacheSpecs
 
-    from hpkv.integrations.vllm.worker import writes_reused_blocks_early
+    from hpkv.integrations.vllm.views import writes_reused_blocks_early
 
     def config(*dtypes):
         specs = {

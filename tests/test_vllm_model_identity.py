@@ -159,7 +159,7 @@ def test_a_lora_request_is_neither_looked_up_nor_saved(node, caplog):
         assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
     assert scheduler.client.stats().leases == 0
     assert "LoRA" in caplog.text
-    state = scheduler._reqs["r"]
+    state = scheduler.table.reqs["r"]
     state.block_ids = [1, 2, 3, 4, 5]
     meta = HpkvConnectorMetadata(loads=[], allocated=[], seq=1, identity=scheduler.identity.get())
     scheduler._add_saves(meta, "r", state, 5 * BS)
@@ -182,7 +182,7 @@ def test_a_lora_request_that_skips_the_prefix_cache_is_not_saved_either(node):
     request = prompt(node, scheduler, 4, lora_request=adapter)
     request.skip_reading_prefix_cache = True
     assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
-    state = scheduler._reqs["r"]
+    state = scheduler.table.reqs["r"]
     state.block_ids = [1, 2, 3, 4, 5]
     meta = HpkvConnectorMetadata(loads=[], allocated=[], seq=1, identity=scheduler.identity.get())
     scheduler._add_saves(meta, "r", state, 5 * BS)
@@ -201,7 +201,7 @@ def test_until_the_identity_is_known_nothing_is_loaded_or_saved(node):
     request = prompt(node, scheduler, 4)
 
     assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
-    state = scheduler._reqs["r"]
+    state = scheduler.table.reqs["r"]
     state.block_ids = [1, 2, 3, 4, 5]
     meta = HpkvConnectorMetadata(loads=[], allocated=[], seq=1, identity=scheduler.identity.get())
     scheduler._add_saves(meta, "r", state, 5 * BS)

@@ -102,12 +102,12 @@ def test_saves_land_after_wait_for_save_returns_and_a_fence_waits_only_for_block
 def test_a_save_whose_connection_was_lost_copies_nothing_into_the_slots(worker):
     w, node = worker
     gate = threading.Event()
-    original_holds = w.client.holds
-    w.client.holds = lambda handle: (gate.wait(10), original_holds(handle))[1]
+    original_alive = w.client.alive
+    w.client.alive = lambda handle: (gate.wait(10), original_alive(handle))[1]
 
     reserved = []
-    original_reserve = w.client.reserve
-    w.client.reserve = lambda *args, **kw: reserved.append(original_reserve(*args, **kw)) or reserved[-1]
+    original_reserve = w.client.reserve_many
+    w.client.reserve_many = lambda *args, **kw: reserved.append(original_reserve(*args, **kw)) or reserved[-1]
 
     keys = [entry_key("lost", i) for i in range(2)]
     w.wait_for_save(_meta(keys, [1, 2]))

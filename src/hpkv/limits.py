@@ -320,6 +320,11 @@ class Holds:
     def __len__(self) -> int:
         return len(self._holds)
 
+    def has(self, hold: str, owner: int) -> bool:
+        """Whether `owner` has reservations in `hold` (open: not settled, not timed out)."""
+        open_hold = self._holds.get(hold)
+        return open_hold is not None and any(part.owner == owner for part in open_hold.parts)
+
     def join(self, hold: str, owner: int, ns: str, keys: list[bytes]) -> None:
         """`owner` has reserved `keys` (each named Reserved(ns, key, hold)) in `hold`."""
         self._holds.setdefault(hold, Hold(self._clock(), [])).parts.append(HoldPart(owner, ns, keys))

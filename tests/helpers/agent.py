@@ -21,6 +21,7 @@ class AgentLoop:
         self.client = Client(os.environ["HPKV_SHARE_MEM_FILE_PATH"], **config)
         self.ns: dict[tuple[int, int], str] = {}
         self.leases: list = []
+        self.reservations: list = []  # op_reserve's, until op_commit
 
     def run(self) -> None:
         print(json.dumps({"ready": os.getpid()}), flush=True)
@@ -52,16 +53,18 @@ class AgentLoop:
         for i, key in enumerate(keys):
             if res.offsets[i] is not None:
                 res.view(i)[:] = payload(key, rank, entry_bytes)
-        return {"reserved": sum(o is not None for o in res.offsets), "committed": self.client.commit(ns, keys)}
+        return {"reserved": sum(o is not None for o in res.offsets), "committed": self.client.commit(res)}
 
     def op_reserve(self, prefix: str, n: int, rank: int = 0, entry_bytes: int = ENTRY_BYTES) -> dict:
         """Reserve and keep the reservations (no commit, no abort)."""
         res = self.client.reserve(self._ns(rank, entry_bytes), [entry_key(prefix, i) for i in range(n)])
+        self.reservations.append(res)
         return {"reserved": sum(o is not None for o in res.offsets), "offsets": res.offsets}
 
-    def op_commit(self, prefix: str, n: int, rank: int = 0, entry_bytes: int = ENTRY_BYTES) -> dict:
-        """Commit whatever this client holds reserved of these keys (no reservation handle)."""
-        return {"committed": self.client.commit(self._ns(rank, entry_bytes), [entry_key(prefix, i) for i in range(n)])}
+    def op_commit(self) -> dict:
+        """Commit the reservations op_reserve made (by their ids, as an engine does)."""
+        reservations, self.reservations = self.reservations, []
+        return {"committed": sum(self.client.commit(res) for res in reservations)}
 
     def op_lookup(self, prefix: str, n: int, rank: int = 0, entry_bytes: int = ENTRY_BYTES) -> dict:
         hit = self.client.lookup(self._ns(rank, entry_bytes), [entry_key(prefix, i) for i in range(n)])
@@ -137,7 +140,7 @@ class AgentLoop:
                 res.view(0)[half:] = data[half:]
                 out["reserved_only"].pop()
                 out["commit_sent"].append(i - 1)
-                if timed(self.client.commit, ns, [key]) == 1:
+                if timed(self.client.commit, res) == 1:
                     out["committed"].append([i - 1, self.client.server_pid])
                     if self.client.server_pid not in out["server_pids"]:
                         out["server_pids"].append(self.client.server_pid)

@@ -110,7 +110,7 @@ def write_entries(client: Client, num: int, desc: NamespaceDesc = DESC) -> tuple
     reservation = client.reserve(ns, keys)
     for i in range(num):
         reservation.view(i)[:] = bytes([i]) * desc.entry_bytes
-    assert client.commit(ns, keys) == num
+    assert client.commit(reservation) == num
     return ns, keys
 
 

@@ -15,17 +15,17 @@ def scheduler_half(node, num_ranks: int):
     from hpkv.costmodel import FixedThreshold
     from hpkv.identity import IdentityTask, override_identity
     from hpkv.integrations.vllm.connectorstats import HpkvConnectorStats
-    from hpkv.integrations.vllm.holds import SaveHolds
     from hpkv.integrations.vllm.layout import BlockLayout
     from hpkv.integrations.vllm.scheduler import HpkvScheduler
+    from hpkv.integrations.vllm.table import RequestTable
 
     scheduler = HpkvScheduler.__new__(HpkvScheduler)
     scheduler.client = node.client("vllm-scheduler", retry_interval_s=0.0)
     scheduler._ns = [scheduler.client.register(desc(r)) for r in range(num_ranks)]
     scheduler.descs = [desc(r) for r in range(num_ranks)]
     scheduler.identity = IdentityTask.of(override_identity("test"))  # known: loads and saves from the start
-    scheduler.stats, scheduler.holds, scheduler.policy = HpkvConnectorStats(), SaveHolds(), FixedThreshold(0, BS)
-    scheduler._seq, scheduler._loading, scheduler._reqs, scheduler._pending_loads = 0, {}, {}, []
+    scheduler.stats, scheduler.policy = HpkvConnectorStats(), FixedThreshold(0, BS)
+    scheduler.table, scheduler._pending_loads = RequestTable(), []
     scheduler.block_size, scheduler.layout = BS, BlockLayout(("l0",), (1,), BS, 1, "")
     scheduler.layouts, scheduler.num_ranks, scheduler.async_loads = [scheduler.layout], num_ranks, False
     scheduler.kv_cache_manager = None
@@ -37,8 +37,7 @@ def saved(node, scheduler, keys: list[bytes]) -> None:
     for rank, ns in enumerate(scheduler._ns):
         worker = node.client(f"vllm-worker-{rank}")
         worker.register(desc(rank))
-        worker.reserve(ns, keys)
-        worker.commit(ns, keys)
+        worker.commit(worker.reserve(ns, keys))
 
 
 def prompt(node, scheduler, num_blocks: int, **request_kw):

@@ -300,14 +300,15 @@ def serving(engine: Engine, shm_dir: Path):
 _LOAD_FAULT = """
 import os
 load = module.HpkvWorker._load
-def failing_load(self, job, _load=load, _flag={flag!r}):
+def failing_load(self, jobs, _load=load, _flag={flag!r}):
     try:
         os.unlink(_flag)
     except FileNotFoundError:
-        return _load(self, job)
-    for view in self.copiers[job.group].layer_views:
-        view[job.block_ids] = 0
-    return 0
+        return _load(self, jobs)
+    for job in jobs:  # the step's loads: all of them fail
+        for view in self.copiers[job.group].layer_views:
+            view[job.block_ids] = 0
+    return [0] * len(jobs)
 module.HpkvWorker._load = failing_load
 """
 

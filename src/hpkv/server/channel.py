@@ -252,7 +252,7 @@ class Channel:
     def _drop(self, reason: str) -> None:
         sock = self._sock
         if sock is not None:
-            # The epoch first, the close after: `holds` reads both without the lock, and must
+            # The epoch first, the close after: `alive` reads both without the lock, and must
             # say False before the server can see the connection end and reuse its slots.
             self.epoch += 1
             self._sock = None

@@ -1,6 +1,8 @@
 """The HPKV Server's answer to each request: one method per request type, on the store.
 
-Owns the dispatch of a decoded request and the mapping of failures to protocol errors: a
+Owns the dispatch of a decoded request, each connection's open reservations (by the id `Reserve`
+answered, at most MAX_OPEN_KEYS keys: `Commit` and `Abort` name them), and the mapping of
+failures to protocol errors: a
 namespace no client registered is `UnknownNamespace` (looked up explicitly, so a KeyError from a
 bug is reported as the bug it is), a bad argument is `bad_request`, anything else is `internal`
 and logged with its traceback. Primitives: `Handlers.handle(request, client)`, and `ClientInfo`,
@@ -10,6 +12,7 @@ the server's start and stop.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -29,6 +32,10 @@ from . import protocol as p
 log = logging.getLogger("hpkv.server")
 
 MAX_HOLD_CHARS = 128
+# Keys one connection may hold reserved and not committed, aborted or settled: the server keeps
+# their names until then (a reservation is committed or aborted by its id, not by its keys).
+MAX_OPEN_KEYS = 1 << 16
+MAX_WAIT_S = 60.0  # the longest a LeaseWait is answered after
 MAX_DESC_BYTES = 1 << 20  # HPKV_SERVER_MAX_NAMESPACE_BYTES at most: a stats page holds at least one description
 
 
@@ -41,6 +48,14 @@ class UnknownNamespace(HpkvError):
 
 
 @dataclass
+class OpenReservation:
+    """What one `Reserve` of a connection took and has not committed or aborted yet."""
+
+    hold: str
+    parts: list[tuple[str, list[bytes]]]  # (ns, the keys that got a slot)
+
+
+@dataclass
 class ClientInfo:
     id: int
     pid: int
@@ -48,7 +63,16 @@ class ClientInfo:
     kind: str = "?"
     connected_at: float = field(default_factory=time.time)
     leases: set[int] = field(default_factory=set)
+    reservations: dict[int, OpenReservation] = field(default_factory=dict)  # by the id `Reserved` named
+    reserved_keys: int = 0  # in `reservations`: at most MAX_OPEN_KEYS
+    next_reservation: int = 0
     after_reply: Callable[[], None] | None = None  # work that must not delay the reply
+
+    def take_reservation(self, rid: int) -> OpenReservation | None:
+        res = self.reservations.pop(rid, None)
+        if res is not None:
+            self.reserved_keys -= sum(len(keys) for _, keys in res.parts)
+        return res
 
 
 class Handlers:
@@ -89,59 +113,129 @@ class Handlers:
         return p.Registered(self.store.register(desc, owner=client.id, uid=client.uid), desc.entry_bytes)
 
     def _on_Lookup(self, r: p.Lookup, client: ClientInfo) -> p.Reply:
-        self._check_ns(r.ns)
-        return p.Hits(bytes(self.store.lookup(r.ns, r.keys).tiers))
+        for part in r.parts:
+            self._check_ns(part.ns)
+        each = set(r.each)
+        return p.Hits(
+            [
+                self.store.lookup_each(part.ns, part.keys)
+                if i in each
+                else bytes(self.store.lookup(part.ns, part.keys).tiers)
+                for i, part in enumerate(r.parts)
+            ]
+        )
 
     def _on_Reserve(self, r: p.Reserve, client: ClientInfo) -> p.Reply:
-        self._check_ns(r.ns)
-        long_keys = [key for key in r.keys if len(key) > MAX_KEY_BYTES]
-        if long_keys:  # each becomes a file name: make_key digests longer ones
-            return p.Error(
-                "bad_request",
-                f"{len(long_keys)} key(s) longer than {MAX_KEY_BYTES} bytes (the first "
-                f"is {len(long_keys[0])}); build keys with hpkv.keys.make_key",
-            )
+        for part in r.parts:
+            self._check_ns(part.ns)
+            long_keys = [key for key in part.keys if len(key) > MAX_KEY_BYTES]
+            if long_keys:  # each becomes a file name: make_key digests longer ones
+                return p.Error(
+                    "bad_request",
+                    f"{len(long_keys)} key(s) longer than {MAX_KEY_BYTES} bytes (the first "
+                    f"is {len(long_keys[0])}); build keys with hpkv.keys.make_key",
+                )
         if len(r.hold) > MAX_HOLD_CHARS:
             return p.Error("bad_request", f"hold name of {len(r.hold)} characters; at most {MAX_HOLD_CHARS}")
-        return p.Offsets(self.store.reserve(r.ns, r.keys, owner=client.id, hold=r.hold))
+        num_keys = sum(len(part.keys) for part in r.parts)
+        if client.reserved_keys + num_keys > MAX_OPEN_KEYS:
+            self._forget_settled(client)  # the holds settled since no longer count
+            if client.reserved_keys + num_keys > MAX_OPEN_KEYS:
+                return p.Error(
+                    "limit",
+                    f"this connection would have {client.reserved_keys + num_keys} keys reserved and not yet "
+                    f"committed, aborted or settled, over the limit of {MAX_OPEN_KEYS} "
+                    "(hpkv.server.handlers.MAX_OPEN_KEYS); commit or abort reservations first",
+                )
+        client.next_reservation += 1
+        rid = client.next_reservation
+        offsets, reserved = [], OpenReservation(r.hold, [])
+        try:
+            for part in r.parts:
+                got = self.store.reserve(part.ns, part.keys, owner=client.id, hold=r.hold)
+                offsets.append(got)
+                taken = [key for key, offset in zip(part.keys, got, strict=True) if offset is not None]
+                if taken:
+                    reserved.parts.append((part.ns, taken))
+                    client.reserved_keys += len(taken)
+        finally:  # what a failed part leaves reserved is the connection's to abort, or goes with it
+            if reserved.parts:
+                client.reservations[rid] = reserved
+        return p.Reserved(rid, offsets)
 
     def _on_Commit(self, r: p.Commit, client: ClientInfo) -> p.Reply:
-        return p.Count(self.store.commit(r.ns, r.keys, owner=client.id))
+        res = client.reservations.get(r.reservation_id)
+        if res is not None and res.hold:
+            return p.Error(
+                "bad_request",
+                f"reservation {r.reservation_id} is in hold {res.hold!r}: settled by Settle, not committed",
+            )
+        res = client.take_reservation(r.reservation_id)
+        if res is None:
+            return p.Count(0)
+        return p.Count(sum(self.store.commit(ns, keys, owner=client.id) for ns, keys in res.parts))
 
     def _on_Abort(self, r: p.Abort, client: ClientInfo) -> p.Reply:
-        return p.Count(self.store.abort(r.ns, r.keys, owner=client.id, hold=r.hold))
+        res = client.take_reservation(r.reservation_id)
+        if res is None:
+            return p.Count(0)
+        return p.Count(sum(self.store.abort(ns, keys, owner=client.id, hold=res.hold) for ns, keys in res.parts))
+
+    def _forget_settled(self, client: ClientInfo) -> None:
+        """Drop the connection's reservations in holds that have ended (settled by whoever
+        settles them, or timed out): nothing of them is left to abort."""
+        for rid, res in list(client.reservations.items()):
+            if res.hold and not self.store.has_reservations(client.id, res.hold):
+                client.take_reservation(rid)
 
     def _on_Settle(self, r: p.Settle, client: ClientInfo) -> p.Reply:
         return p.Settled(*self.store.settle(r.hold, r.abort))
 
     def _on_Lease(self, r: p.Lease, client: ClientInfo) -> p.Reply:
-        self._check_ns(r.ns)
-        lease = self.store.lease(r.ns, r.keys, owner=client.id, start_reads=False)
-        client.leases.add(lease.id)
-        if lease.reads:
-            client.after_reply = lambda: self.store.start_reads(lease)
-            return p.Leased(lease.id, lease.offsets, None)
-        return p.Leased(lease.id, lease.offsets, lease.wait() if lease.done else None)
+        for part in r.parts:
+            self._check_ns(part.ns)
+        leases, parts = [], []
+        for part in r.parts:
+            lease = self.store.lease(part.ns, part.keys, owner=client.id, start_reads=False)
+            if not lease.entries:  # a miss pins nothing: lease 0, nothing to release
+                self.store.release(lease.id)
+                parts.append(p.LeasePart(0, b"", [], 0))
+                continue
+            client.leases.add(lease.id)
+            leases.append(lease)
+            num_ready = None if lease.reads or not lease.done else lease.wait()
+            parts.append(p.LeasePart(lease.id, lease.tiers, lease.offsets, num_ready))
+        reading = [lease for lease in leases if lease.reads]
+        if reading:  # the storage reads queued once the reply is sent
+            client.after_reply = functools.partial(_start_reads, reading)
+        return p.Leased(parts)
 
     def _on_LeaseWait(self, r: p.LeaseWait, client: ClientInfo) -> p.Reply:
-        lease = self.store.get_lease(r.lease_id) if r.lease_id in client.leases else None
-        if lease is None:
-            return p.Error(
-                "bad_request",
-                f"lease {r.lease_id} is not held by this client (released, or held "
-                f"past HPKV_SERVER_SLOT_TIMEOUT_S={self.settings.server_slot_timeout_s:g} s)",
-            )
-        try:
-            num_ready = lease.wait(timeout=max(0.0, min(r.timeout_s, 60.0)))
-        except FutureTimeout:
-            num_ready = None
-        return p.Leased(lease.id, lease.offsets, num_ready)
+        leases = [self.store.get_lease(i) if i in client.leases else None for i in r.lease_ids]
+        for lease_id, lease in zip(r.lease_ids, leases):
+            if lease is None:
+                return p.Error(
+                    "bad_request",
+                    f"lease {lease_id} is not held by this client (released, or held "
+                    f"past HPKV_SERVER_SLOT_TIMEOUT_S={self.settings.server_slot_timeout_s:g} s)",
+                )
+        deadline = time.monotonic() + max(0.0, min(r.timeout_s, MAX_WAIT_S))
+        ready: list[int | None] = []
+        for lease in leases:
+            assert lease is not None
+            try:  # one deadline for all: the wait ends once every lease is ready, or at it
+                ready.append(lease.wait(timeout=max(0.0, deadline - time.monotonic())))
+            except FutureTimeout:
+                ready.append(None)
+        return p.Ready(ready)
 
     def _on_Release(self, r: p.Release, client: ClientInfo) -> p.Reply:
-        if r.lease_id not in client.leases:
-            return p.Count(0)
-        client.leases.discard(r.lease_id)
-        return p.Count(int(self.store.release(r.lease_id)))
+        num = 0
+        for lease_id in r.lease_ids:
+            if lease_id in client.leases:
+                client.leases.discard(lease_id)
+                num += int(self.store.release(lease_id))
+        return p.Count(num)
 
     def _on_Clear(self, r: p.Clear, client: ClientInfo) -> p.Reply:
         if r.ns is not None and not _is_ns_id(r.ns):  # it becomes a path under the storage root
@@ -188,6 +282,11 @@ def namespace_page(namespaces: dict[str, NamespaceStats], r: p.Stats) -> tuple[d
     if r.busiest or len(page) == len(order):
         return page, None
     return page, max(page) if page else r.after
+
+
+def _start_reads(leases: list) -> None:
+    for lease in leases:
+        lease.start_reads()
 
 
 def _is_ns_id(text: str) -> bool:

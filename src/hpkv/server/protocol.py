@@ -11,6 +11,11 @@ error naming both versions. `Hello`, `Welcome` and `Error` keep their fields acr
 later version may only add fields at their end), so that check holds between any two versions;
 every other message may change with the version.
 
+Batches: `Lookup`, `Lease` and `Reserve` take the keys of several namespaces at once (`Part`s), so
+an engine asks one request whatever its ranks and KV cache groups; a `Lease` answers the tiers of
+what it leased (no `Lookup` before it); `Reserve` names its reservation, which `Commit` and
+`Abort` name back (the keys are not sent twice); `LeaseWait` waits on the server, up to the
+`timeout_s` it names, for every lease it lists. `Release` takes several leases.
 Holds: a reservation made with a `hold` name is not the reserving client's to commit; `Settle`
 settles the whole hold, every client's part: the keys it names are aborted, the rest committed.
 The pool: the `Welcome` frame carries the pool file's descriptor (SCM_RIGHTS, `send_frame_fds` /
@@ -27,7 +32,7 @@ import struct
 
 import msgspec
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_FRAME_BYTES = 16 << 20
 STATS_PAGE_BYTES = 4 << 20  # the descriptions in one Stats reply, past its first (at most 1 MiB)
 SOCKET_NAME = "hpkv.sock"
@@ -57,14 +62,23 @@ class Register(Msg):
     desc_json: str  # a NamespaceDesc as JSON
 
 
-class Lookup(Msg):
+class Part(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """The keys of one namespace in a batched request (`Lookup`, `Lease`, `Reserve`)."""
+
     ns: str
     keys: list[bytes]
+
+
+class Lookup(Msg):
+    parts: list[Part]
+    # Indexes of the parts answered key by key (a tier, or 0 for a miss, for every key) instead
+    # of up to the first miss: a hybrid model's state namespaces, whose states sit at some
+    # block boundaries only.
+    each: list[int] = []
 
 
 class Reserve(Msg):
-    ns: str
-    keys: list[bytes]
+    parts: list[Part]
     hold: str = ""  # settled by `Settle(hold)`, not committed by this client
 
 
@@ -74,28 +88,24 @@ class Settle(Msg):
 
 
 class Commit(Msg):
-    ns: str
-    keys: list[bytes]
+    reservation_id: int  # as `Reserved` named it; a reservation in a hold is the hold's to settle
 
 
 class Abort(Msg):
-    ns: str
-    keys: list[bytes]
-    hold: str = ""  # the hold they were reserved in, if any
+    reservation_id: int  # its slots given back, in a hold or not
 
 
 class Lease(Msg):
-    ns: str
-    keys: list[bytes]
+    parts: list[Part]  # one lease per part
 
 
 class LeaseWait(Msg):
-    lease_id: int
-    timeout_s: float  # 0: just poll
+    lease_ids: list[int]
+    timeout_s: float  # the longest the server waits for every lease's promotions; 0: just poll
 
 
 class Release(Msg):
-    lease_id: int
+    lease_ids: list[int]
 
 
 class Clear(Msg):
@@ -136,21 +146,31 @@ class Registered(Msg):
 
 
 class Hits(Msg):
-    tiers: bytes  # one byte per leading hit: 1 DRAM, 2 storage
+    tiers: list[bytes]  # per part: one byte per leading hit (1 DRAM, 2 storage); per key (0: miss) for `each`
 
 
-class Offsets(Msg):
-    offsets: list[int | None]
+class Reserved(Msg):
+    reservation_id: int
+    offsets: list[list[int | None]]  # per part, per key; None: skip this key (held already, or no room)
 
 
 class Count(Msg):
     num: int
 
 
-class Leased(Msg):
-    lease_id: int
+class LeasePart(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    lease_id: int  # 0: nothing leased (a miss), nothing to release
+    tiers: bytes  # one byte per leading hit leased: 1 DRAM, 2 storage (promoted into its slot)
     offsets: list[int]
     num_ready: int | None  # None while promotions from storage are still running
+
+
+class Leased(Msg):
+    leases: list[LeasePart]  # one per part
+
+
+class Ready(Msg):
+    num_ready: list[int | None]  # per lease waited on; None: its promotions still running
 
 
 class Cleared(Msg):
@@ -168,13 +188,14 @@ class StatsReply(Msg):
 
 
 class Error(_Stable):
-    # "version", "permission", "limit" (too many connections of a uid), "idle" (closed idle: the request
-    # sent since was not read), "malformed", "too_large", "unknown_namespace", "bad_request", "internal"
+    # "version", "permission", "limit" (too many connections of a uid, or keys reserved open on one), "idle"
+    # (closed idle: the request sent since was not read), "malformed", "too_large", "unknown_namespace",
+    # "bad_request", "internal"
     code: str
     message: str
 
 
-Reply = Welcome | Registered | Hits | Offsets | Count | Leased | Cleared | Settled | StatsReply | Error
+Reply = Welcome | Registered | Hits | Reserved | Count | Leased | Ready | Cleared | Settled | StatsReply | Error
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

@@ -29,9 +29,11 @@ from ..pool.lru import PrefixOrder
 from ..pool.region import PoolRegion
 from ..stats import StoreCounters
 from ..storage.storage_tier import StorageTier
+from ..tiers import Tier
 from .lookup import Lookups, Probe
 
 log = logging.getLogger(__name__)
+_DRAM, _STORAGE = int(Tier.DRAM), int(Tier.STORAGE)
 
 
 @dataclass
@@ -45,6 +47,7 @@ class Lease:
     promotions: list[Future | None]
     reads: list[tuple[DramEntry, Future]] = field(default_factory=list)  # not yet queued
     made_at: float = 0.0  # on the store's clock (`held.clock`)
+    queue_reads: Callable[[Lease], None] | None = field(default=None, repr=False)  # `Leases.start_reads`
     offsets: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -65,6 +68,17 @@ class Lease:
     @property
     def done(self) -> bool:
         return all(p is None or p.done() for p in self.promotions)
+
+    def start_reads(self) -> None:
+        """Queue the storage reads of a lease taken with `start_reads=False` (after its reply)."""
+        if self.queue_reads is not None:
+            self.queue_reads(self)
+
+    @property
+    def tiers(self) -> bytes:
+        """Each leased entry's tier as the lease found it (`Tier` codes): DRAM, or storage when a
+        promotion reads it into its slot."""
+        return bytes(_DRAM if p is None else _STORAGE for p in self.promotions)
 
 
 @dataclass
@@ -136,7 +150,14 @@ class Leases:
             self._tier.touch(ns, [entry.key for entry, _ in reversed(pinned.reads)])
         with self._lock:
             lease = Lease(
-                next(self._ids), ns, owner, pinned.entries, pinned.promotions, pinned.reads, self._held.clock()
+                next(self._ids),
+                ns,
+                owner,
+                pinned.entries,
+                pinned.promotions,
+                pinned.reads,
+                self._held.clock(),
+                self.start_reads,
             )
             self._leases[lease.id] = lease
             self._held.leased(owner, len(pinned.entries) * slot_bytes)

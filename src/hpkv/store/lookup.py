@@ -7,7 +7,7 @@ when the store is at its limit; the walk of a
 prefix through the DRAM index and the storage index (DRAM before storage, stopping at the first
 miss); the `stat` that looks for a file no index holds (another node's, or one the start-up scan
 has not reached), always made without the store's lock.
-Primitives: `register`, `drop_owner`, `known`, `descs`, `lookup`, `probe(ns)`, `found_elsewhere`,
+Primitives: `register`, `drop_owner`, `known`, `descs`, `lookup`, `lookup_each`, `probe(ns)`, `found_elsewhere`,
 `stats`, `summary`.
 Must not know: leases, reservations, write-throughs.
 """
@@ -15,7 +15,8 @@ Must not know: leases, reservations, write-throughs.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 
 from ..keys import NamespaceDesc
 from ..pool.dram_tier import DramTier
@@ -26,6 +27,7 @@ from .owners import NamespaceOwners
 
 Probe = tuple[bytes, Callable[[bytes], bool]]  # the storage tier's `index_probe(ns)`
 NOWHERE: Probe = (b"", frozenset().__contains__)  # the storage index of a store without a storage tier
+_DRAM, _STORAGE = int(Tier.DRAM), int(Tier.STORAGE)
 
 
 class Lookups:
@@ -97,8 +99,9 @@ class Lookups:
     def known(self, ns: str) -> bool:
         return ns in self._descs
 
-    def descs(self) -> dict[str, NamespaceDesc]:
-        return dict(self._descs)
+    def descs(self) -> Mapping[str, NamespaceDesc]:
+        """A read-only view of the namespaces registered (no copy)."""
+        return MappingProxyType(self._descs)
 
     def probe(self, ns: str) -> Probe:
         return self._storage.index_probe(ns) if self._storage is not None else NOWHERE
@@ -128,6 +131,30 @@ class Lookups:
             c.hit_keys_storage += len(tiers) - num_dram
             self._hits[ns].count(len(keys), num_dram, len(tiers) - num_dram)
         return Lookup(tuple(tiers))
+
+    def lookup_each(self, ns: str, keys: Sequence[bytes]) -> bytes:
+        """The tier of every key (`Tier` codes, 0 for a miss), past misses too: for entries kept at
+        some positions only (a hybrid model's states at some block boundaries). Only the indexes
+        are asked (no `stat` per missing key): a file another node wrote that no index holds yet
+        is a miss here."""
+        index = self._dram.index_of(ns)
+        prefix, on_storage = self.probe(ns)
+        tiers = bytearray(len(keys))
+        with self._lock:
+            for i, key in enumerate(keys):
+                entry = index.get(key)
+                if entry is not None and entry.ready:
+                    tiers[i] = _DRAM
+                elif on_storage(prefix + key):
+                    tiers[i] = _STORAGE
+            num_dram, num_storage = tiers.count(_DRAM), tiers.count(_STORAGE)
+            c = self._counters
+            c.lookups += 1
+            c.lookup_keys += len(keys)
+            c.hit_keys_dram += num_dram
+            c.hit_keys_storage += num_storage
+            self._hits[ns].count(len(keys), num_dram, num_storage)
+        return bytes(tiers)
 
     def found_elsewhere(self, ns: str, keys: Sequence[bytes], i: int) -> bool:
         """Whether keys[i], where a walk of the indexes stopped, has a file on storage after all

@@ -2,8 +2,8 @@
 facade the server (its handlers and its daemon) goes through.
 
 Primitives (keyed by namespace `ns` and engine keys, in prefix order): `create_store`; `register`,
-`namespaces`, `check_desc_size`; `lookup`; `reserve` -> `commit` | `abort`, or
-`reserve(..., hold=)` -> `settle`; `lease` (-> `start_reads`) -> `Lease.wait` (`get_lease`) ->
+`namespaces`, `check_desc_size`; `lookup`, `lookup_each`; `reserve` -> `commit` | `abort`, or
+`reserve(..., hold=)` -> `settle`; `lease` (-> `Lease.start_reads`) -> `Lease.wait` (`get_lease`) ->
 `release`; `join_owner`, `has_reservations`, `drop_owner`; `set_limits`; `flush`, `clear`,
 `stats`, `close`; `region`, the mapped pool the bytes are copied through by callers. Each is its
 part's: `lookup.py` (namespaces, lookups), `leases.py` (leases, promotions), `reservations.py`
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -149,8 +149,9 @@ class TieredStore:
                     share_bytes(slots.user_share, pool_bytes, alloc.slab_bytes),
                 )
 
-    def namespaces(self) -> dict[str, NamespaceDesc]:
-        """The namespaces registered (a copy)."""
+    def namespaces(self) -> Mapping[str, NamespaceDesc]:
+        """The namespaces registered: a read-only view, not a copy (asked on every request);
+        copy it to iterate while clients may register."""
         return self.lookups.descs()
 
     def check_desc_size(self, desc_bytes: int) -> None:
@@ -163,12 +164,12 @@ class TieredStore:
         """The tier of each leading hit (DRAM before storage), up to the first miss."""
         return self.lookups.lookup(ns, keys)
 
+    def lookup_each(self, ns: str, keys: Sequence[bytes]) -> bytes:
+        """The tier of every key (`Tier` codes; 0: a miss), not only up to the first miss."""
+        return self.lookups.lookup_each(ns, keys)
+
     def lease(self, ns: str, keys: Sequence[bytes], owner: int = 0, start_reads: bool = True) -> Lease:
         return self.leases.lease(ns, keys, owner, start_reads)
-
-    def start_reads(self, lease: Lease) -> None:
-        """Queue the storage reads of a lease taken with `start_reads=False` (after its reply)."""
-        self.leases.start_reads(lease)
 
     def get_lease(self, lease_id: int) -> Lease | None:
         """The lease, while it is held (None once released or taken back at its time limit)."""
@@ -194,8 +195,12 @@ class TieredStore:
         (or have failed). False on timeout."""
         return self.writes.flush(timeout) if self.writes is not None else True
 
-    def has_reservations(self, owner: int) -> bool:
+    def has_reservations(self, owner: int, hold: str | None = None) -> bool:
+        """Whether `owner` holds reservations; with `hold`, reservations in that hold (until it
+        is settled or times out)."""
         with self._lock:
+            if hold is not None:
+                return self.limits.holds.has(hold, owner)
             return self.limits.has_reservations(owner)
 
     def join_owner(self, owner: int, uid: int, pid: int) -> None:

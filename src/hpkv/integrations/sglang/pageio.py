@@ -90,7 +90,7 @@ class PageIO:
             num = min(_wait(client, lease), len(keys))
             if num:
                 pg.load(lease.region, lease.offsets[:num], host_pages)
-            if not client.holds(lease):  # the server let the slots go mid-copy: the bytes are void
+            if not client.alive(lease):  # the server let the slots go mid-copy: the bytes are void
                 num = 0
         finally:
             try:
@@ -110,15 +110,14 @@ class PageIO:
         offsets = {i: offset for i, offset in enumerate(reservation.offsets) if offset is not None}
         held = list(offsets)
         if held:
-            held_keys = [entry_keys[i] for i in held]
             try:
                 pg.save(reservation.region, list(offsets.values()), host_pages, held)
-                if not client.holds(reservation):  # reclaimed with the connection: nothing was stored
+                if not client.alive(reservation):  # reclaimed with the connection: nothing was stored
                     return [False] * len(keys)
-                client.commit(ns, held_keys, reservation=reservation)
+                client.commit(reservation)
             except BaseException:
                 try:  # the reservation's own connection, or nothing: never what a newer one reserved
-                    client.abort(ns, held_keys, reservation=reservation)
+                    client.abort(reservation)
                 except HpkvError:
                     pass  # a vanished server's reservations vanish with it
                 raise

@@ -132,7 +132,7 @@ class HpkvConnectorV1(KVConnectorBase_V1, SupportsHMA):
         return KVConnectorTransferResults(finished_sending=set(), finished_recving=done | failed, failed_recving=failed)
 
     def build_connector_worker_meta(self):
-        # The step's number, for the scheduler to settle the holds of its saves (holds.py).
+        # The step's number, for the scheduler to settle the holds of its saves (pending.py).
         meta = getattr(self, "_connector_metadata", None) if self._worker else None
         if isinstance(meta, HpkvConnectorMetadata) and (meta.loads or meta.hold):
             return self._worker.worker_meta(meta.seq)

@@ -47,7 +47,7 @@ class HpkvConnectorMetadata(KVConnectorMetadata):
     allocated: list[int] = field(default_factory=list)
     seq: int = 0  # the step's number, sent back in HpkvWorkerMeta when it loads or holds
     # Reserve this step's saves in this hold and do not commit them: the scheduler settles it
-    # once it knows no load they depend on failed (holds.py). "": commit them.
+    # once it knows no load they depend on failed (pending.py). "": commit them.
     hold: str = ""
     # The model's identity once the scheduler knows it (the workers name their namespaces by it);
     # None before: no loads or saves then.

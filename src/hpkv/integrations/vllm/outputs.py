@@ -1,78 +1,84 @@
 """Reading a vLLM step: the blocks and chunks of a scheduler output, and the settling of a
-connector output (failed loads, finished loads, held saves) for `HpkvScheduler`.
+connector output (failed loads, finished loads, pending saves) on the scheduler half's
+`RequestTable`.
 
-Primitives: `SaveHolds.affected/poison/step_done`, `Client.settle`. Knows nothing of lookups
-or of the load policy.
+Primitives: `settle(table, client, stats, kv_cache_manager, block_size, connector_output)`,
+`PendingSaves.affected/poison/step_done`, `Client.settle`. Knows nothing of lookups, of the load
+policy, nor of `HpkvScheduler` (the table is the state they share).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from ...errors import HpkvError
-from .holds import HpkvWorkerMeta
+from ...server.client import Client
+from .connectorstats import HpkvConnectorStats
+from .pending import HpkvWorkerMeta
 from .requests import unhash_failed
-
-if TYPE_CHECKING:
-    from .scheduler import HpkvScheduler
+from .table import RequestTable
 
 log = logging.getLogger("hpkv.vllm.scheduler")
 
 
-def settle(sched: HpkvScheduler, connector_output) -> None:
+def settle(
+    table: RequestTable,
+    client: Client,
+    stats: HpkvConnectorStats,
+    kv_cache_manager,
+    block_size: int,
+    connector_output,
+) -> None:
     """Requests whose blocks failed to load (as vLLM finds them: any of their blocks in
     `invalid_block_ids`) lose the saves held on top of that load and save again from the
-    first failed block, which vLLM recomputes; then the holds of the steps this output
-    covers are settled."""
+    first failed block, which vLLM recomputes; then the pending saves of the steps this
+    output covers are settled."""
     invalid = set(connector_output.invalid_block_ids or ())
     if invalid:
-        _fail_loads(sched, invalid)
+        _fail_loads(table, kv_cache_manager, block_size, invalid)
     for req_id in getattr(connector_output, "failed_recving", None) or ():
         # An asynchronous load failed: vLLM frees its blocks (never cached) and recomputes the
         # request from its start, with no KV computed on the failed blocks meanwhile.
-        state = sched._reqs.get(req_id)
+        state = table.get(req_id)
         if state is not None:
             state.load_failed = True
-            state.release(sched.client)
+            state.release(client)
     meta = connector_output.kv_connector_worker_meta
     seqs, failed = (meta.seqs, meta.failed) if isinstance(meta, HpkvWorkerMeta) else (set(), set())
-    _settle_holds(sched, seqs, failed)
+    _settle_holds(table, client, stats, seqs, failed)
 
 
-def _fail_loads(sched: HpkvScheduler, invalid: set[int]) -> None:
-    failed = sched.holds.affected(invalid)
-    failed.update(req_id for req_id, state in sched._reqs.items() if not invalid.isdisjoint(state.block_ids))
-    sched.holds.poison(failed, sched._seq)
+def _fail_loads(table: RequestTable, kv_cache_manager, block_size: int, invalid: set[int]) -> None:
+    failed = table.pending.affected(invalid)
+    failed.update(req_id for req_id, state in table.reqs.items() if not invalid.isdisjoint(state.block_ids))
+    table.pending.poison(failed, table.seq)
     for req_id in failed:
-        state = sched._reqs.get(req_id)
+        state = table.get(req_id)
         if state is not None:
-            state.after_failed_load(invalid, sched.block_size)
+            state.after_failed_load(invalid, block_size)
     # last: a vLLM that raises in it must not keep the poison from its saves
-    unhash_failed(sched.kv_cache_manager, sched._reqs, invalid, failed)
+    unhash_failed(kv_cache_manager, table.reqs, invalid, failed)
 
 
-def _settle_holds(sched: HpkvScheduler, seqs: set[int], failed: set[int]) -> None:
+def _settle_holds(
+    table: RequestTable, client: Client, stats: HpkvConnectorStats, seqs: set[int], failed: set[int]
+) -> None:
     if seqs:
-        # The workers have copied what those steps loaded (under leases of their own): the
-        # scheduler's leases need not pin those entries for the rest of the requests' lives.
-        top = max(seqs)
-        for seq in [seq for seq in sched._loading if seq <= top]:
-            for req_id, leases, _ in sched._loading.pop(seq):
-                state = sched._reqs.get(req_id)
-                if state is not None and state.leases is leases:  # not a lease taken since
-                    state.release(sched.client)
-    for settle in sched.holds.step_done(seqs, failed):
+        # The workers have copied what those steps loaded: the scheduler's leases need not pin
+        # those entries for the rest of the requests' lives.
+        for done in table.loads_done(max(seqs)):
+            done.release(client)
+    for settle in table.pending.step_done(seqs, failed):
         try:
-            sched.client.settle(settle.hold, settle.abort)
+            client.settle(settle.hold, settle.abort)
         except HpkvError as exc:  # the server, and the reservations with it, are gone
             log.debug("HPKV hold %s not settled: %s", settle.hold, exc)
         for req_id, first in settle.resave.items():  # saved again once recomputed
-            state = sched._reqs.get(req_id)
+            state = table.get(req_id)
             if state is not None:
                 state.saved_blocks = min(state.saved_blocks, first)
         if settle.abort:
-            sched.stats.add("held_saves_aborted", len(settle.abort))
+            stats.add("held_saves_aborted", len(settle.abort))
             log.warning(
                 "HPKV: %d saved blocks were not published: computed on KV that failed to load, or not copied in full",
                 len(settle.abort),

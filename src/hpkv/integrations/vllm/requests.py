@@ -4,7 +4,7 @@ Owns `RequestState` (one per vLLM request the scheduler half has seen) and the t
 touch only that request: releasing its leases, timing its promotions, where to save from after a
 load it rests on failed; and `unhash_failed`, which takes failed blocks out of vLLM's prefix
 cache. Must not decide what to load or save (`scheduler.py`) nor talk to the server beyond
-releasing what the request holds.
+releasing what the request holds and asking whether its leases are ready.
 """
 
 from __future__ import annotations
@@ -55,11 +55,24 @@ class RequestState:
     def release(self, client: Client) -> None:
         leases, self.leases, self.lease_start = self.leases, {}, -1
         self.lease_sizes = {}
-        for lease in leases.values():
-            try:
-                client.release(lease)
-            except HpkvError:
-                pass  # a vanished server's leases vanish with it
+        try:  # all of them in one round trip
+            client.release(*leases.values())
+        except HpkvError:
+            pass  # a vanished server's leases vanish with it
+
+    def ready_counts(self, client: Client, wait_s: float) -> list[int | None] | None:
+        """Each lease's leading entries ready to copy (None: promotions still running), asked in
+        one `LeaseWait` the server answers within `wait_s` when some are not known without it;
+        None when a lease's connection is gone (it pins nothing any more)."""
+        leases = list(self.leases.values())
+        if not all(client.alive(lease) for lease in leases):
+            return None
+        sizes = [self.lease_sizes.get(i, 0) for i in self.leases]
+        counts = [_ready_now(lease, size) for lease, size in zip(leases, sizes)]
+        if None in counts:
+            waited = iter(client.wait_all([lease for lease, n in zip(leases, counts) if n is None], wait_s))
+            counts = [n if n is not None else next(waited) for n in counts]
+        return counts
 
     def take_promotion_time(self, poll_s: float) -> tuple[int, float] | None:
         """(storage blocks promoted, seconds they took) once they are done, or None when the
@@ -85,6 +98,16 @@ class RequestState:
             self.saved_blocks = min(self.saved_blocks, recomputes_from // block_size)
         else:
             self.saved_blocks = NEVER
+
+
+def _ready_now(lease: LeaseHandle, size: int) -> int | None:
+    """The leading entries of `lease` known ready without asking: all, once its promotions are
+    done; the `size` it must hold when those are all DRAM hits (pinned, whatever promotes past)."""
+    if lease.num_ready is not None:
+        return lease.num_ready
+    if len(lease.tiers) >= size and Tier.STORAGE not in lease.tiers[:size]:
+        return size
+    return None
 
 
 def unhash_failed(kv_cache_manager, reqs: dict[str, RequestState], invalid: set[int], req_ids: set[str]) -> None:

@@ -5,7 +5,8 @@ policy from `loadpolicy.load_policy`: a fixed threshold or `auto`) and the save 
 step; reading a step's output and settling its held saves is in `outputs.py`, what each KV
 cache group of a hybrid model loads and saves in `groups.py` (all groups of a hit, or none; such
 loads are asynchronous to vLLM, so that a failure reaches it as failed_recving).
-Primitives: `Client.lookup/lease/wait/settle`. A load is announced only once every promotion
+Primitives: `Client.lease_many/lookup_many/wait_all/release/settle`, a constant number per request
+whatever the ranks, KV cache groups and blocks (`hitplan.py`). A load is announced only once every promotion
 is done (None, "ask again", until then), so the worker copies from pinned memory and a load
 cannot fail for want of an entry. HPKV faults make a lookup a miss: the engine recomputes.
 Knows nothing of the worker's copies or of the server's store.
@@ -20,16 +21,18 @@ from ...config import Settings
 from ...errors import HpkvError
 from ...server.client import Client
 from ...tiers import HOLD_TIMEOUT_S, Tier
-from . import compat, connectorstats, groups, loadpolicy, mamba, modelid, optout, outputs, probes
+from . import compat, connectorstats, groups, hitplan, loadpolicy, mamba, modelid, optout, outputs, probes
 from . import layout as lay
-from .holds import SaveHolds
 from .metadata import HpkvConnectorMetadata, LoadJob
 from .requests import RequestState
+from .table import RequestTable
 
 log = logging.getLogger("hpkv.vllm.scheduler")
 
 PROMOTION_DEADLINE_S = 30.0
-_POLL_S = 0.002
+# How long the server waits for a request's promotions within one `LeaseWait`, while vLLM's step
+# waits: short, the request is asked again next step.
+READY_WAIT_S = 0.002
 
 
 class HpkvScheduler:
@@ -60,14 +63,10 @@ class HpkvScheduler:
             lambda: probes.empty_lookup(self.client),
             lay.moved_per_hit(self.layouts),
         )
-        self._reqs: dict[str, RequestState] = {}
+        self.table = RequestTable()  # requests, loads in flight, pending saves: shared with outputs.py
         self._pending_loads: list[LoadJob] = []
-        self._seq = 0  # steps built
-        # step -> (request, its leases, the blocks loaded) it loads for, until its output is back
-        self._loading: dict[int, list[tuple[str, dict, list[int]]]] = {}
         self._step_loads: list[LoadJob] = []  # the loads of the step being built
         self.kv_cache_manager = None  # vLLM's, once bound: to un-hash blocks that failed to load
-        self.holds = SaveHolds()
         modelid.warn_if_hashes_unstable(vllm_config)
 
     def namespaces(self) -> list[str] | None:
@@ -84,9 +83,7 @@ class HpkvScheduler:
     # -- lookups ------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        state = self._reqs.get(request.request_id)
-        if state is None:
-            state = self._reqs[request.request_id] = RequestState(request)
+        state = self.table.state_of(request)
         if self._uncached(request, state):  # first: a LoRA request is not saved either
             return 0, False
         if state.load_failed:  # recomputed once, not looked up again (a broken entry would loop)
@@ -135,46 +132,53 @@ class HpkvScheduler:
         return True
 
     def _lease(self, state: RequestState, start: int, stop: int) -> int | None:
+        """Lease the hit of blocks [start, stop) on every rank and group: one `Lease` (a
+        full-attention model reads its hit from it), or one `Lookup` then one `Lease` (a model
+        with sliding-window or state groups, which lease part of a hit whose length they must
+        know first)."""
         state.release(self.client)
         keys = lay.block_keys(state.request.block_hashes, self.layout, start, stop)
         namespaces = self.namespaces() or []  # known: get_num_new_matched_tokens asked
         plan = lambda hit: self.policy.plan(start * self.block_size, hit)  # noqa: E731
-        num_hit, tiers = mamba.plan_hit(self.client, self.layouts, namespaces, keys, plan)
+        state.asked_at = time.perf_counter()
+        if hitplan.needs_lookup(self.layouts):
+            num_hit, tiers = hitplan.plan_hit(hitplan.looked_up(self.client, self.layouts, namespaces, keys), plan)
+            ranges = groups.lease_ranges(self.layouts, self.num_ranks, len(tiers)) if tiers else []
+            leases = self.client.lease_many([(ns, keys[a:b]) for ns, (a, b) in zip(namespaces, ranges)])
+            sizes = [b - a for a, b in ranges]
+        else:
+            leases = self.client.lease_many([(ns, keys) for ns in namespaces])
+            hit = hitplan.leased_tiers(leases)
+            num_hit, tiers = len(hit), hit[: plan(hit)]
+            sizes = [len(tiers)] * len(leases)
+        state.leases, state.lease_sizes = dict(enumerate(leases)), dict(enumerate(sizes))
         self.stats.add("lookups", 1)
         if not num_hit:
             log.debug(
-                "request %s: no HPKV hit: block %d (of %d looked up) is in no tier (never saved with "
-                "these settings, or evicted)",
+                "request %s: no HPKV hit: block %d is in no tier (never saved, or evicted)",
                 state.request.request_id,
                 start,
-                stop - start,
             )
-        num_load = len(tiers)
-        _count_skipped(self, state, num_hit, num_load)
-        if not num_load:
+        _count_skipped(self, state, num_hit, len(tiers))
+        if not tiers:
+            state.release(self.client)
             return 0
         state.tiers = tiers
-        state.num_promoting = state.tiers.count(Tier.STORAGE)
-        state.asked_at = state.polled_at = time.perf_counter()
-        ranges = groups.lease_ranges(self.layouts, self.num_ranks, num_load)
-        for i, ns in enumerate(namespaces):  # one at a time, so a fault releases those taken
-            first, stop = ranges[i]
-            state.leases[i] = self.client.lease(ns, keys[first:stop])
-            state.lease_sizes[i] = stop - first
+        state.num_promoting = tiers.count(Tier.STORAGE)
+        state.polled_at = state.asked_at
         state.lease_start = start
         state.leased_at = time.monotonic()
         return self._ready(state)
 
     def _ready(self, state: RequestState) -> int | None:
-        """Leading entries ready on every rank, or None while promotions run. A lease whose
-        connection has been dropped (and maybe opened again) pins nothing any more: a miss,
-        and the rest of the request's leases go with it."""
-        counts: list[int | None] = []
-        for lease in state.leases.values():
-            if not self.client.holds(lease):
-                state.release(self.client)
-                return 0
-            counts.append(self.client.wait(lease, timeout_s=_POLL_S))
+        """Leading entries ready on every rank, or None while promotions run (asked in one
+        `LeaseWait` over the request's leases, which the server answers within READY_WAIT_S). A
+        lease whose connection has been dropped (and maybe opened again) pins nothing any more:
+        a miss, and the rest of the request's leases go with it."""
+        counts = state.ready_counts(self.client, READY_WAIT_S)
+        if counts is None:
+            state.release(self.client)
+            return 0
         if time.monotonic() - state.leased_at > PROMOTION_DEADLINE_S and None in counts:
             log.warning(
                 "HPKV promotions for request %s took over %.0f s; recomputing",
@@ -186,20 +190,19 @@ class HpkvScheduler:
         if None in counts:
             state.polled_at = time.perf_counter()
             return None
-        timed = state.take_promotion_time(_POLL_S) if state.num_promoting else None
+        timed = state.take_promotion_time(READY_WAIT_S) if state.num_promoting else None
         if timed is not None:  # (storage blocks, seconds)
             self.policy.promoted(timed[0] * lay.moved_per_block(self.layouts).entry_bytes * self.num_ranks, timed[1])
-        if all(count == state.lease_sizes.get(i) for i, count in zip(state.leases, counts)):
+        sizes = [state.lease_sizes.get(i, 0) for i in state.leases]
+        if all(count is not None and count >= size for count, size in zip(counts, sizes)):
             return len(state.tiers)
         if self.async_loads or self.layout.window_blocks:  # all or nothing per boundary: a miss
             state.release(self.client)
             return 0
-        return min(c for c in counts if c is not None)  # none is None by now
+        return min(min(c for c in counts if c is not None), len(state.tiers))  # none is None by now
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        state = self._reqs.get(request.request_id)
-        if state is None:
-            state = self._reqs[request.request_id] = RequestState(request)
+        state = self.table.state_of(request)
         if num_external_tokens <= 0:  # vLLM loads nothing after all (it may trim a hit): unpin it
             state.release(self.client)
             return
@@ -229,7 +232,7 @@ class HpkvScheduler:
 
     def forget_lookup(self, request) -> None:
         """vLLM got no answer for `request` (a bug): what it leased is not needed."""
-        state = self._reqs.get(request.request_id)
+        state = self.table.get(request.request_id)
         if state is not None:
             state.release(self.client)
 
@@ -239,14 +242,14 @@ class HpkvScheduler:
         recomputes."""
         if num_external_tokens <= 0:
             return
-        state = self._reqs.get(request.request_id)
+        state = self.table.get(request.request_id)
         start = state.lease_start if state is not None and state.lease_start >= 0 else 0
         stop = start + -(-num_external_tokens // self.block_size)
         job = LoadJob(request.request_id, [], list(blocks.get_block_ids()[0][start:stop]), notify=self.async_loads)
         self._pending_loads.append(job)
 
     def hit_sources(self, request, num_external_tokens: int) -> dict[str, int]:
-        state = self._reqs.get(request.request_id)
+        state = self.table.get(request.request_id)
         if state is None or num_external_tokens <= 0:
             return {}
         tiers = state.tiers[: num_external_tokens // self.block_size]
@@ -255,25 +258,20 @@ class HpkvScheduler:
     # -- saves --------------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output) -> HpkvConnectorMetadata:
-        self._seq += 1
         self._step_loads, self._pending_loads = self._pending_loads, []
+        seq, hold = self.table.begin_step(bool(self._step_loads))
         meta = HpkvConnectorMetadata(
             loads=self._step_loads,
             allocated=outputs.allocated_blocks(scheduler_output),
-            seq=self._seq,
-            hold=self.holds.begin_step(self._seq, bool(self._step_loads)),
+            seq=seq,
+            hold=hold,
             identity=self.identity.get(),
         )
-        if meta.loads:
-            self._loading[self._seq] = [
-                (job.req_id, self._reqs[job.req_id].leases, job.block_ids)
-                for job in meta.loads
-                if job.req_id in self._reqs
-            ]
+        self.table.loading(seq, ((job.req_id, job.block_ids) for job in meta.loads))
         scheduled = scheduler_output.num_scheduled_tokens
         offers = mamba.offers_of(scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
-            state = self._reqs.get(new.req_id)
+            state = self.table.get(new.req_id)
             if state is None:
                 continue
             state.set_blocks(new.block_ids)
@@ -282,7 +280,7 @@ class HpkvScheduler:
             self._add_saves(meta, new.req_id, state, num_tokens, offers.get(new.req_id, ()))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            state = self._reqs.get(req_id)
+            state = self.table.get(req_id)
             if state is None:
                 continue
             new_ids = cached.new_block_ids[i]
@@ -302,14 +300,16 @@ class HpkvScheduler:
         workers cannot fence an earlier step's save, which could publish a block being
         overwritten; a vLLM whose step this cannot read is better stopped."""
         return HpkvConnectorMetadata(
-            loads=self._step_loads, allocated=outputs.allocated_blocks(scheduler_output), seq=self._seq
+            loads=self._step_loads, allocated=outputs.allocated_blocks(scheduler_output), seq=self.table.seq
         )
 
     def update_connector_output(self, connector_output) -> None:
         """A step's output is back, with the workers' stats of that step (summed over ranks):
         settle the holds it decides, and learn from its timings."""
         try:
-            outputs.settle(self, connector_output)
+            outputs.settle(
+                self.table, self.client, self.stats, self.kv_cache_manager, self.block_size, connector_output
+            )
         except Exception:  # a bug here must not stop the engine: the holds time out on the server
             log.exception(
                 "HPKV could not settle this step's held saves; the server aborts them after %.0f s", HOLD_TIMEOUT_S
@@ -337,20 +337,20 @@ class HpkvScheduler:
         meta.saves += jobs
         if meta.hold and jobs:
             held = list(dict.fromkeys(key for job in jobs for key in job.keys))
-            self.holds.add(meta.seq, req_id, held, state.block_ids[:stop], state.saved_blocks)
+            self.table.pending.add(meta.seq, req_id, held, state.block_ids[:stop], state.saved_blocks)
         state.saved_blocks = stop
 
     # -- end of requests, resets, faults ------------------------------------------------------
 
     def request_finished(self, request) -> None:
-        state = self._reqs.pop(request.request_id, None)
+        state = self.table.pop(request.request_id)
         if state is not None:
             state.release(self.client)
 
     def reset_cache(self) -> bool:
         """Clear this engine's entries from the DRAM tier (storage stays), as vLLM's
         /reset_prefix_cache?reset_external=true asks."""
-        for state in self._reqs.values():
+        for state in self.table.states():
             state.release(self.client)
         try:
             for ns in self.namespaces() or []:
@@ -377,9 +377,9 @@ class HpkvScheduler:
 
     def shutdown(self) -> None:
         self.policy.close()
-        for state in self._reqs.values():
+        for state in self.table.states():
             state.release(self.client)
-        for settle in self.holds.abandon():  # not left pinned until the server's timeout
+        for settle in self.table.pending.abandon():  # not left pinned until the server's timeout
             try:
                 self.client.settle(settle.hold, settle.abort)
             except HpkvError:

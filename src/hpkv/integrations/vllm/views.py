@@ -2,15 +2,39 @@
 
 Primitives: `block_rows` (a layer's cache as `(num_blocks, page_bytes)` bytes, or a refusal with
 the fix), `writes_reused_blocks_early` (whether vLLM writes reused blocks before HPKV can fence
-them). Must not know: keys, the server, what is loaded or saved.
+them), `saves_overlap` (whether saves may run beside the next step).
+Must not know: keys, the server, what is loaded or saved.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from ...errors import ConfigError
 from . import layout as lay
+
+log = logging.getLogger("hpkv.vllm.worker")
+
+
+def saves_overlap(wanted: bool | None, device: str, vllm_config, layout: lay.BlockLayout, kv_cache_config) -> bool:
+    """Whether a worker's saves run asynchronously (beside the next step): as `wanted`, or (None)
+    off the CPU, where a saver thread would take cores from the forward pass it overlaps; never
+    where vLLM writes reused blocks before the fence, or the device has no streams and events."""
+    overlap = device != "cpu" if wanted is None else wanted
+    if overlap and writes_reused_blocks_early(vllm_config, layout, kv_cache_config):
+        log.warning(
+            "HPKV: saves are synchronous: vLLM's V2 model runner zeroes or copies into reused KV "
+            "blocks before HPKV can fence them"
+        )
+        return False
+    device_mod = getattr(torch, device, None)
+    needed = ("Event", "Stream", "stream", "current_stream")
+    if overlap and device != "cpu" and not all(hasattr(device_mod, name) for name in needed):
+        log.warning("HPKV: torch.%s has no streams and events; saves are synchronous", device)
+        return False
+    return overlap
 
 
 def writes_reused_blocks_early(vllm_config, layout: lay.BlockLayout, kv_cache_config) -> bool:

@@ -1,9 +1,10 @@
 """The worker half of HpkvConnectorV1: moves bytes between this rank's paged KV and the pool.
 
 It decides nothing: the scheduler half says which blocks to load and which to save, with their
-keys. Loads run in `start_load_kv`, before the forward pass that needs them (the lease is
-released by a thread of its own). Saves start in `wait_for_save`, after the forward pass: the
-worker reserves slots, then (asynchronous saves) hands the copy and the commit to a saver thread,
+keys. Loads run in `start_load_kv`, before the forward pass that needs them, all of a step's under
+one batched lease of the worker's own (released by a thread of its own). Saves start in
+`wait_for_save`, after the forward pass: the worker reserves slots for all of the step's groups at
+once, then (asynchronous saves) hands the copy and the commit to a saver thread,
 on an accelerator on a stream of its own after an event at the end of the forward pass, so the
 next step runs meanwhile; with synchronous saves (the default on the CPU, or
 `"hpkv.async_save": false`) both happen inside `wait_for_save`. A block being copied must not be
@@ -32,33 +33,38 @@ from ...config import Settings
 from ...errors import HpkvError
 from ...identity import ModelIdentity
 from ...keys import NamespaceDesc
-from ...server.client import Client, Reservation
+from ...server.client import Client, LeaseHandle, Reservation
 from ...transfer.blocks import BlockCopier
 from . import layout as lay
 from .connectorstats import HpkvConnectorStats
-from .holds import HpkvWorkerMeta
-from .metadata import HpkvConnectorMetadata
+from .metadata import HpkvConnectorMetadata, LoadJob
+from .pending import HpkvWorkerMeta
 from .savequeue import SaveQueue
-from .views import block_rows, writes_reused_blocks_early
+from .views import block_rows, saves_overlap
 
 log = logging.getLogger("hpkv.vllm.worker")
 
 LOAD_WAIT_S = 10.0  # promotions the scheduler saw done; only a server restart makes this wait
-
-
 SAVER_JOIN_S = 30.0  # at shutdown, for the saves in flight
 
 
 @dataclass
-class _Save:
-    """One step's saves, reserved and waiting to be copied and committed."""
+class _SavePart:
+    """One KV cache group's blocks of a step's saves, with the slots reserved for them."""
 
-    ns: str  # the namespace they were reserved in
-    group: int  # the KV cache group of the blocks
-    reservation: Reservation
+    group: int
     keys: list[bytes]
     block_ids: list[int]
     offsets: list[int]
+
+
+@dataclass
+class _Save:
+    """One step's saves (every group's, in one reservation), waiting to be copied and committed."""
+
+    reservation: Reservation
+    parts: list[_SavePart]
+    block_ids: list[int]  # every part's: the blocks the save reads (`SaveQueue.fence`)
     event: object | None = None  # accelerators: recorded when the forward pass wrote the blocks
     hold: str = ""  # the hold they were reserved in (the scheduler commits them), or ""
 
@@ -104,24 +110,9 @@ class HpkvWorker:
                 for name, page in zip(layout.layer_names, layout.page_bytes)
             ]
             self.copiers.append(BlockCopier(views, layout.layer_offsets))
-        device = self.copiers[0].device.type
-        if self.async_saves is None:
-            # On the CPU a saver thread would take cores from the forward pass it overlaps.
-            self.async_saves = device != "cpu"
-        if self.async_saves and writes_reused_blocks_early(self.vllm_config, self.layouts[0], self.kv_cache_config):
-            log.warning(
-                "HPKV: saves are synchronous: vLLM's V2 model runner zeroes or copies into reused KV "
-                "blocks before HPKV can fence them"
-            )
-            self.async_saves = False
-        device_mod = getattr(torch, device, None)
-        if (
-            self.async_saves
-            and device != "cpu"
-            and not all(hasattr(device_mod, name) for name in ("Event", "Stream", "stream", "current_stream"))
-        ):
-            log.warning("HPKV: torch.%s has no streams and events; saves are synchronous", device)
-            self.async_saves = False
+        self.async_saves = saves_overlap(
+            self.async_saves, self.copiers[0].device.type, self.vllm_config, self.layouts[0], self.kv_cache_config
+        )
         try:  # the server reached (or started) now, not at the first request
             self.client.connect()
         except HpkvError as exc:
@@ -156,19 +147,17 @@ class HpkvWorker:
             self._add("server_errors", 1)
             return None
 
-    def _namespace(self, group: int) -> str | None:
-        """This rank's namespace of `group`, registered on first need; None while the server is unavailable."""
-        nss = self.nss if self.nss is not None else self._connect()
-        return nss[group] if nss is not None else None
-
     # -- loads --------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: HpkvConnectorMetadata) -> None:
+        """Every load of the step under one batched lease (one `Lease`, one `Release`)."""
         if self.nss is None:
             self._connect(meta.identity)
-        for job in meta.loads:
-            started = time.perf_counter()
-            num_loaded = self._load(job)
+        if not meta.loads:
+            return
+        started = time.perf_counter()
+        loaded = self._load(meta.loads)
+        for job, num_loaded in zip(meta.loads, loaded):
             # An asynchronous job with no keys is one the scheduler could not plan: failed, whole.
             if num_loaded < len(job.block_ids) or job.notify and not job.keys:
                 if job.notify:  # vLLM recomputes the whole request: every group's loads with it
@@ -178,64 +167,70 @@ class HpkvWorker:
                 self._add("load_failures", len(job.block_ids) - num_loaded)
             if job.notify:
                 self._recving[0].add(job.req_id)
-            self._add("load_time_s", time.perf_counter() - started)
             self._add("loaded_blocks", num_loaded)
             self._add("loaded_bytes", num_loaded * self.layouts[job.group].entry_bytes)
+        self._add("load_time_s", time.perf_counter() - started)
 
-    def _load(self, job) -> int:
-        """Copy the leading entries that are still there; returns how many blocks were loaded."""
+    def _load(self, jobs: list[LoadJob]) -> list[int]:
+        """Copy each job's leading entries that are still there, all under one batched lease of
+        this rank's own (its bytes pinned for exactly as long as it reads them, whatever happens
+        to the scheduler's connection); how many blocks of each job were loaded."""
+        loaded = [0] * len(jobs)
         try:
-            ns = self._namespace(job.group)
-            if ns is None:
-                return 0
-            started = leased = ready = copied = time.perf_counter()
-            num_ready = 0
-            lease = self.client.lease(ns, job.keys)
+            nss = self.nss if self.nss is not None else self._connect()
+            todo = [i for i, job in enumerate(jobs) if job.keys and nss is not None]
+            if nss is None or not todo:
+                return loaded
+            started = time.perf_counter()
+            leases = self.client.lease_many([(nss[jobs[i].group], jobs[i].keys) for i in todo])
             try:
                 leased = time.perf_counter()
                 deadline = time.monotonic() + LOAD_WAIT_S
-                waited = self.client.wait(lease, timeout_s=LOAD_WAIT_S)
-                while waited is None and time.monotonic() < deadline:
-                    waited = self.client.wait(lease, timeout_s=LOAD_WAIT_S)
-                num_ready = min(waited or 0, len(job.block_ids))
+                counts = self.client.wait_all(leases, timeout_s=LOAD_WAIT_S)
+                while None in counts and time.monotonic() < deadline:
+                    counts = self.client.wait_all(leases, timeout_s=max(0.0, deadline - time.monotonic()))
                 ready = time.perf_counter()
-                if num_ready:  # vLLM registers its KV caches before any load
-                    self.copiers[job.group].load(lease.region, job.block_ids[:num_ready], lease.offsets[:num_ready])
-                copied = time.perf_counter()
-                # Only bytes copied while our lease pinned them can be trusted.
-                return num_ready if self.client.holds(lease) else 0
+                for i, lease, count in zip(todo, leases, counts):
+                    num_ready = min(count or 0, len(jobs[i].block_ids))
+                    if num_ready:  # vLLM registers its KV caches before any load
+                        self.copiers[jobs[i].group].load(
+                            lease.region, jobs[i].block_ids[:num_ready], lease.offsets[:num_ready]
+                        )
+                    loaded[i] = num_ready
+                # Only bytes copied while our leases pinned them can be trusted.
+                if not all(self.client.alive(lease) for lease in leases):
+                    loaded = [0] * len(jobs)
+                copied = (time.perf_counter() - ready) * 1e3
+                log.debug(
+                    "lease %.1f ms, wait %.1f ms, copy %.1f ms",
+                    (leased - started) * 1e3,
+                    (ready - leased) * 1e3,
+                    copied,
+                )
             finally:
-                self._release_later(lease)
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug(
-                        "request %s: lease %.1f ms, wait %.1f ms, copy of %d blocks %.1f ms",
-                        job.req_id,
-                        (leased - started) * 1e3,
-                        (ready - leased) * 1e3,
-                        num_ready,
-                        (copied - ready) * 1e3,
-                    )
+                self._release_later(leases)
         except HpkvError as exc:
             self._add("server_errors", 1)
             log.warning("HPKV load failed; vLLM recomputes those blocks: %s", exc)
-            return 0
+            return [0] * len(jobs)
         except Exception:  # never let a load take the engine down: the blocks are recomputed
             self._add("server_errors", 1)
             log.exception("HPKV load failed; vLLM recomputes those blocks")
-            return 0
+            return [0] * len(jobs)
+        return loaded
 
-    def _release_later(self, lease) -> None:
+    def _release_later(self, leases: list[LeaseHandle]) -> None:
         """The copy is over (or never started): the release's round trip runs on a thread of its
         own, not before the forward pass. Nothing waits for it: the server unpins the entries when
         it arrives, or when the connection closes."""
         if self._releaser is None:
             self._releaser = ThreadPoolExecutor(1, thread_name_prefix="hpkv-release")
-        self._releaser.submit(self._release, lease)
+        self._releaser.submit(self._release, leases)
 
-    def _release(self, lease) -> None:
+    def _release(self, leases: list[LeaseHandle]) -> None:
         try:
-            self.client.release(lease)
-        except HpkvError as exc:  # the connection is gone, and the lease with it
+            self.client.release(*leases)
+        except HpkvError as exc:  # the connection is gone, and the leases with it
             log.debug("HPKV lease release skipped: %s", exc)
 
     def worker_meta(self, seq: int) -> HpkvWorkerMeta:
@@ -265,6 +260,8 @@ class HpkvWorker:
     # -- saves --------------------------------------------------------------------------------
 
     def wait_for_save(self, meta: HpkvConnectorMetadata) -> None:
+        """Every save of the step in one reservation over its groups (one `Reserve`, and one
+        `Commit` unless a hold settles it)."""
         if self.nss is None:
             self._connect(meta.identity)
         by_group: dict[int, tuple[list[bytes], list[int]]] = {}
@@ -272,32 +269,40 @@ class HpkvWorker:
             keys, block_ids = by_group.setdefault(job.group, ([], []))
             keys.extend(job.keys)
             block_ids.extend(job.block_ids)
-        if not self.copiers:
+        groups = [(group, keys, block_ids) for group, (keys, block_ids) in sorted(by_group.items()) if keys]
+        if not self.copiers or not groups:
             return
         started = time.perf_counter()
-        for group, (keys, block_ids) in sorted(by_group.items()):
-            if keys:
-                self._save_group(meta, group, keys, block_ids)
+        self._save_step(meta, groups)
         self._add("save_wait_s", time.perf_counter() - started)
 
-    def _save_group(self, meta: HpkvConnectorMetadata, group: int, keys: list[bytes], block_ids: list[int]) -> None:
+    def _save_step(self, meta: HpkvConnectorMetadata, groups: list[tuple[int, list[bytes], list[int]]]) -> None:
         try:
-            ns = self._namespace(group)
-            if ns is None:
+            nss = self.nss if self.nss is not None else self._connect()
+            if nss is None:
                 return
-            reservation = self.client.reserve(ns, keys, hold=meta.hold)
+            reservation = self.client.reserve_many([(nss[group], keys) for group, keys, _ in groups], hold=meta.hold)
         except HpkvError as exc:
             self._add("server_errors", 1)
             log.debug("HPKV save skipped: %s", exc)
             if meta.hold:  # it may have been made on the server all the same, and nothing copied
                 self._hold_failed(meta.seq)
             return
-        offsets = {i: offset for i, offset in enumerate(reservation.offsets) if offset is not None}
-        if not offsets:
+        parts = []
+        for (group, keys, block_ids), offsets in zip(groups, reservation.part_offsets):
+            taken = [i for i, offset in enumerate(offsets) if offset is not None]
+            if taken:
+                parts.append(
+                    _SavePart(
+                        group,
+                        [keys[i] for i in taken],
+                        [block_ids[i] for i in taken],
+                        [offsets[i] for i in taken],  # type: ignore[misc]
+                    )
+                )
+        if not parts:
             return
-        save = _Save(
-            ns, group, reservation, [keys[i] for i in offsets], [block_ids[i] for i in offsets], list(offsets.values())
-        )
+        save = _Save(reservation, parts, [block for part in parts for block in part.block_ids])
         if meta.hold:
             # The scheduler settles the hold once this step's output is back, so the copy must
             # be done by then: in this step, not beside the next one. Not committed here.
@@ -315,21 +320,13 @@ class HpkvWorker:
         hold they were reserved in). A copy that fails gives the slots back, held or not, and
         returns False: a hold must not commit bytes that were never copied."""
         started = time.perf_counter()
-        copier = self.copiers[save.group]
         try:
-            if not self.client.holds(save.reservation):
+            if not self.client.alive(save.reservation):
                 return False  # the connection that reserved the slots is gone, and the slots with it
-            if save.event is None:
-                copier.save(save.reservation.region, save.block_ids, save.offsets)
-            else:
-                device_mod = getattr(torch, copier.device.type)
-                if self._side_stream is None:
-                    self._side_stream = device_mod.Stream(copier.device)
-                with device_mod.stream(self._side_stream):
-                    self._side_stream.wait_event(save.event)
-                    copier.save(save.reservation.region, save.block_ids, save.offsets)
+            for part in save.parts:
+                self._copy(save, part)
             if not save.hold:
-                self.client.commit(save.ns, save.keys, reservation=save.reservation)
+                self.client.commit(save.reservation)
         except HpkvError as exc:
             self._add("server_errors", 1)
             log.debug("HPKV save skipped: %s", exc)
@@ -341,13 +338,26 @@ class HpkvWorker:
             self._give_back(save)
             return False
         self._add("save_time_s", time.perf_counter() - started)
-        self._add("saved_blocks", len(save.keys))
-        self._add("saved_bytes", len(save.keys) * self.layouts[save.group].entry_bytes)
+        for part in save.parts:
+            self._add("saved_blocks", len(part.keys))
+            self._add("saved_bytes", len(part.keys) * self.layouts[part.group].entry_bytes)
         return True
+
+    def _copy(self, save: _Save, part: _SavePart) -> None:
+        copier = self.copiers[part.group]
+        if save.event is None:
+            copier.save(save.reservation.region, part.block_ids, part.offsets)
+            return
+        device_mod = getattr(torch, copier.device.type)
+        if self._side_stream is None:
+            self._side_stream = device_mod.Stream(copier.device)
+        with device_mod.stream(self._side_stream):
+            self._side_stream.wait_event(save.event)
+            copier.save(save.reservation.region, part.block_ids, part.offsets)
 
     def _give_back(self, save: _Save) -> None:
         try:  # the reservation's own connection, or nothing: never what a newer one reserved
-            self.client.abort(save.ns, save.keys, hold=save.hold, reservation=save.reservation)
+            self.client.abort(save.reservation)
         except HpkvError:
             pass  # the connection is gone, and the reservation with it
 

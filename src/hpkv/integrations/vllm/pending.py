@@ -1,4 +1,5 @@
-"""Saves held until the steps they depend on are known not to have read a failed load.
+"""Pending saves: saves reserved in a server-side hold until the steps they depend on are known
+not to have read a failed load.
 
 A step that loads KV computes the rest of its prompts on the loaded bytes; when a load fails on a
 worker, vLLM learns it from that step's output (`invalid_block_ids`) and recomputes, but the KV
@@ -10,7 +11,7 @@ are settled (`Client.settle`): keys of requests that read a failed block aborted
 committed, in every rank's namespace at once. Steps carry a sequence number the workers send back
 (`HpkvWorkerMeta`); a hold nobody settles (an engine stopping) is aborted by the server.
 
-Primitives: `SaveHolds.begin_step(seq, has_loads)` -> the hold of that step's saves ("" when
+Primitives: `PendingSaves.begin_step(seq, has_loads)` -> the hold of that step's saves ("" when
 they need none), `add(seq, req_id, keys, blocks)`, `affected(invalid_block_ids)`,
 `poison(req_ids, up_to_seq)`, `step_done(seqs, failed)` -> [Settle(hold, keys to abort, blocks to
 save again)].
@@ -60,7 +61,7 @@ class Settle:
     resave: dict[str, int]  # request -> first block to save again (good KV a rank did not copy)
 
 
-class SaveHolds:
+class PendingSaves:
     def __init__(self) -> None:
         self._prefix = f"vllm.{os.getpid()}.{os.urandom(4).hex()}"  # unique per engine
         self._loading: set[int] = set()  # steps with loads whose output is not back
