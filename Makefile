@@ -52,7 +52,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check
 	$(VENV)/bin/mypy
 
-# Tests marked `engine` (tests/conftest.py) start vLLM or SGLang; these are the rest.
+# Tests marked `engine` (pyproject.toml) start vLLM or SGLang; these are the rest.
 test-core: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not engine"
 

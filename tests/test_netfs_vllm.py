@@ -16,7 +16,7 @@ from helpers.storage import settled_files
 from helpers.vllm import BLOCK_SIZE, Engine, same_output, start_all, without_hpkv_environ
 from hpkv.demo.model import prompt_text
 
-pytestmark = pytest.mark.vllm_e2e
+pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
 LONG = prompt_text(1500, seed=24)  # about 1500 tokens: over the documented threshold of 1204
 

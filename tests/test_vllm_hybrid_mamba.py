@@ -13,7 +13,6 @@ what vLLM's own prefix hit gives.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 
 import pytest
@@ -27,8 +26,8 @@ from helpers.waiting import wait_for
 from hpkv.demo.model import prompt_text
 
 pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install ct-hpkv[engines])"),
-    pytest.mark.vllm_e2e,
+    pytest.mark.vllm,
+    pytest.mark.engine,
     pytest.mark.timeout(1200),
 ]
 

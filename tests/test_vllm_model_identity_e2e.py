@@ -14,7 +14,6 @@ identity by every byte, a checkpoint over 8 MiB was sampled and B was served A's
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -30,8 +29,8 @@ from helpers.waiting import wait_for
 from hpkv.demo.model import prompt_text
 
 pytestmark = [
-    pytest.mark.vllm_e2e,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install ct-hpkv[engines])"),
+    pytest.mark.engine,
+    pytest.mark.vllm,
     pytest.mark.timeout(1200),
 ]
 

@@ -5,7 +5,6 @@ start serves every story."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,8 +17,8 @@ from helpers.vllm import Engine, num_saved_blocks, without_hpkv_environ
 from hpkv.demo.model import prompt_text
 
 pytestmark = [
-    pytest.mark.vllm_e2e,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install ct-hpkv[engines])"),
+    pytest.mark.engine,
+    pytest.mark.vllm,
     pytest.mark.timeout(1200),
 ]
 
