@@ -1,6 +1,7 @@
 """Shared fixtures: real directories on a real tmpfs (/dev/shm) and on the disk, a server test's
-node, an `hpkv server` child with its environment, and the tiny model the vLLM engine tests serve.
-Helpers live in the `helpers` package."""
+node, an `hpkv server` child with its environment, and the tiny model the vLLM engine tests serve;
+the hooks of `helpers.engines` (the vLLM skip, the tally of engine starts). Helpers live in the
+`helpers` package."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.harness.netfs import netfs_beds
+from helpers.engines import stop_all
 from helpers.netfs_engines import netfs_nodes
 from helpers.storage import settled_files
 from helpers.vllm import BLOCK_SIZE, Engine, same_output, start_all, without_hpkv_environ
@@ -41,8 +42,7 @@ def two_nodes(shared, model):
                 start_all(engines)
             yield engines[0], engines[1], shared, work
         finally:
-            for engine in engines:
-                engine.stop()
+            stop_all(engines)
 
 
 def landed(fs, work: Path, num_files: int) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.engines import stop_all
 from helpers.processes import wait_gone
 from helpers.server import kill_server, server_pid, server_stats
 from helpers.storage import settled_files
@@ -112,7 +113,6 @@ def test_new_weights_at_the_path_get_their_own_kv_and_a_copy_elsewhere_shares(pl
         assert same_output(copy_answer, a_answer)
     finally:
         pids = [server_pid(shm) for shm in (shm1, shm2)]
-        b.stop()
-        copy.stop()
+        stop_all([b, copy])
         for pid in pids:
             kill_server(pid)

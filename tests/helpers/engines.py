@@ -3,7 +3,8 @@ and a tally of engine starts by module, printed at the end of a session, to see 
 pays for its engines. The marks are registered in pyproject.toml (`engine`: the test starts a
 real engine; `vllm`: it needs vLLM installed), which runs pytest with --strict-markers.
 
-Owns: the skip, the tally. Primitives: `skip_without_vllm`, `Tally`.
+Owns: the skip, the tally, stopping engines side by side. Primitives: `skip_without_vllm`,
+`Tally`, `stop_all`.
 Must not know: any scenario, model or engine option.
 """
 
@@ -13,6 +14,8 @@ import importlib.util
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pytest
@@ -27,6 +30,17 @@ def skip_without_vllm(items) -> None:
     for item in items:
         if item.get_closest_marker("vllm") is not None:
             item.add_marker(NO_VLLM)
+
+
+def stop_all(engines: Sequence) -> None:
+    """Stops engines (anything with `stop()`) side by side: a stop mostly waits for a process
+    group to end. Returns once every stop has; the first error, if any, is raised after."""
+    if not engines:
+        return
+    with ThreadPoolExecutor(len(engines)) as pool:
+        stops = [pool.submit(engine.stop) for engine in engines]
+    for stop in stops:
+        stop.result()
 
 
 @dataclass
