@@ -1,7 +1,8 @@
 # Two entry points, each sets itself up on a fresh machine:
 #   make demo   the main job
 #   make test   lint and type check, then the whole test suite
-# (`make test-core`: the tests that start no engine, for a quick check while working.)
+# (`make test-core`: the tests that start no engine, for a quick check while working;
+# `make test-engine`: those that do.)
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
@@ -34,7 +35,7 @@ $(SGLANG_STAMP): pyproject.toml tests/sglang_cpu/requirements.txt tests/sglang_c
 	PYTHONPATH=tests/sglang_cpu $(SGLANG_VENV)/bin/python -m sglang_cpu_compat --warm
 	touch $(SGLANG_STAMP)
 
-.PHONY: setup demo demo-sglang test test-core lint bench
+.PHONY: setup demo demo-sglang test test-core test-engine lint bench
 setup: $(STAMP) $(SGLANG_STAMP)
 
 demo: $(STAMP)
@@ -43,8 +44,11 @@ demo: $(STAMP)
 demo-sglang: $(SGLANG_STAMP)
 	PYTHONPATH=tests/sglang_cpu $(SGLANG_VENV)/bin/hpkv demo --engine sglang
 
+# Two pytest sessions side by side: the engine tests (they mostly wait on engine starts and
+# requests) and the rest, each one's output shown as it ends (-O). The engine session is the
+# longer: the rest fits beside it on two cores.
 test: lint $(SGLANG_STAMP)
-	$(VENV)/bin/pytest -q
+	$(MAKE) --no-print-directory -j2 -O test-engine test-core
 
 # Configured in pyproject.toml ([tool.ruff], [tool.mypy]).
 lint: $(STAMP)
@@ -52,9 +56,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check
 	$(VENV)/bin/mypy
 
-# Tests marked `engine` (tests/conftest.py) start vLLM or SGLang; these are the rest.
+# Tests marked `engine` (pyproject.toml) start vLLM or SGLang; test-core runs the rest.
 test-core: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not engine"
+
+test-engine: $(STAMP) $(SGLANG_STAMP)
+	$(VENV)/bin/pytest -q -m engine
 
 bench: $(STAMP)
 	$(VENV)/bin/hpkv bench

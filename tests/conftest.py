@@ -1,6 +1,7 @@
 """Shared fixtures: real directories on a real tmpfs (/dev/shm) and on the disk, a server test's
-node, an `hpkv server` child with its environment, and the tiny model the vLLM engine tests serve.
-Helpers live in the `helpers` package."""
+node, an `hpkv server` child with its environment, and the tiny model the vLLM engine tests serve;
+the hooks of `helpers.engines` (the vLLM skip, the tally of engine starts). Helpers live in the
+`helpers` package."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+from helpers.engines import Tally, skip_without_vllm
 
 
 def _fresh_shm_dir(prefix: str):
@@ -73,15 +76,25 @@ def model():
     return build_model(MODEL_DIR)
 
 
+_TALLY = Tally()
+
+
 def pytest_configure(config):
-    # Engine tests outside test_vllm_e2e.py carry this mark, so `-k "not vllm_e2e"` leaves them out too.
-    config.addinivalue_line("markers", "vllm_e2e: starts real vLLM engines (run under flock /tmp/hpkv-engine.lock)")
-    config.addinivalue_line("markers", "engine: starts a real engine process; `make test-core` runs -m 'not engine'")
+    _TALLY.install()
 
 
 def pytest_collection_modifyitems(config, items):
-    # Every vLLM end-to-end test is an engine test: those of test_vllm_e2e.py (its name carries
-    # the mark for -k) and those marked vllm_e2e elsewhere. `-m "not engine"` leaves them out.
-    for item in items:
-        if item.path.name == "test_vllm_e2e.py" or item.get_closest_marker("vllm_e2e") is not None:
-            item.add_marker(pytest.mark.engine)
+    skip_without_vllm(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _TALLY.enter(item)  # engine starts in this test's set-up (module fixtures) count for its module
+    try:
+        return (yield)
+    finally:
+        _TALLY.enter(None)
+
+
+def pytest_terminal_summary(terminalreporter):
+    _TALLY.report(terminalreporter.write_line)

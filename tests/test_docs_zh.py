@@ -78,8 +78,8 @@ def _engine_flags(word: str) -> set[str]:
     return flags
 
 
+@pytest.mark.vllm
 def test_the_vllm_flags_the_chinese_pages_name_are_vllms_and_the_dropped_one_is_rejected():
-    pytest.importorskip("vllm")
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 

@@ -3,7 +3,6 @@ spans its shim writes in the engine's processes."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -53,7 +52,7 @@ def test_an_in_engine_hit_has_no_hpkv_part_and_the_traces_are_read_back(tmp_path
     assert round(medians["in-engine"]["forward_ms"], 3) == 40.0 and medians["dram"]["ttft_ms"] is None
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+@pytest.mark.vllm
 @pytest.mark.parametrize("spin", [None, "0"])
 def test_benchmark_engines_wait_without_vllms_queue_spin_when_asked(tmp_path, monkeypatch, spin):
     """With HPKV_BENCH_VLLM_SPIN=0 the sitecustomize every benchmark engine gets sets vLLM's own

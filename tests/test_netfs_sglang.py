@@ -17,6 +17,7 @@ import pytest
 from bench.harness.engine import start_together
 from bench.harness.netfs import netfs_beds
 from helpers import sglang_serving as ss
+from helpers.engines import stop_all
 from helpers.netfs_engines import netfs_nodes
 from helpers.server import server_stats
 from helpers.storage import settled_files
@@ -47,8 +48,7 @@ def two_nodes(gluster):
             start_together(engines)  # two overlap well on two cores
             yield engines[0], engines[1], gluster, nodes[1].pool
         finally:
-            for engine in engines:
-                engine.stop()
+            stop_all(engines)
 
 
 def test_what_node_a_computes_sglang_on_node_b_loads_from_storage_with_sglangs_own_output(two_nodes):

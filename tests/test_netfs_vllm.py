@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 
 from bench.harness.netfs import netfs_beds
+from helpers.engines import stop_all
 from helpers.netfs_engines import netfs_nodes
 from helpers.storage import settled_files
 from helpers.vllm import BLOCK_SIZE, Engine, same_output, start_all, without_hpkv_environ
 from hpkv.demo.model import prompt_text
 
-pytestmark = pytest.mark.vllm_e2e
+pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
 LONG = prompt_text(1500, seed=24)  # about 1500 tokens: over the documented threshold of 1204
 
@@ -41,8 +42,7 @@ def two_nodes(shared, model):
                 start_all(engines)
             yield engines[0], engines[1], shared, work
         finally:
-            for engine in engines:
-                engine.stop()
+            stop_all(engines)
 
 
 def landed(fs, work: Path, num_files: int) -> None:

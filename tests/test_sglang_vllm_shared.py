@@ -18,12 +18,13 @@ import pytest
 
 from helpers import sglang_serving as ss
 from helpers.cli import hpkv
+from helpers.engines import stop_all
 from helpers.env import without_hpkv
 from helpers.server import kill_server, server_pid, server_stats
 from helpers.vllm import Engine, without_hpkv_environ
 from hpkv.demo.model import build_model, prompt_text
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
 LONG = 2000
 
@@ -45,8 +46,7 @@ def engines(tmp_path_factory, model):
             yield vllm, sglang, shm, env
         finally:
             pid = server_pid(shm)
-            vllm.stop()
-            sglang.stop()
+            stop_all([vllm, sglang])
             kill_server(pid)
             shutil.rmtree(shm, ignore_errors=True)
 

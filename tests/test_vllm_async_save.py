@@ -5,19 +5,15 @@ exactly what vLLM's own prefix-cache hit gave."""
 
 from __future__ import annotations
 
-import importlib.util
-import shutil
-import tempfile
-from pathlib import Path
-
 import pytest
 
 from helpers.vllm import Engine, same_output, serving
+from helpers.vllm_node import engine_node
 from hpkv.demo.model import prompt_text
 
 pytestmark = [
-    pytest.mark.vllm_e2e,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install ct-hpkv[engines])"),
+    pytest.mark.engine,
+    pytest.mark.vllm,
     pytest.mark.timeout(900),
 ]
 
@@ -27,23 +23,19 @@ PROMPTS = [prompt_text(1500, seed=300 + i) for i in range(6)]
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory, model):
-    root = tmp_path_factory.mktemp("vllm-async")
-    shm = Path(tempfile.mkdtemp(prefix="hpkv-async-", dir="/dev/shm"))
-    env = {
-        "VLLM_ENABLE_HPKV": "1",
-        "HPKV_KV_MEM_POOL_SIZE": "256m",
-        "HPKV_SHARE_MEM_FILE_PATH": str(shm),
-        "HPKV_KV_STORAGE_ENABLE": "false",
-        "HPKV_SERVER_IDLE_EXIT_S": "2",
-        "HPKV_CONFIG_FILE_PATH": str(root / "no-config.ini"),
-    }
-    (root / "logs").mkdir()
+def node(tmp_path_factory):
+    extra = {"HPKV_KV_STORAGE_ENABLE": "false"}
+    with engine_node(tmp_path_factory.mktemp("vllm-async"), "hpkv-async-", extra) as node:
+        yield node
+
+
+@pytest.fixture(scope="module")
+def engine(node, model):
     engine = Engine(
         "async",
         model,
-        env,
-        root / "logs",
+        node.env(),
+        node.logs,
         extra_flags=(
             "--kv-transfer-config",
             ASYNC,
@@ -53,11 +45,8 @@ def engine(tmp_path_factory, model):
             "2048",
         ),
     )
-    try:
-        with serving(engine, shm):
-            yield engine
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
+    with serving(engine, node.shm):
+        yield engine
 
 
 def test_prompts_whose_blocks_were_recycled_load_from_dram_identical_to_vllms_own_hit(engine):

@@ -9,22 +9,18 @@ those computed blocks; only then does HPKV serve it.
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 
-from helpers.server import kill_server, server_pid
 from helpers.storage import settled_files
 from helpers.vllm import Engine, num_saved_blocks, same_output, serving
+from helpers.vllm_node import engine_node
 from hpkv.demo.model import prompt_text
 
 pytestmark = [
-    pytest.mark.vllm_e2e,  # an engine test: `-k "not vllm_e2e"` leaves it out with the others
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install ct-hpkv[engines])"),
+    pytest.mark.engine,
+    pytest.mark.vllm,
     pytest.mark.timeout(900),
 ]
 
@@ -33,29 +29,20 @@ LONG = prompt_text(1500, seed=72)
 
 
 @pytest.fixture(scope="module")
-def place(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm-auto")
-    shm = Path(tempfile.mkdtemp(prefix="hpkv-auto-", dir="/dev/shm"))
-    (root / "storage").mkdir()
-    (root / "logs").mkdir()
-    yield root, shm
-    kill_server(server_pid(shm))
-    shutil.rmtree(shm, ignore_errors=True)
+def node(tmp_path_factory):
+    extra = {"VLLM_HPKV_TOKEN_THRESHOLD": "auto"}
+    with engine_node(tmp_path_factory.mktemp("vllm-auto"), "hpkv-auto-", extra) as node:
+        yield node
 
 
 @pytest.fixture(scope="module")
-def engine(place, model):
-    root, shm = place
-    env = {
-        "VLLM_ENABLE_HPKV": "1",
-        "HPKV_KV_MEM_POOL_SIZE": "256m",
-        "HPKV_SHARE_MEM_FILE_PATH": str(shm),
-        "HPKV_KV_STORAGE_PATH": str(root / "storage"),
-        "HPKV_SERVER_IDLE_EXIT_S": "2",
-        "HPKV_CONFIG_FILE_PATH": str(root / "no-config.ini"),
-        "VLLM_HPKV_TOKEN_THRESHOLD": "auto",
-    }
-    with serving(Engine("auto", model, env, root / "logs"), shm) as engine:
+def place(node):
+    return node.root, node.shm
+
+
+@pytest.fixture(scope="module")
+def engine(node, model):
+    with serving(Engine("auto", model, node.env(), node.logs), node.shm) as engine:
         yield engine
 
 

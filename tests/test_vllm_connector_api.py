@@ -9,14 +9,13 @@ These are the stories whose vLLM side moved between minors (the connector's vers
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import threading
 
 import pytest
 
 from helpers.env import use_hpkv_env
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+pytestmark = pytest.mark.vllm
 
 BS, LAYERS, HEADS, HEAD, NUM_BLOCKS = 32, 2, 2, 16, 64
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]

@@ -17,7 +17,6 @@ engine).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -47,7 +46,8 @@ from hpkv.server import protocol
 from hpkv.server.autostart import answers
 
 pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install ct-hpkv[engines])"),
+    pytest.mark.engine,
+    pytest.mark.vllm,
     pytest.mark.timeout(1200),  # a test may pay for engine starts (module fixtures)
 ]
 

@@ -4,12 +4,11 @@ back, and a request vLLM finds reading a failed block loses the saves held on to
 
 from __future__ import annotations
 
-import importlib.util
 from types import SimpleNamespace
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture

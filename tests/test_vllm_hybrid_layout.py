@@ -5,11 +5,9 @@ families refused at start (Mamba-2 on the CPU, Mamba states without prefix cachi
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+pytestmark = pytest.mark.vllm
 
 BS = 32
 

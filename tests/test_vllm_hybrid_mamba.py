@@ -5,30 +5,27 @@ namespace of its own: the attention blocks of a prefix and the recurrent states 
 its block boundaries, loaded together or not at all.
 
 Engines, started as few times as possible: `plain` (vLLM alone, the oracle: its own prefix-cache
-hit), `a` (HPKV, with a load fault on demand), and `a` restarted on the same storage. Both run
-with the flags vLLM needs for partial hits of such a model (states kept every 320 tokens, steps
-of 320 tokens: `docs/vllm.md`). Every answer must be exactly (token ids, bit-identical logprobs)
-what vLLM's own prefix hit gives.
+hit) and `a` (HPKV, with a load fault on demand); then HPKV restarts under `a` on the same
+storage (its DRAM pool gone). Both run with the flags vLLM needs for partial hits of such a
+model (states kept every 320 tokens, steps of 320 tokens: `docs/vllm.md`). Every answer must
+be exactly (token ids, bit-identical logprobs) what vLLM's own prefix hit gives.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import re
 
 import pytest
 
-from helpers.processes import wait_gone
-from helpers.server import kill_server, server_pid
 from helpers.storage import kv_files, settled_files
 from helpers.vllm import Engine, build_qwen3_next, same_output, start_all, with_load_fault
-from helpers.vllm_node import engine_node, stop_engines
+from helpers.vllm_node import engine_node, restart_server, stop_engines
 from helpers.waiting import wait_for
 from hpkv.demo.model import prompt_text
 
 pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install ct-hpkv[engines])"),
-    pytest.mark.vllm_e2e,
+    pytest.mark.vllm,
+    pytest.mark.engine,
     pytest.mark.timeout(1200),
 ]
 
@@ -144,20 +141,12 @@ def test_a_load_that_fails_is_recomputed(engine_a, node, plain):
 
 
 @pytest.fixture(scope="module")
-def restarted(node, model, engine_a):
-    """A stops with its HPKV server (the DRAM pool goes); A starts again on the same storage."""
+def restarted(node, engine_a):
+    """A's HPKV server restarts under it (the DRAM pool goes), on the same storage. (An engine's
+    own restart on storage: test_vllm_e2e's B.)"""
     assert kv_files(node.storage), "engine A saved nothing to restart from"
-    pid = server_pid(node.shm)
-    engine_a.stop()
-    kill_server(pid)
-    if pid is not None:
-        wait_gone(pid, timeout_s=30)
-    b = Engine("qwen3next-b", model, node.env(), node.logs, extra_flags=FLAGS)
-    try:
-        b.start()
-        yield b
-    finally:
-        stop_engines(b, shm=node.shm)
+    restart_server(engine_a, node.shm)
+    return engine_a
 
 
 def test_after_a_restart_the_prompt_is_served_from_storage(restarted, plain):

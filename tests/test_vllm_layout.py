@@ -9,11 +9,9 @@ of its heads, tokens and content in that order, or refuses at start with the fix
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+pytestmark = pytest.mark.vllm
 
 NUM_BLOCKS, NUM_LAYERS = 4, 2
 

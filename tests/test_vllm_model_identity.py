@@ -6,7 +6,6 @@ up nor saved."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import pickle
 import shutil
@@ -19,7 +18,7 @@ import pytest
 from helpers.scheduler import BS, blocks, prompt, scheduler_half
 from helpers.vllm import reseed
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")

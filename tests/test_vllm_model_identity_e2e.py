@@ -14,7 +14,6 @@ identity by every byte, a checkpoint over 8 MiB was sampled and B was served A's
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.engines import stop_all
 from helpers.processes import wait_gone
 from helpers.server import kill_server, server_pid, server_stats
 from helpers.storage import settled_files
@@ -30,8 +30,8 @@ from helpers.waiting import wait_for
 from hpkv.demo.model import prompt_text
 
 pytestmark = [
-    pytest.mark.vllm_e2e,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install ct-hpkv[engines])"),
+    pytest.mark.engine,
+    pytest.mark.vllm,
     pytest.mark.timeout(1200),
 ]
 
@@ -113,7 +113,6 @@ def test_new_weights_at_the_path_get_their_own_kv_and_a_copy_elsewhere_shares(pl
         assert same_output(copy_answer, a_answer)
     finally:
         pids = [server_pid(shm) for shm in (shm1, shm2)]
-        b.stop()
-        copy.stop()
+        stop_all([b, copy])
         for pid in pids:
             kill_server(pid)

@@ -5,21 +5,17 @@ start serves every story."""
 
 from __future__ import annotations
 
-import importlib.util
-import shutil
-import tempfile
-from pathlib import Path
-
 import pytest
 
-from helpers.server import kill_server, server_pid, server_stats
+from helpers.server import server_stats
 from helpers.storage import kv_files, settled_files
-from helpers.vllm import Engine, num_saved_blocks, without_hpkv_environ
+from helpers.vllm import Engine, num_saved_blocks
+from helpers.vllm_node import engine_node, stop_engines
 from hpkv.demo.model import prompt_text
 
 pytestmark = [
-    pytest.mark.vllm_e2e,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install ct-hpkv[engines])"),
+    pytest.mark.engine,
+    pytest.mark.vllm,
     pytest.mark.timeout(1200),
 ]
 
@@ -29,31 +25,22 @@ NEITHER = {"kv_transfer_params": {"hpkv_load": False, "hpkv_save": False}}
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm-optout")
-    shm = Path(tempfile.mkdtemp(prefix="hpkv-optout-", dir="/dev/shm"))
-    (root / "logs").mkdir()
-    with without_hpkv_environ():
-        yield root, shm
-    kill_server(server_pid(shm))
-    shutil.rmtree(shm, ignore_errors=True)
+def place(tmp_path_factory):
+    extra = {"VLLM_HPKV_TOKEN_THRESHOLD": "256"}
+    with engine_node(tmp_path_factory.mktemp("vllm-optout"), "hpkv-optout-", extra) as place:
+        yield place
 
 
 @pytest.fixture(scope="module")
-def engine(node, model):
-    root, shm = node
-    env = {
-        "VLLM_ENABLE_HPKV": "1",
-        "VLLM_HPKV_TOKEN_THRESHOLD": "256",
-        "HPKV_KV_MEM_POOL_SIZE": "256m",
-        "HPKV_SHARE_MEM_FILE_PATH": str(shm),
-        "HPKV_KV_STORAGE_PATH": str(root / "storage"),
-        "HPKV_CONFIG_FILE_PATH": str(root / "no-config.ini"),
-        "HPKV_SERVER_IDLE_EXIT_S": "2",
-    }
-    engine = Engine("optout", model, env, root / "logs").start()
+def node(place):
+    return place.root, place.shm
+
+
+@pytest.fixture(scope="module")
+def engine(place, model):
+    engine = Engine("optout", model, place.env(), place.logs).start()
     yield engine
-    engine.stop()
+    stop_engines(engine, shm=place.shm)
 
 
 def _hpkv_tokens(engine: Engine, prompt: str, **extra) -> float:

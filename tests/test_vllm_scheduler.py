@@ -4,7 +4,6 @@ vLLM's scheduler running whatever goes wrong inside it."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import time
 from types import SimpleNamespace
@@ -14,7 +13,7 @@ import pytest
 from helpers.scheduler import BS, blocks, prompt, saved, scheduler_half
 from helpers.waiting import wait_for
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ a step that would overwrite a block whose save is still reading it, and only suc
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 import time
 from types import SimpleNamespace
@@ -17,7 +16,7 @@ from helpers.server import Node
 from helpers.waiting import wait_for
 from hpkv.server import protocol
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+pytestmark = pytest.mark.vllm
 
 LAYERS, PAGE, NUM_BLOCKS = 2, 8 << 10, 16
 ENTRY = LAYERS * PAGE

@@ -14,6 +14,7 @@
 - `machine`: a pretend machine (meminfo, mounts, cgroups) for `hpkv.fsinfo`.
 - `mappings`: this process's mappings of pool files, and a region's resident bytes.
 - `scheduler`: the vLLM scheduler half built by hand on a real server, no engine.
+- `engines`: the engine tests as a whole: the vLLM skip, the tally of engine starts.
 - `vllm`: real vLLM engines with their counters, and the oracle.
 - `sglang`: real SGLang modules, host pools and arguments on a CPU-only machine.
 """
