@@ -86,6 +86,22 @@ class StorageConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """The cluster tier (`hpkv.cluster`): Mooncake Store's client settings and HPKV's bounds."""
+
+    enabled: bool = False
+    master: str = "127.0.0.1:50051"  # the mooncake_master's RPC address, host:port
+    protocol: str = "tcp"  # or "rdma"
+    rdma_devices: str = ""  # for rdma: the devices, comma-separated ("" lets Mooncake choose)
+    metadata: str = "P2PHANDSHAKE"  # or the http://... URL of a metadata server
+    host: str = ""  # the address other nodes reach this node's segment at ("": this host's address)
+    segment_bytes: int = 4 << 30  # the memory this node contributes to the cluster
+    buffer_bytes: int = 64 << 20  # Mooncake's local staging buffer of each client
+    replicas: int = 1
+    timeout_s: float = 0.5  # a lookup's longest wait for the cluster: then it is a miss
+
+
+@dataclass(frozen=True)
 class Settings:
     pool: PoolConfig
     storage: StorageConfig

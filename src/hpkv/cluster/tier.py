@@ -1,0 +1,164 @@
+"""The cluster tier as the store sees it: entries of a namespace looked up, written from pool
+slots and read into pool slots, by (namespace, key), each object verified on every read.
+
+Writes put the header (from a buffer of this tier) and the payload (the slot itself) as the two
+parts of one object: the slot is not copied. Reads get the header into a buffer of this tier and
+the payload straight into the slot, then check the header against the namespace, the key, the
+length and the payload's checksum: anything else (a damaged object, another namespace's or
+key's, an object of another size) is a miss, and the object is removed, since a put of an
+existing name keeps the old value and would else leave it there for ever.
+Owns: the client (`client.ClusterClient`), the counters the status and the metrics show.
+Primitives: `start`, `contains`, `write`, `read_into`, `remove`, `stats`, `close`.
+Must not know: the DRAM index, leases, reservations (the caller keeps the slots it names
+reserved or pinned for the call's length).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..config import ClusterConfig
+from . import objects
+from .client import OBJECT_NOT_FOUND, TRANSPORT_FAILURES, ClusterClient
+
+log = logging.getLogger(__name__)
+
+Slot = tuple[bytes, int, int]  # (key, offset in the memory, payload length)
+
+
+def address_of(buf: memoryview) -> int:
+    """The address of a writable buffer's first byte (a pool's map: valid while it is mapped)."""
+    anchor = ctypes.c_char.from_buffer(buf)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor  # the export ends here, so the map can still be closed
+
+
+@dataclass
+class ClusterStats:
+    """`hpkv status`'s and the metrics' view of the tier."""
+
+    enabled: bool = True
+    reachable: bool = False
+    master: str = ""
+    protocol: str = ""
+    lookups: int = 0
+    lookup_keys: int = 0
+    found_keys: int = 0  # keys `contains` found
+    hits: int = 0  # objects read and verified
+    misses: int = 0  # objects asked for and not read (gone, or failed)
+    bad_objects: int = 0  # read but not what they claim: removed
+    objects_written: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    breaker_open: bool = False
+    breaker_trips: int = 0
+
+
+class ClusterTier:
+    def __init__(self, config: ClusterConfig, memory: memoryview, client: ClusterClient | None = None) -> None:
+        """`memory`: the pool's map (slot offsets are into it), registered with Mooncake."""
+        self.config = config
+        self.client = client if client is not None else ClusterClient(config)
+        self._memory = memory
+        self._base = address_of(memory)
+        self._lock = threading.Lock()  # the counters
+        self.stats_ = ClusterStats(master=config.master, protocol=config.protocol)
+
+    def start(self) -> bool:
+        """Register the pool and try to connect (a cluster not there yet is a miss until it is)."""
+        self.client.register(self._base, len(self._memory))
+        return self.client.connect()
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self.stats_, name, getattr(self.stats_, name) + delta)
+
+    def contains(self, ns: str, keys: Sequence[bytes]) -> list[bool]:
+        """Which keys the cluster holds an object of (one round trip, bounded by `timeout_s`)."""
+        found = self.client.exists([objects.object_name(ns, key) for key in keys])
+        self._count(lookups=1, lookup_keys=len(keys), found_keys=sum(found))
+        return found
+
+    def write(self, ns: str, slots: Sequence[Slot]) -> int:
+        """Put each slot's payload under its key, with its header; how many the cluster took.
+        The caller keeps the slots pinned until this returns."""
+        if not slots:
+            return 0
+        headers = [objects.make_header(ns, key, self._memory[off : off + n]) for key, off, n in slots]
+        # Kept alive until the call returns: Mooncake reads them by address.
+        head_bufs = [ctypes.create_string_buffer(h, len(h)) for h in headers]
+        codes = self.client.put(
+            [objects.object_name(ns, key) for key, _, _ in slots],
+            [[ctypes.addressof(h), self._base + off] for h, (_, off, _) in zip(head_bufs, slots)],
+            [[len(h), n] for h, (_, _, n) in zip(headers, slots)],
+        )
+        taken = [n for code, (_, _, n) in zip(codes, slots) if code == 0]
+        self._count(objects_written=len(taken), bytes_written=sum(taken), errors=len(codes) - len(taken))
+        return len(taken)
+
+    def read_into(self, ns: str, slots: Sequence[Slot]) -> list[bool]:
+        """Get each key's object, its payload into its slot; per key whether the slot now holds
+        the verified payload (False: a miss, and the slot's bytes are to be thrown away). The
+        caller keeps the slots reserved until this returns."""
+        if not slots:
+            return []
+        names = [objects.object_name(ns, key) for key, _, _ in slots]
+        head_lens = [objects.header_len(key) for key, _, _ in slots]
+        head_bufs = [ctypes.create_string_buffer(n) for n in head_lens]
+        got = self.client.get_into(
+            names,
+            [[ctypes.addressof(h), self._base + off] for h, (_, off, _) in zip(head_bufs, slots)],
+            [[hn, n] for hn, (_, _, n) in zip(head_lens, slots)],
+        )
+        ok, bad = [], []
+        for i, (key, off, n) in enumerate(slots):
+            if got[i] == OBJECT_NOT_FOUND or got[i] <= TRANSPORT_FAILURES:
+                ok.append(False)  # gone, or the cluster failed: a miss
+                continue
+            if got[i] < 0:  # there, but it does not fit the buffers: not an entry of this size
+                why: str | None = f"Mooncake's code {got[i]} (an object of another size)"
+            elif got[i] != head_lens[i] + n:
+                why = f"{got[i]} bytes, expected {head_lens[i] + n}"
+            else:
+                why = objects.verify(ns, key, head_bufs[i].raw, self._memory[off : off + n])
+            if why is not None:
+                log.warning("cluster tier: object %s is bad (%s): a miss, removed", names[i], why)
+                bad.append(names[i])
+            ok.append(why is None)
+        hits = sum(ok)
+        self._count(
+            hits=hits,
+            misses=len(slots) - hits,
+            bad_objects=len(bad),
+            bytes_read=sum(n for good, (_, _, n) in zip(ok, slots) if good),
+        )
+        self.client.remove(bad)
+        return ok
+
+    def remove(self, ns: str | None = None) -> int:
+        """Remove the namespace's objects from the cluster (every HPKV object's for None)."""
+        return self.client.remove_matching(objects.namespace_pattern(ns))
+
+    def stats(self, probe: bool = False) -> ClusterStats:
+        """A copy of the counters; `probe` asks the master whether it answers (a round trip)."""
+        c, breaker = self.client.counters, self.client.breaker
+        with self._lock:
+            stats = ClusterStats(**vars(self.stats_))
+        stats.errors += c.errors + c.setup_failures
+        stats.timeouts = c.timeouts
+        stats.breaker_open = breaker.is_open
+        stats.breaker_trips = breaker.trips
+        stats.reachable = self.client.healthy() if probe else not breaker.is_open and c.setups > c.setup_failures
+        return stats
+
+    def close(self) -> None:
+        self.client.close()
