@@ -105,6 +105,7 @@ class ClusterConfig:
 class Settings:
     pool: PoolConfig
     storage: StorageConfig
+    cluster: ClusterConfig
     token_threshold: int | None  # None means "auto"
     enable_vllm: bool
     model_id: str | None  # HPKV_MODEL_ID: None means the model's content fingerprint
@@ -290,6 +291,18 @@ def _build(resolved: list[Setting], warnings: tuple[str, ...]) -> Settings:
             direct_io=v["HPKV_KV_STORAGE_DIRECT_IO"],
             write_budget_bytes=v["HPKV_KV_STORAGE_WRITE_BUDGET"],
             retention_s=v["HPKV_KV_STORAGE_RETENTION"],
+        ),
+        cluster=ClusterConfig(
+            enabled=v["HPKV_CLUSTER_ENABLE"],
+            master=v["HPKV_CLUSTER_MASTER"],
+            protocol=v["HPKV_CLUSTER_PROTOCOL"],
+            rdma_devices=v["HPKV_CLUSTER_RDMA_DEVICES"],
+            metadata=v["HPKV_CLUSTER_METADATA"],
+            host=v["HPKV_CLUSTER_HOST"],
+            segment_bytes=v["HPKV_CLUSTER_SEGMENT_SIZE"],
+            buffer_bytes=v["HPKV_CLUSTER_BUFFER_SIZE"],
+            replicas=v["HPKV_CLUSTER_REPLICAS"],
+            timeout_s=v["HPKV_CLUSTER_TIMEOUT_S"],
         ),
         token_threshold=v["VLLM_HPKV_TOKEN_THRESHOLD"],
         enable_vllm=v["VLLM_ENABLE_HPKV"],
