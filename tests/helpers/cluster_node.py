@@ -10,13 +10,14 @@ memory of its own (slots of `SIZE` bytes) and answers one JSON line per command:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import mmap
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import msgspec
 
 SIZE = 64 * 1024
 SLOTS = 64
@@ -60,7 +61,7 @@ def serve(config_json: str, segment_bytes: int) -> None:
         elif op == "remove":
             out = {"removed": tier.remove(ns or None)}
         else:
-            out = dataclasses.asdict(tier.stats())
+            out = msgspec.to_builtins(tier.stats())
         print(json.dumps(out), flush=True)
     tier.close()
 

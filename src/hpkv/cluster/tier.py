@@ -8,7 +8,7 @@ length and the payload's checksum: anything else (a damaged object, another name
 key's, an object of another size) is a miss, and the object is removed, since a put of an
 existing name keeps the old value and would else leave it there for ever.
 Owns: the client (`client.ClusterClient`), the counters the status and the metrics show.
-Primitives: `start`, `contains`, `write`, `read_into`, `remove`, `stats`, `close`.
+Primitives: `start`, `contains`, `write`, `read_into`, `remove`, `count`, `stats`, `close`.
 Must not know: the DRAM index, leases, reservations (the caller keeps the slots it names
 reserved or pinned for the call's length).
 """
@@ -19,9 +19,11 @@ import ctypes
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+import msgspec
 
 from ..config import ClusterConfig
+from ..stats import ClusterStats
 from . import objects
 from .client import OBJECT_NOT_FOUND, TRANSPORT_FAILURES, ClusterClient
 
@@ -39,29 +41,6 @@ def address_of(buf: memoryview) -> int:
         del anchor  # the export ends here, so the map can still be closed
 
 
-@dataclass
-class ClusterStats:
-    """`hpkv status`'s and the metrics' view of the tier."""
-
-    enabled: bool = True
-    reachable: bool = False
-    master: str = ""
-    protocol: str = ""
-    lookups: int = 0
-    lookup_keys: int = 0
-    found_keys: int = 0  # keys `contains` found
-    hits: int = 0  # objects read and verified
-    misses: int = 0  # objects asked for and not read (gone, or failed)
-    bad_objects: int = 0  # read but not what they claim: removed
-    objects_written: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
-    errors: int = 0
-    timeouts: int = 0
-    breaker_open: bool = False
-    breaker_trips: int = 0
-
-
 class ClusterTier:
     def __init__(self, config: ClusterConfig, memory: memoryview, client: ClusterClient | None = None) -> None:
         """`memory`: the pool's map (slot offsets are into it), registered with Mooncake."""
@@ -77,7 +56,7 @@ class ClusterTier:
         self.client.register(self._base, len(self._memory))
         return self.client.connect()
 
-    def _count(self, **deltas: int) -> None:
+    def count(self, **deltas: int) -> None:
         with self._lock:
             for name, delta in deltas.items():
                 setattr(self.stats_, name, getattr(self.stats_, name) + delta)
@@ -85,7 +64,7 @@ class ClusterTier:
     def contains(self, ns: str, keys: Sequence[bytes]) -> list[bool]:
         """Which keys the cluster holds an object of (one round trip, bounded by `timeout_s`)."""
         found = self.client.exists([objects.object_name(ns, key) for key in keys])
-        self._count(lookups=1, lookup_keys=len(keys), found_keys=sum(found))
+        self.count(lookups=1, lookup_keys=len(keys), found_keys=sum(found))
         return found
 
     def write(self, ns: str, slots: Sequence[Slot]) -> int:
@@ -102,7 +81,7 @@ class ClusterTier:
             [[len(h), n] for h, (_, _, n) in zip(headers, slots)],
         )
         taken = [n for code, (_, _, n) in zip(codes, slots) if code == 0]
-        self._count(objects_written=len(taken), bytes_written=sum(taken), errors=len(codes) - len(taken))
+        self.count(objects_written=len(taken), bytes_written=sum(taken), errors=len(codes) - len(taken))
         return len(taken)
 
     def read_into(self, ns: str, slots: Sequence[Slot]) -> list[bool]:
@@ -135,7 +114,7 @@ class ClusterTier:
                 bad.append(names[i])
             ok.append(why is None)
         hits = sum(ok)
-        self._count(
+        self.count(
             hits=hits,
             misses=len(slots) - hits,
             bad_objects=len(bad),
@@ -152,7 +131,7 @@ class ClusterTier:
         """A copy of the counters; `probe` asks the master whether it answers (a round trip)."""
         c, breaker = self.client.counters, self.client.breaker
         with self._lock:
-            stats = ClusterStats(**vars(self.stats_))
+            stats = msgspec.structs.replace(self.stats_)
         stats.errors += c.errors + c.setup_failures
         stats.timeouts = c.timeouts
         stats.breaker_open = breaker.is_open
