@@ -128,3 +128,43 @@ def test_the_master_killed_and_restarted_is_misses_then_hits_again_by_themselves
             break
         assert time.monotonic() < deadline, "B never hit again after the master came back"
     assert b.call("load", prefix=f"u{i}", n=8)["same"] == [True] * 8
+
+
+def test_status_doctor_and_metrics_show_the_tier(two_nodes, mooncake_master):
+    import json
+
+    from helpers.cli import free_port, hpkv
+    from test_metrics import scrape
+
+    a_node, b_node = two_nodes
+    a = engine(a_node)
+    a.call("save", prefix="m", n=4)
+    wait_for(lambda: a.call("stats")["stats"]["cluster"]["objects_written"] == 4, what="A's writes")
+    status = hpkv({**a_node.env, "COLUMNS": "400"}, "status")
+    assert status.returncode == 0, status.stderr
+    row = next(line for line in status.stdout.splitlines() if line.startswith("│ cluster "))
+    assert mooncake_master.address in row and "reachable" in row and "64.0 MiB" in row
+    checks = {c["name"]: c for c in json.loads(hpkv(a_node.env, "doctor", "--json").stdout)["checks"]}
+    for name in ("cluster libraries", "cluster master", "cluster protocol", "cluster segment"):
+        assert checks[name]["verdict"] == "ok", checks[name]
+    assert checks["cluster address"]["verdict"] == "ok"  # loopback, like the master: one machine
+    rdma = {
+        c["name"]: c
+        for c in json.loads(hpkv({**a_node.env, "HPKV_CLUSTER_PROTOCOL": "rdma"}, "doctor", "--json").stdout)["checks"]
+    }
+    assert (
+        rdma["cluster protocol"]["verdict"] == "fail" and "HPKV_CLUSTER_PROTOCOL=tcp" in rdma["cluster protocol"]["fix"]
+    )
+    # Metrics: a server with the tier exports it (one without exports zeros: test_grafana_dashboard.py).
+    port = free_port()
+    b_node.close()
+    b_node.start_server(HPKV_METRICS_PORT=str(port))
+    b = engine(b_node)
+    a.call("save", prefix="m2", n=4)
+    wait_for(lambda: b.call("lookup", prefix="m2", n=4)["tiers"] == [DRAM] * 4, what="B's hits", timeout_s=90)
+    samples = scrape(port)
+    assert samples[("hpkv_cluster_enabled", ())] == 1 and samples[("hpkv_cluster_hits_total", ())] == 4
+    assert samples[("hpkv_cluster_read_bytes_total", ())] > 0 and samples[("hpkv_cluster_reachable", ())] == 1
+    mooncake_master.kill()
+    down = {c["name"]: c for c in json.loads(hpkv(a_node.env, "doctor", "--json").stdout)["checks"]}
+    assert down["cluster master"]["verdict"] == "fail" and "mooncake_master" in down["cluster master"]["fix"]

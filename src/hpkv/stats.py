@@ -111,6 +111,7 @@ class ClusterStats(msgspec.Struct):
 
     master: str = ""
     protocol: str = ""
+    segment_bytes: int = 0  # HPKV_CLUSTER_SEGMENT_SIZE: what this node contributes
     reachable: bool = False  # the last call reached the master (and the breaker is closed)
     lookups: int = 0
     lookup_keys: int = 0

@@ -49,7 +49,7 @@ class ClusterTier:
         self._memory = memory
         self._base = address_of(memory)
         self._lock = threading.Lock()  # the counters
-        self.stats_ = ClusterStats(master=config.master, protocol=config.protocol)
+        self.stats_ = ClusterStats(master=config.master, protocol=config.protocol, segment_bytes=config.segment_bytes)
 
     def start(self) -> bool:
         """Register the pool and try to connect (a cluster not there yet is a miss until it is)."""
