@@ -74,6 +74,12 @@ def test_what_node_a_saved_node_b_loads_from_the_cluster_byte_for_byte(two_nodes
     assert cluster["segment_pid"] and alive(cluster["segment_pid"])
     assert a.call("stats")["stats"]["cluster"]["objects_written"] == 16
     assert not [f for f in b_node.storage_dir.rglob("*") if f.is_file() and f.name != "namespace.json"]
+    # `hpkv clear --memory` of the namespace on B: B's DRAM entries and the cluster's objects go.
+    ns = b.call("register")["ns"]
+    cleared = b_node.client().clear(dram=True, ns=ns)
+    assert cleared.dram == 16
+    assert b.call("lookup", prefix="p", n=16)["tiers"] == []
+    assert a.call("lookup", prefix="p", n=16)["tiers"] == [DRAM] * 16  # A's own DRAM keeps them
 
 
 def test_a_nodes_share_outlives_its_server_and_its_death_is_misses_without_wrong_bytes(two_nodes):
@@ -168,3 +174,23 @@ def test_status_doctor_and_metrics_show_the_tier(two_nodes, mooncake_master):
     mooncake_master.kill()
     down = {c["name"]: c for c in json.loads(hpkv(a_node.env, "doctor", "--json").stdout)["checks"]}
     assert down["cluster master"]["verdict"] == "fail" and "mooncake_master" in down["cluster master"]["fix"]
+
+
+def test_hpkv_cluster_start_and_stop_the_nodes_segment_process(mooncake_master, pool_dir, tmp_path):
+    from helpers.cli import hpkv, hpkv_env
+
+    env = hpkv_env(pool_dir, tmp_path / "storage", tmp_path, **cluster_env(mooncake_master))
+    try:
+        first = hpkv(env, "cluster", "start")
+        assert first.returncode == 0 and "started: 64.0 MiB" in first.stdout, first.stdout + first.stderr
+        pid = segment.running(pool_dir)
+        assert pid and alive(pid)
+        again = hpkv(env, "cluster", "start")
+        assert f"segment process {pid} already running" in again.stdout
+        stopped = hpkv(env, "cluster", "stop")
+        assert "stopped" in stopped.stdout and not alive(pid) and segment.running(pool_dir) is None
+        assert "no segment process runs" in hpkv(env, "cluster", "stop").stdout
+        off = hpkv({**env, "HPKV_CLUSTER_ENABLE": "0"}, "cluster", "start")
+        assert off.returncode != 0 and "HPKV_CLUSTER_ENABLE=1" in off.stderr
+    finally:
+        segment.stop(pool_dir)
