@@ -43,7 +43,8 @@ class ClusterLink:
         self._dram = dram
         self.tier = tier
         self._queue: deque[tuple[str, bytes]] = deque()
-        self._holds: OrderedDict[str, tuple[float, str, list[bytes]]] = OrderedDict()
+        # hold -> (when first reserved, namespace -> keys): a hold spans namespaces (ranks, groups)
+        self._holds: OrderedDict[str, tuple[float, dict[str, list[bytes]]]] = OrderedDict()
         self._wake = threading.Condition(threading.Lock())
         self._busy = False
         self._closed = False
@@ -56,15 +57,16 @@ class ClusterLink:
         """Keys reserved in `hold`: written once it is settled (those then published)."""
         now = time.monotonic()
         with self._wake:
-            _, _, held = self._holds.setdefault(hold, (now, ns, []))
-            held.extend(keys)
+            _, held = self._holds.setdefault(hold, (now, {}))
+            held.setdefault(ns, []).extend(keys)
             while self._holds and now - next(iter(self._holds.values()))[0] > 2 * HOLD_TIMEOUT_S:
                 self._holds.popitem(last=False)  # never settled: aborted by the store long since
 
     def settled(self, hold: str) -> None:
         with self._wake:
-            _, ns, keys = self._holds.pop(hold, (0.0, "", []))
-        self.committed(ns, keys)
+            _, held = self._holds.pop(hold, (0.0, {}))
+        for ns, keys in held.items():
+            self.committed(ns, keys)
 
     def committed(self, ns: str, keys: Sequence[bytes]) -> None:
         """Queue the keys just published (those DRAM no longer holds when their turn comes, or
