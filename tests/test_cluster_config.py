@@ -49,3 +49,29 @@ def test_the_file_wins_over_the_environment(tmp_path):
 def test_a_bad_value_is_an_error_naming_the_key(tmp_path: Path, key, text):
     with pytest.raises(ConfigError, match=key):
         load_settings({"HOME": str(tmp_path), key: text})
+
+
+def test_without_mooncake_the_segment_process_says_so_and_doctor_names_the_fix(tmp_path, monkeypatch):
+    import dataclasses
+    import json
+    import subprocess
+    import sys
+
+    from hpkv.config import load_settings
+    from hpkv.doctor import ServerProbe, Verdict, check_cluster
+
+    code = (
+        "import sys; sys.modules['mooncake'] = None; "
+        "from hpkv.cluster.segment import main; sys.exit(main(sys.argv[1:]))"
+    )
+    config = json.dumps(dataclasses.asdict(ClusterConfig(enabled=True)))
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path), config], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1 and "ct-hpkv[cluster]" in done.stderr
+    monkeypatch.setitem(sys.modules, "mooncake", None)
+    settings = load_settings({"HOME": str(tmp_path), "HPKV_CLUSTER_ENABLE": "1", "HPKV_CLUSTER_MASTER": "127.0.0.1:1"})
+    checks = {c.name: c for c in check_cluster(settings, ServerProbe(tmp_path / "hpkv.sock"))}
+    assert checks["cluster libraries"].verdict is Verdict.FAIL and "ct-hpkv[cluster]" in checks["cluster libraries"].fix
+    assert checks["cluster master"].verdict is Verdict.FAIL
+    assert check_cluster(load_settings({"HOME": str(tmp_path)}), ServerProbe(tmp_path / "hpkv.sock")) == []

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from ..config import ClusterConfig
-from .client import ClusterClient
+from .client import ClusterClient, ClusterUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +101,12 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
     client = ClusterClient(config, segment_bytes=config.segment_bytes)
     client.breaker.cooldown_s = client.breaker.max_cooldown_s = RETRY_S
-    while not stopping.is_set() and not client.connect():
-        stopping.wait(RETRY_S)
+    try:
+        while not stopping.is_set() and not client.connect():
+            stopping.wait(RETRY_S)
+    except ClusterUnavailable as exc:  # no Mooncake here: said once, in its log
+        log.error("%s", exc)
+        return 1
     if client.connect():
         (run_dir / PID_NAME).write_text(f"{os.getpid()}\n")
         log.info("contributing %d bytes to the cluster at %s", config.segment_bytes, config.master)

@@ -37,7 +37,7 @@ def _check_libraries() -> Check:
     try:
         load_store_class()
     except ClusterUnavailable as exc:
-        missing_so = "libibverbs" in str(exc) or "libnuma" in str(exc)
+        missing_so = ".so" in str(exc.__cause__)  # a system library, not the package
         fix = (
             "apt-get install -y --no-install-recommends libibverbs1 libnuma1 (or your distribution's rdma-core "
             "and numactl libraries)"
