@@ -70,6 +70,7 @@ def test_without_mooncake_the_segment_process_says_so_and_doctor_names_the_fix(t
     )
     assert done.returncode == 1 and "ct-hpkv[cluster]" in done.stderr
     monkeypatch.setitem(sys.modules, "mooncake", None)
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
     settings = load_settings({"HOME": str(tmp_path), "HPKV_CLUSTER_ENABLE": "1", "HPKV_CLUSTER_MASTER": "127.0.0.1:1"})
     checks = {c.name: c for c in check_cluster(settings, ServerProbe(tmp_path / "hpkv.sock"))}
     assert checks["cluster libraries"].verdict is Verdict.FAIL and "ct-hpkv[cluster]" in checks["cluster libraries"].fix

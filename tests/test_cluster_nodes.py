@@ -96,7 +96,7 @@ def test_a_nodes_share_outlives_its_server_and_its_death_is_misses_without_wrong
     assert b.call("lookup", prefix="q", n=24)["tiers"] == [DRAM] * 24
     assert b.call("load", prefix="q", n=24)["same"] == [True] * 24
     kill(a_segment)  # now A's share goes (objects also placed in B's own segment stay)
-    deadline, fewest = time.monotonic() + 20, 24
+    deadline, fewest, quarantined = time.monotonic() + 20, 24, 0
     while time.monotonic() < deadline:  # every lookup answers, in bounded time; what loads is right
         t0 = time.monotonic()
         num = len(b.call("lookup", prefix="r", n=24)["tiers"])
@@ -104,8 +104,10 @@ def test_a_nodes_share_outlives_its_server_and_its_death_is_misses_without_wrong
         assert time.monotonic() - t0 < 5.0
         loaded = b.call("load", prefix="r", n=24)
         assert loaded["num_ready"] == num and all(loaded["same"])
+        quarantined = max(quarantined, b.call("stats")["stats"]["quarantined"])
         time.sleep(0.5)
     assert fewest < 24  # A's share did go (Mooncake placed each object in A's segment or B's)
+    assert quarantined > 0  # slots whose reads failed in transfer were kept from reuse a while
     assert b.call("stats")["stats"]["cluster"]["bad_objects"] == 0
 
 

@@ -2,7 +2,8 @@
 `python -m helpers.cluster_node CONFIG_JSON SEGMENT_BYTES`, which holds a `ClusterTier` over
 memory of its own (slots of `SIZE` bytes) and answers one JSON line per command:
 - write NS KEYS SEED: fill slot i with `payload(SEED, i)`, write them all -> {"taken": n}
-- read NS KEYS SEED: read into fresh slots -> {"ok": [...], "wrong": slots that said ok but differ}
+- read NS KEYS SEED: read into fresh slots -> {"ok": [...], "wrong": slots that said ok but differ,
+  "unsafe": slots whose transfer may still be running}
 - contains NS KEYS -> {"found": [...]}
 - poke NAME DATA: a raw `put` of bytes under an object name (a damaged or foreign object)
 - stats -> the tier's `ClusterStats`; remove NS -> {"removed": n}
@@ -31,7 +32,7 @@ def payload(seed: int, i: int) -> bytes:
 
 def serve(config_json: str, segment_bytes: int) -> None:
     from hpkv.cluster.client import ClusterClient
-    from hpkv.cluster.tier import ClusterTier
+    from hpkv.cluster.tier import ClusterTier, Read
     from hpkv.config import ClusterConfig
 
     config = ClusterConfig(**json.loads(config_json))
@@ -50,10 +51,11 @@ def serve(config_json: str, segment_bytes: int) -> None:
             out: dict = {"taken": tier.write(ns, slots)}
         elif op == "read":
             memory[: len(keys) * SIZE] = b"\xee" * (len(keys) * SIZE)
-            ok = tier.read_into(ns, slots)
+            reads = tier.read_into(ns, slots)
+            ok = [read is Read.HIT for read in reads]
             got = [memory[i * SIZE : (i + 1) * SIZE] for i in range(len(keys))]
             wrong = sum(good and got[i] != payload(cmd["seed"], i) for i, good in enumerate(ok))
-            out = {"ok": ok, "wrong": wrong}
+            out = {"ok": ok, "wrong": wrong, "unsafe": reads.count(Read.UNSAFE)}
         elif op == "contains":
             out = {"found": tier.contains(ns, keys)}
         elif op == "poke":

@@ -12,7 +12,7 @@
 - A failure of the transport or of the master (codes <= -800, a timeout, an exception) counts
   against the breaker; a missing object (-704) is a plain miss.
 Owns: the `MooncakeDistributedStore`, the thread that runs lookups, the breaker, the counters.
-Primitives: `connect`, `exists`, `put`, `get_into`, `remove_matching`, `register`, `healthy`,
+Primitives: `connect`, `exists`, `put`, `get_into`, `size_of`, `remove`, `remove_matching`, `register`, `healthy`,
 `close`, `counters`.
 Must not know: namespaces, keys, the object format, the pool.
 """
@@ -35,6 +35,12 @@ log = logging.getLogger(__name__)
 INVALID_PARAMS = -600  # from a get: the object is larger than the buffers given
 TRANSFER_FAIL = -800  # from a get: the node holding it is gone, or the object is smaller than the buffers
 OBJECT_NOT_FOUND = -704
+# A get that failed with one of these never wrote into the buffers, or had finished writing
+# (Mooncake 0.3.x: checked before its I/O, or its lease after): NO_AVAILABLE_HANDLE,
+# INVALID_PARAMS, INVALID_REPLICA, REPLICA_IS_NOT_READY, OBJECT_NOT_FOUND, OBJECT_ALREADY_EXISTS,
+# LEASE_EXPIRED, RPC_FAIL, RPC_TIMEOUT. After any other (TRANSFER_FAIL above all) its I/O may
+# still be in flight: the buffers must not be used for anything else for a while.
+SAFE_GET_FAILURES = frozenset({-200, -600, -702, -703, -704, -705, -707, -900, -901})
 TRANSPORT_FAILURES = -800  # this and below: TRANSFER_FAIL, RPC_FAIL, ... (the cluster, not the object)
 
 
@@ -190,19 +196,15 @@ class ClusterClient:
         except Exception:
             log.exception("cluster tier: batch_get_into_multi_buffers failed")
             got = [TRANSPORT_FAILURES] * len(names)
-        for i in [i for i, n in enumerate(got) if n == TRANSFER_FAIL]:
-            got[i] = self._why_failed(names[i], sum(sizes[i]))
         self._outcome([min(0, n) for n in got])
         return got
 
-    def _why_failed(self, name: str, expected: int) -> int:
-        """TRANSFER_FAIL for an object smaller than the buffers too (Mooncake 0.3.13): tell that
-        case (INVALID_PARAMS, as for a larger one) from a node gone by the object's size."""
+    def size_of(self, name: str) -> int:
+        """The object's size in bytes, or a negative code (it is gone, the master does not answer)."""
         try:
-            size = int(self._store.get_size(name))
+            return int(self._store.get_size(name)) if self._store is not None else TRANSPORT_FAILURES
         except Exception:
-            return TRANSFER_FAIL
-        return INVALID_PARAMS if 0 <= size != expected else TRANSFER_FAIL
+            return TRANSPORT_FAILURES
 
     def remove(self, names: list[str]) -> None:
         """Remove objects at once (leases or not): damaged ones, which would else stay for ever

@@ -8,7 +8,8 @@ length and the payload's checksum: anything else (a damaged object, another name
 key's, an object of another size) is a miss, and the object is removed, since a put of an
 existing name keeps the old value and would else leave it there for ever.
 Owns: the client (`client.ClusterClient`), the counters the status and the metrics show.
-Primitives: `start`, `contains`, `write`, `read_into`, `remove`, `count`, `stats`, `close`.
+Primitives: `start`, `contains`, `write`, `read_into` (-> `Read` per slot), `remove`, `count`, `stats`,
+`close`.
 Must not know: the DRAM index, leases, reservations (the caller keeps the slots it names
 reserved or pinned for the call's length).
 """
@@ -16,8 +17,10 @@ reserved or pinned for the call's length).
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
 import threading
+import time
 from collections.abc import Sequence
 
 import msgspec
@@ -25,11 +28,20 @@ import msgspec
 from ..config import ClusterConfig
 from ..stats import ClusterStats
 from . import objects
-from .client import OBJECT_NOT_FOUND, TRANSPORT_FAILURES, ClusterClient
+from .client import INVALID_PARAMS, SAFE_GET_FAILURES, TRANSFER_FAIL, ClusterClient
 
 log = logging.getLogger(__name__)
 
 Slot = tuple[bytes, int, int]  # (key, offset in the memory, payload length)
+UNSAFE_KEEP_S = 60.0  # buffers of a call whose I/O may still run are kept this long
+
+
+class Read(enum.IntEnum):
+    """What a read left in a slot."""
+
+    HIT = 1  # the verified payload
+    MISS = 2  # nothing of use; the slot may be used again at once
+    UNSAFE = 3  # a miss whose I/O may still be writing into the slot: keep it out of use a while
 
 
 def address_of(buf: memoryview) -> int:
@@ -49,6 +61,7 @@ class ClusterTier:
         self._memory = memory
         self._base = address_of(memory)
         self._lock = threading.Lock()  # the counters
+        self._kept: list[tuple[float, object]] = []  # buffers an unfinished I/O may still use
         self.stats_ = ClusterStats(master=config.master, protocol=config.protocol, segment_bytes=config.segment_bytes)
 
     def start(self) -> bool:
@@ -80,14 +93,16 @@ class ClusterTier:
             [[ctypes.addressof(h), self._base + off] for h, (_, off, _) in zip(head_bufs, slots)],
             [[len(h), n] for h, (_, _, n) in zip(headers, slots)],
         )
+        if any(code < 0 and code not in SAFE_GET_FAILURES for code in codes):
+            self._keep(head_bufs)  # its I/O may still read them (a bad object then: checked on read)
         taken = [n for code, (_, _, n) in zip(codes, slots) if code == 0]
         self.count(objects_written=len(taken), bytes_written=sum(taken), errors=len(codes) - len(taken))
         return len(taken)
 
-    def read_into(self, ns: str, slots: Sequence[Slot]) -> list[bool]:
-        """Get each key's object, its payload into its slot; per key whether the slot now holds
-        the verified payload (False: a miss, and the slot's bytes are to be thrown away). The
-        caller keeps the slots reserved until this returns."""
+    def read_into(self, ns: str, slots: Sequence[Slot]) -> list[Read]:
+        """Get each key's object, its payload into its slot; per key what the slot now holds
+        (`Read`). The caller keeps the slots reserved until this returns, and those UNSAFE for
+        a while after (`UNSAFE_KEEP_S` at least: Mooncake's own transfer timeouts are shorter)."""
         if not slots:
             return []
         names = [objects.object_name(ns, key) for key, _, _ in slots]
@@ -98,30 +113,40 @@ class ClusterTier:
             [[ctypes.addressof(h), self._base + off] for h, (_, off, _) in zip(head_bufs, slots)],
             [[hn, n] for hn, (_, _, n) in zip(head_lens, slots)],
         )
-        ok, bad = [], []
+        reads, bad = [], []
         for i, (key, off, n) in enumerate(slots):
-            if got[i] == OBJECT_NOT_FOUND or got[i] <= TRANSPORT_FAILURES:
-                ok.append(False)  # gone, or the cluster failed: a miss
-                continue
-            if got[i] < 0:  # there, but it does not fit the buffers: not an entry of this size
-                why: str | None = f"Mooncake's code {got[i]} (an object of another size)"
-            elif got[i] != head_lens[i] + n:
-                why = f"{got[i]} bytes, expected {head_lens[i] + n}"
-            else:
-                why = objects.verify(ns, key, head_bufs[i].raw, self._memory[off : off + n])
+            expected, why = head_lens[i] + n, None
+            read = Read.HIT if got[i] >= 0 else Read.MISS if got[i] in SAFE_GET_FAILURES else Read.UNSAFE
+            if got[i] == INVALID_PARAMS:
+                why = "larger than an entry of its namespace"
+            elif got[i] == TRANSFER_FAIL and 0 <= (size := self.client.size_of(names[i])) != expected:
+                why = f"{size} bytes, expected {expected}"  # Mooncake fails a smaller one so
+            elif got[i] >= 0:
+                if got[i] != expected:
+                    why = f"{got[i]} bytes, expected {expected}"
+                else:
+                    why = objects.verify(ns, key, head_bufs[i].raw, self._memory[off : off + n])
+                read = Read.HIT if why is None else Read.MISS
             if why is not None:
                 log.warning("cluster tier: object %s is bad (%s): a miss, removed", names[i], why)
                 bad.append(names[i])
-            ok.append(why is None)
-        hits = sum(ok)
+            reads.append(read)
+        if Read.UNSAFE in reads:
+            self._keep(head_bufs)
+        hits = reads.count(Read.HIT)
         self.count(
             hits=hits,
             misses=len(slots) - hits,
             bad_objects=len(bad),
-            bytes_read=sum(n for good, (_, _, n) in zip(ok, slots) if good),
+            bytes_read=sum(n for read, (_, _, n) in zip(reads, slots) if read is Read.HIT),
         )
         self.client.remove(bad)
-        return ok
+        return reads
+
+    def _keep(self, buffers: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._kept = [(t, b) for t, b in self._kept if now - t < UNSAFE_KEEP_S] + [(now, buffers)]
 
     def remove(self, ns: str | None = None) -> int:
         """Remove the namespace's objects from the cluster (every HPKV object's for None)."""

@@ -9,7 +9,8 @@ written through to it, and keys missing from DRAM filled from it, in batches.
 - Fill: `fill(ns, keys)` (the lookup calls it before its walk) asks the cluster, in one batch,
   for the keys after the leading DRAM hits up to the first key DRAM holds in any state; reserves
   slots for the leading run it holds; reads them straight into the slots; and publishes those
-  verified, up to the first that is not (its slot and the rest's are given back). The lookup's
+  verified, up to the first that is not (its slot and the rest's are given back, or kept from
+  reuse a while where the read's transfer may still be running: `Read.UNSAFE`). The lookup's
   walk then finds them in DRAM: a cluster hit is served as a DRAM hit. Entries filled so are
   not written through again.
 Owns: the write queue and its thread, the keys of the holds not settled yet (`reserved`).
@@ -23,9 +24,9 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from ..cluster.tier import ClusterTier
+from ..cluster.tier import UNSAFE_KEEP_S, ClusterTier, Read
 from ..pool.dram_tier import DramTier
 from ..pool.entry import DramEntry
 from ..stats import ClusterStats
@@ -38,10 +39,19 @@ BATCH = 32  # entries per put
 
 
 class ClusterLink:
-    def __init__(self, lock: threading.Lock, dram: DramTier, tier: ClusterTier) -> None:
+    def __init__(
+        self,
+        lock: threading.Lock,
+        dram: DramTier,
+        tier: ClusterTier,
+        quarantine: Callable[[list[DramEntry], float], None],
+    ) -> None:
         self._lock = lock  # the store's: the DRAM index
         self._dram = dram
         self.tier = tier
+        # Reserved entries kept from reuse a while, then aborted (the store's quarantine): a read
+        # whose transfer may still be running. Caller holds the lock.
+        self._quarantine = lambda entries: quarantine(entries, UNSAFE_KEEP_S)
         self._queue: deque[tuple[str, bytes]] = deque()
         # hold -> (when first reserved, namespace -> keys): a hold spans namespaces (ranks, groups)
         self._holds: OrderedDict[str, tuple[float, dict[str, list[bytes]]]] = OrderedDict()
@@ -153,18 +163,22 @@ class ClusterLink:
                 if entry is None:
                     break
                 entries.append(entry)
-        ok: list[bool] = []
+        reads: list[Read] | None = None
         try:
-            ok = self.tier.read_into(ns, [(e.key, e.offset, size) for e in entries])
+            reads = self.tier.read_into(ns, [(e.key, e.offset, size) for e in entries])
         finally:
-            published = 0
+            outcome = reads if reads is not None else [Read.UNSAFE] * len(entries)  # raised: unknown
+            published, unsafe = 0, []
             with self._lock:
                 for i, entry in enumerate(entries):
-                    good = i == published and i < len(ok) and ok[i]
-                    if good and self._dram.commit(entry):  # False: dropped meanwhile (a clear), slot freed
-                        published += 1
-                    elif not good:
+                    if outcome[i] is Read.UNSAFE:
+                        unsafe.append(entry)  # its transfer may still write into the slot
+                    elif outcome[i] is Read.HIT and i == published:
+                        published += self._dram.commit(entry)  # False: dropped meanwhile (a clear), freed
+                    else:
                         self._dram.abort(entry)
+                if unsafe:
+                    self._quarantine(unsafe)
         return published
 
     def stats(self) -> ClusterStats:

@@ -115,7 +115,11 @@ class TieredStore:
             self._lock, self.dram, self.limits, self.counters, self.leases, self.writes, policy.order
         )
         # The cluster tier (None: off): written through after commits, asked by lookups.
-        self.cluster = ClusterLink(self._lock, self.dram, cluster) if cluster is not None else None
+        self.cluster = (
+            ClusterLink(self._lock, self.dram, cluster, lambda e, s: self.limits.quarantined.add(e, False, s))
+            if cluster is not None
+            else None
+        )
         if self.cluster is not None:
             self.lookups.fill = self.cluster.fill
 
