@@ -7,7 +7,8 @@ Primitives (keyed by namespace `ns` and engine keys, in prefix order): `create_s
 `release`; `join_owner`, `has_reservations`, `drop_owner`; `set_limits`; `flush`, `clear`,
 `stats`, `close`; `region`, the mapped pool the bytes are copied through by callers. Each is its
 part's: `lookup.py` (namespaces, lookups), `leases.py` (leases, promotions), `reservations.py`
-(reservations, holds, what is taken back), `writethrough.py` (the backlog, flush, close);
+(reservations, holds, what is taken back), `writethrough.py` (the backlog, flush, close),
+`cluster.py` (the cluster tier: written through after commits and settles, asked by lookups);
 `limits.SlotLimits` keeps the books of what each owner holds. Why one facade, of one-line
 delegations mostly: every caller outside the package sees one API whose methods take the lock
 where a part needs it, while the parts, one concept each, stay free to change (the batched
