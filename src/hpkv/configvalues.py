@@ -133,3 +133,25 @@ def parse_host(text: str) -> str:
     if not text.strip():
         raise ValueError("empty host")
     return text.strip()
+
+
+def parse_host_port(text: str) -> str:
+    """host:port (a name, an IPv4 address, or an IPv6 one in brackets)."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdecimal() or not 0 < int(port) < 65536:
+        raise ValueError("not host:port")
+    return f"{host}:{int(port)}"
+
+
+def parse_metadata(text: str) -> str:
+    """Mooncake's metadata mode: P2PHANDSHAKE, or a metadata server's http(s):// URL."""
+    text = text.strip()
+    if text.upper() == "P2PHANDSHAKE":
+        return "P2PHANDSHAKE"
+    if text.startswith(("http://", "https://")) and len(text) > 8:
+        return text
+    raise ValueError("neither P2PHANDSHAKE nor an http:// URL")
+
+
+def parse_optional_host(text: str) -> str:
+    return text.strip()

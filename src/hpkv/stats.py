@@ -1,7 +1,7 @@
 """The schema of a server's stats snapshot: what `Server.stats()` builds and `Client.stats()` returns.
 
 Owns: one msgspec Struct per component (`StoreCounters`, `DramStats`, `StorageStats`,
-`WriteBacklogStats`, `WriterStats`, `LimitStats`, `NamespaceSummary`, `NamespaceStats`, `ClientStats`,
+`WriteBacklogStats`, `WriterStats`, `ClusterStats`, `LimitStats`, `NamespaceSummary`, `NamespaceStats`, `ClientStats`,
 `ServerInfo`), each returned by its component's `stats()`, and the counters components count
 into (`StoreCounters` itself, `NamespaceHits`, `StorageCounters`); `StoreStats` (the store's) and the
 whole `ServerStats` (the store's and the server's); `from_wire` (the client's conversion) and
@@ -104,6 +104,30 @@ class DramStats(msgspec.Struct):
     ready_bytes: int = 0  # from the pool's start, pages reserved: what slots are handed out from
     locked_bytes: int = 0  # pages that cannot be swapped out (locked, or nothing can swap)
     no_lock_why: str | None = None  # why no lock is needed (no swap configured, ramfs); None: it is
+
+
+class ClusterStats(msgspec.Struct):
+    """The cluster tier's (`hpkv.cluster.tier`): counters since the server started."""
+
+    master: str = ""
+    protocol: str = ""
+    segment_bytes: int = 0  # HPKV_CLUSTER_SEGMENT_SIZE: what this node contributes
+    reachable: bool = False  # the last call reached the master (and the breaker is closed)
+    lookups: int = 0
+    lookup_keys: int = 0
+    found_keys: int = 0  # keys a lookup found in the cluster
+    hits: int = 0  # objects read into the pool and verified
+    misses: int = 0  # objects asked for and not read (gone, or the read failed)
+    bad_objects: int = 0  # read but not what they claim (namespace, key, length, checksum): removed
+    objects_written: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_dropped: int = 0  # committed entries not written: the write queue was full
+    errors: int = 0  # calls or objects that failed for the cluster's sake (misses are not errors)
+    timeouts: int = 0  # lookups that waited the whole HPKV_CLUSTER_TIMEOUT_S
+    breaker_open: bool = False  # the tier is skipped for now after failures
+    breaker_trips: int = 0
+    segment_pid: int | None = None  # the process contributing this node's segment, while it runs
 
 
 class StorageStats(msgspec.Struct):
@@ -223,6 +247,8 @@ class StoreStats(msgspec.Struct):
     storage: StorageStats | None  # None: no storage tier, or it is unusable
     storage_unusable: str | None  # why the storage tier is off though enabled
     writers: WriterStats | None  # None: writes in threads
+    cluster: ClusterStats | None  # None: no cluster tier (off, or it cannot be used: `cluster_unusable`)
+    cluster_unusable: str | None  # why the cluster tier is off though enabled
 
 
 class ServerStats(StoreStats):

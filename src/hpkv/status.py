@@ -84,6 +84,9 @@ def _tiers_table(stats: ServerStats) -> Table:
         str(dram.evictions),
         _pool_state(stats),
     )
+    cluster = _cluster_row(stats)
+    if cluster is not None:
+        table.add_row(*cluster)
     storage = stats.storage
     path = Text(stats.server.storage_path)
     if storage is None and stats.storage_unusable:
@@ -112,6 +115,29 @@ def _tiers_table(stats: ServerStats) -> Table:
             _storage_state(stats, storage),
         )
     return table
+
+
+def _cluster_row(stats: ServerStats) -> tuple[str | Text, ...] | None:
+    """The cluster tier's row (None where it is off): its master, this node's share, what this
+    node wrote (objects, bytes) and how its reads went."""
+    c = stats.cluster
+    if c is None and stats.cluster_unusable:
+        why = f"UNUSABLE, the server runs without it: {stats.cluster_unusable}; then restart the server"
+        return ("cluster", "-", "-", "-", "-", "-", Text(why, style="bold red"))
+    if c is None:
+        return None
+    state = "reachable" if c.reachable else "UNREACHABLE (lookups miss it; it is tried again by itself)"
+    state += f" over {c.protocol}, {c.hits} hits, {c.misses} misses, {c.errors} errors"
+    if c.bad_objects:
+        state += f", {c.bad_objects} bad objects removed"
+    if c.timeouts:
+        state += f", {c.timeouts} lookups timed out"
+    if c.write_dropped:
+        state += f", {c.write_dropped} entries not written (queue full)"
+    if c.segment_bytes:
+        state += f", segment process {c.segment_pid}" if c.segment_pid else ", segment process NOT RUNNING"
+    written = f"{human_bytes(c.bytes_written)} written"
+    return ("cluster", Text(c.master), human_bytes(c.segment_bytes), written, str(c.objects_written), "-", state)
 
 
 def _storage_state(stats: ServerStats, storage: StorageStats) -> str:

@@ -48,6 +48,8 @@ ZERO_STATS: dict = {
     "storage": None,
     "storage_unusable": None,
     "writers": None,
+    "cluster": None,
+    "cluster_unusable": None,
     "server": {
         "pid": 1,
         "version": "0",

@@ -4,7 +4,7 @@ Primitives: `run_checks(env)`, and the vocabulary of `check` (`Check`, `Verdict`
 Each check is a small function of the settings (and of what the running server says, when one
 answers); none changes anything on the machine. A `fail` means HPKV cannot work as configured; a
 `warn` means it works, worse than it could; `info` is something to know. The checks are grouped
-by what they look at: `pool`, `storage`, `engines`, and the server itself (`check`).
+by what they look at: `pool`, `storage`, `cluster`, `engines`, and the server itself (`check`).
 Must not know: how checks are shown (the CLI renders them).
 """
 
@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from ..config import Settings, load_settings
 from ..errors import ConfigError
 from .check import Check, ServerProbe, Verdict, check_server, probe_server
+from .cluster import check_cluster
 from .engines import COLD_LOOKUP_KEYS, check_hash_seed, check_namespaces
 from .pool import (
     check_memlock,
@@ -48,6 +49,7 @@ __all__ = [
     "Check",
     "ServerProbe",
     "Verdict",
+    "check_cluster",
     "check_config",
     "check_hash_seed",
     "check_memlock",
@@ -98,6 +100,7 @@ def run_checks(env: Mapping[str, str] | None = None) -> list[Check]:
     if settings.server_allow_uids:
         checks.append(check_pool_sharing(settings.pool, settings.server_allow_uids))
     checks += check_storage(settings.storage, server, settings.pool)
+    checks += check_cluster(settings, server)
     checks += [check_server(server), check_hash_seed(env)]
     if server.stats is not None:
         checks.append(check_namespaces(server.stats))

@@ -34,6 +34,7 @@ import msgspec
 
 from .. import __version__, safefs
 from .. import stats as st
+from ..cluster import segment
 from ..config import Settings, load_settings
 from ..errors import HpkvError, PoolError
 from ..limits import SlotShares
@@ -117,7 +118,11 @@ class Server:
     def _open(self) -> None:
         prepare_directory(self.directory)  # the socket goes there before the pool does
         _claim_socket_path(self.socket_path)
-        self.store = create_store(self.settings.pool, self.settings.storage)
+        if self.settings.cluster.enabled:
+            # This node's share of the cluster tier lives in a process of its own, which outlives
+            # this server (an idle exit, a restart): started here unless it runs.
+            segment.ensure(self.settings.cluster, self.directory)
+        self.store = create_store(self.settings.pool, self.settings.storage, cluster=self.settings.cluster)
         self.store.set_limits(
             slots=SlotShares(
                 self.settings.server_slot_timeout_s,
@@ -259,6 +264,8 @@ class Server:
         store = self.store
         assert store is not None  # asked for by handlers and metrics, made once the store is open
         snapshot = store.stats()
+        if snapshot.cluster is not None:
+            snapshot.cluster.segment_pid = segment.running(self.directory)
         with self._clients_lock:
             clients = [
                 st.ClientStats(

@@ -41,6 +41,9 @@ class Lookups:
         self._descs: dict[str, NamespaceDesc] = {}
         self._hits: dict[str, NamespaceHits] = {}
         self.owners = NamespaceOwners()
+        # The cluster tier's hook (`store.cluster.ClusterLink.fill`, set by the store): reads
+        # the keys after the leading DRAM hits from the cluster into DRAM, before the walk.
+        self.fill: Callable[[str, Sequence[bytes]], int] = lambda ns, keys: 0
 
     def register(self, desc: NamespaceDesc, owner: int = 0, uid: int | None = None) -> str:
         """The namespace of `desc`, known from now on and held by `owner` (of `uid`; None: in
@@ -107,6 +110,7 @@ class Lookups:
         return self._storage.index_probe(ns) if self._storage is not None else NOWHERE
 
     def lookup(self, ns: str, keys: Sequence[bytes]) -> Lookup:
+        self.fill(ns, keys)  # without the lock: a round trip to the cluster
         tiers: list[Tier] = []
         index = self._dram.index_of(ns)
         prefix, on_storage = self.probe(ns)

@@ -7,7 +7,8 @@ Primitives (keyed by namespace `ns` and engine keys, in prefix order): `create_s
 `release`; `join_owner`, `has_reservations`, `drop_owner`; `set_limits`; `flush`, `clear`,
 `stats`, `close`; `region`, the mapped pool the bytes are copied through by callers. Each is its
 part's: `lookup.py` (namespaces, lookups), `leases.py` (leases, promotions), `reservations.py`
-(reservations, holds, what is taken back), `writethrough.py` (the backlog, flush, close);
+(reservations, holds, what is taken back), `writethrough.py` (the backlog, flush, close),
+`cluster.py` (the cluster tier: written through after commits and settles, asked by lookups);
 `limits.SlotLimits` keeps the books of what each owner holds. Why one facade, of one-line
 delegations mostly: every caller outside the package sees one API whose methods take the lock
 where a part needs it, while the parts, one concept each, stay free to change (the batched
@@ -27,7 +28,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from ..config import PoolConfig, StorageConfig
+from ..cluster.client import ClusterUnavailable
+from ..cluster.tier import ClusterTier
+from ..config import ClusterConfig, PoolConfig, StorageConfig
 from ..fsinfo import MEMORY_FS, mount_of
 from ..keys import NamespaceDesc
 from ..limits import SlotLimits, SlotShares, share_bytes
@@ -41,6 +44,7 @@ from ..storage.root import StorageUnusable
 from ..storage.storage_tier import StorageTier
 from ..storage.writer import WriterPool
 from ..tiers import Lookup
+from .cluster import ClusterLink
 from .leases import Lease, Leases
 from .lookup import Lookups
 from .owners import NamespaceLimits
@@ -66,6 +70,7 @@ class StorePolicy:
 class TieredStore:
     STALLED_S = 30.0  # at close, give up the storage writes when none has ended for this long
     storage_unusable: str | None = None  # why the storage tier is off though enabled (`create_store`)
+    cluster_unusable: str | None = None  # why the cluster tier is off though enabled (`create_store`)
 
     def __init__(
         self,
@@ -74,6 +79,7 @@ class TieredStore:
         slab_bytes: int | None = None,
         write_processes: bool = False,
         policy: StorePolicy | None = None,
+        cluster: ClusterTier | None = None,
     ) -> None:
         policy = policy if policy is not None else StorePolicy()
         self.region = region
@@ -109,6 +115,14 @@ class TieredStore:
         self.reservations = Reservations(
             self._lock, self.dram, self.limits, self.counters, self.leases, self.writes, policy.order
         )
+        # The cluster tier (None: off): written through after commits, asked by lookups.
+        self.cluster = (
+            ClusterLink(self._lock, self.dram, cluster, lambda e, s: self.limits.quarantined.add(e, False, s))
+            if cluster is not None
+            else None
+        )
+        if self.cluster is not None:
+            self.lookups.fill = self.cluster.fill
 
     def close(self, abandon: threading.Event | None = None) -> bool:
         """Finish the write-throughs queued and deferred (entries committed from now on are not
@@ -119,6 +133,8 @@ class TieredStore:
         resolve as misses). Returns whether they were given up: threads may then still be stuck
         in a system call on that device, and the process should exit without joining them."""
         abandoned = self.writes.close(abandon, self.STALLED_S) if self.writes is not None else False
+        if self.cluster is not None:
+            self.cluster.close()
         if self.storage is not None:
             self.storage.close(wait=not abandoned)
         self.region.close()
@@ -179,13 +195,22 @@ class TieredStore:
         return self.leases.release(lease_id)
 
     def reserve(self, ns: str, keys: Sequence[bytes], owner: int = 0, hold: str = "") -> list[int | None]:
-        return self.reservations.reserve(ns, keys, owner, hold)
+        offsets = self.reservations.reserve(ns, keys, owner, hold)
+        if self.cluster is not None and hold:
+            self.cluster.reserved(hold, ns, keys)
+        return offsets
 
     def commit(self, ns: str, keys: Sequence[bytes], owner: int = 0) -> int:
-        return self.reservations.commit(ns, keys, owner)
+        num = self.reservations.commit(ns, keys, owner)
+        if self.cluster is not None and num:
+            self.cluster.committed(ns, keys)
+        return num
 
     def settle(self, hold: str, abort: set[bytes] | list[bytes] | None) -> tuple[int, int]:
-        return self.reservations.settle(hold, abort)
+        settled = self.reservations.settle(hold, abort)
+        if self.cluster is not None:
+            self.cluster.settled(hold)
+        return settled
 
     def abort(self, ns: str, keys: Sequence[bytes], owner: int = 0, hold: str = "") -> int:
         return self.reservations.abort(ns, keys, owner, hold)
@@ -193,7 +218,8 @@ class TieredStore:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the write-throughs queued so far, deferred ones included, are on storage
         (or have failed). False on timeout."""
-        return self.writes.flush(timeout) if self.writes is not None else True
+        done = self.writes.flush(timeout) if self.writes is not None else True
+        return (self.cluster.flush(timeout) if self.cluster is not None else True) and done
 
     def has_reservations(self, owner: int, hold: str | None = None) -> bool:
         """Whether `owner` holds reservations; with `hold`, reservations in that hold (until it
@@ -223,10 +249,13 @@ class TieredStore:
             self.limits.leave(owner)
 
     def clear(self, dram: bool = True, storage: bool = False, ns: str | None = None) -> dict[str, int]:
-        removed = {"dram": 0, "storage": 0}
+        """Remove entries; `dram` (memory) takes the cluster tier's objects (of `ns`) too."""
+        removed = {"dram": 0, "storage": 0, "cluster": 0}
         if dram:
             with self._lock:
                 removed["dram"] = self.dram.drop(ns) if ns is None or self.lookups.known(ns) else 0
+            if self.cluster is not None:
+                removed["cluster"] = self.cluster.tier.remove(ns)
         if storage and self.storage is not None:
             removed["storage"] = self.storage.remove(ns)
         return removed
@@ -247,16 +276,23 @@ class TieredStore:
                 storage=None,
                 storage_unusable=self.storage_unusable,
                 writers=None,
+                cluster=None,
+                cluster_unusable=self.cluster_unusable,
             )
         # Outside the lock: the storage tier and the writers keep their own.
         stats.storage = self.storage.stats() if self.storage is not None else None
         writers = self.writers
         stats.writers = writers.stats() if writers is not None else None
+        stats.cluster = self.cluster.stats() if self.cluster is not None else None
         return stats
 
 
 def create_store(
-    pool: PoolConfig, storage: StorageConfig, slab_bytes: int | None = None, policy: StorePolicy | None = None
+    pool: PoolConfig,
+    storage: StorageConfig,
+    slab_bytes: int | None = None,
+    policy: StorePolicy | None = None,
+    cluster: ClusterConfig | None = None,
 ) -> TieredStore:
     """Create the pool file and start the storage tier (when enabled). A storage directory
     that cannot be used as it stands (`StorageUnusable`: read-only, not writable) leaves the
@@ -281,11 +317,28 @@ def create_store(
                     "written to storage (fix it, then restart the server)",
                     exc,
                 )
-        store = TieredStore(region, tier, slab_bytes, write_processes=True, policy=policy)
+        cluster_tier, cluster_unusable = _cluster_tier(cluster, region)
+        store = TieredStore(region, tier, slab_bytes, write_processes=True, policy=policy, cluster=cluster_tier)
         store.storage_unusable = unusable
+        store.cluster_unusable = cluster_unusable
         return store
     except BaseException:
         if tier is not None:
             tier.close(wait=False)
         region.close()
         raise
+
+
+def _cluster_tier(config: ClusterConfig | None, region: PoolRegion) -> tuple[ClusterTier | None, str | None]:
+    """The cluster tier over the pool when it is on, or why it cannot be (the Mooncake client
+    does not load here): then the server runs without it, as without a usable storage tier. A
+    master not reachable yet is no such reason: the tier is a miss until it is."""
+    if config is None or not config.enabled:
+        return None, None
+    tier = ClusterTier(config, region.buf)
+    try:
+        tier.start()
+    except ClusterUnavailable as exc:
+        log.warning("%s. Until then the server runs without the cluster tier", exc)
+        return None, str(exc)
+    return tier, None

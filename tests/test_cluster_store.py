@@ -1,0 +1,80 @@
+"""The cluster tier inside the store (`store/cluster.py`), in process, on a real mooncake_master:
+what one store commits, alone or in a hold spanning namespaces, is written through; another
+store's lookup fills it into its DRAM (a DRAM hit, the same bytes); a clear of memory removes it."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from helpers.mooncake import mooncake_master  # noqa: F401  (a fixture)
+from hpkv.cluster.client import ClusterClient
+from hpkv.cluster.tier import ClusterTier
+from hpkv.config import ClusterConfig
+from hpkv.pool.region import PoolRegion
+from hpkv.store import TieredStore
+from hpkv.tiers import Tier
+from test_store import desc, keys, load, payload
+
+
+@pytest.fixture
+def stores(mooncake_master):
+    """Two stores, each over a pool of its own, joined by the cluster; each contributes 32 MiB."""
+    config = ClusterConfig(enabled=True, master=mooncake_master.address, host="127.0.0.1", buffer_bytes=16 << 20)
+    made, dirs = [], []
+
+    def make() -> TieredStore:
+        dirs.append(Path(tempfile.mkdtemp(prefix="hpkv-cluster-store-", dir="/dev/shm")))
+        region = PoolRegion.create(dirs[-1], 16 << 20)
+        tier = ClusterTier(config, region.buf, ClusterClient(config, segment_bytes=32 << 20))
+        assert tier.start()
+        made.append(TieredStore(region, None, cluster=tier))
+        return made[-1]
+
+    yield make
+    for store in made:
+        store.close()
+    for d in dirs:
+        import shutil
+
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def fill_slots(store: TieredStore, ns: str, ks: list[bytes], offsets: list[int | None]) -> None:
+    size = store.namespaces()[ns].entry_bytes
+    for key, offset in zip(ks, offsets):
+        assert offset is not None
+        store.region.buf[offset : offset + size] = payload(key, size)
+
+
+def test_a_hold_spanning_namespaces_is_written_through_and_read_by_another_store(stores):
+    a, b = stores(), stores()
+    ns0, ns1 = a.register(desc(rank=0)), a.register(desc(rank=1))
+    k0, k1 = keys(4, "rank0"), keys(4, "rank1")
+    fill_slots(a, ns0, k0, a.reserve(ns0, k0, hold="h"))
+    fill_slots(a, ns1, k1, a.reserve(ns1, k1, hold="h"))
+    assert a.settle("h", []) == (8, 0)
+    assert a.flush(timeout=30)
+    assert a.cluster is not None
+    assert a.cluster.tier.contains(ns0, k0) == [True] * 4 and a.cluster.tier.contains(ns1, k1) == [True] * 4
+    assert b.register(desc(rank=1)) == ns1
+    assert b.lookup(ns1, k1 + keys(1, "none")).tiers == (Tier.DRAM,) * 4
+    assert load(b, ns1, k1) == [payload(k) for k in k1]
+    assert b.stats().cluster.hits == 4
+
+
+def test_committed_entries_fill_another_store_and_a_clear_of_memory_removes_them(stores):
+    a, b = stores(), stores()
+    ns = a.register(desc())
+    ks = keys(6, "plain")
+    fill_slots(a, ns, ks, a.reserve(ns, ks))
+    assert a.commit(ns, ks) == 6
+    assert a.flush(timeout=30)
+    b.register(desc())
+    assert b.lookup(ns, ks[:3]).tiers == (Tier.DRAM,) * 3  # only what was asked for is read
+    assert b.stats().cluster.hits == 3
+    assert b.clear(dram=True, ns=ns) == {"dram": 3, "storage": 0, "cluster": 6}
+    assert b.lookup(ns, ks).tiers == ()
+    assert a.lookup(ns, ks).tiers == (Tier.DRAM,) * 6  # A's own DRAM is A's
