@@ -25,9 +25,6 @@ from hpkv.demo.model import build_model, prompt_text
 
 pytestmark = [
     pytest.mark.engine,
-    # Written for issue 34 but not run yet (the engine lock stayed busy): run it once under
-    # `flock /tmp/hpkv-engine.lock`, then remove this mark.
-    pytest.mark.skip(reason="not run yet: see the comment above this mark"),
 ]
 
 LONG = prompt_text(2000, seed=3434)  # about 2000 tokens: above the documented threshold of 1204

@@ -21,7 +21,7 @@ from hpkv.cluster import segment
 from hpkv.demo.model import prompt_text
 from hpkv.server.client import Client
 
-pytestmark = [pytest.mark.vllm_e2e, pytest.mark.engine]
+pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
 LONG = prompt_text(1500, seed=34)  # about 1500 tokens: over the documented threshold of 1204
 

@@ -129,6 +129,7 @@ class Leases:
         """Pin the leading hits; storage hits are read into DRAM slots in the background. With
         `start_reads=False` those reads wait for `start_reads(lease)`: a server answers first, so
         the I/O threads do not hold up the reply the caller (a scheduler) is waiting for."""
+        self._lookups.fill(ns, keys)  # the cluster tier's hits into DRAM first (a lease answers the tiers)
         pinned = _Pinned()
         probe = self._lookups.probe(ns)
         num_touches = 0
