@@ -78,3 +78,20 @@ def test_committed_entries_fill_another_store_and_a_clear_of_memory_removes_them
     assert b.clear(dram=True, ns=ns) == {"dram": 3, "storage": 0, "cluster": 6}
     assert b.lookup(ns, ks).tiers == ()
     assert a.lookup(ns, ks).tiers == (Tier.DRAM,) * 6  # A's own DRAM is A's
+
+
+def test_a_lease_with_no_lookup_before_it_is_filled_from_the_cluster(stores):
+    """vLLM's scheduler half leases a full-attention prompt without a lookup first (protocol 5):
+    the lease itself must find the cluster's objects."""
+    a, b = stores(), stores()
+    ns = a.register(desc())
+    ks = keys(5, "leased")
+    fill_slots(a, ns, ks, a.reserve(ns, ks))
+    assert a.commit(ns, ks) == 5
+    assert a.flush(timeout=30)
+    b.register(desc())
+    lease = b.lease(ns, ks + keys(1, "none"))
+    assert len(lease.entries) == 5
+    assert b.stats().cluster.hits == 5
+    b.release(lease.id)
+    assert load(b, ns, ks) == [payload(k) for k in ks]
