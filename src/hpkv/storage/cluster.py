@@ -1,0 +1,152 @@
+"""A storage root shared by a cluster of nodes: each node indexes and evicts only the parts of the
+key space it owns, so its memory and its metadata operations follow its share, not the cluster.
+
+The pieces: `members` (lease files in `<root>/cluster/members`, liveness by each node's own
+monotonic clock, the fence), `parts` (owners by rendezvous hashing over the live members, a
+hold-off before evicting in a part gained), `owner_pass` (a node's pass over its parts, every
+RESCAN_S or RESCAN_COST_FACTOR times the last pass's duration, and soon after parts become
+evictable), `usage` (each owner's usage, the shared capacity, the clear epoch). The capacity
+(HPKV_KV_STORAGE_SIZE, one figure for the root) is split by share of the parts: a node evicts in
+its parts down to capacity x parts owned / PARTS, so all of them together hold the capacity.
+
+One thread per tier (`run`) ticks the membership every TICK_S: renewals and listings when due,
+owners recomputed when the live members change, holds and the fence refreshed, expired leases
+reaped by the owner of part 0. The evictor asks `PartLedger.may_evict` before each unlink, so a
+node that stalled past its fence unlinks nothing, whatever it had popped.
+
+Primitives: `Cluster` (`join`, `tick`, `pass_once`, `run`, `leave`, `bump_epoch`, `ledger`,
+`members`, `files`).
+Must not know: the tier, how files are read or written, the pool, engines.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from ..stats import StorageCounters
+from .capacity import CapacityPolicy
+from .eviction import Evictor
+from .index import FileIndex
+from .members import Membership, Timing
+from .owner_pass import OwnerPass, PassResult
+from .parts import PartLedger, hrw_owners
+from .paths import EntryPaths
+from .usage import ClusterFiles
+
+log = logging.getLogger("hpkv.storage.tier")
+
+TICK_S = 1.0
+RESCAN_S = 30.0
+RESCAN_COST_FACTOR = 10.0
+
+
+class Cluster:
+    def __init__(
+        self,
+        index: FileIndex,
+        paths: EntryPaths,
+        evictor: Evictor,
+        capacity: CapacityPolicy,
+        counters: StorageCounters,
+        timing: Timing,
+        wall_clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Installs its ledger in `index` and its check in `evictor`: build it before anything
+        is indexed."""
+        self._index = index
+        self._root = paths.root
+        self._capacity = capacity
+        self._clock = clock
+        self.members = Membership(paths.tree, paths.io, paths.node, timing, clock)
+        self.ledger = PartLedger(timing.hold_s, clock)
+        self.files = ClusterFiles(paths.tree, paths.io, paths.temp_name)
+        self.owner_pass = OwnerPass(
+            index, paths, self.ledger, evictor, capacity, self.files, counters, wall_clock, clock
+        )
+        index.ledger = self.ledger
+        evictor.may_unlink = self.ledger.may_evict
+        evictor.shared = True  # others write here: a victim's mtime is looked at first
+        self._lock = threading.Lock()  # one tick or pass at a time (the thread, tests, `hpkv` commands)
+        self._evictable = 0
+
+    def join(self) -> None:
+        """Agree on the capacity, take a lease, list the members, own parts (not evictable yet)."""
+        self._capacity.capacity_bytes = self._capacity.sized_bytes = self.files.agree_capacity(
+            self._capacity.capacity_bytes
+        )
+        self.tick()
+
+    def tick(self) -> bool:
+        """Renew and list when due, own what the view gives; whether parts became evictable (a
+        pass is due: it evicts there). Never raises for the file system: said, and the fence
+        comes nearer."""
+        with self._lock:
+            try:
+                changed = self.members.tick()
+            except OSError as exc:
+                log.warning("storage cluster: cannot renew or list the members under %s: %s", self._where(), exc)
+                changed = False
+            if changed or not self.ledger.owned.any():
+                self._own()
+            self.ledger.refresh(self.members.evict_until(), self.members.fenced())
+            self._capacity.share = self.ledger.share()
+            evictable = int(self.ledger.evictable.sum())
+            more, self._evictable = evictable > self._evictable, evictable
+            if self.ledger.owned[0] and not self.members.fenced():
+                for member in self.members.reap():
+                    self.files.remove_usage(member)
+            return more
+
+    def _own(self) -> None:
+        live = list(self.members.live())
+        mine = hrw_owners(live) == live.index(self.members.member)
+        gained, lost = self.ledger.set_owned(mine, self._index.lock)
+        self.owner_pass.forget_parts(lost)
+        if len(gained) or len(lost):
+            log.info(
+                "storage cluster: %d live members; this one (%s) owns %d parts (+%d, -%d)",
+                len(live),
+                self.members.member,
+                int(mine.sum()),
+                len(gained),
+                len(lost),
+            )
+
+    def pass_once(self) -> PassResult:
+        with self._lock:
+            return self.owner_pass.once(self.members.member)
+
+    def run(self, stop: threading.Event) -> None:
+        """Ticks and passes until `stop` (see the module docstring). Never raises."""
+        wait_s, last = RESCAN_S, self._clock()
+        while not stop.wait(TICK_S):
+            due = self.tick() or self._clock() - last >= wait_s
+            if not due:
+                continue
+            started = self._clock()
+            try:
+                self.pass_once()
+            except Exception:  # a thread's boundary: the tier goes on, the next pass tries again
+                log.exception("storage cluster: the pass over this node's parts under %s failed", self._where())
+            last = self._clock()
+            wait_s = max(RESCAN_S, RESCAN_COST_FACTOR * (last - started))
+
+    def leave(self) -> None:
+        """Stop evicting, remove this node's lease and usage: the others take its parts after their hold."""
+        with self._lock:
+            self.ledger.refresh(-1.0, fenced=True)
+            self.members.leave()
+            self.files.remove_usage(self.members.member)
+
+    def bump_epoch(self) -> None:
+        try:
+            self.files.bump_epoch()
+        except OSError as exc:
+            log.warning("storage cluster: cannot mark the clear under %s for the other nodes: %s", self._where(), exc)
+
+    def _where(self) -> str:
+        return str(self._root)
