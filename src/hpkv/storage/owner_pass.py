@@ -1,8 +1,8 @@
 """An owner's pass over its parts: how a node in a shared root learns the files other nodes wrote
 in the parts it owns (`parts`), instead of walking the whole root.
 
-A pass lists the root for its namespaces, then, in each namespace, `stat`s the leaf directory of
-each part this node owns and lists only those whose mtime changed since it listed them (an entry
+A pass lists the root for its namespaces, then, in each namespace, lists the first fan-out level
+(`<ab>`) and `stat`s the leaf directory of each part this node owns under those there are and lists only those whose mtime changed since it listed them (an entry
 added or removed changes it), and every one at least every RELIST_S (a change within the mtime's
 granularity, or shown late); it `lstat`s each `.kv` name it does not index and indexes it at the
 old end (known as used SLACK_MINUTES before the pass, as the start-up scan does), and removes
@@ -96,8 +96,12 @@ class OwnerPass:
         with self._index.busy():  # what the pass found holds namespace numbers until it is merged
             for ns, ns_fd in self._namespaces():
                 try:
+                    tops = self._tops(ns_fd)
                     for part in own:
-                        self._part(ns, ns_fd, part, found, known_s, result)
+                        if part >> 8 in tops:
+                            self._part(ns, ns_fd, part, found, known_s, result)
+                        else:
+                            self._listed.pop((ns, part), None)
                 finally:
                     os.close(ns_fd)
             startup.merge(self._index, found)
@@ -154,6 +158,14 @@ class OwnerPass:
                     yield entry.name, open_beneath(root_fd, entry.name, DIR_FLAGS)
                 except OSError:
                     continue
+
+    def _tops(self, ns_fd: int) -> set[int]:
+        """The first fan-out level's directories there are (`<ab>`): the parts under one that
+        is missing need no `stat` (a root filling up, or a namespace with few files)."""
+        try:
+            return {int(e.name, 16) for e in self._paths.io.list_dir(ns_fd) if len(e.name) == 2 and _hex(e.name)}
+        except OSError:
+            return set(range(256))
 
     def _part(self, ns: str, ns_fd: int, part: int, found: scan.Found, known_s: float, result: PassResult) -> None:
         """Look at part `part`'s leaf directory in namespace `ns`: listed if it changed."""
@@ -212,3 +224,7 @@ class OwnerPass:
         found.mtimes.append(st.st_mtime)
         found.keys.append(ik)
         found.values.append(index.value_of(size, known_s))
+
+
+def _hex(name: str) -> bool:
+    return all(c in "0123456789abcdef" for c in name)
