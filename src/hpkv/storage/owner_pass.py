@@ -2,12 +2,13 @@
 in the parts it owns (`parts`), instead of walking the whole root.
 
 A pass lists the root for its namespaces, then, in each namespace, lists the first fan-out level
-(`<ab>`) and `stat`s the leaf directory of each part this node owns under those there are and lists only those whose mtime changed since it listed them (an entry
-added or removed changes it), and every one at least every RELIST_S (a change within the mtime's
-granularity, or shown late); it `lstat`s each `.kv` name it does not index and indexes it at the
-old end (known as used SLACK_MINUTES before the pass, as the start-up scan does), and removes
-temporaries of dead writers there (`scan`). So its operations are in proportion to the parts it
-owns and to what changed in them, never to the files the other nodes own.
+(`<ab>`) and `stat`s the leaf directory of each part this node owns under those there are; it
+lists only those whose mtime changed since it listed them (an entry added or removed changes
+it), and every one at least every RELIST_S (a change within the mtime's granularity, or shown
+late); it `lstat`s each `.kv` name it does not index and indexes it at the old end (known as used
+SLACK_MINUTES before the pass, as the start-up scan does), and removes temporaries of dead
+writers there (`scan`). So its operations are in proportion to the parts it owns and to what
+changed in them, never to the files the other nodes own.
 
 Then it forgets (never unlinks) files of parts it does not own beyond MAX_FOREIGN_FILES (it wrote
 or read them; lookups find them again by name), evicts in its parts what is over its share of the
