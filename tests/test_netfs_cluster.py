@@ -89,7 +89,11 @@ def pass_until_within(nodes: list[NodeProcess], root: Path, capacity: int) -> tu
         files, size = on_disk(root)
         return (files, size) if size <= capacity else None
 
-    return wait_for(within, 30, 0.5, what="the root within its capacity")
+    try:
+        return wait_for(within, 30, 0.5, what="the root within its capacity")
+    except AssertionError as exc:
+        states = [{k: v for k, v in node("cluster").items() if k != "usage"} for node in nodes]
+        raise AssertionError(f"{exc}: {on_disk(root)} on disk, {capacity} bytes allowed; nodes {states}") from None
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -3,12 +3,14 @@ in the parts it owns (`parts`), instead of walking the whole root.
 
 A pass lists the root for its namespaces, then, in each namespace, lists the first fan-out level
 (`<ab>`) and `stat`s the leaf directory of each part this node owns under those there are; it
-lists only those whose mtime changed since it listed them (an entry added or removed changes
-it), and every one at least every RELIST_S (a change within the mtime's granularity, or shown
-late); it `lstat`s each `.kv` name it does not index and indexes it at the old end (known as used
-SLACK_MINUTES before the pass, as the start-up scan does), and removes temporaries of dead
-writers there (`scan`). So its operations are in proportion to the parts it owns and to what
-changed in them, never to the files the other nodes own.
+lists those whose mtime changed since it listed them (an entry added or removed changes it),
+and each once more at least MAX_LAG_S after such a listing before it trusts that mtime (a
+listing that lagged, or a change within the mtime's granularity: seen by the second listing,
+with no clock compared), and every one at least every RELIST_S; it `lstat`s each `.kv` name it
+does not index and indexes it at the old end (known as used SLACK_MINUTES before the pass, as
+the start-up scan does), and removes temporaries of dead writers there (`scan`). So its
+operations are in proportion to the parts it owns and to what changed in them, never to the
+files the other nodes own.
 
 Then it forgets (never unlinks) files of parts it does not own beyond MAX_FOREIGN_FILES (it wrote
 or read them; lookups find them again by name), evicts in its parts what is over its share of the
@@ -39,6 +41,7 @@ from . import scan, startup
 from .capacity import CapacityPolicy
 from .eviction import SLACK_MINUTES, Evictor
 from .index import MAX_FILE_BYTES, FileIndex, used_minute_s
+from .members import MAX_LAG_S
 from .parts import PartLedger
 from .paths import EntryPaths
 from .tree import DIR_FLAGS, open_beneath
@@ -77,7 +80,8 @@ class OwnerPass:
         self._counters = counters
         self._wall_clock = wall_clock
         self._clock = clock
-        self._listed: dict[tuple[str, int], tuple[int, float]] = {}  # (ns, part) -> (dir mtime_ns, when listed)
+        # (ns, part) -> (dir mtime_ns, when listed, whether a later listing saw that mtime still)
+        self._listed: dict[tuple[str, int], tuple[int, float, bool]] = {}
         self._epoch: tuple[int, int] | None = None
         self._epoch_known = False
 
@@ -178,10 +182,13 @@ class OwnerPass:
         except OSError:
             self._listed.pop((ns, part), None)
             return
-        now = self._clock()
+        now, mtime = self._clock(), st.st_mtime_ns
         last = self._listed.get((ns, part))
-        if last is not None and last[0] == st.st_mtime_ns and now - last[1] < RELIST_S:
+        if last is not None and last[0] == mtime and last[2] and now - last[1] < RELIST_S:
             return
+        settled = last is not None and last[0] == mtime and now - last[1] >= MAX_LAG_S
+        first = last is None or last[0] != mtime
+        listed = (mtime, now if settled or first else last[1], settled)  # type: ignore[index]
         try:
             leaf_fd = open_beneath(ns_fd, rel, DIR_FLAGS)
         except OSError:
@@ -189,7 +196,7 @@ class OwnerPass:
         try:
             entries = io.list_dir(leaf_fd)
             result.dirs_listed += 1
-            self._listed[(ns, part)] = (st.st_mtime_ns, now)
+            self._listed[(ns, part)] = listed
             for entry in entries:
                 self._entry(ns, leaf_fd, entry, found, known_s)
         except OSError:
