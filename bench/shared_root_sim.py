@@ -79,7 +79,10 @@ cache in reading.py) as described here, with these details the model counts: a p
 namespace's first level (`<ab>`, 256 names) and `stat`s only the leaf directories of its parts
 under those there are; it `stat`s the epoch file and writes its usage file once a pass; and a
 node's index keeps, besides its parts' files, at most MAX_FOREIGN_FILES files of others' parts
-that it wrote or read (forgotten, never unlinked, past that: a lookup finds them by name).
+that it wrote or read (forgotten, never unlinked, past that: a lookup finds them by name); a
+leaf directory whose mtime changed is listed again at the next pass (at least MAX_LAG_S later)
+before that mtime is trusted, so a listing that lagged, or a change within the mtime's
+granularity, is not missed until RELIST_S.
 `tests/test_shared_root_sim.py` checks that the constants here are the implementation's.
 
 What it tolerates: joins and graceful leaves (parts move after HOLD_S; no eviction meanwhile),
@@ -302,13 +305,14 @@ def member_ops(nodes: int) -> float:
 def owner_pass(files: float, dirs: float, new_per_s: float, costs: Costs) -> tuple[float, float, float]:
     """(seconds, metadata operations, period) of an owner's pass over its parts, repeated every
     max(RESCAN_S, RESCAN_COST_FACTOR x its duration): a `stat` of each leaf directory; a listing
-    (open, readdir calls, release) of those whose mtime changed since it last listed them, and of
-    every one at least every RELIST_S; an `lstat` of each name it does not index (the others' new
+    (open, readdir calls, release) of those whose mtime changed since it last listed them (each
+    such directory listed again at the next pass before its mtime is trusted), and of every one
+    at least every RELIST_S; an `lstat` of each name it does not index (the others' new
     files, `new_per_s` of them)."""
     period = RESCAN_S
     for _ in range(50):  # the period and what changes in it depend on each other: to their fixed point
         per_dir = new_per_s * period / max(dirs, 1.0)
-        listed = dirs * min(1.0, -math.expm1(-per_dir) + period / RELIST_S)
+        listed = dirs * min(1.0, 2 * -math.expm1(-per_dir) + period / RELIST_S)  # a change: listed twice
         entries = files * listed / max(dirs, 1.0)
         new = new_per_s * period
         seconds = dirs * costs.stat_hit + listed * costs.dir_list + entries * costs.readdir_entry + new * costs.stat_hit
