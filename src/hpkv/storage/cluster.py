@@ -30,7 +30,7 @@ from ..stats import StorageCounters
 from .capacity import CapacityPolicy
 from .eviction import Evictor
 from .index import FileIndex
-from .members import Membership, Timing
+from .members import MAX_LAG_S, Membership, Timing
 from .owner_pass import OwnerPass, PassResult
 from .parts import PartLedger, hrw_owners
 from .paths import EntryPaths
@@ -73,12 +73,21 @@ class Cluster:
         self._lock = threading.Lock()  # one tick or pass at a time (the thread, tests, `hpkv` commands)
         self._evictable = 0
 
-    def join(self) -> None:
-        """Agree on the capacity, take a lease, list the members, own parts (not evictable yet)."""
+    def join(self, stop: threading.Event) -> None:
+        """Agree on the capacity, take a lease, list the members, own parts (not evictable yet).
+        Alone, it lists again MAX_LAG_S later: nodes started together would otherwise each pass
+        over every part first (the whole root)."""
         self._capacity.capacity_bytes = self._capacity.sized_bytes = self.files.agree_capacity(
             self._capacity.capacity_bytes
         )
         self.tick()
+        if len(self.members.live()) == 1 and not stop.wait(MAX_LAG_S):
+            with self._lock:
+                try:
+                    if self.members.list_now():
+                        self._own()
+                except OSError:
+                    pass  # the next tick lists again
 
     def tick(self) -> bool:
         """Renew and list when due, own what the view gives; whether parts became evictable (a

@@ -19,7 +19,7 @@ dead and taken its parts. Its lease renamed away under it (reaped as dead) is ma
 A tier that stops removes its lease (`leave`); leases expired for `expire_s + hold_s` are removed
 by a live member (`reap`; the one that owns part 0, so one at a time).
 
-Primitives: `Timing`, `Membership` (`tick`, `live`, `evict_until`, `fenced`, `reap`, `leave`,
+Primitives: `Timing`, `Membership` (`tick`, `list_now`, `live`, `evict_until`, `fenced`, `reap`, `leave`,
 `member`, `dir_fd`).
 Must not know: parts, the index, capacity, eviction.
 """
@@ -119,6 +119,12 @@ class Membership:
             self._renew(now)
         if now - self._last_list >= self.timing.renew_s:
             self._list(now)
+        return self._live != before
+
+    def list_now(self) -> bool:
+        """List the members now, due or not; whether the live members changed."""
+        before = self._live
+        self._list(self._clock())
         return self._live != before
 
     def _renew(self, now: float) -> None:

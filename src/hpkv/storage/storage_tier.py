@@ -142,7 +142,7 @@ class StorageTier:
         cluster, the first pass over this node's parts, then the cluster's ticks and passes."""
         if self.cluster is not None:
             try:
-                self.cluster.join()
+                self.cluster.join(self._stop)
                 self.cluster.pass_once()
             except Exception:  # a thread's boundary: the cluster's thread tries again
                 log.exception("joining the nodes sharing %s failed; trying again", self.root)
