@@ -161,7 +161,7 @@ class StorageTier:
         if wait and self._retention_thread is not None:
             self._retention_thread.join(timeout=10.0)  # a pass removes at most MAX_PER_PASS files
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
-        if self.cluster is not None:
+        if self.cluster is not None and wait:  # else a pass may hold it in a system call: its lease expires
             try:
                 self.cluster.leave()
             except OSError:
