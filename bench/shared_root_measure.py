@@ -17,10 +17,12 @@ a file node 0 just wrote. Prints one JSON object; slow (minutes at 500,000 files
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import multiprocessing as mp
 import os
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -112,8 +114,15 @@ def today(root: Path, out) -> None:
     tier.close()
 
 
+def say(what: str, value) -> None:
+    """A partial result on stderr as it comes (a run of many minutes may be cut short)."""
+    print(f"{time.strftime('%H:%M:%S')} {what}: {json.dumps(value)}", file=sys.stderr, flush=True)
+
+
 def node(root: Path, nodes: int, passes: int, conn) -> None:
     from hpkv.storage.storage_tier import StorageTier
+
+    faulthandler.enable()
 
     io = Counted()
     before = rss_bytes()
@@ -133,6 +142,7 @@ def node(root: Path, nodes: int, passes: int, conn) -> None:
     ledger = cluster.ledger
     while len(cluster.members.live()) < nodes or not ledger.owned.any() or (ledger.evictable != ledger.owned).any():
         time.sleep(1)
+    say(f"node {os.getpid()} started", report)
     conn.send("settled")
     conn.recv()  # every node settled
     report["parts"] = int(cluster.ledger.owned.sum())
@@ -150,6 +160,7 @@ def node(root: Path, nodes: int, passes: int, conn) -> None:
             }
         )
     report["indexed_after"] = len(tier.index)
+    say(f"node {os.getpid()}", report)
     conn.send(report)
     while True:
         op = conn.recv()
@@ -183,16 +194,20 @@ def main() -> None:
         roots[0].mkdir()
         result: dict = {"fs": args.fs, "files": args.files, "nodes": args.nodes}
         result["populate_s"] = populate(roots, args.files)
+        say("populated", result)
         here, there = ctx.Pipe()
         p = ctx.Process(target=today, args=(roots[1], there))
         p.start()
+        there.close()  # a child that dies is an EOFError here, not a wait for ever
         result["today"] = here.recv()
+        say("today", result["today"])
         p.join()
         conns, procs = [], []
         for i in range(args.nodes):
             here, there = ctx.Pipe()
             proc = ctx.Process(target=node, args=(roots[i % 2], args.nodes, args.passes, there))
             proc.start()
+            there.close()
             conns.append(here)
             procs.append(proc)
         for c in conns:
