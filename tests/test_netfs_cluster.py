@@ -75,8 +75,13 @@ def cluster(root):
 
 def on_disk(root: Path) -> tuple[int, int]:
     """(files, bytes) of entry files under the root."""
-    files = list(root.glob("*/*/*/*.kv"))
-    return len(files), sum(p.stat().st_size for p in files)
+    sizes = []
+    for p in root.glob("*/*/*/*.kv"):
+        try:
+            sizes.append(p.stat().st_size)
+        except FileNotFoundError:  # evicted since the listing (the nodes' own threads pass too)
+            pass
+    return len(sizes), sum(sizes)
 
 
 def pass_until_within(nodes: list[NodeProcess], root: Path, capacity: int) -> tuple[int, int]:
