@@ -101,6 +101,20 @@ def pass_until_within(nodes: list[NodeProcess], root: Path, capacity: int) -> tu
         raise AssertionError(f"{exc}: {on_disk(root)} on disk, {capacity} bytes allowed; nodes {states}") from None
 
 
+def counted(nodes: list[NodeProcess], root: Path) -> tuple[int, list[dict]]:
+    """(files on disk, each node's state), taken while no node unlinked anything (their own
+    threads pass too)."""
+
+    def still() -> tuple[int, list[dict]] | None:
+        before = [node("cluster") for node in nodes]
+        files, _ = on_disk(root)
+        after = [node("cluster") for node in nodes]
+        same = [b["unlinked"] for b in before] == [a["unlinked"] for a in after]
+        return (files, after) if same else None
+
+    return wait_for(still, 30, 0.2, what="a moment with no unlink")
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_what_one_node_writes_every_other_reads_and_all_hold_the_capacity_together(cluster, root, n):
     capacity = 60 * (ENTRY_BYTES + 4096)
@@ -116,9 +130,9 @@ def test_what_one_node_writes_every_other_reads_and_all_hold_the_capacity_togeth
     for round_ in range(3):
         for i, node in enumerate(nodes):
             written += node("write", prefix=f"f{i}", n=15, tag=1, start=15 * round_)["written"]
-    files, size = pass_until_within(nodes, root[0], capacity)
+    _, size = pass_until_within(nodes, root[0], capacity)
 
-    states = [node("cluster") for node in nodes]
+    files, states = counted(nodes, root[0])
     assert sum(s["owned"] for s in states) == PARTS
     assert size >= capacity // 2  # and each owner still holds its share
     assert sum(s["unlink_absent"] for s in states) == 0  # no file evicted twice
@@ -151,9 +165,9 @@ def test_a_node_killed_has_its_parts_taken_over_within_the_lease_and_nothing_is_
     for round_ in range(3):
         for i, node in enumerate(alive):
             written += node("write", prefix=f"m{i}", n=10, tag=1, start=10 * round_)["written"]
-    files, _ = pass_until_within(alive, root[0], capacity)
+    pass_until_within(alive, root[0], capacity)
 
-    states = [node("cluster") for node in alive]
+    files, states = counted(alive, root[0])
     assert sum(s["unlink_absent"] for s in states) == 0
     assert written == files + unlinked_by_dead + sum(s["unlinked"] for s in states)
     leases = lambda: len(list((root[0] / "cluster" / "members").iterdir()))  # noqa: E731
