@@ -271,3 +271,35 @@ def test_a_clear_on_one_node_makes_the_others_forget_and_list_again(cluster, sto
     step([a, b], clock, passes=True)
 
     assert len(a.index) == 0 and files_under(storage_dir) == []
+
+
+class SlowStats(FileIO):
+    """Each `stat` by name takes `seconds` of the story's clock: a slow metadata server."""
+
+    def __init__(self, clock: FakeClock, seconds: float) -> None:
+        self.clock, self.seconds, self.slow = clock, seconds, False
+
+    def stat_path(self, path, dir_fd=None):
+        if self.slow:
+            self.clock.advance(self.seconds)
+        return super().stat_path(path, dir_fd=dir_fd)
+
+
+def test_a_pass_longer_than_the_lease_renews_as_it_goes(cluster):
+    clock = cluster.clock
+    io = SlowStats(clock, 0.01)
+    a, b = cluster(io=io), cluster()
+    settle([a, b], clock)
+    assert a.cluster and b.cluster
+    for k in covering(a):  # every first-level directory there: a pass stats each of A's ~32,768 parts
+        assert write(a, k)
+    started = clock.now
+
+    io.slow = True
+    a.cluster.pass_once()
+    io.slow = False
+
+    assert clock.now - started > 2 * LEASE_S
+    assert not a.cluster.members.fenced()
+    b.cluster.tick()
+    assert a.cluster.members.member in b.cluster.members.live()  # B never lost sight of A

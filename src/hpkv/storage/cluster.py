@@ -39,6 +39,7 @@ from .usage import ClusterFiles
 log = logging.getLogger("hpkv.storage.tier")
 
 TICK_S = 1.0
+LEAVE_WAIT_S = 10.0  # a leave waits this long for a pass to end
 RESCAN_S = 30.0
 RESCAN_COST_FACTOR = 10.0
 
@@ -70,7 +71,8 @@ class Cluster:
         index.ledger = self.ledger
         evictor.may_unlink = self.ledger.may_evict
         evictor.shared = True  # others write here: a victim's mtime is looked at first
-        self._lock = threading.Lock()  # one tick or pass at a time (the thread, tests, `hpkv` commands)
+        self._lock = threading.Lock()  # one tick at a time (the thread, a pass's heartbeats, tests)
+        self._pass_lock = threading.Lock()  # one pass at a time; never held by a tick
         self._evictable = 0
 
     def join(self, stop: threading.Event) -> None:
@@ -126,8 +128,13 @@ class Cluster:
             )
 
     def pass_once(self) -> PassResult:
-        with self._lock:
-            return self.owner_pass.once(self.members.member)
+        """A pass over this node's parts; it ticks as it goes (a pass over many files takes longer
+        than a lease: the node must renew meanwhile, or the others take its parts)."""
+        with self._pass_lock:
+            result = self.owner_pass.once(self.tick)
+            if not self.members.left:
+                self.files.write_usage(self.members.member, self.owner_pass.usage())
+            return result
 
     def run(self, stop: threading.Event) -> None:
         """Ticks and passes until `stop` (see the module docstring). Never raises."""
@@ -149,7 +156,12 @@ class Cluster:
         with self._lock:
             self.ledger.refresh(-1.0, fenced=True)
             self.members.leave()
+        got = self._pass_lock.acquire(timeout=LEAVE_WAIT_S)  # a pass in progress writes no usage after this
+        try:
             self.files.remove_usage(self.members.member)
+        finally:
+            if got:
+                self._pass_lock.release()
 
     def bump_epoch(self) -> None:
         try:

@@ -95,7 +95,7 @@ class Membership:
         self._dropped: dict[str, tuple[int, float]] = {}  # expired in this view -> (seq, local time)
         self._listed: dict[str, int] = {}
         self._live: tuple[str, ...] = ()
-        self._left = False
+        self.left = False
 
     def dir_fd(self) -> int:
         """`<root>/cluster/members`, made where missing, held open."""
@@ -113,7 +113,7 @@ class Membership:
         to say: a renewal or listing that fails leaves its time behind (the fence comes nearer)."""
         before = self._live
         now = self._clock()
-        if self._left:
+        if self.left:
             return False
         if now - self._last_renew >= self.timing.renew_s:
             self._renew(now)
@@ -210,7 +210,7 @@ class Membership:
 
     def leave(self) -> None:
         """Remove this node's lease (a graceful leave: it evicts no more, nor renews)."""
-        self._left = True
+        self.left = True
         if self._seq:
             try:
                 self._io.unlink(f"{self.member}.{self._seq}", dir_fd=self.dir_fd())

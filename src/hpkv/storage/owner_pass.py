@@ -48,6 +48,7 @@ from .tree import DIR_FLAGS, open_beneath
 from .usage import ClusterFiles
 
 RELIST_S = 600.0
+HEARTBEAT_PARTS = 64  # parts a pass looks at between two heartbeats (the membership's ticks)
 MAX_FOREIGN_FILES = 1 << 16  # files of others' parts an index keeps (what this node wrote or read lately)
 
 
@@ -91,8 +92,9 @@ class OwnerPass:
         for k in [k for k in self._listed if k[1] in lost]:
             del self._listed[k]
 
-    def once(self, member: str) -> PassResult:
-        """One pass (see the module docstring); usage written as `member`'s."""
+    def once(self, heartbeat: Callable[[], object] = lambda: None) -> PassResult:
+        """One pass (see the module docstring), calling `heartbeat` every HEARTBEAT_PARTS parts;
+        the caller writes the usage (`usage`)."""
         self._check_epoch()
         result = PassResult()
         found = scan.Found()
@@ -102,7 +104,9 @@ class OwnerPass:
             for ns, ns_fd in self._namespaces():
                 try:
                     tops = self._tops(ns_fd)
-                    for part in own:
+                    for num, part in enumerate(own):
+                        if num % HEARTBEAT_PARTS == 0:
+                            heartbeat()
                         if part >> 8 in tops:
                             self._part(ns, ns_fd, part, found, known_s, result)
                         else:
@@ -116,7 +120,6 @@ class OwnerPass:
         self._trim_foreign()
         index, capacity = self._index, self._capacity
         self._evictor.evict(lambda freed: capacity.excess(index.counted_bytes))
-        self._files.write_usage(member, self.usage())
         return result
 
     def usage(self) -> dict:
