@@ -74,6 +74,17 @@ requests costs one round trip per NEG_S, not one per request (GlusterFS's client
 negative entry: each repeat is a ~0.1-0.5 ms round trip). A file another node wrote is read where
 it stands, never indexed by a non-owner: index memory is the node's share.
 
+Built (src/hpkv/storage/: members.py, parts.py, owner_pass.py, usage.py, cluster.py, and the miss
+cache in reading.py) as described here, with these details the model counts: a pass lists each
+namespace's first level (`<ab>`, 256 names) and `stat`s only the leaf directories of its parts
+under those there are; it `stat`s the epoch file and writes its usage file once a pass; and a
+node's index keeps, besides its parts' files, at most MAX_FOREIGN_FILES files of others' parts
+that it wrote or read (forgotten, never unlinked, past that: a lookup finds them by name); a
+leaf directory whose mtime changed is listed again at the next pass (at least MAX_LAG_S later)
+before that mtime is trusted, so a listing that lagged, or a change within the mtime's
+granularity, is not missed until RELIST_S.
+`tests/test_shared_root_sim.py` checks that the constants here are the implementation's.
+
 What it tolerates: joins and graceful leaves (parts move after HOLD_S; no eviction meanwhile),
 kills and stalls (takeover within TAKEOVER_BOUND_S; the stalled node fences itself), wall clocks
 that disagree by any amount, listings and attributes that lag by up to MAX_LAG_S (the tested
@@ -128,6 +139,8 @@ NEG_S = 2.0
 RELIST_S = 600.0  # an owner lists each leaf directory of its parts at least this often, changed or not
 NEG_ENTRIES = 1 << 16
 NEG_ENTRY_BYTES = 150  # a key of 36 bytes and its expiry in a dict
+MAX_FOREIGN_FILES = 1 << 16  # files of others' parts a node keeps indexed (it wrote or read them lately)
+FOREIGN_ENTRY_BYTES = INDEX_MIB_PER_MILLION * (1 << 20) / 1e6
 
 NODES = (4, 64, 256)
 FILES = (1_000_000, 10_000_000, 100_000_000)
@@ -292,19 +305,27 @@ def member_ops(nodes: int) -> float:
 def owner_pass(files: float, dirs: float, new_per_s: float, costs: Costs) -> tuple[float, float, float]:
     """(seconds, metadata operations, period) of an owner's pass over its parts, repeated every
     max(RESCAN_S, RESCAN_COST_FACTOR x its duration): a `stat` of each leaf directory; a listing
-    (open, readdir calls, release) of those whose mtime changed since it last listed them, and of
-    every one at least every RELIST_S; an `lstat` of each name it does not index (the others' new
+    (open, readdir calls, release) of those whose mtime changed since it last listed them (each
+    such directory listed again at the next pass before its mtime is trusted), and of every one
+    at least every RELIST_S; an `lstat` of each name it does not index (the others' new
     files, `new_per_s` of them)."""
     period = RESCAN_S
     for _ in range(50):  # the period and what changes in it depend on each other: to their fixed point
         per_dir = new_per_s * period / max(dirs, 1.0)
-        listed = dirs * min(1.0, -math.expm1(-per_dir) + period / RELIST_S)
+        listed = dirs * min(1.0, 2 * -math.expm1(-per_dir) + period / RELIST_S)  # a change: listed twice
         entries = files * listed / max(dirs, 1.0)
         new = new_per_s * period
         seconds = dirs * costs.stat_hit + listed * costs.dir_list + entries * costs.readdir_entry + new * costs.stat_hit
         ops = dirs + listed * 2 + entries / READDIR_BATCH + new
         period = max(RESCAN_S, RESCAN_COST_FACTOR * seconds)
     return seconds, ops, period
+
+
+def traffic_index_mib(traffic: Traffic) -> float:
+    """A node's index memory besides its share: the miss cache, and at most MAX_FOREIGN_FILES
+    files of others' parts it wrote or read (its own traffic fills it)."""
+    neg = min(NEG_ENTRIES, traffic.misses_per_s * NEG_S) * NEG_ENTRY_BYTES / (1 << 20)
+    return neg + MAX_FOREIGN_FILES * FOREIGN_ENTRY_BYTES / (1 << 20)
 
 
 def proposed(fs: str, nodes: int, files: int, costs: Costs, traffic: Traffic, loads: list[int]) -> Row:
@@ -315,22 +336,23 @@ def proposed(fs: str, nodes: int, files: int, costs: Costs, traffic: Traffic, lo
         """(pass seconds, pass period, background ops/s) of a node owning `load` parts."""
         share = load / PARTS
         pass_s, pass_ops, every = owner_pass(files * share, dirs_all * share, writes_per_s * share, costs)
-        usage_ops = 2 / every  # its usage file: create and rename, once a pass
+        usage_ops = 5 / every  # its usage file (the directory made if missing, opened; create, rename), once a pass
         root_ops = 2 / every  # the root listed for its namespaces, once a pass
-        return pass_s, every, pass_ops / every + root_ops + usage_ops + member_ops(nodes)
+        epoch_ops = 3 / every  # the clear epoch's `stat` (and its directory's open), once a pass
+        tops_ops = traffic.namespaces * (2 + math.ceil(256 / READDIR_BATCH)) / every  # each `<ns>` listed
+        return pass_s, every, pass_ops / every + root_ops + usage_ops + epoch_ops + tops_ops + member_ops(nodes)
 
     pass_s, every, bg = node(max(loads))
     most = max(loads) / PARTS
     learns = every + pass_s + costs.lag_attr  # a directory's new mtime shows after the attribute lag
     takeover_s = TAKEOVER_BOUND_S + pass_s / max(1, nodes - 1)
     over = writes_per_s * (nodes - 1) / nodes * learns + writes_per_s * most * takeover_s
-    neg = min(NEG_ENTRIES, traffic.misses_per_s * NEG_S) * NEG_ENTRY_BYTES / (1 << 20)
     return Row(
         "proposed",
         fs,
         nodes,
         files,
-        index_mib=files * most / 1e6 * INDEX_MIB_PER_MILLION + neg,
+        index_mib=files * most / 1e6 * INDEX_MIB_PER_MILLION + traffic_index_mib(traffic),
         walk_s=pass_s,
         walk_every_s=every,
         bg_ops_per_node=bg,

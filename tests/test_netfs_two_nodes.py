@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import shutil
-import subprocess
-import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -25,6 +21,7 @@ from bench.harness.netfs import Shared, netfs_beds
 from helpers.cli import hpkv, hpkv_env
 from helpers.keys import entry_keys
 from helpers.netfs_node import ENTRY_BYTES, NS
+from helpers.netfs_nodes import NodeProcess, poll
 from helpers.waiting import wait_for
 
 ENTRY_FILE_BYTES = ENTRY_BYTES + 4096  # an upper bound on header + payload
@@ -54,49 +51,6 @@ def root(fs):
     shutil.rmtree(fs.mount_a / name, ignore_errors=True)
 
 
-class NodeProcess:
-    """A node: `helpers.netfs_node` in its own UTS namespace, host name `host`."""
-
-    def __init__(self, host: str, root: Path, capacity_bytes: int = BIG) -> None:
-        self.host = host
-        self.proc = subprocess.Popen(
-            ["unshare", "--uts", sys.executable, "-m", "helpers.netfs_node", host, str(root), str(capacity_bytes)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-            cwd=Path(__file__).parent,
-        )
-        self._lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-        assert self._recv(60) == {"ready": host}
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(json.loads(line))
-        self._lines.put({"error": f"node {self.host} exited with {self.proc.wait()}"})
-
-    def _recv(self, timeout_s: float) -> dict:
-        return self._lines.get(timeout=timeout_s)
-
-    def __call__(self, op: str, timeout_s: float = 120.0, **args) -> dict:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        answer = self._recv(timeout_s)
-        assert "error" not in answer, f"node {self.host} {op}: {answer['error']}"
-        return answer
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 @pytest.fixture
 def nodes(root):
     """node A and node B on their own mounts of `root`, started (index scanned)."""
@@ -112,16 +66,6 @@ def nodes(root):
     yield make
     for node in started:
         node.close()
-
-
-def poll(node: NodeProcess, what: str, done, timeout_s: float = 15.0, **args) -> dict:
-    """`node(what, **args)` again until `done(answer)` (the file system shows it), or fail."""
-
-    def answer() -> dict | None:
-        got = node(what, **args)
-        return got if done(got) else None
-
-    return wait_for(answer, timeout_s, 0.1, what=f"{what} {args}")
 
 
 def test_what_a_writes_b_hits_byte_identical(nodes):

@@ -83,6 +83,8 @@ class StorageConfig:
     direct_io: bool = False  # O_DIRECT for entry files, where the file system takes it
     write_budget_bytes: int | None = None  # bytes the tier may write per day; None: unlimited
     retention_s: float | None = None  # files unused longer than this are removed; None: kept
+    cluster: str = "auto"  # split the root's parts among the nodes sharing it: auto, on, off
+    lease_s: float = 30.0  # a node silent this long loses its parts
 
 
 @dataclass(frozen=True)
@@ -291,6 +293,8 @@ def _build(resolved: list[Setting], warnings: tuple[str, ...]) -> Settings:
             direct_io=v["HPKV_KV_STORAGE_DIRECT_IO"],
             write_budget_bytes=v["HPKV_KV_STORAGE_WRITE_BUDGET"],
             retention_s=v["HPKV_KV_STORAGE_RETENTION"],
+            cluster=v["HPKV_KV_STORAGE_CLUSTER"],
+            lease_s=v["HPKV_KV_STORAGE_LEASE"],
         ),
         cluster=ClusterConfig(
             enabled=v["HPKV_CLUSTER_ENABLE"],

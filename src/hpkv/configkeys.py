@@ -211,6 +211,25 @@ KEYS: tuple[KeySpec, ...] = (
         "a number of seconds > 0 (e.g. 0.5)",
     ),
     KeySpec(
+        "HPKV_KV_STORAGE_CLUSTER",
+        "word",
+        v.one_of("auto", "on", "off"),
+        "auto",
+        "Nodes sharing the storage directory split its parts among themselves (membership leases "
+        "in <path>/cluster): each indexes and evicts only its own parts. auto: on for a network or "
+        "parallel file system; off: every node indexes every file and walks the whole directory.",
+        "auto, on or off",
+    ),
+    KeySpec(
+        "HPKV_KV_STORAGE_LEASE",
+        "duration",
+        v.parse_positive_seconds,
+        "30",
+        "How long a node sharing the storage directory may go silent before the others take its "
+        "parts (it renews its lease every third of this).",
+        "seconds (e.g. 30)",
+    ),
+    KeySpec(
         "HPKV_POOL_PREFAULT",
         "bool",
         v.parse_bool,

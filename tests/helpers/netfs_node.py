@@ -1,9 +1,10 @@
-"""One node of the two-node tests, run as `unshare --uts python -m helpers.netfs_node HOST ROOT
-CAPACITY`: it takes the host name HOST (its own UTS namespace, so temporaries' names and the
-start-up scan's dead-writer check see two nodes), makes a real `StorageTier` on ROOT (its node's
-mount of the shared file system), and runs one JSON command a line from stdin, answering one
-JSON line each. Whatever the tier raises is answered as an error, with its traceback: the tests
-want none.
+"""One node of the network file system tests, run as `unshare --uts python -m
+helpers.netfs_node HOST ROOT CAPACITY [CLUSTER LEASE_S]` (HPKV_KV_STORAGE_CLUSTER, default off,
+and HPKV_KV_STORAGE_LEASE): it takes the host name HOST (its own UTS namespace, so temporaries'
+names and the start-up scan's dead-writer check see two nodes), makes a real `StorageTier` on
+ROOT (its node's mount of the shared file system), and runs one JSON command a line from stdin,
+answering one JSON line each. Whatever the tier raises is answered as an error, with its
+traceback: the tests want none.
 
 Payloads say who wrote them: `payload(key, tag)`, tag 1 for node A and 2 for node B, so a reader
 knows a right byte from a wrong one whichever node's version it got.
@@ -11,6 +12,7 @@ knows a right byte from a wrong one whichever node's version it got.
 
 from __future__ import annotations
 
+import errno
 import json
 import socket
 import sys
@@ -25,12 +27,38 @@ NS = "ab" * 16
 TAGS = (1, 2)
 
 
+def counted_unlinks():
+    """The tier's seam, counting unlinks that removed a file and those that found none (another
+    node removed it first: with one owner per part, only a clear does)."""
+    from hpkv.storage.fileio import FileIO
+
+    class CountedUnlinks(FileIO):
+        removed = 0
+        absent = 0
+
+        def unlink(self, path, dir_fd=None):
+            try:
+                super().unlink(path, dir_fd=dir_fd)
+            except OSError as exc:
+                if exc.errno == errno.ENOENT and path.endswith(".kv"):
+                    CountedUnlinks.absent += 1
+                raise
+            if path.endswith(".kv"):
+                CountedUnlinks.removed += 1
+
+    return CountedUnlinks()
+
+
 class NodeLoop:
-    def __init__(self, root: str, capacity_bytes: int) -> None:
+    def __init__(self, root: str, capacity_bytes: int, cluster: str = "off", lease_s: float = 30.0) -> None:
+        from dataclasses import replace
+
         from helpers.config import make_storage_config
         from hpkv.storage.storage_tier import StorageTier
 
-        self.tier = StorageTier(make_storage_config(root, capacity_bytes, io_threads=2))
+        config = replace(make_storage_config(root, capacity_bytes, io_threads=2), cluster=cluster, lease_s=lease_s)
+        self.io = counted_unlinks()
+        self.tier = StorageTier(config, io=self.io)
         self._good: dict[bytes, tuple[bytes, ...]] = {}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -111,6 +139,31 @@ class NodeLoop:
         self.tier.rescan.once()
         return _stats(self.tier)
 
+    def op_pass(self) -> dict:
+        """A tick and a pass over this node's parts (the cluster's), as its thread makes them."""
+        cluster = self.tier.cluster
+        assert cluster is not None, "not in a cluster"
+        cluster.tick()
+        result = cluster.pass_once()
+        return {**vars(result), **self.op_cluster()}
+
+    def op_cluster(self) -> dict:
+        cluster = self.tier.cluster
+        assert cluster is not None, "not in a cluster"
+        ledger = cluster.ledger
+        return {
+            "member": cluster.members.member,
+            "live": len(cluster.members.live()),
+            "owned": int(ledger.owned.sum()),
+            "evictable": int(ledger.evictable.sum()),
+            "fenced": cluster.members.fenced(),
+            "indexed": len(self.tier.index),
+            "owned_bytes": ledger.owned_bytes,
+            "unlinked": self.io.removed,
+            "unlink_absent": self.io.absent,
+            "usage": cluster.files.total_usage(),
+        }
+
     def op_age(self, prefix: str, n: int, age_s: float) -> dict:
         """Index the keys as used `age_s` ago, at the old end, the first the oldest (this node
         last used them then)."""
@@ -134,8 +187,9 @@ def _stats(tier) -> dict:
 
 def main() -> None:
     host, root, capacity = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    cluster, lease_s = (sys.argv[4], float(sys.argv[5])) if len(sys.argv) > 5 else ("off", 30.0)
     socket.sethostname(host)
-    loop = NodeLoop(root, capacity)
+    loop = NodeLoop(root, capacity, cluster, lease_s)
     print(json.dumps({"ready": socket.gethostname()}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)

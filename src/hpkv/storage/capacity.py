@@ -10,7 +10,7 @@ size after CAPACITY_RECOVERY_S without another such error (others' files that to
 be gone by then).
 
 Primitives: `auto_capacity_bytes`, `little_room`, `CapacityPolicy` (`size_at_start`,
-`size_with_own`, `reserve`, `release`, `excess`, `no_room`, `learn`, `recover`).
+`size_with_own`, `reserve`, `release`, `excess`, `share`, `no_room`, `learn`, `recover`).
 Must not know: the index, the files, how eviction picks its victims.
 """
 
@@ -56,6 +56,7 @@ class CapacityPolicy:
         self._lock = threading.Lock()
         self._learned = False
         self._no_room_at = -math.inf
+        self.share = 1.0  # of the capacity this tier evicts for: in a cluster, its share of the parts
 
     def size_at_start(self, fs_type: str, promised_ram_bytes: int) -> None:
         """Auto: a share of the room there is now. `promised_ram_bytes`: memory promised and not
@@ -101,8 +102,9 @@ class CapacityPolicy:
             self._inflight_bytes -= size
 
     def excess(self, used_bytes: int) -> int:
-        """Bytes over the capacity with `used_bytes` indexed and what is in flight."""
-        return used_bytes + self._inflight_bytes - self.capacity_bytes
+        """Bytes over the capacity (this tier's share of it) with `used_bytes` counted and what is in flight."""
+        limit = self.capacity_bytes if self.share >= 1.0 else int(self.capacity_bytes * self.share)
+        return used_bytes + self._inflight_bytes - limit
 
     def no_room(self) -> None:
         """A write met "no room" even after an eviction: the recovery counts from now."""

@@ -9,7 +9,8 @@ not before): one read elsewhere since the minute the index knew goes to the rece
 At most SPARE_CHECKS_PER_PASS victims are looked at per eviction, each once, so an eviction ends.
 
 Primitives: `Evictor.evict(excess)`, `evict_bytes`, `remove(victims)` (popped and looked at by
-the caller: retention), `shared`.
+the caller: retention), `shared`, `may_unlink` (in a cluster: only the owner of a victim's part
+unlinks it, and not while fenced; `parts`).
 Must not know: capacity (it is told the excess), how files are read or written, the pool.
 """
 
@@ -39,6 +40,8 @@ class Evictor:
         self._counters = counters
         self._wall_clock = wall_clock
         self.shared = False  # another tier writes here too: victims are looked at first
+        # In a cluster (`parts`): whether this node may unlink a victim now, asked just before.
+        self.may_unlink: Callable[[bytes], bool] | None = None
 
     def evict_bytes(self, num_bytes: int) -> None:
         self.evict(lambda freed: num_bytes - freed)
@@ -74,6 +77,8 @@ class Evictor:
         settled: set[bytes] = set()
         try:
             for ik, value in victims:
+                if self.may_unlink is not None and not self.may_unlink(ik):
+                    continue  # its part given away, or this node fenced, since it was popped: back in the index
                 ns, key = self._index.split(ik)
                 if self.shared and ik not in checked and len(checked) < SPARE_CHECKS_PER_PASS:
                     checked.add(ik)

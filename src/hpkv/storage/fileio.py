@@ -67,6 +67,11 @@ class FileIO:
         """The file at `path` (relative to `dir_fd`, where given) itself: a link there is not followed."""
         return os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
 
+    def list_dir(self, dir_fd: int) -> list[os.DirEntry]:
+        """What the open directory `dir_fd` holds (a listing of a duplicate of it: `dir_fd` stays open)."""
+        with os.scandir(dir_fd) as it:
+            return list(it)
+
     def preadv(self, fd: int, buffers: list, offset: int) -> int:
         return os.preadv(fd, buffers, offset)
 

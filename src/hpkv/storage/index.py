@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable
 
 from .marks import MAX_UNREADABLE, InUse, UnreadableMarks
 from .numbers import MAX_NAMESPACES, NS_ID_BYTES, NamespaceNumbers
+from .parts import PartLedger
 
 SIZE_BITS = 40  # an index value: the file's size in its low bits, the minute above them
 MAX_FILE_BYTES = (1 << SIZE_BITS) - 1  # a file larger than this (1 TiB) is no KV file of ours: never indexed
@@ -91,6 +92,14 @@ class FileIndex:
         self._gone: set[bytes] | None = set()
         self._cleared: set[str | None] = set()
         self.scan_known_s: float | None = None  # the time the start-up scan gave what it found
+        # In a root shared by a cluster (`parts`): bytes per part, and which victims this node may take.
+        self.ledger: PartLedger | None = None
+
+    @property
+    def counted_bytes(self) -> int:
+        """What counts against this tier's capacity: every indexed file, or in a cluster the
+        files of the parts this node owns (`parts.PartLedger`)."""
+        return self.used_bytes if self.ledger is None else self.ledger.owned_bytes
 
     def __contains__(self, ik: bytes) -> bool:
         return ik in self._lru
@@ -132,7 +141,7 @@ class FileIndex:
         with self.lock:
             old = self._lru.get(ik)
             self._lru[ik] = value
-            self.used_bytes += size - (size_of(old) if old is not None else 0)
+            _count(self, ik, size - (size_of(old) if old is not None else 0), 0 if old is not None else 1)
             self._lru.move_to_end(ik)
             if old is None:
                 self._counted(ik)
@@ -143,7 +152,7 @@ class FileIndex:
         with self.lock:
             value = self._lru.pop(ik, None)
             if value is not None:
-                self.used_bytes -= size_of(value)
+                _count(self, ik, -size_of(value), -1)
                 self._uncounted(ik)
             if self._gone is not None:
                 self._gone.add(ik)
@@ -180,17 +189,19 @@ class FileIndex:
         with self.lock:
             removals = self._removals
             over = excess(freed)
-            if over > 0:
+            ledger = self.ledger
+            evictable = None if ledger is None else ledger.evictable_now()
+            if over > 0 and (ledger is None or evictable is not None):
                 for ik, value in self._lru.items():  # oldest first; those in use stay where they are
                     if over <= 0:
                         break
-                    if ik not in self.in_use:
+                    if ik not in self.in_use and (evictable is None or evictable[ledger.part_of_ik(ik)]):  # type: ignore[union-attr]
                         victims.append((ik, value))
                         over -= size_of(value)
             for ik, value in victims:
                 del self._lru[ik]
                 self._uncounted(ik)
-                self.used_bytes -= size_of(value)
+                _count(self, ik, -size_of(value), -1)
                 self._evicting.add(ik)
             if self._gone is not None:
                 self._gone.update(ik for ik, _ in victims)
@@ -209,7 +220,7 @@ class FileIndex:
                 return False
             self._lru.popitem(last=False)
             self._uncounted(ik)
-            self.used_bytes -= size_of(value)
+            _count(self, ik, -size_of(value), -1)
             self._evicting.add(ik)
             if self._gone is not None:
                 self._gone.add(ik)
@@ -238,7 +249,7 @@ class FileIndex:
                 if ik not in self._lru:
                     self._lru[ik] = value
                     self._lru.move_to_end(ik, last=False)
-                    self.used_bytes += size_of(value)
+                    _count(self, ik, size_of(value), 1)
                     self._counted(ik)
 
     def put_back(self, spared: Victims, removals: int) -> int:
@@ -253,7 +264,7 @@ class FileIndex:
                     freed += size_of(value)
                 elif ik not in self._lru and not self.marks.is_marked(ik, locked=True):
                     self._lru[ik] = value
-                    self.used_bytes += size_of(value)
+                    _count(self, ik, size_of(value), 1)
                     self._counted(ik)
         return freed
 
@@ -265,7 +276,7 @@ class FileIndex:
             self._removals += 1
             self._removed.append(prefix)
             for k in [k for k in self._lru if prefix is None or k[:NS_ID_BYTES] == prefix]:
-                self.used_bytes -= size_of(self._lru.pop(k))
+                _count(self, k, -size_of(self._lru.pop(k)), -1)
                 self._uncounted(k)
             if self._gone is not None:  # what a running start-up scan found here must not come back
                 self._cleared.add(ns)
@@ -284,7 +295,7 @@ class FileIndex:
                     continue
                 self._lru[ik] = value
                 self._lru.move_to_end(ik, last=False)
-                self.used_bytes += size_of(value)
+                _count(self, ik, size_of(value), 1)
                 self._counted(ik)
         return True
 
@@ -302,3 +313,11 @@ class FileIndex:
             return None
         recent = list(self._removed)[len(self._removed) - num :] if num else []
         return None if None in recent else {p for p in recent if p is not None}
+
+
+def _count(index: FileIndex, ik: bytes, num_bytes: int, num_files: int) -> None:
+    """`num_bytes` more (or fewer) indexed for `ik`, a file more (1), fewer (-1) or the same (0).
+    Caller holds the lock."""
+    index.used_bytes += num_bytes
+    if index.ledger is not None:
+        index.ledger.add(ik, num_bytes, num_files)

@@ -172,7 +172,7 @@ class Publisher:
         """Count `size` bytes in flight and evict until they fit; False if they never can."""
         if not self._capacity.reserve(size):
             return False
-        self._evictor.evict(lambda freed: self._capacity.excess(self._index.used_bytes))
+        self._evictor.evict(lambda freed: self._capacity.excess(self._index.counted_bytes))
         return True
 
     def _put(
@@ -188,14 +188,14 @@ class Publisher:
                 error = write(target)
         if error is not None and error.errno in _SPACE_ERRNOS:
             self._counters.space_errors += 1  # one an eviction cures does not hold off the recovery
-            self._evictor.evict_bytes(max(4 * size, self._index.used_bytes // 100))
+            self._evictor.evict_bytes(max(4 * size, self._index.counted_bytes // 100))
             target = self._paths.target(ns, key, self._dirs)
             error = write(target)
             if error is not None and error.errno in _SPACE_ERRNOS:  # given up: a miss later, never a lost entry
                 self._counters.space_errors += 1
                 self._capacity.no_room()
                 if self._scan_done.is_set():
-                    self._capacity.learn(self._index.used_bytes, size)
+                    self._capacity.learn(self._index.counted_bytes, size)
         if error is not None:
             self._dirs.discard(target.directory)
             return error

@@ -12,7 +12,7 @@ on disk for the nodes that read it.
 
 Also how the tier says its I/O errors (`ErrorLog`): each kind at most every WARN_EVERY_S.
 
-Primitives: `Reader.read_into`, `find_in_place`, `skip_untrusted`; `direct` (whether O_DIRECT is
+Primitives: `Reader.read_into`, `find_in_place`, `skip_untrusted`, `misses` (`MissCache`); `direct` (whether O_DIRECT is
 used: off for good once the file system refuses it); `ErrorLog.warn` (reads' and writes').
 Must not know: capacity, eviction, how files are written, the pool.
 """
@@ -41,6 +41,35 @@ TOUCH_EVERY_S = 60.0  # refresh a file's mtime (its LRU age across restarts) at 
 UNREADABLE_EIO_S = 60.0  # a file its device failed to read is a miss this long, then found again
 _REFUSED_ERRNOS = (errno.EACCES, errno.EPERM, errno.ENAMETOOLONG)
 WARN_EVERY_S = 600.0  # an I/O error of one kind (what failed, errno) is said at most this often
+MISS_S = 2.0  # in a cluster, a lookup that found no file is a miss this long without asking again
+MAX_MISSES = 1 << 16
+
+
+class MissCache:
+    """Lookups that found no file, each a miss for MISS_S without a round trip (in a root shared
+    by many nodes a `stat` is a round trip to a metadata server, and a prefix missed by many
+    requests would cost one per request). Bounded: past MAX_MISSES the oldest go. A write of the
+    key by this node indexes it, and the index is asked first; another node's write is seen
+    MISS_S late at most."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._until: dict[bytes, float] = {}
+
+    def missed(self, ik: bytes) -> bool:
+        until = self._until.get(ik)
+        if until is None:
+            return False
+        if until > self._clock():
+            return True
+        self._until.pop(ik, None)
+        return False
+
+    def add(self, ik: bytes) -> None:
+        if len(self._until) >= MAX_MISSES:
+            for old in list(self._until)[: MAX_MISSES // 4]:
+                self._until.pop(old, None)
+        self._until[ik] = self._clock() + MISS_S
 
 
 class ErrorLog:
@@ -81,6 +110,7 @@ class Reader:
         self._errors = errors
         self.direct = direct
         self._warned_newer = False
+        self.misses: MissCache | None = None  # a cluster's (`MissCache`); none on a root of one node
 
     def read_into(self, ns: str, key: bytes, dest: memoryview) -> bool:
         """Read and verify (ns, key) into `dest` (exactly the payload size). False is a miss; the
@@ -175,10 +205,15 @@ class Reader:
     def find_in_place(self, ns: str, key: bytes) -> bool:
         """Index the file of (ns, key) as used now, if one is there, of a size an index value
         holds (no KV file of ours is larger), counted for what it takes (`scan.counted_bytes`).
-        One `stat`: ask without holding a lock."""
+        One `stat` (none for a miss remembered, `misses`): ask without holding a lock."""
+        misses = self.misses
+        if misses is not None and misses.missed(ik := self._index.key(ns, key)):
+            return False
         try:
             st = self._paths.stat(ns, key)
-        except OSError:
+        except OSError as exc:
+            if misses is not None and exc.errno == errno.ENOENT:
+                misses.add(ik)
             return False
         if not tree.is_regular(st):  # a link, a FIFO...: never a hit
             self.skip_untrusted(ns, key, tree.Untrusted(self._paths.path_of(ns, key), tree.kind_of(st.st_mode)))

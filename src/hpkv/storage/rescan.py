@@ -108,7 +108,7 @@ class Rescan:
         with self._index.busy():  # what the walk found holds namespace numbers until it is merged
             added, gone = self._walk()
         index, capacity = self._index, self._capacity
-        self._evictor.evict(lambda freed: capacity.excess(index.used_bytes))
+        self._evictor.evict(lambda freed: capacity.excess(index.counted_bytes))
         return added, gone
 
     def _walk(self) -> tuple[int, int]:

@@ -70,6 +70,12 @@ class Retention:
             if oldest is None:
                 break
             ik, value = oldest
+            ledger = self._index.ledger
+            if ledger is not None and not ledger.may_evict(ik):  # a cluster: not this node's to remove now
+                if ledger.is_owned(ik):
+                    break  # its part held off, or this node fenced: a later pass
+                self._index.forget(ik)  # another node's to remove: a lookup finds it again by name
+                continue
             scanned, own_s = self._own_use_s(value)
             mtime_s = self._mtime(ik)
             if max(own_s, mtime_s) < cutoff_s:

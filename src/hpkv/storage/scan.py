@@ -13,7 +13,8 @@ A file found counts against the capacity for what it takes, not for the size it 
 (`counted_bytes`): a root other nodes can write may hold sparse files that declare gigabytes and
 take nothing, and counting those evicted every real entry.
 
-Primitives: `leaf_dirs`, `walk` -> `Found`, `remove_entries`, `counted_bytes`.
+Primitives: `leaf_dirs`, `walk` -> `Found`, `remove_entries`, `counted_bytes`, `is_namespace`,
+`remove_temp_if_dead`.
 Must not know: the index (its lock, its order), the pool, engines.
 """
 
@@ -73,7 +74,9 @@ def leaf_dirs(tree: Root, ns: str | None = None, skipped: Skipped | None = None)
     except OSError:
         return
     try:
-        for ns_name, ns_fd in _subdirs(root_fd, root, lambda n: n == ns if ns is not None else _is_ns(n), skipped):
+        for ns_name, ns_fd in _subdirs(
+            root_fd, root, lambda n: n == ns if ns is not None else is_namespace(n), skipped
+        ):
             ns_path = f"{root}/{ns_name}"
             try:
                 for d1, fd1 in _subdirs(ns_fd, ns_path, _is_fan, skipped):
@@ -114,7 +117,7 @@ def walk(
         for entry in leaf.entries:
             name = entry.name
             if name.endswith(".tmp"):
-                counters.temps_removed += _remove_temp_if_dead(leaf.fd, entry, node)
+                counters.temps_removed += remove_temp_if_dead(leaf.fd, entry, node)
                 continue
             if not name.endswith(".kv"):
                 continue
@@ -215,7 +218,7 @@ def _list(dir_fd: int) -> list[os.DirEntry] | None:
         return None
 
 
-def _remove_temp_if_dead(dir_fd: int, entry: os.DirEntry, node: str) -> int:
+def remove_temp_if_dead(dir_fd: int, entry: os.DirEntry, node: str) -> int:
     """1 if the temporary `entry` was removed. Its name says its writer (`.<key>.<node>.<pid>.<seq>.tmp`)."""
     parts = entry.name.split(".")
     try:
@@ -232,7 +235,7 @@ def _remove_temp_if_dead(dir_fd: int, entry: os.DirEntry, node: str) -> int:
     return 0
 
 
-def _is_ns(name: str) -> bool:
+def is_namespace(name: str) -> bool:
     return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
 
 

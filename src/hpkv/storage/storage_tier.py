@@ -36,12 +36,14 @@ from . import root as storage_root
 from . import scan, startup, tree
 from .budget import WriteBudget
 from .capacity import CapacityPolicy
+from .cluster import Cluster
 from .eviction import Evictor
 from .fileio import FileIO, FileTarget, direct_supported
 from .index import FileIndex
+from .members import Timing
 from .paths import EntryPaths
 from .publishing import Publisher
-from .reading import ErrorLog, Reader
+from .reading import ErrorLog, MissCache, Reader
 from .rescan import Rescan, shared_root
 from .retention import Retention
 
@@ -93,6 +95,8 @@ class StorageTier:
         self.rescan = Rescan(self.index, self.paths, self.evictor, self.capacity, self.counters, wall_clock)
         self._lock = self.index.lock  # held for long by evictions and removes
         self._shared_fs = False  # on a file system other nodes mount (`rescan`)
+        self.cluster: Cluster | None = None  # the root's parts split among the nodes sharing it (`cluster`)
+        self._clock, self._wall_clock = clock, wall_clock
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="hpkv-io")
 
     # -- life ---------------------------------------------------------------------------------
@@ -113,6 +117,18 @@ class StorageTier:
                 self.root,
             )
         self._shared_fs = self.evictor.shared = shared_root(self.root)  # others read there too
+        if self.config.cluster == "on" or (self.config.cluster == "auto" and self._shared_fs):
+            self.cluster = Cluster(
+                self.index,
+                self.paths,
+                self.evictor,
+                self.capacity,
+                self.counters,
+                Timing(self.config.lease_s),
+                self._wall_clock,
+                self._clock,
+            )
+            self.reader.misses = MissCache(self._clock)
         threading.Thread(target=self._scan, name="hpkv-storage-scan", daemon=True).start()
         if self.retention is not None:
             args = (self._stop, self.scan_done)
@@ -122,7 +138,17 @@ class StorageTier:
             self._retention_thread.start()
 
     def _scan(self) -> None:
-        """The start-up scan, then the walks that learn other nodes' files (`rescan`)."""
+        """The start-up scan, then the walks that learn other nodes' files (`rescan`); in a
+        cluster, the first pass over this node's parts, then the cluster's ticks and passes."""
+        if self.cluster is not None:
+            try:
+                self.cluster.join(self._stop)
+                self.cluster.pass_once()
+            except Exception:  # a thread's boundary: the cluster's thread tries again
+                log.exception("joining the nodes sharing %s failed; trying again", self.root)
+            self.scan_done.set()
+            self.cluster.run(self._stop)
+            return
         startup.rebuild(self.paths.tree, self.paths.node, self.index, self.capacity, self.evictor, self.counters)
         self.scan_done.set()
         self.rescan.run(self._shared_fs, self._stop, self._walk_soon)
@@ -135,6 +161,11 @@ class StorageTier:
         if wait and self._retention_thread is not None:
             self._retention_thread.join(timeout=10.0)  # a pass removes at most MAX_PER_PASS files
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
+        if self.cluster is not None and wait:  # else a pass may hold it in a system call: its lease expires
+            try:
+                self.cluster.leave()
+            except OSError:
+                pass  # its lease expires, and a live member reaps it
         if wait:  # else a thread may still be in a system call on it: the process is about to exit
             self.paths.close()
 
@@ -236,7 +267,10 @@ class StorageTier:
         inside the tree (`scan.remove_entries`). The number removed."""
         self.index.remove(ns)
         self.paths.tree.check()  # a root replaced: said, and not followed
-        return scan.remove_entries(self.paths.tree, ns)
+        num = scan.remove_entries(self.paths.tree, ns)
+        if self.cluster is not None:
+            self.cluster.bump_epoch()  # the other nodes' owners forget what they knew and list again
+        return num
 
     def stats(self) -> StorageStats:
         return StorageStats(
