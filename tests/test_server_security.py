@@ -185,6 +185,8 @@ class Hog:
     """A process of uid NOBODY that reserves `num_keys` through each of `num_clients` clients,
     reports how many it got, and keeps them until `let_go`."""
 
+    kept: list[Client] = []
+
     def __init__(self, node: Node, num_clients: int, num_keys: int) -> None:
         release_r, self._release = os.pipe()
         report_r, report_w = os.pipe()
@@ -211,8 +213,10 @@ class Hog:
     @staticmethod
     def _reserve(node: Node, num_clients: int, num_keys: int) -> list[int]:
         got = []
+        clients = Hog.kept = []  # kept open: a client dropped (by GC, at any time) drops its reservations
         for i in range(num_clients):
             client = Client(node.shm_dir, f"hog-{i}")  # as an engine: it would start a server if none answered
+            clients.append(client)
             ns = client.register(desc(0))
             res = client.reserve(ns, [entry_key(f"hog-{os.getpid()}-{i}", k) for k in range(num_keys)])
             got.append(sum(o is not None for o in res.offsets))
