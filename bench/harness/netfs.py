@@ -14,7 +14,7 @@ the way out, whatever happened inside. `why_not()` says in one line why this mac
 (not root, no FUSE, no apt...): the tests skip with it.
 
 GlusterFS: glusterd with a private working directory and CLI socket, bound to 127.0.0.1 (port
-24007 is fixed: one bed per machine at a time); its CLI refuses 127.0.0.1 as a brick host, so
+24007 is fixed: one bed per machine at a time, others wait on a lock); its CLI refuses 127.0.0.1 as a brick host, so
 the brick is named by the host name, which must resolve to a loopback address. MooseFS: every
 daemon and both clients in a private network namespace (10.77.0.1 on its loopback), entered with
 `nsenter --net` so the mounts stay visible to every process; the chunkserver refuses a 127.x
@@ -24,6 +24,7 @@ master.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -157,14 +158,39 @@ def _wait_shared(a: Path, b: Path, timeout_s: float) -> None:
 
 
 @contextlib.contextmanager
+def _bed_lock(name: str, timeout_s: float = 1800.0) -> Iterator[None]:
+    """One bed of `name` per machine at a time (GlusterFS's port is fixed): a second one, such as
+    `make test`'s other pytest session, waits for the first to be torn down."""
+    with open(Path(tempfile.gettempdir()) / f"hpkv-netfs-{name}.lock", "a+") as f:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"another {name} bed held this machine's for {timeout_s:.0f} s") from None
+                time.sleep(1.0)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
 def gluster(work: Path) -> Iterator[Shared]:
     """A one-brick GlusterFS volume with default options, mounted at work/a and work/b."""
     host = socket.gethostname()
     if not socket.gethostbyname(host).startswith("127."):
         raise RuntimeError(f"GlusterFS here needs the host name {host} to resolve to a loopback address")
-    with socket.socket() as s:
-        if s.connect_ex(("127.0.0.1", 24007)) == 0:
-            raise RuntimeError("port 24007 is taken (another glusterd runs): GlusterFS cannot start here")
+    with _bed_lock("glusterfs"):
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", 24007)) == 0:
+                raise RuntimeError("port 24007 is taken (another glusterd runs): GlusterFS cannot start here")
+        yield from _gluster(work, host)
+
+
+def _gluster(work: Path, host: str) -> Iterator[Shared]:
     for d in ("glusterd", "brick", "a", "b"):
         (work / d).mkdir(parents=True)
     sock = work / "glusterd.socket"
