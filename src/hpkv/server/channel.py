@@ -7,10 +7,12 @@ as a descriptor (never opened by name: a name can be swapped), reconnection with
 backoff up to MAX_RETRY_S (a server that cannot start must not cost a start-up a second), cut
 short once the server this channel lost is dead and another answers on the socket (looked at
 most every PROBE_S: a server restarted after a crash is used again within a second of answering,
-not after the backoff), the re-registering of known namespaces on a new connection, and the epoch, which bumps when a
-connection ends so handles made on it are known void. A connection the server closed for being
-idle (it answers `Error("idle")`, or takes no more bytes) is opened again at once, and a request
-it did not read is sent again, once (`_call`).
+not after the backoff), the re-registering of known namespaces on a new connection, and the
+epoch, which bumps when a connection ends so handles made on it are known void. A connection
+whose server ended while the client was idle, with another answering already, is replaced
+before the next call is sent (that call is the new server's, not a miss); one the server closed
+for being idle (it answers `Error("idle")`, or takes no more bytes) is opened again at once, and
+a request it did not read is sent again, once (`_call`).
 Primitives: `_call`/`_ask` (one request and its reply), `_drop`, `_region`, `_deadline`.
 Knows nothing of what the requests mean.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import select
 import socket
 import threading
 import time
@@ -152,7 +155,10 @@ class Channel:
 
     def _ensure(self) -> socket.socket:
         if self._sock is not None:
-            return self._sock
+            if not self._server_replaced(self._sock):
+                return self._sock
+            self._drop("the HPKV server of this connection ended, and another answers")
+            self._failures, self._retry_at = 0, 0.0  # no failure: the call goes to the new one now
         now = time.monotonic()
         if now < self._retry_at and not self._socket_renewed(now):
             raise ServerUnavailable(
@@ -240,6 +246,15 @@ class Channel:
         self._drop(message)
         raise ServerUnavailable(message)
 
+    def _server_replaced(self, sock: socket.socket) -> bool:
+        """Whether the server of `sock` closed it and is dead, and another answers on the socket
+        (restarted while this client was idle): a poll per call, the rest only then."""
+        try:
+            closed = _readable(sock) and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except OSError:
+            closed = True
+        return closed and not pid_running(self.server_pid) and answers(self.directory / p.SOCKET_NAME)
+
     def _socket_renewed(self, now: float) -> bool:
         """Whether the server this channel lost is dead and another answers on the socket:
         looked at most every PROBE_S, so a server that keeps failing to start costs a request a
@@ -321,6 +336,13 @@ class Channel:
         """When a handle asked for now stops being held: the server's time limit counts from
         when it got the request, later than now, so the client lets go first."""
         return time.monotonic() + self.slot_timeout_s if self.slot_timeout_s > 0 else math.inf
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether `sock` has bytes or an end to read now (between calls: only if its server closed it)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _told_idle(sock: socket.socket) -> bool:
