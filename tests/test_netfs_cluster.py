@@ -28,6 +28,9 @@ TIMING = Timing(LEASE_S)
 SLACK_S = 10.0  # a loaded two-core machine: ticks every second, passes and answers late
 
 
+pytestmark = pytest.mark.netfs
+
+
 @pytest.fixture(scope="module")
 def beds():
     with netfs_beds() as up:

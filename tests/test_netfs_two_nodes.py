@@ -28,6 +28,9 @@ ENTRY_FILE_BYTES = ENTRY_BYTES + 4096  # an upper bound on header + payload
 BIG = 1 << 30
 
 
+pytestmark = pytest.mark.netfs
+
+
 @pytest.fixture(scope="module")
 def beds():
     with netfs_beds() as up:
