@@ -51,7 +51,7 @@ cluster-libs:
 		else echo "the cluster tier needs$$missing (libibverbs.so.1, libnuma.so.1): install them" >&2; exit 1; fi; \
 	fi
 
-.PHONY: setup demo demo-sglang test test-core test-engine lint bench
+.PHONY: setup demo demo-sglang test test-vllm-engines test-rest test-core test-engine lint bench
 setup: $(STAMP) $(SGLANG_STAMP)
 
 demo: $(STAMP)
@@ -60,11 +60,19 @@ demo: $(STAMP)
 demo-sglang: $(SGLANG_STAMP)
 	PYTHONPATH=tests/sglang_cpu $(SGLANG_VENV)/bin/hpkv demo --engine sglang
 
-# Two pytest sessions side by side: the engine tests (they mostly wait on engine starts and
-# requests) with those on the machine's one network file system bed, and the rest, each one's
-# output shown as it ends (-O).
+# Two pytest sessions side by side, of about the same length: the vLLM engine tests (they mostly
+# wait on engine starts and requests), and the rest (the tests without an engine, SGLang's, and
+# every test on the machine's one network file system bed, which only one session may hold).
+# Each one's output is shown as it ends (-O), with its slowest tests.
+VLLM_ENGINES = engine and vllm and not sglang and not netfs
 test: lint $(SGLANG_STAMP)
-	$(MAKE) --no-print-directory -j2 -O test-engine test-core
+	$(MAKE) --no-print-directory -j2 -O test-vllm-engines test-rest
+
+test-vllm-engines: $(STAMP)
+	$(VENV)/bin/pytest -q --durations=10 -m "$(VLLM_ENGINES)"
+
+test-rest: $(STAMP) $(SGLANG_STAMP)
+	$(VENV)/bin/pytest -q --durations=10 -m "not ($(VLLM_ENGINES))"
 
 # Configured in pyproject.toml ([tool.ruff], [tool.mypy]).
 lint: $(STAMP)
@@ -72,8 +80,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check
 	$(VENV)/bin/mypy
 
-# Tests marked `engine` (pyproject.toml) start vLLM or SGLang, those marked `netfs` need the
-# GlusterFS/MooseFS bed (one per machine): test-engine runs both kinds, test-core the rest.
+# While working: the tests marked `engine` (pyproject.toml: they start vLLM or SGLang) and those
+# marked `netfs` (the GlusterFS/MooseFS bed, one per machine), or all the others.
 test-core: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not engine and not netfs"
 

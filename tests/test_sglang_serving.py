@@ -34,7 +34,7 @@ from helpers.waiting import wait_for
 from hpkv.demo.model import build_model, prompt_text
 from hpkv.server import protocol
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.sglang]
 
 LONG = 2000  # words, about one token each: above the documented 1204-token threshold
 SHORT = 600

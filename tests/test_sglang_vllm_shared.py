@@ -24,7 +24,7 @@ from helpers.server import kill_server, server_pid, server_stats
 from helpers.vllm import Engine, without_hpkv_environ
 from hpkv.demo.model import build_model, prompt_text
 
-pytestmark = [pytest.mark.engine, pytest.mark.vllm]
+pytestmark = [pytest.mark.engine, pytest.mark.vllm, pytest.mark.sglang]
 
 LONG = 2000
 

@@ -29,7 +29,7 @@ from helpers.storage import settled_files
 from helpers.two_nodes import two_nodes
 from hpkv.demo.model import build_model, prompt_text
 
-pytestmark = [pytest.mark.engine, pytest.mark.netfs]
+pytestmark = [pytest.mark.engine, pytest.mark.sglang, pytest.mark.netfs]
 
 
 def long_prompt(seed: int) -> str:
