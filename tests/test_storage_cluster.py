@@ -303,3 +303,45 @@ def test_a_pass_longer_than_the_lease_renews_as_it_goes(cluster):
     assert not a.cluster.members.fenced()
     b.cluster.tick()
     assert a.cluster.members.member in b.cluster.members.live()  # B never lost sight of A
+
+
+def test_stats_say_the_member_the_live_members_its_parts_its_pass_and_the_expiries_it_saw(cluster):
+    """What `hpkv status`, the metrics and `hpkv doctor` show of a node in the cluster."""
+    clock = cluster.clock
+    capacity = 1 << 30
+    a, b = cluster(capacity), cluster(capacity)
+    settle([a, b], clock)
+    assert a.cluster and b.cluster
+    written = fresh_keys(40)
+    for k in written:
+        assert write(b, k)
+    clock.advance(5.0)
+    a.cluster.pass_once()
+
+    s = a.stats().cluster
+    assert s is not None and b.stats().cluster is not None
+    assert s.member == a.cluster.members.member and s.lease_s == LEASE_S
+    assert s.live_members == sorted([a.cluster.members.member, b.cluster.members.member])
+    assert s.parts == PARTS and s.parts_owned + b.stats().cluster.parts_owned == PARTS  # type: ignore[union-attr]
+    assert s.parts_evictable == s.parts_owned and not s.fenced
+    assert s.capacity_share_bytes == int(capacity * s.parts_owned / PARTS)
+    mine = [k for k in written if a.cluster.ledger.owned[part_of(k)]]
+    assert s.owned_files == len(mine) and s.owned_bytes == len(mine) * file_bytes() and s.foreign_files == 0
+    assert s.renewals >= 3 and s.listings >= 3 and s.renew_failures == s.list_failures == 0
+    assert s.passes == 3 and s.pass_failures == 0  # at its start, in settle, and this one
+    assert s.last_pass_age_s == 0.0 and s.last_pass_s == 0.0  # the story's clock stood still during it
+    assert s.last_pass_dirs_statted >= len({part_of(k) for k in mine})
+    assert s.last_pass_dirs_listed >= 1 and s.last_pass_files_statted == s.last_pass_added == len(mine)
+    assert s.members_expired == s.leases_reaped == 0
+
+    waited = 0.0
+    while not a.cluster.ledger.evictable.all():  # B goes silent: A sees it expire, takes its parts, reaps its lease
+        step([a], clock)
+        waited += TIMING.renew_s
+        assert waited <= TIMING.takeover_s
+    step([a], clock, TIMING.hold_s)
+    s = a.stats().cluster
+    assert s is not None and s.live_members == [a.cluster.members.member] and s.parts_owned == PARTS
+    assert s.members_expired == 1 and s.leases_reaped == 1  # A owns part 0 now: it reaps
+    assert s.last_pass_age_s == clock() - a.cluster.last_pass[2]  # type: ignore[index]
+    assert b.stats().cluster.fenced  # type: ignore[union-attr]

@@ -54,9 +54,10 @@ MAX_FOREIGN_FILES = 1 << 16  # files of others' parts an index keeps (what this 
 
 @dataclass
 class PassResult:
-    dirs_statted: int = 0
-    dirs_listed: int = 0
-    added: int = 0
+    dirs_statted: int = 0  # leaf directories of its parts looked at
+    dirs_listed: int = 0  # of which listed
+    files_statted: int = 0  # names listed there that the index did not hold
+    added: int = 0  # files indexed
 
 
 class OwnerPass:
@@ -201,13 +202,15 @@ class OwnerPass:
             result.dirs_listed += 1
             self._listed[(ns, part)] = listed
             for entry in entries:
-                self._entry(ns, leaf_fd, entry, found, known_s)
+                self._entry(ns, leaf_fd, entry, found, known_s, result)
         except OSError:
             pass
         finally:
             os.close(leaf_fd)
 
-    def _entry(self, ns: str, leaf_fd: int, entry: os.DirEntry, found: scan.Found, known_s: float) -> None:
+    def _entry(
+        self, ns: str, leaf_fd: int, entry: os.DirEntry, found: scan.Found, known_s: float, result: PassResult
+    ) -> None:
         name, index = entry.name, self._index
         if name.endswith(".tmp"):
             self._counters.temps_removed += scan.remove_temp_if_dead(leaf_fd, entry, self._paths.node)
@@ -220,6 +223,7 @@ class OwnerPass:
             return
         if index.has(ik) or ik in index.marks or index.being_evicted(ik):
             return
+        result.files_statted += 1
         try:
             st = self._paths.io.stat_path(name, dir_fd=leaf_fd)
         except OSError as exc:

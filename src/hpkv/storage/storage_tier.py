@@ -285,4 +285,5 @@ class StorageTier:
             retention_s=self.config.retention_s,
             expired=self.retention.num_expired if self.retention is not None else 0,
             root_replaced=self.paths.tree.replaced,
+            cluster=self.cluster.stats() if self.cluster is not None else None,
         )
