@@ -18,6 +18,7 @@ from bench import shared_root_sim as sim
 from helpers.clock import FakeClock
 from helpers.config import make_storage_config
 from helpers.storage_stories import NS, file_bytes, key, payload, read, write
+from hpkv import clearing
 from hpkv.storage import cluster as cluster_mod
 from hpkv.storage.fileio import FileIO
 from hpkv.storage.members import Timing
@@ -271,6 +272,45 @@ def test_a_clear_on_one_node_makes_the_others_forget_and_list_again(cluster, sto
     step([a, b], clock, passes=True)
 
     assert len(a.index) == 0 and files_under(storage_dir) == []
+
+
+def clear_settings(storage_dir: Path):
+    """What `hpkv clear` reads of its settings: the storage's, the cluster on, another capacity."""
+    return type("Settings", (), {"storage": replace(make_storage_config(storage_dir, 1 << 20), cluster="on")})()
+
+
+def test_a_clear_without_a_server_joins_no_cluster_and_writes_no_capacity_for_the_servers_after_it(storage_dir):
+    """`hpkv clear --storage` with no server, on a root no cluster has used yet: it removes the
+    files and leaves no `cluster` directory (no lease, no usage, no epoch, and above all no
+    `cluster/config`, whose capacity every server started after it would take as the root's)."""
+    seed = StorageTier(make_storage_config(storage_dir, 1 << 30))
+    seed.start()
+    assert seed.scan_done.wait(30) and all(write(seed, k) for k in fresh_keys(3))
+    seed.close()
+
+    assert clearing.clear_storage_directly(clear_settings(storage_dir), None) == 3
+
+    assert files_under(storage_dir) == [] and not (storage_dir / "cluster").exists()
+
+
+def test_a_clear_without_a_server_makes_the_running_nodes_forget_and_list_again(cluster, storage_dir):
+    clock = cluster.clock
+    a = cluster(1 << 30)
+    settle([a], clock)
+    assert a.cluster is not None
+    for k in fresh_keys(20):
+        assert write(a, k)
+    config_before = (storage_dir / "cluster" / "config").read_bytes()
+    leases_before = sorted(p.name for p in (storage_dir / "cluster" / "members").iterdir())
+
+    assert clearing.clear_storage_directly(clear_settings(storage_dir), None) == 20
+    step([a], clock, passes=True)
+
+    assert len(a.index) == 0 and files_under(storage_dir) == []  # the epoch replaced: A forgot
+    assert (storage_dir / "cluster" / "config").read_bytes() == config_before
+    assert sorted(p.name for p in (storage_dir / "cluster" / "members").iterdir()) != leases_before  # A renewed
+    assert a.cluster.members.live() == (a.cluster.members.member,)  # and saw no other member come or go
+    assert a.stats().cluster.members_expired == 0  # type: ignore[union-attr]
 
 
 class SlowStats(FileIO):

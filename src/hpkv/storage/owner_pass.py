@@ -19,7 +19,9 @@ on any node) makes it forget everything and list its parts again.
 
 Only the owner unlinks in its parts (a clear, and a bad file found by a reader, aside): an index
 entry whose file is gone otherwise is found out by the eviction that takes it (its unlink fails:
-nothing is lost) or a read (a miss that forgets it).
+nothing is lost) or a read (a miss that forgets it); a pass never drops what its listings lack
+(that would need the index's keys of one leaf directory). docs/operations.md, "Files removed by
+others", gives the bound.
 
 Primitives: `OwnerPass.once` -> `PassResult`, `OwnerPass.forget_parts`.
 Must not know: how members are learned, how files are read or written, the pool.
