@@ -274,6 +274,46 @@ def test_a_clear_on_one_node_makes_the_others_forget_and_list_again(cluster, sto
     assert len(a.index) == 0 and files_under(storage_dir) == []
 
 
+def test_files_removed_by_others_in_a_nodes_parts_are_forgotten_at_its_next_pass(cluster):
+    """Only the owner unlinks in its parts, but a reader elsewhere that found a file bad, the
+    previous owner of a part gained, or a hand outside HPKV may remove one: the owner's next pass
+    lists the directory (its mtime changed), finds it holds fewer files than the index, and forgets
+    those gone, so they count against its share no longer and no lookup calls them hits."""
+    clock = cluster.clock
+    a, b = cluster(), cluster()
+    settle([a, b], clock)
+    assert a.cluster is not None and b.cluster is not None
+    in_a = keys_owned_by(a, 30)
+    for k in in_a:
+        assert write(b, k)  # B writes in A's parts
+    step([a, b], clock, passes=True)
+    assert all(a.indexed(NS, k) for k in in_a)
+    for k in in_a[:10]:
+        os.unlink(a.paths.path_of(NS, k))  # removed by another hand
+    stale = a.stats().stale_entries
+
+    step([a, b], clock, passes=True)
+
+    assert not any(a.indexed(NS, k) for k in in_a[:10]) and all(a.indexed(NS, k) for k in in_a[10:])
+    assert a.cluster.last_pass is not None and a.cluster.last_pass[0].gone == 10
+    assert a.stats().stale_entries == stale + 10
+    assert a.stats().cluster.owned_files == 20  # type: ignore[union-attr]
+
+    # A part gained: what A indexed there as another's files (read lately) and its owner evicted
+    # since is forgotten at A's first pass over it.
+    in_b = keys_owned_by(b, 10, seed=1)
+    for k in in_b:
+        assert write(b, k) and a.contains(NS, k)  # a lookup on A found it: A indexes it
+    assert all(a.indexed(NS, k) for k in in_b)
+    for k in in_b[:4]:
+        os.unlink(a.paths.path_of(NS, k))  # B evicts them, then goes silent
+    while not a.cluster.ledger.evictable.all():
+        step([a], clock)
+    a.cluster.pass_once()
+    assert not any(a.indexed(NS, k) for k in in_b[:4]) and all(a.indexed(NS, k) for k in in_b[4:])
+    assert a.stats().cluster.owned_files == 26  # type: ignore[union-attr]
+
+
 def clear_settings(storage_dir: Path):
     """What `hpkv clear` reads of its settings: the storage's, the cluster on, another capacity."""
     return type("Settings", (), {"storage": replace(make_storage_config(storage_dir, 1 << 20), cluster="on")})()

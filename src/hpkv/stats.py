@@ -163,6 +163,7 @@ class StorageClusterStats(msgspec.Struct):
     last_pass_dirs_listed: int  # of which listed (changed since they were last listed)
     last_pass_files_statted: int  # names found there that it did not index (one `lstat` each)
     last_pass_added: int  # files it indexed
+    last_pass_gone: int = 0  # indexed files it found removed by others, and forgot
 
 
 class StorageStats(msgspec.Struct):

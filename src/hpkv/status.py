@@ -188,7 +188,7 @@ def _last_pass(c: StorageClusterStats) -> str:
     return (
         f"{human_duration(c.last_pass_age_s)} ago, took {c.last_pass_s:.1f} s: {c.last_pass_dirs_statted} leaf "
         f"directories looked at, {c.last_pass_dirs_listed} listed, {c.last_pass_files_statted} names looked "
-        f"up, {c.last_pass_added} files indexed ({runs})"
+        f"up, {c.last_pass_added} files indexed, {c.last_pass_gone} found removed by others ({runs})"
     )
 
 

@@ -136,6 +136,11 @@ _STORAGE_CLUSTER_GAUGES: tuple[tuple[str, str | None, str], ...] = (
         "last_pass_files_statted",
         "Names the last pass looked up (found listed and not indexed).",
     ),
+    (
+        "storage_cluster_last_pass_gone",
+        "last_pass_gone",
+        "Indexed files the last pass found removed by others in this node's parts (forgotten).",
+    ),
 )
 
 

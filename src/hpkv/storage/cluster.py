@@ -209,6 +209,7 @@ class Cluster:
             last_pass_dirs_listed=result.dirs_listed,
             last_pass_files_statted=result.files_statted,
             last_pass_added=result.added,
+            last_pass_gone=result.gone,
         )
 
     def bump_epoch(self) -> None:
