@@ -385,6 +385,29 @@ def test_a_pass_longer_than_the_lease_renews_as_it_goes(cluster):
     assert a.cluster.members.member in b.cluster.members.live()  # B never lost sight of A
 
 
+def test_a_pass_skips_the_parts_it_gives_away_as_members_join_during_it(cluster):
+    """A node started alone passes over every part; nodes that join meanwhile take theirs, and
+    the pass looks at those no more (a start-up where the nodes come up a few seconds apart)."""
+    clock = cluster.clock
+    io = SlowStats(clock, 0.0004)  # a pass of 65,536 `stat`s: 26 s, within B's first lease in A's view
+    a = cluster(io=io)
+    settle([a], clock)
+    assert a.cluster is not None and a.cluster.ledger.owned.all()
+    for k in covering(a):  # a file under every first-level directory: a pass stats each of the 65,536 parts
+        assert write(a, k)
+    b = cluster()  # joins: A's heartbeats list the members again once a renewal is due, 10 s in
+    assert b.cluster is not None
+
+    io.slow = True
+    result = a.cluster.pass_once()
+    io.slow = False
+
+    share = a.cluster.ledger.share()
+    assert 0.4 < share < 0.6  # B's parts went to B during the pass
+    seen_before = TIMING.renew_s / 0.0004  # parts statted before A's view gave B its parts
+    assert result.dirs_statted < seen_before + 1.1 * share * (PARTS - seen_before)
+
+
 def test_stats_say_the_member_the_live_members_its_parts_its_pass_and_the_expiries_it_saw(cluster):
     """What `hpkv status`, the metrics and `hpkv doctor` show of a node in the cluster."""
     clock = cluster.clock

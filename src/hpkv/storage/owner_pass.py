@@ -2,7 +2,8 @@
 in the parts it owns (`parts`), instead of walking the whole root.
 
 A pass lists the root for its namespaces, then, in each namespace, lists the first fan-out level
-(`<ab>`) and `stat`s the leaf directory of each part this node owns under those there are; it
+(`<ab>`) and `stat`s the leaf directory of each part this node owns under those there are (a part
+given away during the pass, as its heartbeats see members join, is skipped from then on); it
 lists those whose mtime changed since it listed them (an entry added or removed changes it),
 and each once more at least MAX_LAG_S after such a listing before it trusts that mtime (a
 listing that lagged, or a change within the mtime's granularity: seen by the second listing,
@@ -117,6 +118,8 @@ class OwnerPass:
                     for num, part in enumerate(own):
                         if num % HEARTBEAT_PARTS == 0:
                             heartbeat()
+                        if not self._ledger.owned[part]:
+                            continue  # given away since the pass began (a heartbeat saw members join): its owner's now
                         if part >> 8 in tops:
                             self._part(ns, ns_fd, part, found, known_s, result, suspects)
                         else:
