@@ -10,8 +10,11 @@ the two mounts. Then, today: one tier's start-up walk and one walk again (`resca
 entries and memory. The cluster: N tiers (processes, alternating between the two mounts), each
 its start-up (join and first pass over its parts), its index's entries and memory, then, once
 every part is evictable, `--passes` passes each with the metadata operations they made through
-the storage I/O seam (listings, `stat`s by name); and how long a lookup on node 1 takes to find
-a file node 0 just wrote. Prints one JSON object; slow (minutes at 500,000 files on GlusterFS).
+the storage I/O seam (listings, `stat`s by name: the node's own thread may pass too meanwhile,
+so a pass's own figures are its `PassResult` and its length as the cluster recorded it, after
+any wait for the other pass), and what the membership saw (members expired, renewals failed);
+and how long a lookup on node 1 takes to find a file node 0 just wrote. Prints one JSON object;
+slow (minutes at 500,000 files on GlusterFS).
 """
 
 from __future__ import annotations
@@ -151,15 +154,25 @@ def node(root: Path, nodes: int, passes: int, conn) -> None:
         io.listings = io.stats = 0
         started = time.monotonic()
         result = cluster.pass_once()
+        assert cluster.last_pass is not None
         report["passes"].append(
             {
-                "s": time.monotonic() - started,
-                "listings": io.listings,
-                "stats": io.stats,
+                "s": cluster.last_pass[1],
+                "call_s": time.monotonic() - started,
+                "dirs_statted": result.dirs_statted,
                 "dirs_listed": result.dirs_listed,
+                "files_statted": result.files_statted,
+                "listings_during_call": io.listings,
+                "stats_during_call": io.stats,
             }
         )
     report["indexed_after"] = len(tier.index)
+    seen = tier.stats().cluster
+    assert seen is not None
+    report["membership"] = {
+        k: getattr(seen, k)
+        for k in ("members_expired", "members_back", "renew_failures", "list_failures", "lease_remade", "passes")
+    }
     say(f"node {os.getpid()}", report)
     conn.send(report)
     while True:

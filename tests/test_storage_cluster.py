@@ -18,6 +18,7 @@ from bench import shared_root_sim as sim
 from helpers.clock import FakeClock
 from helpers.config import make_storage_config
 from helpers.storage_stories import NS, file_bytes, key, payload, read, write
+from hpkv import clearing
 from hpkv.storage import cluster as cluster_mod
 from hpkv.storage.fileio import FileIO
 from hpkv.storage.members import Timing
@@ -273,6 +274,85 @@ def test_a_clear_on_one_node_makes_the_others_forget_and_list_again(cluster, sto
     assert len(a.index) == 0 and files_under(storage_dir) == []
 
 
+def test_files_removed_by_others_in_a_nodes_parts_are_forgotten_at_its_next_pass(cluster):
+    """Only the owner unlinks in its parts, but a reader elsewhere that found a file bad, the
+    previous owner of a part gained, or a hand outside HPKV may remove one: the owner's next pass
+    lists the directory (its mtime changed), finds it holds fewer files than the index, and forgets
+    those gone, so they count against its share no longer and no lookup calls them hits."""
+    clock = cluster.clock
+    a, b = cluster(), cluster()
+    settle([a, b], clock)
+    assert a.cluster is not None and b.cluster is not None
+    in_a = keys_owned_by(a, 30)
+    for k in in_a:
+        assert write(b, k)  # B writes in A's parts
+    step([a, b], clock, passes=True)
+    assert all(a.indexed(NS, k) for k in in_a)
+    for k in in_a[:10]:
+        os.unlink(a.paths.path_of(NS, k))  # removed by another hand
+    stale = a.stats().stale_entries
+
+    step([a, b], clock, passes=True)
+
+    assert not any(a.indexed(NS, k) for k in in_a[:10]) and all(a.indexed(NS, k) for k in in_a[10:])
+    assert a.cluster.last_pass is not None and a.cluster.last_pass[0].gone == 10
+    assert a.stats().stale_entries == stale + 10
+    assert a.stats().cluster.owned_files == 20  # type: ignore[union-attr]
+
+    # A part gained: what A indexed there as another's files (read lately) and its owner evicted
+    # since is forgotten at A's first pass over it.
+    in_b = keys_owned_by(b, 10, seed=1)
+    for k in in_b:
+        assert write(b, k) and a.contains(NS, k)  # a lookup on A found it: A indexes it
+    assert all(a.indexed(NS, k) for k in in_b)
+    for k in in_b[:4]:
+        os.unlink(a.paths.path_of(NS, k))  # B evicts them, then goes silent
+    while not a.cluster.ledger.evictable.all():
+        step([a], clock)
+    a.cluster.pass_once()
+    assert not any(a.indexed(NS, k) for k in in_b[:4]) and all(a.indexed(NS, k) for k in in_b[4:])
+    assert a.stats().cluster.owned_files == 26  # type: ignore[union-attr]
+
+
+def clear_settings(storage_dir: Path):
+    """What `hpkv clear` reads of its settings: the storage's, the cluster on, another capacity."""
+    return type("Settings", (), {"storage": replace(make_storage_config(storage_dir, 1 << 20), cluster="on")})()
+
+
+def test_a_clear_without_a_server_joins_no_cluster_and_writes_no_capacity_for_the_servers_after_it(storage_dir):
+    """`hpkv clear --storage` with no server, on a root no cluster has used yet: it removes the
+    files and leaves no `cluster` directory (no lease, no usage, no epoch, and above all no
+    `cluster/config`, whose capacity every server started after it would take as the root's)."""
+    seed = StorageTier(make_storage_config(storage_dir, 1 << 30))
+    seed.start()
+    assert seed.scan_done.wait(30) and all(write(seed, k) for k in fresh_keys(3))
+    seed.close()
+
+    assert clearing.clear_storage_directly(clear_settings(storage_dir), None) == 3
+
+    assert files_under(storage_dir) == [] and not (storage_dir / "cluster").exists()
+
+
+def test_a_clear_without_a_server_makes_the_running_nodes_forget_and_list_again(cluster, storage_dir):
+    clock = cluster.clock
+    a = cluster(1 << 30)
+    settle([a], clock)
+    assert a.cluster is not None
+    for k in fresh_keys(20):
+        assert write(a, k)
+    config_before = (storage_dir / "cluster" / "config").read_bytes()
+    leases_before = sorted(p.name for p in (storage_dir / "cluster" / "members").iterdir())
+
+    assert clearing.clear_storage_directly(clear_settings(storage_dir), None) == 20
+    step([a], clock, passes=True)
+
+    assert len(a.index) == 0 and files_under(storage_dir) == []  # the epoch replaced: A forgot
+    assert (storage_dir / "cluster" / "config").read_bytes() == config_before
+    assert sorted(p.name for p in (storage_dir / "cluster" / "members").iterdir()) != leases_before  # A renewed
+    assert a.cluster.members.live() == (a.cluster.members.member,)  # and saw no other member come or go
+    assert a.stats().cluster.members_expired == 0  # type: ignore[union-attr]
+
+
 class SlowStats(FileIO):
     """Each `stat` by name takes `seconds` of the story's clock: a slow metadata server."""
 
@@ -303,3 +383,68 @@ def test_a_pass_longer_than_the_lease_renews_as_it_goes(cluster):
     assert not a.cluster.members.fenced()
     b.cluster.tick()
     assert a.cluster.members.member in b.cluster.members.live()  # B never lost sight of A
+
+
+def test_a_pass_skips_the_parts_it_gives_away_as_members_join_during_it(cluster):
+    """A node started alone passes over every part; nodes that join meanwhile take theirs, and
+    the pass looks at those no more (a start-up where the nodes come up a few seconds apart)."""
+    clock = cluster.clock
+    io = SlowStats(clock, 0.0004)  # a pass of 65,536 `stat`s: 26 s, within B's first lease in A's view
+    a = cluster(io=io)
+    settle([a], clock)
+    assert a.cluster is not None and a.cluster.ledger.owned.all()
+    for k in covering(a):  # a file under every first-level directory: a pass stats each of the 65,536 parts
+        assert write(a, k)
+    b = cluster()  # joins: A's heartbeats list the members again once a renewal is due, 10 s in
+    assert b.cluster is not None
+
+    io.slow = True
+    result = a.cluster.pass_once()
+    io.slow = False
+
+    share = a.cluster.ledger.share()
+    assert 0.4 < share < 0.6  # B's parts went to B during the pass
+    seen_before = TIMING.renew_s / 0.0004  # parts statted before A's view gave B its parts
+    assert result.dirs_statted < seen_before + 1.1 * share * (PARTS - seen_before)
+
+
+def test_stats_say_the_member_the_live_members_its_parts_its_pass_and_the_expiries_it_saw(cluster):
+    """What `hpkv status`, the metrics and `hpkv doctor` show of a node in the cluster."""
+    clock = cluster.clock
+    capacity = 1 << 30
+    a, b = cluster(capacity), cluster(capacity)
+    settle([a, b], clock)
+    assert a.cluster and b.cluster
+    written = fresh_keys(40)
+    for k in written:
+        assert write(b, k)
+    clock.advance(5.0)
+    a.cluster.pass_once()
+
+    s = a.stats().cluster
+    assert s is not None and b.stats().cluster is not None
+    assert s.member == a.cluster.members.member and s.lease_s == LEASE_S
+    assert s.live_members == sorted([a.cluster.members.member, b.cluster.members.member])
+    assert s.parts == PARTS and s.parts_owned + b.stats().cluster.parts_owned == PARTS  # type: ignore[union-attr]
+    assert s.parts_evictable == s.parts_owned and not s.fenced
+    assert s.capacity_share_bytes == int(capacity * s.parts_owned / PARTS)
+    mine = [k for k in written if a.cluster.ledger.owned[part_of(k)]]
+    assert s.owned_files == len(mine) and s.owned_bytes == len(mine) * file_bytes() and s.foreign_files == 0
+    assert s.renewals >= 3 and s.listings >= 3 and s.renew_failures == s.list_failures == 0
+    assert s.passes == 3 and s.pass_failures == 0  # at its start, in settle, and this one
+    assert s.last_pass_age_s == 0.0 and s.last_pass_s == 0.0  # the story's clock stood still during it
+    assert s.last_pass_dirs_statted >= len({part_of(k) for k in mine})
+    assert s.last_pass_dirs_listed >= 1 and s.last_pass_files_statted == s.last_pass_added == len(mine)
+    assert s.members_expired == s.leases_reaped == 0
+
+    waited = 0.0
+    while not a.cluster.ledger.evictable.all():  # B goes silent: A sees it expire, takes its parts, reaps its lease
+        step([a], clock)
+        waited += TIMING.renew_s
+        assert waited <= TIMING.takeover_s
+    step([a], clock, TIMING.hold_s)
+    s = a.stats().cluster
+    assert s is not None and s.live_members == [a.cluster.members.member] and s.parts_owned == PARTS
+    assert s.members_expired == 1 and s.leases_reaped == 1  # A owns part 0 now: it reaps
+    assert s.last_pass_age_s == clock() - a.cluster.last_pass[2]  # type: ignore[index]
+    assert b.stats().cluster.fenced  # type: ignore[union-attr]

@@ -24,6 +24,7 @@ from helpers.waiting import wait_for
 from hpkv import clearing
 from hpkv.doctor import Verdict, run_checks
 from hpkv.storage import format as fmt
+from hpkv.storage import storage_tier as storage_tier_mod
 from hpkv.storage.storage_tier import StorageTier
 from test_store import desc, keys, only_in_storage, open_store  # noqa: F401 (a fixture)
 from test_store import payload as store_payload
@@ -97,14 +98,14 @@ def test_clear_without_a_server_does_not_follow_a_root_replaced_after_it_opened_
     assert all(write(seed, k) for k in ks)
     seed.close()
     victims: list[Path] = []
-    start = StorageTier.start
+    remove_entries = storage_tier_mod.scan.remove_entries
 
-    def start_then_replaced(self, *args, **kwargs):
-        start(self, *args, **kwargs)
+    def replaced_then_removed(root, ns=None):  # the clear opened the root; then it is replaced
         moved, elsewhere = replace_root(storage_dir, tmp_path)
         victims.extend(plant(elsewhere, ks))
+        return remove_entries(root, ns)
 
-    monkeypatch.setattr(StorageTier, "start", start_then_replaced)
+    monkeypatch.setattr(storage_tier_mod.scan, "remove_entries", replaced_then_removed)
     settings = type("Settings", (), {"storage": make_storage_config(storage_dir, None)})()
 
     assert clearing.clear_storage_directly(settings, None) == 3  # type: ignore[arg-type]

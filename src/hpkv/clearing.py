@@ -102,17 +102,13 @@ def model_namespaces(name: str, server_descs: Mapping[str, str], storage_path: P
 
 
 def clear_storage_directly(settings: Settings, ns: str | None) -> int | None:
-    """Remove the entry files (of `ns`) with no server; None when the directory does not exist."""
-    from .storage.storage_tier import StorageTier
+    """Remove the entry files (of `ns`) with no server (`storage_tier.remove_without_tier`: no
+    tier started, no lease in a cluster); None when the directory does not exist."""
+    from .storage.storage_tier import remove_without_tier
 
     if not Path(settings.storage.path).is_dir():
         return None
-    tier = StorageTier(settings.storage)
-    tier.start()
-    try:
-        return tier.remove(ns)
-    finally:
-        tier.close()
+    return remove_without_tier(settings.storage, ns)
 
 
 def _model_of(ns: str, desc: str) -> str | None:

@@ -1,12 +1,13 @@
 """The schema of a server's stats snapshot: what `Server.stats()` builds and `Client.stats()` returns.
 
 Owns: one msgspec Struct per component (`StoreCounters`, `DramStats`, `StorageStats`,
-`WriteBacklogStats`, `WriterStats`, `ClusterStats`, `LimitStats`, `NamespaceSummary`, `NamespaceStats`, `ClientStats`,
-`ServerInfo`), each returned by its component's `stats()`, and the counters components count
-into (`StoreCounters` itself, `NamespaceHits`, `StorageCounters`); `StoreStats` (the store's) and the
-whole `ServerStats` (the store's and the server's); `from_wire` (the client's conversion) and
-`from_parts` (the strict one: a field the schema lacks fails too). Field names are the wire's: the snapshot
-crosses the socket as a plain map, so a struct is renamed only with the protocol version.
+`StorageClusterStats`, `WriteBacklogStats`, `WriterStats`, `ClusterStats`, `LimitStats`,
+`NamespaceSummary`, `NamespaceStats`, `ClientStats`, `ServerInfo`), each returned by its
+component's `stats()`, and the counters components count into (`StoreCounters` itself,
+`NamespaceHits`, `StorageCounters`); `StoreStats` (the store's) and the whole `ServerStats` (the
+store's and the server's); `from_wire` (the client's conversion) and `from_parts` (the strict one:
+a field the schema lacks fails too). Field names are the wire's: the snapshot crosses the socket
+as a plain map, so a struct is renamed only with the protocol version.
 
 Engine processes read stats through `Client.stats()`, so this module imports nothing server-side.
 """
@@ -130,6 +131,41 @@ class ClusterStats(msgspec.Struct):
     segment_pid: int | None = None  # the process contributing this node's segment, while it runs
 
 
+class StorageClusterStats(msgspec.Struct):
+    """A storage root shared by a cluster of nodes (HPKV_KV_STORAGE_CLUSTER, `storage/cluster.py`):
+    this node's view of it. Ages are seconds before the snapshot (None: never)."""
+
+    member: str  # this server's lease name in <path>/cluster/members (host and incarnation)
+    lease_s: float  # HPKV_KV_STORAGE_LEASE
+    live_members: list[str]  # the members live in this node's view, sorted (this one among them)
+    parts: int  # parts of the key space in all (65,536)
+    parts_owned: int  # this node's, by rendezvous hashing over `live_members`
+    parts_evictable: int  # owned for the hold already (the others evict in a part gained only after it)
+    fenced: bool  # this node evicts nothing: its last renewal or listing of the members is too old
+    capacity_share_bytes: int  # the root's capacity x parts_owned / parts: what this node holds its parts to
+    owned_bytes: int  # indexed in its parts (what counts against capacity_share_bytes)
+    owned_files: int
+    foreign_files: int  # indexed in others' parts: what it wrote or read lately (at most 65,536)
+    renewals: int  # of its lease (a rename every third of the lease)
+    renew_failures: int
+    lease_remade: int  # its lease found gone (reaped while it stalled) and made again
+    listings: int  # of the members
+    list_failures: int
+    members_expired: int  # members this node saw go silent past the lease (their parts taken over)
+    members_back: int  # expired members seen renewing again (a stall that ended)
+    leases_reaped: int  # expired members' leases this node removed (as the owner of part 0)
+    last_renew_age_s: float | None
+    passes: int  # over its parts (`storage/owner_pass.py`)
+    pass_failures: int
+    last_pass_age_s: float | None  # since the last pass ended
+    last_pass_s: float | None  # how long it took
+    last_pass_dirs_statted: int  # leaf directories of its parts looked at (one `stat` each)
+    last_pass_dirs_listed: int  # of which listed (changed since they were last listed)
+    last_pass_files_statted: int  # names found there that it did not index (one `lstat` each)
+    last_pass_added: int  # files it indexed
+    last_pass_gone: int = 0  # indexed files it found removed by others, and forgot
+
+
 class StorageStats(msgspec.Struct):
     """The storage tier's."""
 
@@ -157,6 +193,7 @@ class StorageStats(msgspec.Struct):
     expired: int = 0  # files removed for being unused longer than the retention
     stale_entries: int = 0  # indexed files found gone (another server or node removed them): forgotten
     root_replaced: str | None = None  # the storage directory was moved away under the server: what, and the fix
+    cluster: StorageClusterStats | None = None  # None: the root is not shared as a cluster (HPKV_KV_STORAGE_CLUSTER)
 
 
 class WriteBacklogStats(msgspec.Struct):

@@ -14,11 +14,12 @@ from rich.table import Table
 from rich.text import Text
 
 from .fsinfo import mount_of
-from .stats import DramStats, ServerStats, StorageStats
+from .stats import DramStats, ServerStats, StorageClusterStats, StorageStats
 from .units import human_bytes, short_duration
 
 NS_PREFIX_CHARS = 12
 STATUS_NAMESPACES = 50  # the table shows this many namespaces, the most looked up (`--json`: all)
+MEMBERS_SHOWN = 8  # live members named in the storage cluster's table (`--json`: all)
 
 
 def human_duration(seconds: float) -> str:
@@ -41,6 +42,8 @@ def hit_rate(hit_keys: int, lookup_keys: int) -> str:
 
 def print_status(stats: ServerStats, console: Console) -> None:
     console.print(_tiers_table(stats))
+    if stats.storage is not None and stats.storage.cluster is not None:
+        console.print(_storage_cluster_table(stats.storage, stats.storage.cluster))
     console.print(_namespaces_table(stats))
     summary = stats.namespace_summary
     if summary.total > len(stats.namespaces) or summary.refused:
@@ -138,6 +141,55 @@ def _cluster_row(stats: ServerStats) -> tuple[str | Text, ...] | None:
         state += f", segment process {c.segment_pid}" if c.segment_pid else ", segment process NOT RUNNING"
     written = f"{human_bytes(c.bytes_written)} written"
     return ("cluster", Text(c.master), human_bytes(c.segment_bytes), written, str(c.objects_written), "-", state)
+
+
+def _storage_cluster_table(storage: StorageStats, c: StorageClusterStats) -> Table:
+    """The storage root shared as a cluster (HPKV_KV_STORAGE_CLUSTER): this node's member, the
+    members it sees, its parts, its usage against its share of the capacity, its last pass."""
+    table = Table(title="storage cluster (this node's view)", title_justify="left", show_header=False)
+    table.add_column("what", no_wrap=True)
+    table.add_column("value")
+    renewed = "never renewed" if c.last_renew_age_s is None else f"renewed {human_duration(c.last_renew_age_s)} ago"
+    shown = ", ".join(c.live_members[:MEMBERS_SHOWN])
+    more = f" and {len(c.live_members) - MEMBERS_SHOWN} more" if len(c.live_members) > MEMBERS_SHOWN else ""
+    parts = f"{c.parts_owned} of {c.parts} ({100.0 * c.parts_owned / c.parts:.1f}%), {c.parts_evictable} evictable"
+    if c.fenced:
+        parts += ", FENCED: it evicts nothing until it renews its lease and lists the members again"
+    share = 100.0 * c.owned_bytes / c.capacity_share_bytes if c.capacity_share_bytes else 0.0
+    rows = (
+        (
+            "member",
+            f"{c.member}, lease {c.lease_s:g} s, {renewed} ({c.renewals} renewals, {c.renew_failures} failed, "
+            f"{c.lease_remade} made again after a stall)",
+        ),
+        (
+            "live members",
+            f"{len(c.live_members)}: {shown}{more}; {c.members_expired} seen expire, {c.members_back} back "
+            f"after a stall, {c.leases_reaped} leases reaped; {c.listings} listings, {c.list_failures} failed",
+        ),
+        ("parts owned", parts),
+        (
+            "usage",
+            f"{human_bytes(c.owned_bytes)} in {c.owned_files} files in its parts, {share:.1f}% of its share "
+            f"{human_bytes(c.capacity_share_bytes)} of the root's {human_bytes(storage.capacity_bytes)}; "
+            f"{c.foreign_files} files of others' parts indexed (what it wrote or read lately)",
+        ),
+        ("last pass", _last_pass(c)),
+    )
+    for what, value in rows:
+        table.add_row(what, Text(value))
+    return table
+
+
+def _last_pass(c: StorageClusterStats) -> str:
+    runs = f"{c.passes} passes, {c.pass_failures} failed"
+    if c.last_pass_age_s is None or c.last_pass_s is None:
+        return f"none yet ({runs})"
+    return (
+        f"{human_duration(c.last_pass_age_s)} ago, took {c.last_pass_s:.1f} s: {c.last_pass_dirs_statted} leaf "
+        f"directories looked at, {c.last_pass_dirs_listed} listed, {c.last_pass_files_statted} names looked "
+        f"up, {c.last_pass_added} files indexed, {c.last_pass_gone} found removed by others ({runs})"
+    )
 
 
 def _storage_state(stats: ServerStats, storage: StorageStats) -> str:

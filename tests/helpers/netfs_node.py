@@ -20,6 +20,8 @@ import threading
 import time
 import traceback
 
+import msgspec
+
 from helpers.keys import entry_keys, payload
 
 ENTRY_BYTES = 64 << 10
@@ -181,8 +183,7 @@ class NodeLoop:
 
 
 def _stats(tier) -> dict:
-    s = tier.stats()
-    return {f: getattr(s, f) for f in s.__struct_fields__}
+    return msgspec.to_builtins(tier.stats())
 
 
 def main() -> None:

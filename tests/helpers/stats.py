@@ -68,6 +68,7 @@ ZERO_STORAGE: dict = {name: 0 for name in stats.StorageStats.__struct_fields__} 
     "write_budget_bytes": None,
     "write_budget_available_bytes": None,
     "root_replaced": None,
+    "cluster": None,
 }
 
 

@@ -34,10 +34,10 @@ def check_shared_storage(storage: StorageConfig) -> list[Check]:
     if not rescan.on_shared_fs(mount):
         return []
     where = f"{path} is on {mount.fs_type} ({mount.source}), which other nodes may mount"
-    return [_probe(path, where), _host_name()]
+    return [_probe(path, where, storage.cluster), _host_name()]
 
 
-def _probe(path: Path, where: str) -> Check:
+def _probe(path: Path, where: str, cluster: str) -> Check:
     name = "storage directory: shared by nodes"
     error = _rename_round_trip(path)
     if error is not None:
@@ -48,12 +48,21 @@ def _probe(path: Path, where: str) -> Check:
             "and a read of the whole new file after it",
             "use a mount that provides them (no client-side write-back that delays renames), or a local SSD",
         )
+    works = f"{where}: exclusive create, rename over a name and read-after-rename work"
+    if cluster == "off":
+        return Check(
+            name,
+            Verdict.OK,
+            f"{works}; each server walks the directory every {rescan.RESCAN_S:.0f} s or more to count other "
+            "nodes' files against its capacity (HPKV_KV_STORAGE_CLUSTER=off; set the same "
+            "HPKV_KV_STORAGE_SIZE on every node)",
+        )
     return Check(
         name,
         Verdict.OK,
-        f"{where}: exclusive create, rename over a name and read-after-rename work; each server walks "
-        f"the directory every {rescan.RESCAN_S:.0f} s or more to count other nodes' files against its "
-        "capacity (set the same HPKV_KV_STORAGE_SIZE on every node)",
+        f"{works}; the servers sharing it form a cluster (HPKV_KV_STORAGE_CLUSTER={cluster}): each indexes "
+        "and evicts only its share of the parts, the first server's HPKV_KV_STORAGE_SIZE holds for all "
+        "(set the same HPKV_KV_STORAGE_CLUSTER and HPKV_KV_STORAGE_LEASE on every node)",
     )
 
 

@@ -20,6 +20,7 @@ from ..storage.fileio import direct_supported
 from .check import Check, ServerProbe, Verdict
 from .pool import pool_file_bytes
 from .shared import check_shared_storage
+from .storage_cluster import check_storage_cluster
 
 NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "fuse.sshfs", "sshfs", "9p"})
 
@@ -63,6 +64,7 @@ def check_storage(storage: StorageConfig, server: ServerProbe, pool: PoolConfig 
         checks.append(check_storage_writers(storage))
         checks.append(check_storage_fs(storage))
         checks.extend(check_shared_storage(storage))
+        checks.extend(check_storage_cluster(storage, server))
         if checks[-1].verdict is not Verdict.FAIL:
             checks.append(check_storage_space(storage, server, pool))
         if storage.direct_io and Path(storage.path).is_dir():

@@ -21,7 +21,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Histogram, MetricsHandler, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ..stats import ClusterStats, DramStats, ServerStats, StorageStats
+from ..stats import DramStats, ServerStats, StorageStats
+from .cluster_metrics import cluster_families, storage_cluster_families
 from .scrape import POLL_S, ScrapeServer
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,8 @@ class _StatsCollector:
         yield from _store_families(stats)
         yield from _tier_families(stats)
         yield from _namespace_families(stats)
-        yield from _cluster_families(stats)
+        yield from cluster_families(stats)
+        yield from storage_cluster_families(stats)
         yield from _server_families(stats)
 
 
@@ -230,48 +232,6 @@ def _tier_families(stats: ServerStats) -> Iterator[Metric]:
     yield _gauge("dram_free_slabs", "Pool slabs not yet given to any entry size.", dram.free_slabs)
     yield _counter("dram_slab_moves", "Slabs moved from one entry size to another.", dram.slab_moves)
     yield _counter("dram_reserve_failures", "Reservations that found no free or evictable slot.", dram.reserve_failures)
-
-
-_CLUSTER_COUNTERS = (
-    ("cluster_lookup_keys", "lookup_keys", "Keys the cluster tier was asked for (after DRAM misses)."),
-    ("cluster_found_keys", "found_keys", "Keys the cluster tier held when asked."),
-    ("cluster_hits", "hits", "Objects read from the cluster tier into the DRAM pool, verified (served as DRAM hits)."),
-    ("cluster_misses", "misses", "Objects asked of the cluster tier and not read (gone, or the read failed)."),
-    (
-        "cluster_bad_objects",
-        "bad_objects",
-        "Objects read from the cluster tier that were not what they claimed (namespace, key, length, checksum): "
-        "misses, removed.",
-    ),
-    ("cluster_objects_written", "objects_written", "Entries written through to the cluster tier."),
-    ("cluster_written_bytes", "bytes_written", "Payload bytes written to the cluster tier."),
-    ("cluster_read_bytes", "bytes_read", "Payload bytes read from the cluster tier."),
-    (
-        "cluster_write_dropped",
-        "write_dropped",
-        "Committed entries not written to the cluster tier: its queue was full.",
-    ),
-    ("cluster_errors", "errors", "Cluster tier calls or objects that failed for the cluster's sake."),
-    ("cluster_timeouts", "timeouts", "Cluster tier lookups that waited all of HPKV_CLUSTER_TIMEOUT_S (misses)."),
-    ("cluster_breaker_trips", "breaker_trips", "Times the cluster tier was skipped after failures in a row."),
-)
-
-
-def _cluster_families(stats: ServerStats) -> Iterator[Metric]:
-    """Exported whether the tier is on or not (zeros), so one dashboard fits every server."""
-    cluster = stats.cluster if stats.cluster is not None else ClusterStats()
-    yield _gauge(
-        "cluster_enabled",
-        "1 when the cluster tier is on (HPKV_CLUSTER_ENABLE) and usable.",
-        int(stats.cluster is not None),
-    )
-    yield _gauge("cluster_reachable", "1 while the cluster tier's master answers.", int(cluster.reachable))
-    yield _gauge(
-        "cluster_breaker_open", "1 while the cluster tier is skipped after failures.", int(cluster.breaker_open)
-    )
-    yield _gauge("cluster_segment_bytes", "Memory this node contributes to the cluster tier.", cluster.segment_bytes)
-    for name, field, doc in _CLUSTER_COUNTERS:
-        yield _counter(name, doc, getattr(cluster, field))
 
 
 def _namespace_families(stats: ServerStats) -> Iterator[Metric]:

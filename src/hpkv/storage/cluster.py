@@ -14,7 +14,7 @@ owners recomputed when the live members change, holds and the fence refreshed, e
 reaped by the owner of part 0. The evictor asks `PartLedger.may_evict` before each unlink, so a
 node that stalled past its fence unlinks nothing, whatever it had popped.
 
-Primitives: `Cluster` (`join`, `tick`, `pass_once`, `run`, `leave`, `bump_epoch`, `ledger`,
+Primitives: `Cluster` (`join`, `tick`, `pass_once`, `run`, `leave`, `bump_epoch`, `stats`, `ledger`,
 `members`, `files`).
 Must not know: the tier, how files are read or written, the pool, engines.
 """
@@ -26,13 +26,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..stats import StorageCounters
+from ..stats import StorageClusterStats, StorageCounters
 from .capacity import CapacityPolicy
 from .eviction import Evictor
 from .index import FileIndex
 from .members import MAX_LAG_S, Membership, Timing
 from .owner_pass import OwnerPass, PassResult
-from .parts import PartLedger, hrw_owners
+from .parts import PARTS, PartLedger, hrw_owners
 from .paths import EntryPaths
 from .usage import ClusterFiles
 
@@ -74,6 +74,8 @@ class Cluster:
         self._lock = threading.Lock()  # one tick at a time (the thread, a pass's heartbeats, tests)
         self._pass_lock = threading.Lock()  # one pass at a time; never held by a tick
         self._evictable = 0
+        self.passes = self.pass_failures = 0
+        self.last_pass: tuple[PassResult, float, float] | None = None  # (what it did, its length, its monotonic end)
 
     def join(self, stop: threading.Event) -> None:
         """Agree on the capacity, take a lease, list the members, own parts (not evictable yet).
@@ -131,9 +133,17 @@ class Cluster:
         """A pass over this node's parts; it ticks as it goes (a pass over many files takes longer
         than a lease: the node must renew meanwhile, or the others take its parts)."""
         with self._pass_lock:
-            result = self.owner_pass.once(self.tick)
-            if not self.members.left:
-                self.files.write_usage(self.members.member, self.owner_pass.usage())
+            started = self._clock()
+            try:
+                result = self.owner_pass.once(self.tick)
+                if not self.members.left:
+                    self.files.write_usage(self.members.member, self.owner_pass.usage())
+            except BaseException:
+                self.pass_failures += 1
+                raise
+            ended = self._clock()
+            self.passes += 1
+            self.last_pass = (result, ended - started, ended)
             return result
 
     def run(self, stop: threading.Event) -> None:
@@ -162,6 +172,45 @@ class Cluster:
         finally:
             if got:
                 self._pass_lock.release()
+
+    def stats(self) -> StorageClusterStats:
+        """This node's view (`hpkv status`, the metrics, `hpkv doctor`): no I/O."""
+        members, ledger, counts, now = self.members, self.ledger, self.members.counts, self._clock()
+        owned = int(ledger.owned.sum())
+        renewed = members.renewed_at()
+        last = self.last_pass
+        result = last[0] if last is not None else PassResult()
+        return StorageClusterStats(
+            member=members.member,
+            lease_s=members.timing.expire_s,
+            live_members=list(members.live()),
+            parts=PARTS,
+            parts_owned=owned,
+            parts_evictable=int(ledger.evictable.sum()),
+            fenced=members.fenced(),
+            capacity_share_bytes=int(self._capacity.capacity_bytes * owned / PARTS),
+            owned_bytes=ledger.owned_bytes,
+            owned_files=ledger.owned_files(),
+            foreign_files=ledger.foreign_files(),
+            renewals=counts.renewals,
+            renew_failures=counts.renew_failures,
+            lease_remade=counts.lease_remade,
+            listings=counts.listings,
+            list_failures=counts.list_failures,
+            members_expired=counts.expired,
+            members_back=counts.back,
+            leases_reaped=counts.reaped,
+            last_renew_age_s=None if renewed is None else now - renewed,
+            passes=self.passes,
+            pass_failures=self.pass_failures,
+            last_pass_age_s=None if last is None else now - last[2],
+            last_pass_s=None if last is None else last[1],
+            last_pass_dirs_statted=result.dirs_statted,
+            last_pass_dirs_listed=result.dirs_listed,
+            last_pass_files_statted=result.files_statted,
+            last_pass_added=result.added,
+            last_pass_gone=result.gone,
+        )
 
     def bump_epoch(self) -> None:
         try:

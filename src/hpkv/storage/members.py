@@ -20,7 +20,7 @@ A tier that stops removes its lease (`leave`); leases expired for `expire_s + ho
 by a live member (`reap`; the one that owns part 0, so one at a time).
 
 Primitives: `Timing`, `Membership` (`tick`, `list_now`, `live`, `evict_until`, `fenced`, `reap`, `leave`,
-`member`, `dir_fd`).
+`member`, `dir_fd`, `renewed_at`, `counts`: `MemberCounts`, what `hpkv status` shows).
 Must not know: parts, the index, capacity, eviction.
 """
 
@@ -73,6 +73,20 @@ class Timing:
         return MAX_LAG_S + 2 * self.renew_s + self.expire_s + self.hold_s
 
 
+@dataclass
+class MemberCounts:
+    """What this node's membership did and saw since it joined (`hpkv status`, the metrics)."""
+
+    renewals: int = 0
+    renew_failures: int = 0
+    lease_remade: int = 0  # its lease found gone (reaped as dead while it stalled) and made again
+    listings: int = 0
+    list_failures: int = 0
+    expired: int = 0  # members seen silent past the lease
+    back: int = 0  # expired members seen renewing again
+    reaped: int = 0  # expired members' leases removed
+
+
 class Membership:
     def __init__(
         self,
@@ -96,6 +110,7 @@ class Membership:
         self._listed: dict[str, int] = {}
         self._live: tuple[str, ...] = ()
         self.left = False
+        self.counts = MemberCounts()
 
     def dir_fd(self) -> int:
         """`<root>/cluster/members`, made where missing, held open."""
@@ -129,27 +144,32 @@ class Membership:
 
     def _renew(self, now: float) -> None:
         old, new = f"{self.member}.{self._seq}", f"{self.member}.{self._seq + 1}"
-        fd = self.dir_fd()
         try:
-            if self._seq == 0:
-                raise FileNotFoundError(errno.ENOENT, "no lease yet")
-            self._io.rename(old, new, dir_fd=fd)
-        except FileNotFoundError:  # the first, or reaped as dead while this node stalled
+            fd = self.dir_fd()
             try:
-                os.close(os.open(new, tree.CREATE_FLAGS, 0o600, dir_fd=fd))
-            except FileExistsError:
-                pass
+                if self._seq == 0:
+                    raise FileNotFoundError(errno.ENOENT, "no lease yet")
+                self._io.rename(old, new, dir_fd=fd)
+            except FileNotFoundError:  # the first, or reaped as dead while this node stalled
+                try:
+                    os.close(os.open(new, tree.CREATE_FLAGS, 0o600, dir_fd=fd))
+                except FileExistsError:
+                    pass
+                self.counts.lease_remade += self._seq > 0
         except OSError as exc:
+            self.counts.renew_failures += 1
             if exc.errno == errno.ESTALE:
                 self._reopen()
             raise
         self._seq += 1
         self._last_renew = now
+        self.counts.renewals += 1
 
     def _list(self, now: float) -> None:
         try:
             entries = self._io.list_dir(self.dir_fd())
         except OSError as exc:
+            self.counts.list_failures += 1
             if exc.errno in (errno.ESTALE, errno.ENOENT):
                 self._reopen()
             raise
@@ -161,6 +181,7 @@ class Membership:
         self._listed = listed
         self._observe(listed, now)
         self._last_list = now
+        self.counts.listings += 1
 
     def _observe(self, listed: dict[str, int], now: float) -> None:
         """The view from one listing (see the module docstring)."""
@@ -170,6 +191,7 @@ class Membership:
                 if dropped[member][0] == seq:
                     continue  # the lease it expired, unchanged: still dead
                 del dropped[member]  # renewed since: back (a stall ended, and it fenced itself)
+                self.counts.back += 1
             if seen.get(member, (None,))[0] != seq:
                 seen[member] = (seq, now)
         for member in [m for m in seen if m not in listed and m != self.member]:
@@ -180,6 +202,7 @@ class Membership:
             if now - since > self.timing.expire_s and member != self.member:
                 dropped[member] = (seq, now)
                 del seen[member]
+                self.counts.expired += 1
                 log.info("storage cluster: member %s silent for %.0f s, its parts go to others", member, now - since)
         seen[self.member] = (self._seq, now)
         self._live = tuple(sorted(seen))
@@ -191,6 +214,10 @@ class Membership:
     def evict_until(self) -> float:
         """The monotonic time from which this node is fenced unless it renews and lists again."""
         return min(self._last_renew + self.timing.expire_s, self._last_list + self.timing.fresh_s)
+
+    def renewed_at(self) -> float | None:
+        """The monotonic start of the last successful renewal; None: none yet."""
+        return None if self._last_renew == -math.inf else self._last_renew
 
     def fenced(self) -> bool:
         return self._clock() >= self.evict_until()
@@ -206,6 +233,7 @@ class Membership:
                 except OSError:
                     continue
                 gone.append(member)
+        self.counts.reaped += len(gone)
         return gone
 
     def leave(self) -> None:

@@ -2,7 +2,8 @@
 in the parts it owns (`parts`), instead of walking the whole root.
 
 A pass lists the root for its namespaces, then, in each namespace, lists the first fan-out level
-(`<ab>`) and `stat`s the leaf directory of each part this node owns under those there are; it
+(`<ab>`) and `stat`s the leaf directory of each part this node owns under those there are (a part
+given away during the pass, as its heartbeats see members join, is skipped from then on); it
 lists those whose mtime changed since it listed them (an entry added or removed changes it),
 and each once more at least MAX_LAG_S after such a listing before it trusts that mtime (a
 listing that lagged, or a change within the mtime's granularity: seen by the second listing,
@@ -17,9 +18,12 @@ or read them; lookups find them again by name), evicts in its parts what is over
 capacity (`capacity.share`), and writes its usage file (`usage`). A new clear epoch (`hpkv clear`
 on any node) makes it forget everything and list its parts again.
 
-Only the owner unlinks in its parts (a clear, and a bad file found by a reader, aside): an index
-entry whose file is gone otherwise is found out by the eviction that takes it (its unlink fails:
-nothing is lost) or a read (a miss that forgets it).
+Files removed by others in its parts (a reader on another node that found one bad, the previous
+owner's evictions of files this node indexed before it gained the part, anything outside HPKV)
+change their directory's mtime, so the next pass lists it: where the index holds more files of
+that directory than the listing shows (`PartLedger.dir_files`), the pass `stat`s each indexed
+file the listing lacks once it has looked at every part (one walk of the index, only then: a file
+written since the listing is there) and forgets those gone (counted in `stale_entries`).
 
 Primitives: `OwnerPass.once` -> `PassResult`, `OwnerPass.forget_parts`.
 Must not know: how members are learned, how files are read or written, the pool.
@@ -42,6 +46,7 @@ from .capacity import CapacityPolicy
 from .eviction import SLACK_MINUTES, Evictor
 from .index import MAX_FILE_BYTES, FileIndex, used_minute_s
 from .members import MAX_LAG_S
+from .numbers import NS_ID_BYTES
 from .parts import PartLedger
 from .paths import EntryPaths
 from .tree import DIR_FLAGS, open_beneath
@@ -54,9 +59,14 @@ MAX_FOREIGN_FILES = 1 << 16  # files of others' parts an index keeps (what this 
 
 @dataclass
 class PassResult:
-    dirs_statted: int = 0
-    dirs_listed: int = 0
-    added: int = 0
+    dirs_statted: int = 0  # leaf directories of its parts looked at
+    dirs_listed: int = 0  # of which listed
+    files_statted: int = 0  # names listed there that the index did not hold
+    added: int = 0  # files indexed
+    gone: int = 0  # indexed files found gone (removed by others) and forgotten
+
+
+Suspects = dict[bytes, set[str]]  # leaf directory (`PartLedger.dir_key`) -> the names listed there
 
 
 class OwnerPass:
@@ -100,6 +110,7 @@ class OwnerPass:
         found = scan.Found()
         known_s = self._wall_clock() - SLACK_MINUTES * 60
         own = np.flatnonzero(self._ledger.owned).tolist()
+        suspects: Suspects = {}  # directories where the index holds files the listing lacks
         with self._index.busy():  # what the pass found holds namespace numbers until it is merged
             for ns, ns_fd in self._namespaces():
                 try:
@@ -107,14 +118,17 @@ class OwnerPass:
                     for num, part in enumerate(own):
                         if num % HEARTBEAT_PARTS == 0:
                             heartbeat()
+                        if not self._ledger.owned[part]:
+                            continue  # given away since the pass began (a heartbeat saw members join): its owner's now
                         if part >> 8 in tops:
-                            self._part(ns, ns_fd, part, found, known_s, result)
+                            self._part(ns, ns_fd, part, found, known_s, result, suspects)
                         else:
                             self._listed.pop((ns, part), None)
                 finally:
                     os.close(ns_fd)
             startup.merge(self._index, found)
         result.added = len(found.keys)
+        result.gone = self._forget_gone(suspects)
         if found.keys:
             self._evictor.shared = True
         self._trim_foreign()
@@ -175,8 +189,30 @@ class OwnerPass:
         except OSError:
             return set(range(256))
 
-    def _part(self, ns: str, ns_fd: int, part: int, found: scan.Found, known_s: float, result: PassResult) -> None:
-        """Look at part `part`'s leaf directory in namespace `ns`: listed if it changed."""
+    def _forget_gone(self, suspects: Suspects) -> int:
+        """Forget the indexed files of the `suspects` directories that their listing lacked and
+        a `stat` now finds gone (one walk of the index; none without suspects); how many."""
+        if not suspects:
+            return 0
+        index, ledger, gone = self._index, self._ledger, 0
+        for ik, _ in index.items():
+            names = suspects.get(ledger.dir_key(ik))
+            if names is None or f"{ik[NS_ID_BYTES:].hex()}.kv" in names or ik in index.in_use:
+                continue
+            try:
+                self._paths.stat(*index.split(ik))
+            except OSError as exc:
+                if exc.errno in (errno.ENOENT, errno.ENOTDIR) and index.has(ik):
+                    index.forget(ik)
+                    gone += 1
+        self._counters.stale_entries += gone
+        return gone
+
+    def _part(
+        self, ns: str, ns_fd: int, part: int, found: scan.Found, known_s: float, result: PassResult, suspects: Suspects
+    ) -> None:
+        """Look at part `part`'s leaf directory in namespace `ns`: listed if it changed; a
+        suspect if the index holds more of its files than the listing shows."""
         io = self._paths.io
         rel = f"{part >> 8:02x}/{part & 0xFF:02x}"
         result.dirs_statted += 1
@@ -200,41 +236,52 @@ class OwnerPass:
             entries = io.list_dir(leaf_fd)
             result.dirs_listed += 1
             self._listed[(ns, part)] = listed
-            for entry in entries:
-                self._entry(ns, leaf_fd, entry, found, known_s)
+            known = sum(self._entry(ns, leaf_fd, entry, found, known_s, result) for entry in entries)
+            ns_id = self._index.numbers.ids.get(ns)
+            where = None if ns_id is None else ns_id + part.to_bytes(2, "big")
+            if where is not None and self._ledger.dir_files(where) > known:
+                suspects[where] = {entry.name for entry in entries}
         except OSError:
             pass
         finally:
             os.close(leaf_fd)
 
-    def _entry(self, ns: str, leaf_fd: int, entry: os.DirEntry, found: scan.Found, known_s: float) -> None:
+    def _entry(
+        self, ns: str, leaf_fd: int, entry: os.DirEntry, found: scan.Found, known_s: float, result: PassResult
+    ) -> bool:
+        """Index the file of a name listed, if it is one this node does not index; whether the
+        index holds it already."""
         name, index = entry.name, self._index
         if name.endswith(".tmp"):
             self._counters.temps_removed += scan.remove_temp_if_dead(leaf_fd, entry, self._paths.node)
-            return
+            return False
         if not name.endswith(".kv"):
-            return
+            return False
         try:
             ik = index.key(ns, bytes.fromhex(name[:-3]))
         except (ValueError, OSError):
-            return
-        if index.has(ik) or ik in index.marks or index.being_evicted(ik):
-            return
+            return False
+        if index.has(ik):
+            return True
+        if ik in index.marks or index.being_evicted(ik):
+            return False
+        result.files_statted += 1
         try:
             st = self._paths.io.stat_path(name, dir_fd=leaf_fd)
         except OSError as exc:
             if exc.errno not in (errno.ENOENT, errno.ESTALE):
                 raise
-            return
+            return False
         if not stat.S_ISREG(st.st_mode):
             self._counters.untrusted_files += 1
-            return
+            return False
         size = scan.counted_bytes(st, lambda: None) if st.st_size <= MAX_FILE_BYTES else None
         if size is None:
-            return
+            return False
         found.mtimes.append(st.st_mtime)
         found.keys.append(ik)
         found.values.append(index.value_of(size, known_s))
+        return False
 
 
 def _hex(name: str) -> bool:

@@ -16,8 +16,11 @@ the bytes indexed in owned parts (`owned_bytes`, what counts against this node's
 Why a hold-off before evicting in a part gained: the previous owner lists the members at least
 every `fresh_s` and stops evicting there as soon as its view gives the part away.
 
+Files are also counted per leaf directory, (namespace number, part) (`dir_files`): what a pass's
+listing of one is checked against, to find the files others removed there (`owner_pass`).
+
 Primitives: `PARTS`, `part_of`, `hrw_owners`, `PartLedger` (`add`, `set_owned`, `refresh`,
-`is_owned`, `may_evict`, `share`, `owned_bytes`).
+`is_owned`, `may_evict`, `share`, `owned_bytes`, `dir_key`, `dir_files`).
 Must not know: the file system, the index's order, how members are learned.
 """
 
@@ -85,6 +88,7 @@ class PartLedger:
         self._own_since = np.full(PARTS, math.inf)
         self.owned_bytes = 0
         self.evict_until = -math.inf  # monotonic: the node is fenced from then (`members`)
+        self._dir_files: dict[bytes, int] = {}  # `dir_key` -> files indexed there (none: absent)
 
     def add(self, ik: bytes, num_bytes: int, num_files: int) -> None:
         """A file of index key `ik` counted (`num_files` 1) or uncounted (-1). Index lock held."""
@@ -93,6 +97,13 @@ class PartLedger:
         self.part_files[part] += num_files
         if self.owned[part]:
             self.owned_bytes += num_bytes
+        if num_files:
+            where = self.dir_key(ik)
+            num = self._dir_files.get(where, 0) + num_files
+            if num > 0:
+                self._dir_files[where] = num
+            else:
+                self._dir_files.pop(where, None)
 
     def set_owned(self, owned: np.ndarray, index_lock: threading.Lock) -> tuple[np.ndarray, np.ndarray]:
         """This node's view gives it `owned` now: (parts gained, parts lost). A part gained is
@@ -124,6 +135,15 @@ class PartLedger:
     @staticmethod
     def part_of_ik(ik: bytes) -> int:
         return int.from_bytes(ik[NS_ID_BYTES : NS_ID_BYTES + 2].ljust(2, b"\0"), "big")
+
+    @staticmethod
+    def dir_key(ik: bytes) -> bytes:
+        """The leaf directory of index key `ik`: its namespace number and its part's two bytes."""
+        return ik[:NS_ID_BYTES] + ik[NS_ID_BYTES : NS_ID_BYTES + 2].ljust(2, b"\0")
+
+    def dir_files(self, where: bytes) -> int:
+        """Files indexed in the leaf directory `where` (`dir_key`)."""
+        return self._dir_files.get(where, 0)
 
     def is_owned(self, ik: bytes) -> bool:
         return bool(self.owned[self.part_of_ik(ik)])

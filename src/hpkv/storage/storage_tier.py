@@ -8,8 +8,8 @@ nodes' files learned by walking again), `budget` (HPKV_KV_STORAGE_WRITE_BUDGET),
 none, checked, and a bad file is a miss that deletes it; nothing below the root is followed
 (`tree`). Several tiers (nodes) may share one root: a lookup adopts files others wrote.
 
-Primitives: `start`, `add_namespace`, `pin_namespace`, `indexed` (`index_probe`), `contains`,
-`touch`/`done_with`, `read_into`,
+Primitives: `remove_without_tier` (`hpkv clear --storage` with no server), `start`, `add_namespace`,
+`pin_namespace`, `indexed` (`index_probe`), `contains`, `touch`/`done_with`, `read_into`,
 `write_from` (or `publish`/`publish_many`, where another process writes the files), `submit`, `remove`, `stats`,
 `close`. A write that cannot happen is dropped (counted), never raised.
 Why a facade: everything outside the package (the store, `hpkv clear`, benchmarks) goes through
@@ -46,8 +46,35 @@ from .publishing import Publisher
 from .reading import ErrorLog, MissCache, Reader
 from .rescan import Rescan, shared_root
 from .retention import Retention
+from .usage import ClusterFiles
 
 log = logging.getLogger(__name__)
+
+
+def remove_without_tier(config: StorageConfig, ns: str | None = None) -> int:
+    """What `StorageTier.remove` does, with no tier running (`hpkv clear --storage` without a
+    server): delete every entry file (of `ns`) below the root, opened once as `start` opens it
+    (StorageError, StorageUnusable as there), and where nodes share the root as a cluster
+    (`<root>/cluster` exists) replace the clear epoch, so every owner forgets and lists its
+    parts again. The number removed. No index, no start-up scan, and no lease: a clear that
+    joined the cluster would take parts from the others for a moment (held off from evicting in
+    them for the hold after it left), pass over the parts it took, and, first in a new root,
+    write its own capacity into `cluster/config` for every server after it."""
+    root = Path(config.path)
+    storage_root.prepare(root)
+    paths = EntryPaths(root, FileIO())
+    try:
+        paths.tree.fd()  # opened once: a root replaced from now on is not followed
+        num = scan.remove_entries(paths.tree, ns)
+        try:
+            ClusterFiles(paths.tree, paths.io, paths.temp_name, create=False).bump_epoch()
+        except FileNotFoundError:
+            pass  # never shared as a cluster: no owner to tell
+        except OSError as exc:
+            log.warning("cannot mark the clear under %s for the other nodes: %s", root, exc)
+        return num
+    finally:
+        paths.close()
 
 
 class StorageTier:
@@ -285,4 +312,5 @@ class StorageTier:
             retention_s=self.config.retention_s,
             expired=self.retention.num_expired if self.retention is not None else 0,
             root_replaced=self.paths.tree.replaced,
+            cluster=self.cluster.stats() if self.cluster is not None else None,
         )

@@ -13,7 +13,8 @@ each owner's usage, the capacity they share, and the clear epoch.
 Written by temporary and rename, so a reader sees a whole file or the previous one.
 
 Primitives: `ClusterFiles` (`write_usage`, `remove_usage`, `total_usage`, `agree_capacity`,
-`bump_epoch`, `epoch`).
+`agreed_capacity`, `bump_epoch`, `epoch`, `members`); one made with `create=False` makes no
+directory (`hpkv doctor`, a clear without a server: FileNotFoundError where there is none).
 Must not know: the index, parts' owners, how members are judged live.
 """
 
@@ -33,14 +34,15 @@ CLUSTER_DIR = "cluster"
 
 
 class ClusterFiles:
-    def __init__(self, root: tree.Root, io: FileIO, temp_name) -> None:
+    def __init__(self, root: tree.Root, io: FileIO, temp_name, create: bool = True) -> None:
         """`temp_name(what)`: a temporary's name no other writer picks (`EntryPaths.temp_name`)."""
         self._root = root
         self._io = io
         self._temp_name = temp_name
+        self._create = create
 
     def _dir(self, *parts: str):
-        return tree.opened_below(self._root.fd(), self._root.path, [CLUSTER_DIR, *parts], create=True)
+        return tree.opened_below(self._root.fd(), self._root.path, [CLUSTER_DIR, *parts], create=self._create)
 
     def _put(self, dir_parts: tuple[str, ...], name: str, text: str) -> None:
         with self._dir(*dir_parts) as dir_fd:
@@ -111,6 +113,20 @@ class ClusterFiles:
                 capacity_bytes,
             )
         return agreed
+
+    def agreed_capacity(self) -> int | None:
+        """The capacity in `config` (None: no server wrote it yet, or it cannot be read)."""
+        with self._dir() as dir_fd:
+            try:
+                with open(os.open("config", os.O_RDONLY | tree.FILE_FLAGS, dir_fd=dir_fd)) as f:
+                    return int(json.loads(f.read())["capacity_bytes"])
+            except (OSError, ValueError, KeyError, TypeError):
+                return None
+
+    def members(self) -> int:
+        """Lease files in `members/` (live members, and dead ones not reaped yet)."""
+        with self._dir("members") as dir_fd:
+            return sum(not e.name.startswith(".") for e in self._io.list_dir(dir_fd))
 
     def bump_epoch(self) -> None:
         """A clear: every owner forgets its parts' files and lists them again."""
