@@ -28,7 +28,7 @@ def scheduler_half(node, num_ranks: int):
     scheduler.table, scheduler._pending_loads = RequestTable(), []
     scheduler.block_size, scheduler.layout = BS, BlockLayout(("l0",), (1,), BS, 1, "")
     scheduler.layouts, scheduler.num_ranks, scheduler.async_loads = [scheduler.layout], num_ranks, False
-    scheduler.kv_cache_manager, scheduler.feed = None, None  # no KV events (vLLM's default)
+    scheduler.kv_cache_manager = None
     return scheduler
 
 

@@ -36,6 +36,8 @@ READY_WAIT_S = 0.002
 
 
 class HpkvScheduler:
+    feed: eventfeed.EventFeed | None = None  # KV events of HPKV's tiers (only with vLLM's on)
+
     def __init__(self, vllm_config, kv_cache_config, settings: Settings) -> None:
         self.layouts = lay.group_layouts(vllm_config, kv_cache_config)
         self.layout = self.layouts[0]
@@ -67,9 +69,8 @@ class HpkvScheduler:
         self._pending_loads: list[LoadJob] = []
         self._step_loads: list[LoadJob] = []  # the loads of the step being built
         self.kv_cache_manager = None  # vLLM's, once bound: to un-hash blocks that failed to load
-        # KV events of HPKV's tiers, only when vLLM publishes KV events (--kv-events-config).
-        on = eventfeed.enabled(vllm_config)
-        self.feed = eventfeed.EventFeed(vllm_config, self.layouts, self.num_ranks, self.client) if on else None
+        if eventfeed.enabled(vllm_config):  # --kv-events-config
+            self.feed = eventfeed.EventFeed(vllm_config, self.layouts, self.num_ranks, self.client)
         modelid.warn_if_hashes_unstable(vllm_config)
 
     def namespaces(self) -> list[str] | None:
@@ -241,8 +242,7 @@ class HpkvScheduler:
 
     def forget_lookup(self, request) -> None:
         """vLLM got no answer for `request` (a bug): what it leased is not needed."""
-        state = self.table.get(request.request_id)
-        if state is not None:
+        if (state := self.table.get(request.request_id)) is not None:
             state.release(self.client)
 
     def fail_load(self, request, blocks, num_external_tokens: int) -> None:
