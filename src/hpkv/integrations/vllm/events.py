@@ -212,34 +212,55 @@ class TierEvents:
         return set(self._announced[tier])
 
     def take(self) -> list[KVCacheEvent]:
-        """The events since the last call, in order; consecutive stores of one chain in one
-        tier merged into one event, as vLLM's device cache publishes a request's new blocks."""
+        """The events since the last call, in order, batched: the stores between two removals
+        joined into one event per chain of blocks (vLLM's device cache sends a request's new
+        blocks as one), the removals between two stores into one per tier and group. Only stores
+        of different blocks are reordered, never a store and a removal."""
         events, self._events = self._events, []
-        merged: list[KVCacheEvent] = []
+        out: list[KVCacheEvent] = []
+        run: list[BlockStored] = []
         for event in events:
-            last = merged[-1] if merged else None
-            if (
-                isinstance(event, BlockStored)
-                and isinstance(last, BlockStored)
-                and (last.medium, last.group_idx, last.lora_name) == (event.medium, event.group_idx, event.lora_name)
-                and event.parent_block_hash == last.block_hashes[-1]
-            ):
-                last.block_hashes.extend(event.block_hashes)
-                last.token_ids.extend(event.token_ids)
-                last.extra_keys = _joined(last.extra_keys, event.extra_keys, len(last.block_hashes) - 1)
+            if isinstance(event, BlockStored):
+                run.append(event)
                 continue
-            if isinstance(event, BlockStored):  # a copy: merging extends its lists
-                event = BlockStored(**{f: _copied(getattr(event, f)) for f in event.__struct_fields__})
-            merged.append(event)
-        return merged
+            out += _chains(run)
+            run = []
+            last = out[-1] if out else None
+            if isinstance(last, BlockRemoved) and (last.medium, last.group_idx) == (event.medium, event.group_idx):
+                last.block_hashes.extend(event.block_hashes)
+            else:
+                out.append(event)
+        return out + _chains(run)
+
+
+def _chains(stores: list[BlockStored]) -> list[BlockStored]:
+    """Single-block stores joined along their parent links (where a block has one child in the
+    run): one event per chain, in the order of each chain's first block."""
+    children: dict[tuple, list[BlockStored]] = {}
+    for event in stores:
+        children.setdefault((event.medium, event.group_idx, event.parent_block_hash), []).append(event)
+
+    def only_child(event: BlockStored) -> BlockStored | None:
+        kids = children.get((event.medium, event.group_idx, event.block_hashes[0]), [])
+        return kids[0] if len(kids) == 1 else None
+
+    joined = {id(child) for event in stores if (child := only_child(event)) is not None}
+    chains = []
+    for event in stores:
+        if id(event) in joined:
+            continue  # in the chain of its parent
+        chain = BlockStored(**{f: _copied(getattr(event, f)) for f in event.__struct_fields__})
+        extra = list(event.extra_keys) if event.extra_keys else [None]
+        child = only_child(event)
+        while child is not None:
+            chain.block_hashes.append(child.block_hashes[0])
+            chain.token_ids.extend(child.token_ids)
+            extra += list(child.extra_keys) if child.extra_keys else [None]
+            child = only_child(child)
+        chain.extra_keys = extra if any(key is not None for key in extra) else None
+        chains.append(chain)
+    return chains
 
 
 def _copied(value):
     return list(value) if isinstance(value, list) else value
-
-
-def _joined(left: list | None, right: list | None, num_left: int) -> list | None:
-    """Two blocks' per-block extra keys lists as one (None: no block has any)."""
-    if left is None and right is None:
-        return None
-    return (left if left is not None else [None] * num_left) + (right if right is not None else [None])
