@@ -30,8 +30,8 @@ from bench.harness.report import median_p99_ms, timed, verdict
 from bench.harness.server import temporary_server
 from hpkv.server.client import Client
 
-ROUNDS = 6
-REPS = 60  # per round and mode
+ROUNDS = 10
+REPS = 50  # per round and mode
 ENTRY = 16 << 10  # a small model's block: the journal's cost per entry shows most
 
 
@@ -49,12 +49,18 @@ class Watcher:
 
     def _run(self) -> None:
         while not self._stop.wait(0.1):
+            self._read()
+
+    def _read(self) -> None:
+        more = True
+        while more:
             (page,) = self.client.journal([(self.ns, self.cursor)]).pages
-            self.cursor, self.records = page.last, self.records + len(page.keys)
+            self.cursor, self.records, more = page.last, self.records + len(page.keys), page.more
 
     def close(self) -> int:
         self._stop.set()
         self._thread.join()
+        self._read()  # the rest, for the count
         self.client.close()
         time.sleep(0.2)  # the server drops the watch with the connection
         return self.records

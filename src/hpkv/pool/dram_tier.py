@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 from ..errors import PoolError
 from ..stats import DramStats
-from ..tiers import Tier
 from .entry import DramEntry
 from .lru import EvictableEntries
 from .room import OldestFirst, RoomPolicy
@@ -63,9 +62,9 @@ class DramTier:
         self._live: dict[str, int] = {}  # entries in _by_offset, by namespace (absent: none)
         self._used_bytes = 0  # slot bytes of the entries in _by_offset (stats are asked for often)
         self.lru = EvictableEntries()  # what may be evicted, for the room policy
-        # Told (ns, tier, key, stored) when a committed entry enters or leaves the index: the tier
-        # journal's `record` while some namespace is journaled, else None (nothing runs).
-        self.changes: Callable[[str, Tier, bytes, bool], None] | None = None
+        # Told (ns, key, stored) when a committed entry enters or leaves the index: the tier
+        # journal's recorder while some namespace is journaled, else None (nothing runs).
+        self.changes: Callable[[str, bytes, bool], None] | None = None
 
     def add_namespace(self, ns: str, entry_bytes: int) -> None:
         if not self.alloc.fits(entry_bytes):
@@ -131,7 +130,7 @@ class DramTier:
         if entry.refs == 0:
             self.lru.add(entry)
         if self.changes is not None:
-            self.changes(entry.ns, Tier.DRAM, entry.key, True)
+            self.changes(entry.ns, entry.key, True)
         return True
 
     def abort(self, entry: DramEntry) -> None:
@@ -168,7 +167,7 @@ class DramTier:
             for entry in list(index.values()):
                 del index[entry.key]
                 if entry.ready and self.changes is not None:
-                    self.changes(entry.ns, Tier.DRAM, entry.key, False)
+                    self.changes(entry.ns, entry.key, False)
                 if entry.evictable:
                     self._free(entry)
                 else:
@@ -225,7 +224,7 @@ class DramTier:
             entry.dead = True
             del index[entry.ns][entry.key]
             if changes is not None:
-                changes(entry.ns, Tier.DRAM, entry.key, False)
+                changes(entry.ns, entry.key, False)
             del by_offset[entry.offset]
             live[entry.ns] -= 1
             if not live[entry.ns]:
@@ -240,7 +239,7 @@ class DramTier:
         """Evict an evictable entry of the class; a slot of the class."""
         del self._index[entry.ns][entry.key]
         if self.changes is not None:
-            self.changes(entry.ns, Tier.DRAM, entry.key, False)
+            self.changes(entry.ns, entry.key, False)
         self._free(entry)
         self.counters.evictions += 1
         return self.alloc.alloc(slot_bytes)

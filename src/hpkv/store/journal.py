@@ -10,7 +10,7 @@ told `lost` and must learn the tiers' state again (`TieredStore.held`) before re
 Records are written under the DRAM tier's lock (the store's) or the storage index's; this lock
 is taken last and never held while calling out.
 
-Primitives: `watch`, `unwatch_owner`, `watched`, `record`, `read`. `life`: this journal's
+Primitives: `watch`, `unwatch_owner`, `watched`, `record` (`recorder`, a tier's), `read`. `life`: this journal's
 identity (a restarted server's cursors start again).
 Must not know: the protocol, the tiers' internals (it is told (ns, tier, key, stored)).
 """
@@ -22,6 +22,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..tiers import Tier
@@ -86,13 +87,21 @@ class TierJournal:
 
     def record(self, ns: str, tier: Tier, key: bytes, stored: bool) -> None:
         """`key` of `ns` entered (`stored`) or left `tier`. Nothing if `ns` is not watched."""
-        if ns not in self._logs:  # the common case, without the lock
-            return
-        with self._lock:
-            log = self._logs.get(ns)
+        self.recorder(tier)(ns, key, stored)
+
+    def recorder(self, tier: Tier) -> Callable[[str, bytes, bool], None]:
+        """`record` for one tier, as a tier's hook calls it (ns, key, stored): it runs for every
+        entry committed, evicted or written, so it does the least a record needs."""
+        logs, lock, codes = self._logs, self._lock, (int(tier), int(tier) | STORED)
+
+        def record(ns: str, key: bytes, stored: bool) -> None:
+            log = logs.get(ns)  # not watched: nothing, without the lock
             if log is not None:
-                log.seq += 1
-                log.records.append((int(tier) | (STORED if stored else 0), key))
+                with lock:
+                    log.seq += 1
+                    log.records.append((codes[stored], key))
+
+        return record
 
     def read(self, ns: str, after: int, max_records: int = PAGE_RECORDS) -> Page | None:
         """The records of `ns` numbered past `after`, at most `max_records`; None if `ns` is not

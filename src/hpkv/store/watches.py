@@ -33,10 +33,9 @@ class Watches:
         """Journal what enters and leaves each tier of `ns` while `owner` watches it; the number
         of its last record, from which `read` reads on."""
         with self._lock:  # hooks first: every change after the number returned is recorded
-            record = self.journal.record
-            self._dram.changes = record
+            self._dram.changes = self.journal.recorder(Tier.DRAM)
             if self._storage is not None:
-                self._storage.watch(lambda name, key, stored: record(name, Tier.STORAGE, key, stored))
+                self._storage.watch(self.journal.recorder(Tier.STORAGE))
             return self.journal.watch(ns, owner)
 
     def read(self, ns: str, after: int, max_records: int) -> Page | None:
