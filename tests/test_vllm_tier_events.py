@@ -109,7 +109,7 @@ def test_a_lease_answer_announces_what_the_tiers_hold_and_a_lost_journal_is_lear
     assert events.held_blocks(Tier.DRAM) == set()
 
 
-def test_two_requests_branching_from_one_block_have_every_block_announced(events_node):
+def test_two_requests_branching_from_one_block_have_every_block_announced_in_a_chain_each(events_node):
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, maybe_convert_block_hash
@@ -119,13 +119,16 @@ def test_two_requests_branching_from_one_block_have_every_block_announced(events
     vllm_request(0, 1)  # vLLM's hash seed set
     shared = list(range(BS))
     left, right = (
-        Request(name, shared + [tail] * (BS + 1), SamplingParams(max_tokens=1), None,
+        Request(name, shared + [tail] * (num_blocks * BS + 1), SamplingParams(max_tokens=1), None,
                 block_hasher=get_request_block_hasher(BS, sha256))
-        for name, tail in (("left", 1), ("right", 2))
+        for name, tail, num_blocks in (("left", 1, 2), ("right", 2, 1))
     )  # fmt: skip
-    for request in (left, right):
-        events.saving(request, 0, 2)
-    worker.commit(worker.reserve(ns, keys_of(left, 2) + keys_of(right, 2)[1:]))
-    announced = [h for event in drain(scheduler, events) for h in event.block_hashes]
-    expected = {maybe_convert_block_hash(h) for h in left.block_hashes[:2] + right.block_hashes[:2]}
-    assert len(expected) == 3 and sorted(announced) == sorted(expected)  # the shared block once
+    events.saving(left, 0, 3)
+    events.saving(right, 0, 2)
+    worker.commit(worker.reserve(ns, keys_of(left, 3) + keys_of(right, 2)[1:]))
+    got = drain(scheduler, events)
+    convert = lambda hashes: [maybe_convert_block_hash(h) for h in hashes]  # noqa: E731
+    # the shared block (two children: a chain of its own), then each branch as one chain
+    assert sorted(e.block_hashes for e in got) == sorted(
+        [convert(left.block_hashes[:1]), convert(left.block_hashes[1:3]), convert(right.block_hashes[1:2])]
+    )
