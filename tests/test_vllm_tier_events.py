@@ -132,3 +132,36 @@ def test_two_requests_branching_from_one_block_have_every_block_announced_in_a_c
     assert sorted(e.block_hashes for e in got) == sorted(
         [convert(left.block_hashes[:1]), convert(left.block_hashes[1:3]), convert(right.block_hashes[1:2])]
     )
+
+
+def test_a_restarted_server_has_the_feed_remove_the_dram_blocks_it_announced(node):
+    """EventFeed as the scheduler holds it (its poller thread, its resync), across a server that
+    is killed and started again: its DRAM pool is gone, its storage is not."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from helpers.server import kill_server, server_pid
+    from helpers.waiting import wait_for
+    from hpkv.integrations.vllm.eventfeed import EventFeed
+    from hpkv.integrations.vllm.layout import BlockLayout
+
+    node.start_server()
+    worker, scheduler = node.client("vllm-worker-0"), node.client("vllm-scheduler")
+    ns = worker.register(desc(0, entry_bytes=4096))
+    scheduler.register(desc(0, entry_bytes=4096))
+    feed = EventFeed([BlockLayout(("l0",), (4096,), BS, 1, "")], num_ranks=1, client=scheduler)
+    feed.attach([ns], [desc(0, entry_bytes=4096)])
+    try:
+        request = vllm_request(5, 3)
+        feed.saving(request, 0, 3)
+        worker.commit(worker.reserve(ns, keys_of(request, 3)))
+        stored: list = []
+        wait_for(lambda: stored.extend(feed.take_events()) or {e.medium for e in stored} == {"CPU", "STORAGE"},
+                 timeout_s=10, interval_s=0.05, what="the blocks announced in both tiers")  # fmt: skip
+        assert all(isinstance(e, BlockStored) and len(e.block_hashes) == 3 for e in stored)
+        kill_server(server_pid(node.shm_dir))
+        node.start_server()
+        got: list = []
+        wait_for(lambda: got.extend(feed.take_events()) or got, timeout_s=20, interval_s=0.1, what="the resync")
+        assert [(type(e), e.medium, len(e.block_hashes)) for e in got] == [(BlockRemoved, "CPU", 3)]
+    finally:
+        feed.close()

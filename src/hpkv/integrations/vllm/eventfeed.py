@@ -86,7 +86,7 @@ class JournalPoller:
 class EventFeed:
     """The scheduler's side: `TierEvents` fed from the poller, on the scheduler's thread."""
 
-    def __init__(self, vllm_config, layouts: Sequence[lay.BlockLayout], num_ranks: int, client: Client) -> None:
+    def __init__(self, layouts: Sequence[lay.BlockLayout], num_ranks: int, client: Client) -> None:
         self.client = client  # the scheduler's own: learning the tiers again happens on its thread
         self.events = TierEvents(layouts, num_ranks)
         self.poller: JournalPoller | None = None

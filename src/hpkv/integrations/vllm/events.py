@@ -21,6 +21,8 @@ Must not know: the server's store, the poller's thread (`eventpoll.py`).
 
 from __future__ import annotations
 
+import logging
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,9 +40,14 @@ from ...server.client import Client, LeaseHandle
 from ...tiers import Tier
 from . import layout as lay
 
+log = logging.getLogger("hpkv.vllm.events")
+
 MEDIUMS = {Tier.DRAM: MEDIUM_CPU, Tier.STORAGE: MEDIUM_STORAGE}
 STORED = 4  # in a journal record's code, beside the tier: the entry entered it
 MAX_UNHELD = 1 << 17  # blocks described and held in no tier (saves not committed yet): oldest dropped
+# Blocks described at most (about 0.5 KiB each, with what the tiers hold of them): past it new
+# blocks are not announced (never a stale one); those announced keep theirs until removed.
+MAX_DESCRIBED = 1 << 20
 HELD_BATCH = 1 << 15  # keys asked per `Journal` when learning the tiers again
 
 BlockId = tuple[int, bytes]  # (KV cache group, entry key)
@@ -52,7 +59,7 @@ class BlockMeta:
 
     block_hash: Any
     parent: Any
-    token_ids: list[int]
+    token_ids: array  # 4 bytes a token, not a list of int objects
     block_size: int
     extra_keys: tuple | None
     lora_name: str | None
@@ -72,6 +79,7 @@ class TierEvents:
         self._held: dict[Tier, list[set[bytes]]] = {}  # per tier, per namespace: the keys it holds
         self._announced: dict[Tier, set[BlockId]] = {tier: set() for tier in Tier}
         self._events: list[KVCacheEvent] = []
+        self._said_full = False
 
     def attach(self, namespaces: Sequence[str]) -> None:
         """This engine's namespaces, rank-major as `layout.namespaces` gives them."""
@@ -113,12 +121,15 @@ class TierEvents:
             block = (group, key)
             if block in self._meta:
                 continue
+            if len(self._meta) >= MAX_DESCRIBED:
+                self._full()
+                break
             begin, end = i * layout.block_size, (i + 1) * layout.block_size
             extra, _ = generate_block_hash_extra_keys(request, begin, end, 0)
             self._meta[block] = BlockMeta(
                 maybe_convert_block_hash(hashes[i]),
                 maybe_convert_block_hash(hashes[i - 1]) if i else None,
-                list(request.all_token_ids[begin:end]),
+                array("i", request.all_token_ids[begin:end]),
                 layout.block_size,
                 extra,
                 lora.name if lora is not None else None,
@@ -184,6 +195,15 @@ class TierEvents:
             if not any(block in self._announced[t] for t in Tier):
                 self._forget(block)
 
+    def _full(self) -> None:
+        if not self._said_full:
+            self._said_full = True
+            log.warning(
+                "HPKV KV events: %d blocks described; blocks past them are not announced until some "
+                "of these leave HPKV's tiers",
+                MAX_DESCRIBED,
+            )
+
     def _forget(self, block: BlockId) -> None:
         """Held in no tier: its description goes once no namespace of any rank lists it."""
         group, key = block
@@ -195,7 +215,7 @@ class TierEvents:
         return BlockStored(
             block_hashes=[meta.block_hash],
             parent_block_hash=meta.parent,
-            token_ids=meta.token_ids,
+            token_ids=meta.token_ids.tolist(),
             block_size=meta.block_size,
             lora_id=meta.lora_id,
             medium=MEDIUMS[tier],

@@ -70,7 +70,7 @@ class HpkvScheduler:
         self._step_loads: list[LoadJob] = []  # the loads of the step being built
         self.kv_cache_manager = None  # vLLM's, once bound: to un-hash blocks that failed to load
         if eventfeed.enabled(vllm_config):  # --kv-events-config
-            self.feed = eventfeed.EventFeed(vllm_config, self.layouts, self.num_ranks, self.client)
+            self.feed = eventfeed.EventFeed(self.layouts, self.num_ranks, self.client)
         modelid.warn_if_hashes_unstable(vllm_config)
 
     def namespaces(self) -> list[str] | None:
