@@ -127,10 +127,10 @@ def test_an_eviction_from_a_small_pool_is_announced_within_the_bound(node, engin
     first = sub.holds(CPU)
     for seed in range(352, 358):  # past the pool's size: the first prompt's blocks are evicted
         a.complete(prompt_text(1500, seed=seed))
-    evicted = time.monotonic()
-    wait_for(lambda: agrees(node, sub, model_id), timeout_s=5 * BOUND_S, what="a's index to match the server")
+    returned = time.monotonic()  # the last saves (and their evictions) may run in the step after
+    wait_for(lambda: agrees(node, sub, model_id), timeout_s=2 * BOUND_S, interval_s=0.05, what="a's index")
     assert first - sub.holds(CPU), "nothing of the first prompt was evicted from the DRAM pool"
-    assert time.monotonic() - evicted < 5 * BOUND_S
+    assert time.monotonic() - returned < 2 * BOUND_S
     stats = server_stats(node.shm)
     assert stats is not None and stats.dram.evictions > 0
 
