@@ -12,7 +12,8 @@ move, kept from the time a second size class appears: a pool of one size class n
 Owns: the index (namespace -> key -> `DramEntry`, `pool/entry.py`), the entries by slot, the
 allocator, the evictable entries, the counters.
 Primitives: `add_namespace`/`remove_namespace`, `get`, `reserve`, `commit`, `abort`,
-`pin`, `unpin`, `touch`, `drop`;
+`pin`, `unpin`, `touch`, `drop`; `changes`, told each committed entry that enters or leaves the
+index (the tier journal's hook, None while nobody journals);
 for room policies (`room.Evictions`): `lru`, `alloc`, `slab_entries`, `move_slab`, `evict_for`.
 Owns no memory: offsets refer to a `PoolRegion` someone else maps. Not thread-safe: the store
 serialises calls. The store's parts call the tier itself, and each call the tier passes to its
@@ -61,6 +62,9 @@ class DramTier:
         self._live: dict[str, int] = {}  # entries in _by_offset, by namespace (absent: none)
         self._used_bytes = 0  # slot bytes of the entries in _by_offset (stats are asked for often)
         self.lru = EvictableEntries()  # what may be evicted, for the room policy
+        # Told (ns, key, stored) when a committed entry enters or leaves the index: the tier
+        # journal's recorder while some namespace is journaled, else None (nothing runs).
+        self.changes: Callable[[str, bytes, bool], None] | None = None
 
     def add_namespace(self, ns: str, entry_bytes: int) -> None:
         if not self.alloc.fits(entry_bytes):
@@ -125,6 +129,8 @@ class DramTier:
         entry.ready = True
         if entry.refs == 0:
             self.lru.add(entry)
+        if self.changes is not None:
+            self.changes(entry.ns, entry.key, True)
         return True
 
     def abort(self, entry: DramEntry) -> None:
@@ -160,6 +166,8 @@ class DramTier:
             index = self._index.get(name, {})
             for entry in list(index.values()):
                 del index[entry.key]
+                if entry.ready and self.changes is not None:
+                    self.changes(entry.ns, entry.key, False)
                 if entry.evictable:
                     self._free(entry)
                 else:
@@ -211,9 +219,12 @@ class DramTier:
         entries = self.lru.take_slab(slab)
         their_bytes = entries[0].slot_bytes  # a slab that moves holds entries, all of one class
         by_offset, index, live = self._by_offset, self._index, self._live
+        changes = self.changes
         for entry in entries:
             entry.dead = True
             del index[entry.ns][entry.key]
+            if changes is not None:
+                changes(entry.ns, entry.key, False)
             del by_offset[entry.offset]
             live[entry.ns] -= 1
             if not live[entry.ns]:
@@ -227,6 +238,8 @@ class DramTier:
     def evict_for(self, entry: DramEntry, slot_bytes: int) -> int | None:
         """Evict an evictable entry of the class; a slot of the class."""
         del self._index[entry.ns][entry.key]
+        if self.changes is not None:
+            self.changes(entry.ns, entry.key, False)
         self._free(entry)
         self.counters.evictions += 1
         return self.alloc.alloc(slot_bytes)

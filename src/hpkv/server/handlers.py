@@ -36,6 +36,7 @@ MAX_HOLD_CHARS = 128
 # their names until then (a reservation is committed or aborted by its id, not by its keys).
 MAX_OPEN_KEYS = 1 << 16
 MAX_WAIT_S = 60.0  # the longest a LeaseWait is answered after
+JOURNAL_REPLY_RECORDS = 1 << 15  # records in one Journal reply, shared by its cursors (a reply fits a frame)
 MAX_DESC_BYTES = 1 << 20  # HPKV_SERVER_MAX_NAMESPACE_BYTES at most: a stats page holds at least one description
 
 
@@ -65,6 +66,7 @@ class ClientInfo:
     leases: set[int] = field(default_factory=set)
     reservations: dict[int, OpenReservation] = field(default_factory=dict)  # by the id `Reserved` named
     reserved_keys: int = 0  # in `reservations`: at most MAX_OPEN_KEYS
+    watching: set[str] = field(default_factory=set)  # namespaces whose journal it reads (kept while it does)
     next_reservation: int = 0
     after_reply: Callable[[], None] | None = None  # work that must not delay the reply
 
@@ -253,6 +255,24 @@ class Handlers:
             removed,
         )
         return p.Cleared(removed["dram"], removed["storage"])
+
+    def _on_Journal(self, r: p.Journal, client: ClientInfo) -> p.Reply:
+        for ns in [c.ns for c in r.cursors] + [part.ns for part in r.held]:
+            self._check_ns(ns)
+        share = max(256, JOURNAL_REPLY_RECORDS // max(1, len(r.cursors)))
+        pages = []
+        for cursor in r.cursors:
+            page = self.store.watches.read(cursor.ns, cursor.after, share) if cursor.after >= 0 else None
+            if page is None:  # watched from now; a cursor into a journal that is not kept is lost
+                last = self.store.watches.watch(cursor.ns, client.id)
+                pages.append(p.JournalPage(cursor.ns, b"", [], last, cursor.after >= 0, False))
+            else:
+                if cursor.ns not in client.watching:  # its journal is kept while this client reads it too
+                    self.store.watches.watch(cursor.ns, client.id)
+                pages.append(p.JournalPage(cursor.ns, page.codes, page.keys, page.last, page.lost, page.more))
+            client.watching.add(cursor.ns)
+        held = [self.store.watches.held(part.ns, part.keys) for part in r.held]
+        return p.JournalPages(self.store.watches.journal.life, pages, held)
 
     def _on_Stats(self, r: p.Stats, client: ClientInfo) -> p.Reply:
         stats = self._stats()

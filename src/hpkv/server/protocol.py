@@ -18,6 +18,9 @@ what it leased (no `Lookup` before it); `Reserve` names its reservation, which `
 `timeout_s` it names, for every lease it lists. `Release` takes several leases.
 Holds: a reservation made with a `hold` name is not the reserving client's to commit; `Settle`
 settles the whole hold, every client's part: the keys it names are aborted, the rest committed.
+The journal (for KV events): `Journal` watches namespaces (a cursor of -1) and reads what entered
+and left their tiers since a cursor, and asks which tiers hold some keys; a page says when records
+were lost (the server keeps a bounded number) and `life` changes with the server.
 The pool: the `Welcome` frame carries the pool file's descriptor (SCM_RIGHTS, `send_frame_fds` /
 `recv_frame_fds`), which the client maps instead of opening the file by name. `pool_bytes` and
 `pool_inode` are what it checks the descriptor against; `pool_path` is for messages only
@@ -32,7 +35,7 @@ import struct
 
 import msgspec
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6  # 6: Journal (the tier journal, for KV events)
 MAX_FRAME_BYTES = 16 << 20
 STATS_PAGE_BYTES = 4 << 20  # the descriptions in one Stats reply, past its first (at most 1 MiB)
 SOCKET_NAME = "hpkv.sock"
@@ -124,7 +127,22 @@ class Stats(Msg):
     busiest: bool = False
 
 
-Request = Hello | Register | Lookup | Reserve | Commit | Abort | Settle | Lease | LeaseWait | Release | Clear | Stats
+class Cursor(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """Where a client is in one namespace's journal: the number of the last record it read; -1:
+    watch it from now (answered with the last number, no records)."""
+
+    ns: str
+    after: int
+
+
+class Journal(Msg):
+    cursors: list[Cursor]
+    held: list[Part] = []  # keys whose tiers to answer (`JournalPages.held`), after the pages are read
+
+
+Request = (
+    Hello | Register | Lookup | Reserve | Commit | Abort | Settle | Lease | LeaseWait | Release | Clear | Stats
+) | Journal
 
 
 # -- replies -------------------------------------------------------------------------------------
@@ -187,6 +205,26 @@ class StatsReply(Msg):
     stats: dict
 
 
+class JournalPage(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One namespace's records past its cursor, numbered on to `last`: `codes[i]` is the tier
+    (1 DRAM, 2 storage) of `keys[i]`, plus 4 when it entered the tier (else it left). `lost`:
+    records between the cursor and these are gone (learn the tiers again: `Journal.held`);
+    `more`: records past `last` wait for the next `Journal`."""
+
+    ns: str
+    codes: bytes
+    keys: list[bytes]
+    last: int
+    lost: bool
+    more: bool
+
+
+class JournalPages(Msg):
+    life: str  # the server's journal: a cursor read from another life is lost
+    pages: list[JournalPage]  # one per cursor
+    held: list[bytes]  # per part of `Journal.held`: per key the tiers holding it, as bits (1 DRAM, 2 storage)
+
+
 class Error(_Stable):
     # "version", "permission", "limit" (too many connections of a uid, or keys reserved open on one), "idle"
     # (closed idle: the request sent since was not read), "malformed", "too_large", "unknown_namespace",
@@ -195,7 +233,9 @@ class Error(_Stable):
     message: str
 
 
-Reply = Welcome | Registered | Hits | Reserved | Count | Leased | Ready | Cleared | Settled | StatsReply | Error
+Reply = (
+    Welcome | Registered | Hits | Reserved | Count | Leased | Ready | Cleared | Settled | StatsReply | JournalPages
+) | Error
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

@@ -11,8 +11,10 @@ and none is left or a RECLAIM_SHARE of those given out may be unused: a batch co
 over the candidates, so a namespace that comes and goes costs O(1) in all.
 
 Primitives: `ids` (namespace -> number, read without the lock), `new_id`, `name_of`, `pin`,
-`unpin`, `busy`, `counted`, `uncounted`, `reclaim`. Not thread-safe by itself: callers hold the
-index's lock (`busy`, `pin`, `unpin` take it). Must not know: the index's order, files.
+`unpin`, `busy`, `counted`, `uncounted`, `reclaim`; `changes`, told (ns, key, entered) of each key
+as it enters or leaves the index (the tier journal's hook; None: nobody journals). Not
+thread-safe by itself: callers hold the index's lock (`busy`, `pin`, `unpin` take it).
+Must not know: the index's order, files.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class NamespaceNumbers:
         self._idle: set[bytes] = set()  # numbers that may be unused now (`reclaim` checks)
         self._pinned: set[str] = set()
         self._busy = 0
+        self.changes: Callable[[str, bytes, bool], None] | None = None
 
     def __len__(self) -> int:
         """Numbers given out and not taken back."""
@@ -131,9 +134,13 @@ class NamespaceNumbers:
         """`ik` entered the index. Caller holds the lock."""
         ns_id = ik[:NS_ID_BYTES]
         self._per_ns[ns_id] = self._per_ns.get(ns_id, 0) + 1
+        if self.changes is not None:
+            self.changes(self.name_of(ik), ik[NS_ID_BYTES:], True)
 
     def uncounted(self, ik: bytes) -> None:
         """`ik` left the index. Caller holds the lock."""
+        if self.changes is not None:  # named before its number may be taken back
+            self.changes(self.name_of(ik), ik[NS_ID_BYTES:], False)
         ns_id = ik[:NS_ID_BYTES]
         num = self._per_ns[ns_id] - 1
         if num:

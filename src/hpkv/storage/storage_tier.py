@@ -11,7 +11,7 @@ none, checked, and a bad file is a miss that deletes it; nothing below the root 
 Primitives: `remove_without_tier` (`hpkv clear --storage` with no server), `start`, `add_namespace`,
 `pin_namespace`, `indexed` (`index_probe`), `contains`, `touch`/`done_with`, `read_into`,
 `write_from` (or `publish`/`publish_many`, where another process writes the files), `submit`, `remove`, `stats`,
-`close`. A write that cannot happen is dropped (counted), never raised.
+`close`; `watch`, the tier journal's hook on the index. A write that cannot happen is dropped (counted), never raised.
 Why a facade: everything outside the package (the store, `hpkv clear`, benchmarks) goes through
 these methods, in the (ns, key) words of the store, and the parts stay the package's to change;
 the few that delegate in one line (`read_into`, `write_from`, `publish`, `publish_many`) keep
@@ -288,6 +288,11 @@ class StorageTier:
         """`publish` for several (ns, key, payload_bytes, version), their first writes in one
         `write_many` call (`publishing`); whether each was published."""
         return self.publisher.publish_many(items, write_many, write_one)
+
+    def watch(self, changes: Callable[[str, bytes, bool], None] | None) -> None:
+        """Tell `changes(ns, key, stored)` of each file that enters or leaves the index (None: stop)."""
+        with self.index.lock:  # the hook is called with it held
+            self.index.numbers.changes = changes
 
     def remove(self, ns: str | None = None) -> int:
         """Delete every entry file (of one namespace), including files other nodes wrote; only

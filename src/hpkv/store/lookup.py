@@ -7,8 +7,8 @@ when the store is at its limit; the walk of a
 prefix through the DRAM index and the storage index (DRAM before storage, stopping at the first
 miss); the `stat` that looks for a file no index holds (another node's, or one the start-up scan
 has not reached), always made without the store's lock.
-Primitives: `register`, `drop_owner`, `known`, `descs`, `lookup`, `lookup_each`, `probe(ns)`, `found_elsewhere`,
-`stats`, `summary`.
+Primitives: `register`, `drop_owner`, `known`, `descs`, `lookup`, `lookup_each`, `held_each`, `probe(ns)`,
+`found_elsewhere`, `stats`, `summary`.
 Must not know: leases, reservations, write-throughs.
 """
 
@@ -135,6 +135,19 @@ class Lookups:
             c.hit_keys_storage += len(tiers) - num_dram
             self._hits[ns].count(len(keys), num_dram, len(tiers) - num_dram)
         return Lookup(tuple(tiers))
+
+    def held_each(self, ns: str, keys: Sequence[bytes]) -> bytes:
+        """Per key, the tiers whose indexes hold it, as bits (DRAM 1, storage 2; 0: neither): what
+        an engine publishing KV events learns again after its journal records were lost."""
+        index = self._dram.index_of(ns)
+        prefix, on_storage = self.probe(ns)
+        held = bytearray(len(keys))
+        with self._lock:
+            for i, key in enumerate(keys):
+                entry = index.get(key)
+                in_dram = entry is not None and entry.ready
+                held[i] = (_DRAM if in_dram else 0) | (_STORAGE if on_storage(prefix + key) else 0)
+        return bytes(held)
 
     def lookup_each(self, ns: str, keys: Sequence[bytes]) -> bytes:
         """The tier of every key (`Tier` codes, 0 for a miss), past misses too: for entries kept at

@@ -5,8 +5,9 @@ Primitives (keyed by namespace `ns` and engine keys, in prefix order): `create_s
 `namespaces`, `check_desc_size`; `lookup`, `lookup_each`; `reserve` -> `commit` | `abort`, or
 `reserve(..., hold=)` -> `settle`; `lease` (-> `Lease.start_reads`) -> `Lease.wait` (`get_lease`) ->
 `release`; `join_owner`, `has_reservations`, `drop_owner`; `set_limits`; `flush`, `clear`,
-`stats`, `close`; `region`, the mapped pool the bytes are copied through by callers. Each is its
-part's: `lookup.py` (namespaces, lookups), `leases.py` (leases, promotions), `reservations.py`
+`stats`, `close`; `region`, the mapped pool the bytes are copied through by callers; `watches`, the
+part the server's `Journal` asks directly (`watches.py`: what entered and left the tiers). Each
+is its part's: `lookup.py` (namespaces, lookups), `leases.py` (leases, promotions), `reservations.py`
 (reservations, holds, what is taken back), `writethrough.py` (the backlog, flush, close),
 `cluster.py` (the cluster tier: written through after commits and settles, asked by lookups);
 `limits.SlotLimits` keeps the books of what each owner holds. Why one facade, of one-line
@@ -49,6 +50,7 @@ from .leases import Lease, Leases
 from .lookup import Lookups
 from .owners import NamespaceLimits
 from .reservations import Reservations
+from .watches import Watches
 from .writethrough import BACKLOG_LIMIT_SHARE, WriteThrough, backlog_limit
 
 log = logging.getLogger(__name__)
@@ -123,6 +125,8 @@ class TieredStore:
         )
         if self.cluster is not None:
             self.lookups.fill = self.cluster.fill
+        # What entered and left each tier, for the namespaces engines watch (their KV events).
+        self.watches = Watches(self.dram, storage, self.lookups)
 
     def close(self, abandon: threading.Event | None = None) -> bool:
         """Finish the write-throughs queued and deferred (entries committed from now on are not
@@ -247,6 +251,7 @@ class TieredStore:
         with self._lock:
             self.lookups.drop_owner(owner)
             self.limits.leave(owner)
+        self.watches.drop_owner(owner)
 
     def clear(self, dram: bool = True, storage: bool = False, ns: str | None = None) -> dict[str, int]:
         """Remove entries; `dram` (memory) takes the cluster tier's objects (of `ns`) too."""

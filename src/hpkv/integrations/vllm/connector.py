@@ -7,7 +7,8 @@ with VLLM_ENABLE_HPKV=1. Owns only the choice of half: the engine core's instanc
 registered with the server as the engine starts; each worker's runs `HpkvWorker`. Extra
 config: `"hpkv.async_save"` (true/false; default: asynchronous saves on accelerators) and
 `"hpkv.fail_on_load_error"` (default false: HPKV is a cache, so vLLM's kv_load_failure_policy
-is set to "recompute"). Knows nothing of keys, leases or copies.
+is set to "recompute"). With vLLM's KV events on, the scheduler half's `eventfeed.EventFeed`
+publishes HPKV's tiers through `take_events`. Knows nothing of keys, leases or copies.
 """
 
 from __future__ import annotations
@@ -183,6 +184,14 @@ class HpkvConnectorV1(KVConnectorBase_V1, SupportsHMA):
 
     def reset_cache(self) -> bool | None:
         return _side(self._scheduler, "scheduler").reset_cache()
+
+    def take_events(self):
+        # Called by vLLM every step; with KV events off (its default) there is no feed: nothing runs.
+        return self._scheduler.take_events() if self._scheduler is not None else ()
+
+    def has_pending_push_work(self) -> bool:
+        # KV events of HPKV's tiers waiting: vLLM steps an idle engine once more to publish them.
+        return self._scheduler is not None and self._scheduler.has_events()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HpkvConnectorStats | None:

@@ -79,6 +79,20 @@ class GuardedScheduler:
             self._bug("a cache reset")
             return False
 
+    def take_events(self) -> list:
+        feed = self.scheduler.feed
+        if feed is None:
+            return []
+        try:
+            return feed.take_events()
+        except Exception:  # the events of this step are lost; a consumer sees a gap, not a stopped engine
+            self._bug("the KV events")
+            return []
+
+    def has_events(self) -> bool:
+        feed = self.scheduler.feed
+        return feed is not None and feed.pending()
+
     def _bug(self, what: str, *recover) -> None:
         """Called inside an `except`: log the exception (throttled), then run the `recover`
         steps, each as best it can."""

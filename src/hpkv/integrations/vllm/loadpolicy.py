@@ -2,7 +2,7 @@
 a cost model seeded at start-up by this machine's figures (`probes.py`) and refined by the
 engine's own steps (`costmodel.py`).
 
-Primitives: `load_policy` (the one the scheduler half asks), `auto_threshold`. Must not know
+Primitives: `load_policy` (the one the scheduler half asks), `auto_threshold`, `count_skipped`. Must not know
 the scheduler's requests or the server beyond the one round trip it is handed.
 """
 
@@ -66,3 +66,17 @@ def load_policy(
     return auto_threshold(
         settings.storage, model_config, layout.block_size, layout.entry_bytes, num_ranks, lookup, hit_bytes
     )
+
+
+def count_skipped(stats, policy, request_id: str, block_size: int, num_hit: int, num_load: int) -> None:
+    """A hit of `num_hit` blocks of which the policy loads `num_load`: the rest counted as skipped."""
+    if num_load < num_hit:
+        stats.add("skipped_below_threshold", 1)
+        stats.add("skipped_tokens", (num_hit - num_load) * block_size)
+        log.debug(
+            "request %s: HPKV hit of %d tokens, loading %d under %s; recomputing the rest",
+            request_id,
+            num_hit * block_size,
+            num_load * block_size,
+            policy.describe(),
+        )

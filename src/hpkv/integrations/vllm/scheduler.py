@@ -21,7 +21,7 @@ from ...config import Settings
 from ...errors import HpkvError
 from ...server.client import Client
 from ...tiers import HOLD_TIMEOUT_S, Tier
-from . import compat, connectorstats, groups, hitplan, loadpolicy, mamba, modelid, optout, outputs, probes
+from . import compat, connectorstats, eventfeed, groups, hitplan, loadpolicy, mamba, modelid, optout, outputs, probes
 from . import layout as lay
 from .metadata import HpkvConnectorMetadata, LoadJob
 from .requests import RequestState
@@ -36,6 +36,8 @@ READY_WAIT_S = 0.002
 
 
 class HpkvScheduler:
+    feed: eventfeed.EventFeed | None = None  # KV events of HPKV's tiers (only with vLLM's on)
+
     def __init__(self, vllm_config, kv_cache_config, settings: Settings) -> None:
         self.layouts = lay.group_layouts(vllm_config, kv_cache_config)
         self.layout = self.layouts[0]
@@ -67,6 +69,8 @@ class HpkvScheduler:
         self._pending_loads: list[LoadJob] = []
         self._step_loads: list[LoadJob] = []  # the loads of the step being built
         self.kv_cache_manager = None  # vLLM's, once bound: to un-hash blocks that failed to load
+        if eventfeed.enabled(vllm_config):  # --kv-events-config
+            self.feed = eventfeed.EventFeed(self.layouts, self.num_ranks, self.client)
         modelid.warn_if_hashes_unstable(vllm_config)
 
     def namespaces(self) -> list[str] | None:
@@ -77,7 +81,10 @@ class HpkvScheduler:
             if not self.descs:
                 self.descs = lay.namespaces(self.vllm_config, self.layouts, identity)
                 log.info("HPKV namespace model: %s", self.descs[0].model)
-            self._ns = [self.client.register(desc) for desc in self.descs]
+            namespaces = [self.client.register(desc) for desc in self.descs]
+            if self.feed is not None:  # watched before any lease answer is read
+                self.feed.attach(namespaces, self.descs)
+            self._ns = namespaces
         return self._ns
 
     # -- lookups ------------------------------------------------------------------------------
@@ -109,7 +116,7 @@ class HpkvScheduler:
         if ready is None:
             return None, False  # promotions from storage still running: ask again next step
         num_load = ready if self.policy.may_pay(start * self.block_size, ready) else 0  # all in DRAM now
-        _count_skipped(self, state, ready, num_load)
+        loadpolicy.count_skipped(self.stats, self.policy, state.request.request_id, self.block_size, ready, num_load)
         if not num_load:
             state.release(self.client)
             return 0, False
@@ -151,6 +158,8 @@ class HpkvScheduler:
             hit = hitplan.leased_tiers(leases)
             num_hit, tiers = len(hit), hit[: plan(hit)]
             sizes = [len(tiers)] * len(leases)
+        if self.feed is not None:
+            self.feed.leased(state.request, start, leases, namespaces)
         state.leases, state.lease_sizes = dict(enumerate(leases)), dict(enumerate(sizes))
         self.stats.add("lookups", 1)
         if not num_hit:
@@ -159,7 +168,8 @@ class HpkvScheduler:
                 state.request.request_id,
                 start,
             )
-        _count_skipped(self, state, num_hit, len(tiers))
+        req_id = state.request.request_id
+        loadpolicy.count_skipped(self.stats, self.policy, req_id, self.block_size, num_hit, len(tiers))
         if not tiers:
             state.release(self.client)
             return 0
@@ -232,8 +242,7 @@ class HpkvScheduler:
 
     def forget_lookup(self, request) -> None:
         """vLLM got no answer for `request` (a bug): what it leased is not needed."""
-        state = self.table.get(request.request_id)
-        if state is not None:
+        if (state := self.table.get(request.request_id)) is not None:
             state.release(self.client)
 
     def fail_load(self, request, blocks, num_external_tokens: int) -> None:
@@ -334,6 +343,8 @@ class HpkvScheduler:
         keys, jobs = groups.save_jobs(req_id, self.layouts, hashes, group_ids, state.saved_blocks, full, null)
         jobs += mamba.offered_saves(req_id, self.layouts, hashes, offers, null)
         stop = state.saved_blocks + len(keys)
+        if self.feed is not None and keys:
+            self.feed.saving(state.request, state.saved_blocks, stop)
         meta.saves += jobs
         if meta.hold and jobs:
             held = list(dict.fromkeys(key for job in jobs for key in job.keys))
@@ -377,6 +388,8 @@ class HpkvScheduler:
 
     def shutdown(self) -> None:
         self.policy.close()
+        if self.feed is not None:
+            self.feed.close()
         for state in self.table.states():
             state.release(self.client)
         for settle in self.table.pending.abandon():  # not left pinned until the server's timeout
@@ -385,16 +398,3 @@ class HpkvScheduler:
             except HpkvError:
                 break
         self.client.close()
-
-
-def _count_skipped(sched: HpkvScheduler, state: RequestState, num_hit: int, num_load: int) -> None:
-    if num_load < num_hit:
-        sched.stats.add("skipped_below_threshold", 1)
-        sched.stats.add("skipped_tokens", (num_hit - num_load) * sched.block_size)
-        log.debug(
-            "request %s: HPKV hit of %d tokens, loading %d under %s; recomputing the rest",
-            state.request.request_id,
-            num_hit * sched.block_size,
-            num_load * sched.block_size,
-            sched.policy.describe(),
-        )
