@@ -24,9 +24,7 @@ import argparse
 import json
 import mmap
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +32,7 @@ from pathlib import Path
 
 import xxhash
 
+from bench.harness.mooncake import start_master, start_segment, stop_master
 from bench.harness.report import log
 from hpkv.cluster.client import ClusterClient, load_store_class
 from hpkv.cluster.tier import ClusterTier, address_of
@@ -41,41 +40,6 @@ from hpkv.config import ClusterConfig
 
 NS = "c1" * 16
 SIZES = (256 << 10, 4 << 20)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_master(work: Path) -> tuple[subprocess.Popen, str]:
-    import mooncake.store
-
-    binary = Path(mooncake.store.__file__).parent / "mooncake_master"
-    port = free_port()
-    argv = [str(binary), "--rpc_address=127.0.0.1", f"--rpc_port={port}", "--rpc_thread_num=2"]
-    argv += ["--metrics_host=127.0.0.1", f"--metrics_port={free_port()}"]
-    with open(work / "master.log", "ab") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return proc, f"127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("mooncake_master did not start")
-
-
-def start_segment(work: Path, config: ClusterConfig) -> subprocess.Popen:
-    from hpkv.cluster import segment
-
-    segment.ensure(config, work, env=dict(os.environ))
-    for _ in range(400):
-        if (pid := segment.running(work)) not in (None, -1):
-            return pid
-        time.sleep(0.05)
-    raise RuntimeError("the segment process did not mount its segment")
 
 
 def mbps(num_bytes: int, seconds: float) -> float:
@@ -156,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         raw.close()
     finally:
         segment.stop(work)
-        master.terminate()
-        master.wait()
+        stop_master(master)
     out = {"load_average": os.getloadavg(), "cpus": os.cpu_count(), "sizes": results}
     if args.json:
         print(json.dumps(out, indent=2))
