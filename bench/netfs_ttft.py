@@ -12,9 +12,9 @@ dropped) and it reconnects, so each engine first sends short prompts (the engine
 threshold is lowered for that; the timed prompts are far over either). Per repeat, a new
 prompt: A computes it, its files land on B's mount, and B, which never saw it, sends it (timed,
 after an untimed tiny request: `Engine.measure`), after one such round untimed; the row is the
-median, with B's cold TTFT on a prompt nobody saw as the recompute it saves. A timed request that
-does not come from storage (nine tenths of its prompt at least) is reported, not used. Progress
-to stderr, the table to stdout.
+median, with the median of B's cold TTFT on prompts nobody saw (one per repeat) as the recompute
+it saves. A timed request that does not come from storage (nine tenths of its prompt at least)
+is reported, not used. Progress to stderr, the table to stdout.
 """
 
 from __future__ import annotations
@@ -116,12 +116,12 @@ def measure(
     arrived: Callable[[], Callable[[], None]],
     source: str = "disk",
 ) -> dict:
-    """B's hit TTFT (median of `repeats`) on prompts A computed, and B's cold TTFT. `arrived()`
+    """B's hit TTFT on prompts A computed and B's cold TTFT on prompts nobody saw, each the
+    median of `repeats` (one of each per repeat: the machine's phase moves both). `arrived()`
     is called before A's request and what it returns after it: it waits until A's KV is where B
     reads it. A hit counts only when nine tenths of its prompt came from `source` (vLLM's cache
     source: "disk" for storage, "host" for the DRAM pool, where cluster hits are served from)."""
-    cold = b.measure(prompt_text(words, seed=zlib.crc32(f"{name} cold".encode())), 1)[1].ttft_s
-    hits = []
+    hits, colds = [], []
     for r in range(-1, repeats):  # -1: untimed, the first hit through these servers
         text = prompt_text(words, seed=zlib.crc32(f"{name} {r}".encode()) % 100_000)
         wait = arrived()
@@ -133,7 +133,19 @@ def measure(
         elif r >= 0:
             hits.append(sample.ttft_s)
             log(f"{name}: repeat {r}: hit {1000 * sample.ttft_s:.0f} ms")
-    row = {"storage": name, "hit_ms": 1000 * statistics.median(hits) if hits else float("nan"), "cold_ms": 1000 * cold}
+        if r >= 0:
+            cold = b.measure(prompt_text(words, seed=zlib.crc32(f"{name} cold {r}".encode())), 1)[1]
+            if any(cold.sources.values()):
+                log(f"{name}: repeat {r}'s cold prompt hit a cache ({cold.sources})")
+            else:
+                colds.append(cold.ttft_s)
+    row = {
+        "storage": name,
+        "hit_ms": 1000 * statistics.median(hits) if hits else float("nan"),
+        "hits_ms": [round(1000 * t) for t in hits],
+        "cold_ms": 1000 * statistics.median(colds) if colds else float("nan"),
+        "colds_ms": [round(1000 * t) for t in colds],
+    }
     log(f"{name}: hit {row['hit_ms']:.0f} ms, cold {row['cold_ms']:.0f} ms ({len(hits)} hits)")
     return row
 
