@@ -11,6 +11,8 @@ existing name does nothing in Mooncake) from and into one registered buffer:
 - `2 parts`: `batch_put_from_multi_buffers` / `batch_get_into_multi_buffers` of objects of the
   tier's layout (HPKV's header, made beforehand, and the payload: two parts, each a transfer of
   its own), no checksum: what the tier asks of Mooncake;
+- `get 1 part + copy`: the other layout a read could take, each object whole into a staging
+  buffer (one transfer), then its payload copied into its slot, no checksum;
 - `tier write`/`read`: `ClusterTier.write` / `read_into`, what the HPKV server runs: the header
   built (xxh3 of the payload) and put with the payload in one object, read back into a header
   buffer and the slot and checked (xxh3 again);
@@ -52,14 +54,17 @@ from hpkv.store import TieredStore
 NS = "c1" * 16
 SIZES = (256 << 10, 4 << 20)
 FILL_ENTRIES = 64
-COLUMNS = ("mooncake put", "put 2 parts", "tier write", "mooncake get", "get 2 parts", "tier read", "xxh3")
+COLUMNS = ("mooncake put", "put 2 parts", "tier write", "mooncake get", "get 2 parts", "get 1 part + copy", "tier read")
+COLUMNS += ("xxh3",)
 
 
 def mbps(num_bytes: int, seconds: float) -> float:
     return num_bytes / seconds / 1e6
 
 
-def run_size(size: int, rounds: int, round_bytes: int, memory: mmap.mmap, raw, tier: ClusterTier) -> dict:
+def run_size(
+    size: int, rounds: int, round_bytes: int, memory: mmap.mmap, staging: mmap.mmap, raw, tier: ClusterTier
+) -> dict:
     count = round_bytes // size
     base = address_of(memory)
     ptrs = [base + i * size for i in range(count)]
@@ -79,6 +84,7 @@ def run_size(size: int, rounds: int, round_bytes: int, memory: mmap.mmap, raw, t
         head_ptrs = [ctypes.addressof(head_buf) + i * head_len for i in range(count)]
         two = [[h, p] for h, p in zip(head_ptrs, ptrs)], [[head_len, size]] * count
         calls = _calls(raw, tier, names, parts, keys, ptrs, size, two)
+        calls["get 1 part + copy"] = functools.partial(get_staged, raw, parts, memory, staging, head_len, size)
         calls["xxh3"] = functools.partial(xxh3_all, memory, size, count)
         for name, call in calls.items():  # each write before its read; the three of each in turn
             t = time.perf_counter()
@@ -149,6 +155,19 @@ def fill_ms(config: ClusterConfig, tier: ClusterTier, memory: mmap.mmap, rounds:
     return times
 
 
+def get_staged(raw, parts: list[str], memory: mmap.mmap, staging: mmap.mmap, head_len: int, size: int) -> bool:
+    """The other layout a read could take: each object in one part into a staging buffer (header
+    and payload together), then its payload copied into its slot."""
+    step, base = head_len + size, address_of(staging)
+    got = raw.batch_get_into(parts, [base + i * step for i in range(len(parts))], [step] * len(parts))
+    slots, staged = memoryview(memory), memoryview(staging)
+    for i in range(len(parts)):
+        slots[i * size : (i + 1) * size] = staged[i * step + head_len : (i + 1) * step]
+    slots.release()
+    staged.release()
+    return got == [step] * len(parts)
+
+
 def xxh3_all(memory: mmap.mmap, size: int, count: int) -> bool:
     view = memoryview(memory)
     for i in range(count):
@@ -170,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         enabled=True,
         master=address,
         host="127.0.0.1",
-        segment_bytes=4 * round_bytes + (64 << 20),
+        segment_bytes=5 * round_bytes + (64 << 20),
         buffer_bytes=16 << 20,
     )
     from hpkv.cluster import segment
@@ -179,13 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         start_segment(work, config)
         memory = mmap.mmap(-1, round_bytes)
+        staging = mmap.mmap(-1, round_bytes + (1 << 20))  # room for a header per object
         raw = load_store_class()()
         assert raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", address) == 0
         raw.register_buffer(address_of(memoryview(memory)), round_bytes)
+        raw.register_buffer(address_of(memoryview(staging)), len(staging))
         tier = ClusterTier(config, memoryview(memory), ClusterClient(config))
         assert tier.start()
         for size in SIZES:
-            results.append(run_size(size, args.rounds, round_bytes, memory, raw, tier))
+            results.append(run_size(size, args.rounds, round_bytes, memory, staging, raw, tier))
         fills = fill_ms(config, tier, memory, max(args.rounds, 7))
         tier.close()
         raw.close()
@@ -200,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cluster tier vs Mooncake's own calls, TCP loopback, {args.rounds} rounds of {args.round_mib} MiB (MB/s)")
     print(
         f"{'object':>8} {'mc put':>7} {'2 parts':>7} {'tier wr':>7} {'ratio':>11} "
-        f"{'mc get':>7} {'2 parts':>7} {'tier rd':>7} {'ratio':>11} {'xxh3':>7}"
+        f"{'mc get':>7} {'2 parts':>7} {'1p+copy':>7} {'tier rd':>7} {'ratio':>11} {'xxh3':>7}"
     )
     for r in results:
         m = r["median_mbps"]
@@ -208,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         rd = f"{r['read_ratio']}/{r['read_ratio_paired']}"
         print(
             f"{r['object_bytes'] >> 10:>5}KiB {m['mooncake put']:>7} {m['put 2 parts']:>7} {m['tier write']:>7} "
-            f"{w:>11} {m['mooncake get']:>7} {m['get 2 parts']:>7} {m['tier read']:>7} {rd:>11} {m['xxh3']:>7}"
+            f"{w:>11} {m['mooncake get']:>7} {m['get 2 parts']:>7} {m['get 1 part + copy']:>7} {m['tier read']:>7} "
+            f"{rd:>11} {m['xxh3']:>7}"
         )
     print("ratio: of the medians / the median of the rounds' ratios")
     print(f"a lookup filling {FILL_ENTRIES} entries of 256 KiB from the cluster: {fill['median_ms']} ms median")
