@@ -17,7 +17,9 @@ existing name does nothing in Mooncake) from and into one registered buffer:
   built (xxh3 of the payload) and put with the payload in one object, read back into a header
   buffer and the slot and checked (xxh3 again);
 - `xxh3`: the checksum alone over the same bytes, what the tier adds per byte.
-Each round runs them in that order. Figures are the median MB/s (10^6 bytes/s) of `--rounds`,
+Each round runs them in that order. Figures are the median MB/s (10^6 bytes/s) of `--rounds`
+and the median CPU time of each call in the three processes (`cpu_seconds`: what bounds a call
+on a machine whose CPUs the loopback transfer fills, and steadier than wall time on a busy one),
 and the tier's ratio to Mooncake's own call (the issue's target: at least 0.8), as the ratio of
 the medians and as the median of the rounds' ratios (steadier on a busy machine). Run it under
 `flock /tmp/hpkv-engine.lock` on a shared machine. Progress to stderr, the table to stdout.
@@ -42,7 +44,7 @@ from pathlib import Path
 import xxhash
 
 from bench.harness.mooncake import start_master, start_segment, stop_master
-from bench.harness.report import log
+from bench.harness.report import cpu_seconds, log
 from hpkv.cluster import objects
 from hpkv.cluster.client import ClusterClient, load_store_class
 from hpkv.cluster.tier import ClusterTier, Read, address_of
@@ -63,12 +65,21 @@ def mbps(num_bytes: int, seconds: float) -> float:
 
 
 def run_size(
-    size: int, rounds: int, round_bytes: int, memory: mmap.mmap, staging: mmap.mmap, raw, tier: ClusterTier
+    size: int,
+    rounds: int,
+    round_bytes: int,
+    memory: mmap.mmap,
+    staging: mmap.mmap,
+    raw,
+    tier: ClusterTier,
+    pids: list[int],
 ) -> dict:
+    """One object size's rounds; `pids`: the processes whose CPU time each call is charged."""
     count = round_bytes // size
     base = address_of(memory)
     ptrs = [base + i * size for i in range(count)]
     got: dict[str, list[float]] = {k: [] for k in COLUMNS}
+    cpu: dict[str, list[float]] = {k: [] for k in COLUMNS}  # ms of CPU, all three processes
     for r in range(rounds):
         memory[: count * size] = os.urandom(count * size)
         names = [f"bench/{size}/{r}/{i}" for i in range(count)]
@@ -87,9 +98,10 @@ def run_size(
         calls["get 1 part + copy"] = functools.partial(get_staged, raw, parts, memory, staging, head_len, size)
         calls["xxh3"] = functools.partial(xxh3_all, memory, size, count)
         for name, call in calls.items():  # each write before its read; the three of each in turn
-            t = time.perf_counter()
+            c, t = cpu_seconds(pids), time.perf_counter()
             assert call(), name
             got[name].append(mbps(count * size, time.perf_counter() - t))
+            cpu[name].append(1000 * (cpu_seconds(pids) - c))
         raw.batch_remove(names + parts, True)
         tier.client.remove([objects.object_name(NS, k) for k in keys])
         log(f"{size >> 10} KiB round {r + 1}/{rounds} done")
@@ -99,6 +111,7 @@ def run_size(
         "object_bytes": size,
         "objects_per_round": count,
         "median_mbps": med,
+        "median_cpu_ms": {k: round(statistics.median(v), 1) for k, v in cpu.items()},
         "write_ratio": round(med["tier write"] / med["mooncake put"], 2),
         "read_ratio": round(med["tier read"] / med["mooncake get"], 2),
         # the median of each round's ratio: steadier than the ratio of medians on a busy machine
@@ -196,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results = []
     try:
-        start_segment(work, config)
+        pids = [os.getpid(), start_segment(work, config), master.pid]
         memory = mmap.mmap(-1, round_bytes)
         staging = mmap.mmap(-1, round_bytes + (1 << 20))  # room for a header per object
         raw = load_store_class()()
@@ -206,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         tier = ClusterTier(config, memoryview(memory), ClusterClient(config))
         assert tier.start()
         for size in SIZES:
-            results.append(run_size(size, args.rounds, round_bytes, memory, staging, raw, tier))
+            results.append(run_size(size, args.rounds, round_bytes, memory, staging, raw, tier, pids))
         fills = fill_ms(config, tier, memory, max(args.rounds, 7))
         tier.close()
         raw.close()
@@ -233,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{rd:>11} {m['xxh3']:>7}"
         )
     print("ratio: of the medians / the median of the rounds' ratios")
+    for r in results:
+        cpu_ms = ", ".join(f"{k} {v}" for k, v in r["median_cpu_ms"].items())
+        print(f"{r['object_bytes'] >> 10} KiB, CPU ms per round (this client, the segment, the master): {cpu_ms}")
     print(f"a lookup filling {FILL_ENTRIES} entries of 256 KiB from the cluster: {fill['median_ms']} ms median")
     print(f"load average {out['load_average'][0]:.1f} on {out['cpus']} CPUs; MB/s = 10^6 bytes/s")
     return 0
