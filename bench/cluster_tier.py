@@ -83,7 +83,7 @@ def run_size(
     for r in range(rounds):
         memory[: count * size] = os.urandom(count * size)
         names = [f"bench/{size}/{r}/{i}" for i in range(count)]
-        keys = [f"{size}-{r}-{i}".encode() for i in range(count)]
+        keys = [f"{size}-{r:03d}-{i:05d}".encode() for i in range(count)]  # one length: one header length
         # Mooncake's own calls on objects of the tier's two parts, header and payload, with the
         # headers made beforehand (no checksum in the timing): what the tier asks of Mooncake.
         parts = [f"bench2/{size}/{r}/{i}" for i in range(count)]
