@@ -15,7 +15,7 @@ prompts). The rows, in this order:
   pool, and serves them as DRAM hits (vLLM's `host` source); a hit waits until A's server has
   written the prompt's objects;
 - `glusterfs`: A's server on one mount of a one-brick GlusterFS volume, B's on the other
-  (`bench.harness.netfs`, as root; the bed is one per machine: this waits for another's);
+  (`bench.harness.netfs`, as root; the bed is one per machine: the run first waits for another's);
 - `recompute`: B's cold TTFT on prompts nobody saw (one per repeat of each row; their median).
 Per repeat a new prompt: A computes it, then B, which never saw it, sends it (timed, right after
 an untimed tiny request: `Engine.measure`); one such round untimed first; each row is the median.
@@ -90,6 +90,9 @@ def cluster_arrives(pool_a: Path, timeout_s: float = 120.0) -> Callable[[], Call
 def run(model: str, work: Path, repeats: int, words: int) -> list[dict]:
     rows = []
     with contextlib.ExitStack() as stack:
+        # First, so that it goes last (the servers hold files on its mounts); a machine's one
+        # GlusterFS bed may be another's for a while: waited for here, before any engine starts.
+        bed = stack.enter_context(netfs_beds(("glusterfs",)))["glusterfs"]
         own, root_a, root_b = (Path(tempfile.mkdtemp(prefix=f"hpkv-bench-{n}-", dir="/var/tmp")) for n in "oab")
         pools = [Path(tempfile.mkdtemp(prefix=f"hpkv-node{n}-", dir="/dev/shm")) for n in "ab"]
         for path in (own, root_a, root_b, *pools):
@@ -111,8 +114,6 @@ def run(model: str, work: Path, repeats: int, words: int) -> list[dict]:
         servers.use(root_a, root_b, cluster_settings(address))
         reconnect(engines)
         rows.append(measure("cluster tier", a, b, repeats, words, cluster_arrives(pools[0]), source="host"))
-        bed = stack.enter_context(netfs_beds(("glusterfs",)))["glusterfs"]
-        stack.callback(servers.stop)  # before the bed goes: a server holds files on its mount
         if isinstance(bed, Shared):
             kv = f"kv-{time.time_ns()}"
             (bed.mount_a / kv).mkdir()
