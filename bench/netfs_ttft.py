@@ -12,9 +12,9 @@ dropped) and it reconnects, so each engine first sends short prompts (the engine
 threshold is lowered for that; the timed prompts are far over either). Per repeat, a new
 prompt: A computes it, its files land on B's mount, and B, which never saw it, sends it (timed,
 after an untimed tiny request: `Engine.measure`), after one such round untimed; the row is the
-median, with B's cold TTFT on a prompt nobody saw as the recompute it saves. A timed request that
-does not come from storage (nine tenths of its prompt at least) is reported, not used. Progress
-to stderr, the table to stdout.
+median, with the median of B's cold TTFT on prompts nobody saw (one per repeat) as the recompute
+it saves. A timed request that does not come from storage (nine tenths of its prompt at least)
+is reported, not used. Progress to stderr, the table to stdout.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.harness.engine import Engine, engine_env, start_together
@@ -56,7 +57,17 @@ def _settled(root: Path, more_than: int, timeout_s: float = 120.0) -> None:
         time.sleep(0.3)
 
 
-def _hpkv_env(pool: Path, root: Path, work: Path) -> dict[str, str]:
+def files_arrive(root: Path) -> Callable[[], Callable[[], None]]:
+    """For `measure`: armed before A's request, waits after it until its files are on `root`."""
+
+    def arm() -> Callable[[], None]:
+        before = _num_files(root)
+        return lambda: _settled(root, before)
+
+    return arm
+
+
+def hpkv_env(pool: Path, root: Path, work: Path) -> dict[str, str]:
     return {
         **engine_env(),
         "VLLM_ENABLE_HPKV": "1",
@@ -75,11 +86,13 @@ class Servers:
         self.pools, self.work = pools, work
         self.running: list[NodeServer] = []
 
-    def use(self, a_root: Path, b_root: Path) -> None:
+    def use(self, a_root: Path, b_root: Path, settings: dict[str, str] | None = None) -> None:
+        """`settings`: more HPKV_* variables of both servers (the cluster tier's, say)."""
         self.stop()
         outside = {k: v for k, v in os.environ.items() if not k.startswith(("HPKV_", "VLLM_HPKV_", "VLLM_ENABLE"))}
         for name, pool, root in zip("ab", self.pools, (a_root, b_root)):
-            env = {**outside, **_hpkv_env(pool, root, self.work)}  # PATH, and PYTHONPATH: these sources
+            # PATH, and PYTHONPATH: these sources
+            env = {**outside, **hpkv_env(pool, root, self.work), **(settings or {})}
             self.running.append(NodeServer(f"node{name}", env, self.work / f"server-{name}-{time.time_ns()}.log"))
 
     def stop(self) -> None:
@@ -94,22 +107,46 @@ def reconnect(engines: list[Engine], words: int = 200) -> None:
             engine.complete(prompt_text(words, seed=zlib.crc32(f"{engine.name} {time.time_ns()} {i}".encode())), 1)
 
 
-def measure(name: str, a: Engine, b: Engine, b_root: Path, repeats: int, words: int) -> dict:
-    cold = b.measure(prompt_text(words, seed=zlib.crc32(f"{name} cold".encode())), 1)[1].ttft_s
-    hits = []
-    for r in range(-1, repeats):  # -1: untimed, the first storage hit through these servers
+def measure(
+    name: str,
+    a: Engine,
+    b: Engine,
+    repeats: int,
+    words: int,
+    arrived: Callable[[], Callable[[], None]],
+    source: str = "disk",
+) -> dict:
+    """B's hit TTFT on prompts A computed and B's cold TTFT on prompts nobody saw, each the
+    median of `repeats` (one of each per repeat: the machine's phase moves both). `arrived()`
+    is called before A's request and what it returns after it: it waits until A's KV is where B
+    reads it. A hit counts only when nine tenths of its prompt came from `source` (vLLM's cache
+    source: "disk" for storage, "host" for the DRAM pool, where cluster hits are served from)."""
+    hits, colds = [], []
+    for r in range(-1, repeats):  # -1: untimed, the first hit through these servers
         text = prompt_text(words, seed=zlib.crc32(f"{name} {r}".encode()) % 100_000)
-        before = _num_files(b_root)
+        wait = arrived()
         a.complete(text, 1)
-        _settled(b_root, before)
+        wait()
         sample = b.measure(text, 1)[1]
-        if sample.sources.get("disk", 0) < 0.9 * sample.prompt_tokens or sample.sources.get("device", 0) > 0:
-            log(f"{name}: repeat {r} was not a storage hit ({sample.sources})")
+        if sample.sources.get(source, 0) < 0.9 * sample.prompt_tokens or sample.sources.get("device", 0) > 0:
+            log(f"{name}: repeat {r} was not a hit from {source} ({sample.sources})")
         elif r >= 0:
             hits.append(sample.ttft_s)
-            log(f"{name}: repeat {r}: storage hit {1000 * sample.ttft_s:.0f} ms")
-    row = {"storage": name, "hit_ms": 1000 * statistics.median(hits) if hits else float("nan"), "cold_ms": 1000 * cold}
-    log(f"{name}: storage hit {row['hit_ms']:.0f} ms, cold {row['cold_ms']:.0f} ms ({len(hits)} hits)")
+            log(f"{name}: repeat {r}: hit {1000 * sample.ttft_s:.0f} ms")
+        if r >= 0:
+            cold = b.measure(prompt_text(words, seed=zlib.crc32(f"{name} cold {r}".encode())), 1)[1]
+            if any(cold.sources.values()):
+                log(f"{name}: repeat {r}'s cold prompt hit a cache ({cold.sources})")
+            else:
+                colds.append(cold.ttft_s)
+    row = {
+        "storage": name,
+        "hit_ms": 1000 * statistics.median(hits) if hits else float("nan"),
+        "hits_ms": [round(1000 * t) for t in hits],
+        "cold_ms": 1000 * statistics.median(colds) if colds else float("nan"),
+        "colds_ms": [round(1000 * t) for t in colds],
+    }
+    log(f"{name}: hit {row['hit_ms']:.0f} ms, cold {row['cold_ms']:.0f} ms ({len(hits)} hits)")
     return row
 
 
@@ -131,7 +168,7 @@ def run(model: str, work: Path, repeats: int, words: int) -> list[dict]:
         servers = Servers(pools, work)
         stack.callback(servers.stop)
         servers.use(local, local)
-        engines = [Engine(n, model, _hpkv_env(pool, local, work), True, work) for n, pool in zip("ab", pools)]
+        engines = [Engine(n, model, hpkv_env(pool, local, work), True, work) for n, pool in zip("ab", pools)]
         for engine in engines:
             stack.callback(engine.stop)
         start_together(engines)
@@ -141,7 +178,7 @@ def run(model: str, work: Path, repeats: int, words: int) -> list[dict]:
             if a_root != local:
                 servers.use(a_root, b_root)
                 reconnect(engines)
-            rows.append(measure(name, engines[0], b, b_root, repeats, words))
+            rows.append(measure(name, engines[0], b, repeats, words, files_arrive(b_root)))
     return rows
 
 

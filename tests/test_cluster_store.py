@@ -1,6 +1,7 @@
 """The cluster tier inside the store (`store/cluster.py`), in process, on a real mooncake_master:
-what one store commits, alone or in a hold spanning namespaces, is written through; another
-store's lookup fills it into its DRAM (a DRAM hit, the same bytes); a clear of memory removes it."""
+what one store commits, alone or in a hold spanning namespaces, or promotes from its storage, is
+written through; another store's lookup fills it into its DRAM (a DRAM hit, the same bytes); a
+clear of memory removes it."""
 
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ from pathlib import Path
 
 import pytest
 
+from helpers.config import make_storage_config
 from helpers.mooncake import mooncake_master  # noqa: F401  (a fixture)
 from hpkv.cluster.client import ClusterClient
 from hpkv.cluster.tier import ClusterTier
 from hpkv.config import ClusterConfig
 from hpkv.pool.region import PoolRegion
+from hpkv.storage.storage_tier import StorageTier
 from hpkv.store import TieredStore
 from hpkv.tiers import Tier
-from test_store import desc, keys, load, payload
+from test_store import desc, keys, load, only_in_storage, payload
 
 
 @pytest.fixture
@@ -25,12 +28,16 @@ def stores(mooncake_master):
     config = ClusterConfig(enabled=True, master=mooncake_master.address, host="127.0.0.1", buffer_bytes=16 << 20)
     made, dirs = [], []
 
-    def make() -> TieredStore:
+    def make(storage: Path | None = None) -> TieredStore:
+        """A store joined to the cluster, with a storage tier in `storage` (None: none)."""
         dirs.append(Path(tempfile.mkdtemp(prefix="hpkv-cluster-store-", dir="/dev/shm")))
         region = PoolRegion.create(dirs[-1], 16 << 20)
         tier = ClusterTier(config, region.buf, ClusterClient(config, segment_bytes=32 << 20))
         assert tier.start()
-        made.append(TieredStore(region, None, cluster=tier))
+        files = StorageTier(make_storage_config(storage)) if storage is not None else None
+        if files is not None:
+            files.start()
+        made.append(TieredStore(region, files, cluster=tier))
         return made[-1]
 
     yield make
@@ -95,3 +102,19 @@ def test_a_lease_with_no_lookup_before_it_is_filled_from_the_cluster(stores):
     assert b.stats().cluster.hits == 5
     b.release(lease.id)
     assert load(b, ns, ks) == [payload(k) for k in ks]
+
+
+def test_an_entry_promoted_from_storage_is_written_to_the_cluster_for_other_nodes(stores, tmp_path):
+    """A prefix on one node's storage alone (computed before the cluster tier was there, or
+    evicted from it): once that node reads it back, every other node hits it in memory."""
+    a, b = stores(storage=tmp_path / "kv-a"), stores()
+    ns = a.register(desc())
+    ks = keys(4, "promoted")
+    only_in_storage(a, ns, ks)  # on A's storage; the clear of memory took the cluster's objects too
+    b.register(desc())
+    assert b.lookup(ns, ks).tiers == ()
+    assert load(a, ns, ks) == [payload(k) for k in ks]  # promoted from A's storage
+    assert a.flush(timeout=30)
+    assert b.lookup(ns, ks).tiers == (Tier.DRAM,) * 4
+    assert load(b, ns, ks) == [payload(k) for k in ks]
+    assert b.stats().cluster.hits == 4

@@ -12,7 +12,8 @@ written through to it, and keys missing from DRAM filled from it, in batches.
   verified, up to the first that is not (its slot and the rest's are given back, or kept from
   reuse a while where the read's transfer may still be running: `Read.UNSAFE`). The lookup's
   walk then finds them in DRAM: a cluster hit is served as a DRAM hit. Entries filled so are
-  not written through again.
+  not written through again; entries promoted from storage are (the leases call `committed`:
+  the cluster lacked them, or the fill would have found them first).
 Owns: the write queue and its thread, the keys of the holds not settled yet (`reserved`).
 Primitives: `reserved`, `committed`, `fill`, `flush`, `close`, `stats`.
 Must not know: leases, reservations beyond the keys a hold reserved, the storage tier.

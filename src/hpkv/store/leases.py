@@ -115,6 +115,9 @@ class Leases:
         self._leases: dict[int, Lease] = {}
         self._promoting: dict[DramEntry, Future] = {}
         self._ids = itertools.count(1)
+        # The cluster tier's hook (`store.cluster.ClusterLink.committed`, set by the store): an
+        # entry promoted from storage is written to the cluster like one computed on this node.
+        self.promoted: Callable[[str, Sequence[bytes]], None] = lambda ns, keys: None
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -254,6 +257,8 @@ class Leases:
                 self._dram.abort(entry)
                 self._counters.promotion_failures += 1
         promotion.set_result(ok)
+        if ok:
+            self.promoted(entry.ns, (entry.key,))
 
     def get(self, lease_id: int) -> Lease | None:
         return self._leases.get(lease_id)

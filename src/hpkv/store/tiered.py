@@ -9,7 +9,7 @@ Primitives (keyed by namespace `ns` and engine keys, in prefix order): `create_s
 part the server's `Journal` asks directly (`watches.py`: what entered and left the tiers). Each
 is its part's: `lookup.py` (namespaces, lookups), `leases.py` (leases, promotions), `reservations.py`
 (reservations, holds, what is taken back), `writethrough.py` (the backlog, flush, close),
-`cluster.py` (the cluster tier: written through after commits and settles, asked by lookups);
+`cluster.py` (the cluster tier: written through after commits, settles and promotions, asked by lookups);
 `limits.SlotLimits` keeps the books of what each owner holds. Why one facade, of one-line
 delegations mostly: every caller outside the package sees one API whose methods take the lock
 where a part needs it, while the parts, one concept each, stay free to change (the batched
@@ -125,6 +125,7 @@ class TieredStore:
         )
         if self.cluster is not None:
             self.lookups.fill = self.cluster.fill
+            self.leases.promoted = self.cluster.committed
         # What entered and left each tier, for the namespaces engines watch (their KV events).
         self.watches = Watches(self.dram, storage, self.lookups)
 
