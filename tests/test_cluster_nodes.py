@@ -102,8 +102,10 @@ def test_a_nodes_share_outlives_its_server_and_its_death_is_misses_without_wrong
         num = len(b.call("lookup", prefix="r", n=24)["tiers"])
         fewest = min(fewest, num)
         assert time.monotonic() - t0 < 5.0
+        # The lease asks the cluster again: a dying segment may answer it otherwise than the
+        # lookup before; what it says is ready is leased, and is right.
         loaded = b.call("load", prefix="r", n=24)
-        assert loaded["num_ready"] == num and all(loaded["same"])
+        assert loaded["num_ready"] == loaded["num_leased"] and all(loaded["same"])
         quarantined = max(quarantined, b.call("stats")["stats"]["quarantined"])
         time.sleep(0.5)
     assert fewest < 24  # A's share did go (Mooncake placed each object in A's segment or B's)
