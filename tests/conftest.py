@@ -79,6 +79,16 @@ def model():
 _TALLY = Tally()
 
 
+@pytest.fixture(scope="session")
+def netfs_beds_up():
+    """GlusterFS and MooseFS, each mounted twice, up once for the whole session (name -> `Shared`,
+    or -> why it is not up): every netfs test works in a fresh directory of its own on them."""
+    from bench.harness.netfs import netfs_beds
+
+    with netfs_beds() as beds:
+        yield beds
+
+
 def pytest_configure(config):
     _TALLY.install()
 

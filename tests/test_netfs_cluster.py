@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.harness.netfs import Shared, netfs_beds
+from bench.harness.netfs import Shared
 from helpers.netfs_node import ENTRY_BYTES
 from helpers.netfs_nodes import NodeProcess, poll
 from helpers.waiting import wait_for
@@ -32,9 +32,8 @@ pytestmark = pytest.mark.netfs
 
 
 @pytest.fixture(scope="module")
-def beds():
-    with netfs_beds() as up:
-        yield up
+def beds(netfs_beds_up):
+    return netfs_beds_up
 
 
 @pytest.fixture(params=["glusterfs", "moosefs"])

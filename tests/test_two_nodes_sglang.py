@@ -13,6 +13,7 @@ starts the nodes' servers with its settings (`helpers.two_nodes`) and sends prom
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from bench.harness.engine import start_together
-from bench.harness.netfs import netfs_beds
+from bench.harness.netfs import Shared
 from helpers import sglang_serving as ss
 from helpers.engines import stop_all
 from helpers.mooncake import MooncakeMaster
@@ -74,17 +75,21 @@ def loaded_from_hpkv(a: ss.SglangEngine, b: ss.SglangEngine, prompt: str, landed
 
 
 @pytest.fixture
-def gluster(engines):
-    """GlusterFS mounted twice, node a's server storing on one mount and node b's on the other."""
+def gluster(engines, netfs_beds_up):
+    """GlusterFS mounted twice, node a's server storing in a fresh directory on one mount and node
+    b's in the same directory on the other (the bed, its mounts that directory)."""
     nodes = engines[0]
-    with netfs_beds(("glusterfs",)) as beds:
-        bed = beds["glusterfs"]
-        if isinstance(bed, str):
-            pytest.skip(bed)
-        (bed.mount_a / "kv").mkdir()
-        mounts = ({"HPKV_KV_STORAGE_PATH": str(bed.mount_a / "kv")}, {"HPKV_KV_STORAGE_PATH": str(bed.mount_b / "kv")})
+    bed = netfs_beds_up["glusterfs"]
+    if isinstance(bed, str):
+        pytest.skip(bed)
+    mine = Shared(bed.name, bed.mount_a / "two-nodes-sglang", bed.mount_b / "two-nodes-sglang")
+    (mine.mount_a / "kv").mkdir(parents=True)
+    mounts = ({"HPKV_KV_STORAGE_PATH": str(mine.mount_a / "kv")}, {"HPKV_KV_STORAGE_PATH": str(mine.mount_b / "kv")})
+    try:
         with nodes.serve("glusterfs", mounts):
-            yield bed
+            yield mine
+    finally:
+        shutil.rmtree(mine.mount_a, ignore_errors=True)
 
 
 def test_what_node_a_computes_sglang_on_node_b_loads_from_storage_with_sglangs_own_output(engines, gluster):

@@ -10,12 +10,13 @@ starts the nodes' servers with its settings (`helpers.two_nodes`) and sends prom
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
 import pytest
 
-from bench.harness.netfs import netfs_beds
+from bench.harness.netfs import Shared
 from helpers.engines import stop_all
 from helpers.mooncake import MooncakeMaster
 from helpers.storage import settled_files
@@ -49,18 +50,23 @@ def engines(model):
 
 
 @pytest.fixture(params=["glusterfs", "moosefs"])
-def shared(request, engines):
-    """One network file system, mounted twice, node a's server storing on one mount and node b's
-    on the other; the next is set up once this one is torn down."""
+def shared(request, engines, netfs_beds_up):
+    """One network file system, mounted twice, node a's server storing in a fresh directory on
+    one mount and node b's in the same directory on the other (the bed, its mounts that directory)."""
     nodes = engines[0]
-    with netfs_beds((request.param,)) as beds:
-        bed = beds[request.param]
-        if isinstance(bed, str):
-            pytest.skip(bed)
-        (bed.mount_a / "kv").mkdir()
-        mounts = ({"HPKV_KV_STORAGE_PATH": str(bed.mount_a / "kv")}, {"HPKV_KV_STORAGE_PATH": str(bed.mount_b / "kv")})
+    bed = netfs_beds_up[request.param]
+    if isinstance(bed, str):
+        pytest.skip(bed)
+    mine = Shared(
+        bed.name, bed.mount_a / f"two-nodes-vllm-{request.param}", bed.mount_b / f"two-nodes-vllm-{request.param}"
+    )
+    (mine.mount_a / "kv").mkdir(parents=True)
+    mounts = ({"HPKV_KV_STORAGE_PATH": str(mine.mount_a / "kv")}, {"HPKV_KV_STORAGE_PATH": str(mine.mount_b / "kv")})
+    try:
         with nodes.serve(request.param, mounts):
-            yield bed
+            yield mine
+    finally:
+        shutil.rmtree(mine.mount_a, ignore_errors=True)
 
 
 def landed(fs, nodes: TwoNodes, scenario: str, num_files: int) -> None:
