@@ -43,6 +43,7 @@ log = logging.getLogger("hpkv.vllm.events")
 POLL_S = 0.1  # the longest a tier's change waits for the poller (documented in docs/vllm.md)
 MAX_QUEUED = 64  # replies waiting for the scheduler; past it the poller waits (the server keeps the rest)
 DESCRIBE_BATCH = 1 << 12  # descriptions given per `Journal` (about 0.5 MiB at 16 tokens a block)
+DESCRIBE_BATCH_BYTES = 4 << 20  # and their bytes at most: a request stays well within a frame
 START_RETRY_S = 1.0  # between tries to attach while the server cannot be reached
 
 
@@ -108,9 +109,13 @@ class JournalPoller:
                 wait_s = 0.0
 
     def _described(self) -> list[p.Described]:
-        """Up to DESCRIBE_BATCH descriptions from the outbox, by namespace."""
+        """Up to DESCRIBE_BATCH descriptions (DESCRIBE_BATCH_BYTES) from the outbox, by namespace."""
         by_ns: dict[str, p.Described] = {}
+        num_bytes = 0
         for _ in range(min(DESCRIBE_BATCH, len(self.outbox))):
+            num_bytes += len(self.outbox[0][1]) + len(self.outbox[0][2])
+            if num_bytes > DESCRIBE_BATCH_BYTES:
+                break
             ns, key, blob = self.outbox.popleft()
             described = by_ns.setdefault(ns, p.Described(ns, [], []))
             described.keys.append(key)
