@@ -121,7 +121,7 @@ def test_a_peer_of_the_previous_protocol_is_refused_naming_both_versions(node):
         (reply,) = read_replies(sock)
     assert isinstance(reply, p.Error) and reply.code == "version"
     assert f"protocol {p.PROTOCOL_VERSION - 1}" in reply.message and f"speaks {p.PROTOCOL_VERSION}" in reply.message
-    assert p.PROTOCOL_VERSION == 6  # 6 added Journal: a server of 5 would refuse it as malformed
+    assert p.PROTOCOL_VERSION == 7  # 7 added Journal.describe, .snapshot: a server of 6 would refuse them as malformed
 
 
 @pytest.mark.parametrize("max_records", [1, 2])

@@ -8,7 +8,8 @@ storage ("STORAGE") with vLLM's own payload; /reset_prefix_cache takes the devic
 HPKV's; prompts past the pool's size evict, `hpkv clear --memory` empties the pool, `hpkv clear
 --storage` the storage tier, each announced within the documented bound; at the end each
 subscriber's index per tier is what the server's tiers hold, and neither engine published a
-block of the other's namespaces. Block hashes are published as bytes
+block of the other's namespaces; last, engine a restarts on the same server (b keeps it up) and
+announces what HPKV's tiers hold of its namespaces before any request reaches it. Block hashes are published as bytes
 (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0), so they are compared with the server's keys exactly.
 """
 
@@ -21,7 +22,7 @@ import pytest
 
 from helpers.cli import hpkv
 from helpers.kvevents import Subscriber
-from helpers.server import server_stats
+from helpers.server import server_pid, server_stats
 from helpers.vllm import BLOCK_SIZE, Engine, start_all
 from helpers.vllm_node import engine_node, stop_engines
 from helpers.waiting import wait_for
@@ -168,3 +169,21 @@ def test_each_engine_publishes_only_its_own_namespaces(node, engines):
     assert ours_a and ours_b
     assert not ours_a & {h for (m, h) in sub_b.described if m == GPU}
     assert not ours_b & {h for (m, h) in sub_a.described if m == GPU}
+
+
+def test_a_restarted_engine_announces_what_hpkvs_tiers_hold_without_a_request(node, engines):
+    (a, sub, model_id), _ = engines  # b keeps the server (and its DRAM pool) up meanwhile
+    wait_for(lambda: agrees(node, sub, model_id), timeout_s=10, what="a's index to match the server")
+    hashes, server = seen(sub), server_pid(node.shm)
+    a.stop()
+    a.start()  # no request is sent to it from here on
+    assert server_pid(node.shm) == server
+    view = server_view(node, model_id, hashes)
+    assert view[CPU] and view[STORAGE], "the earlier tests left nothing of a's in HPKV's tiers"
+    wait_for(  # from the new engine's events only: the subscriber forgot the old one's at its first batch
+        lambda: sub.restarts == 1 and sub.holds(CPU) == view[CPU] and sub.holds(STORAGE) == view[STORAGE],
+        timeout_s=10,
+        interval_s=0.05,
+        what="the restarted engine's announcements of what HPKV holds",
+    )
+    assert agrees(node, sub, model_id) and not sub.holds(GPU)

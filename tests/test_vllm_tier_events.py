@@ -165,3 +165,65 @@ def test_a_restarted_server_has_the_feed_remove_the_dram_blocks_it_announced(nod
         assert [(type(e), e.medium, len(e.block_hashes)) for e in got] == [(BlockRemoved, "CPU", 3)]
     finally:
         feed.close()
+
+
+def blocks(events) -> set[tuple]:
+    """Each block of some BlockStored events as (medium, hash, parent, tokens, extra keys), however
+    they were batched."""
+    out = set()
+    for e in events:
+        parent = e.parent_block_hash
+        for i, block_hash in enumerate(e.block_hashes):
+            extra = e.extra_keys[i] if e.extra_keys else None
+            out.add((e.medium, block_hash, parent, tuple(e.token_ids[i * BS : (i + 1) * BS]), extra, e.group_idx))
+            parent = block_hash
+    return out
+
+
+def test_a_feed_started_after_another_announces_what_the_tiers_hold_of_its_descriptions(node):
+    """An engine restarted on the same server: a second EventFeed, attached at its first check
+    (no request), announces the blocks the first one described and the tiers still hold, with the
+    same payload; a description of a block no tier holds, or one that does not decode, is not."""
+    import msgspec
+    from vllm.distributed.kv_events import BlockStored
+
+    from helpers.waiting import wait_for
+    from hpkv.integrations.vllm.eventfeed import EventFeed
+    from hpkv.integrations.vllm.layout import BlockLayout
+    from hpkv.server import protocol as p
+
+    node.start_server()
+    worker = node.client("vllm-worker-0")
+    ns = worker.register(desc(0, entry_bytes=4096))
+    layouts = [BlockLayout(("l0",), (4096,), BS, 1, "")]
+
+    def started_feed() -> EventFeed:
+        scheduler = node.client("vllm-scheduler")
+        scheduler.register(desc(0, entry_bytes=4096))
+        feed = EventFeed(layouts, 1, scheduler, start=lambda: feed.attach([ns], [desc(0, entry_bytes=4096)]))
+        assert not feed.pending() and feed.poller is not None  # attached at its first check
+        return feed
+
+    def announced(feed: EventFeed, media: set[str]) -> list:
+        got: list = []
+        wait_for(lambda: got.extend(feed.take_events()) or {e.medium for e in got} >= media,
+                 timeout_s=10, interval_s=0.05, what=f"announcements in {media}")  # fmt: skip
+        return got
+
+    first = started_feed()
+    request, unsaved, broken = vllm_request(6, 3, cache_salt="salt"), vllm_request(7, 1), vllm_request(8, 1)
+    first.saving(request, 0, 3)
+    first.saving(unsaved, 0, 1)  # described, never committed
+    worker.commit(worker.reserve(ns, keys_of(request, 3) + keys_of(broken, 1)))
+    before = announced(first, {"CPU", "STORAGE"})
+    first.close()
+    first.client.close()  # the engine is gone; the server and its tiers stay
+    worker.journal([], describe=[p.Described(ns, keys_of(broken, 1), [msgspec.msgpack.encode(["junk"])])])
+    second = started_feed()
+    try:
+        after = announced(second, {"CPU", "STORAGE"})
+        assert all(isinstance(e, BlockStored) for e in before + after)
+        assert blocks(after) == blocks(before) and len(blocks(after)) == 6  # 3 blocks, 2 tiers
+        assert second.take_events() == []
+    finally:
+        second.close()

@@ -1,7 +1,8 @@
 """A KV-event subscriber as a router runs one: a ZMQ SUB socket that vLLM's publisher connects to
 (`--kv-events-config` with `"endpoint": "tcp://127.0.0.1:<port>"`: the SUB binds, the PUB
 connects, so nothing listens beyond loopback), every batch decoded with vLLM's own
-`KVEventBatch`, and a per-medium index of the blocks it says are held. Knows nothing of HPKV."""
+`KVEventBatch`, and a per-medium index of the blocks it says are held, emptied when the engine's
+sequence starts again (a restarted engine), as docs/vllm.md's subscriber does. Knows nothing of HPKV."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class Subscriber:
     described: dict[tuple[str, object], Block] = field(default_factory=dict)  # (medium, hash) -> last store
     log: list[tuple[float, object]] = field(default_factory=list)  # (arrival, event), in order
     seqs: list[int] = field(default_factory=list)
+    restarts: int = 0  # sequences started again (the engine restarted)
 
     def __post_init__(self) -> None:
         import zmq
@@ -65,7 +67,12 @@ class Subscriber:
             _, seq, payload = self._sock.recv_multipart()
             batch = decoder.decode(payload)
             with self._lock:
-                self.seqs.append(int.from_bytes(seq, "big"))
+                number = int.from_bytes(seq, "big")
+                if self.seqs and number <= self.seqs[-1]:  # a restarted engine: forget what it said (docs/vllm.md)
+                    self.restarts += 1
+                    for blocks in self.held.values():
+                        blocks.clear()
+                self.seqs.append(number)
                 for event in batch.events:
                     self._apply(event)
 

@@ -207,10 +207,18 @@ class Client(Channel):
     def clear(self, dram: bool = True, storage: bool = False, ns: str | None = None) -> p.Cleared:
         return self._ask(p.Clear(dram, storage, ns), p.Cleared, max(self.timeout_s, 300.0))
 
-    def journal(self, cursors: Sequence[tuple[str, int]], held: Sequence[Part] = ()) -> p.JournalPages:
+    def journal(
+        self,
+        cursors: Sequence[tuple[str, int]],
+        held: Sequence[Part] = (),
+        describe: Sequence[p.Described] = (),
+        snapshot: Sequence[p.Snapshot] = (),
+    ) -> p.JournalPages:
         """The tier journal's records past each (ns, cursor) (-1: watch it from now), and the tiers
-        holding the keys of `held`, in one round trip (`protocol.Journal`)."""
-        return self._ask(p.Journal([p.Cursor(ns, after) for ns, after in cursors], _parts(held)), p.JournalPages)
+        holding the keys of `held`, in one round trip (`protocol.Journal`); with it, block
+        descriptions given to the server (`describe`) and pages of those it kept (`snapshot`)."""
+        cursor_list = [p.Cursor(ns, after) for ns, after in cursors]
+        return self._ask(p.Journal(cursor_list, _parts(held), list(describe), list(snapshot)), p.JournalPages)
 
     def stats(self, after: str = "", max_namespaces: int = 256, busiest: bool = False) -> ServerStats:
         """The server's snapshot with one page of its namespaces (`protocol.Stats`; the page after

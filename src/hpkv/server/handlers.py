@@ -257,8 +257,12 @@ class Handlers:
         return p.Cleared(removed["dram"], removed["storage"])
 
     def _on_Journal(self, r: p.Journal, client: ClientInfo) -> p.Reply:
-        for ns in [c.ns for c in r.cursors] + [part.ns for part in r.held]:
+        named = [c.ns for c in r.cursors] + [part.ns for part in r.held] + [d.ns for d in r.describe]
+        for ns in named + [s.ns for s in r.snapshot] + [ns for s in r.snapshot for ns in s.held_in]:
             self._check_ns(ns)
+        _check_described(r)
+        for described in r.describe:  # before the pages: a record of these keys read now may drop them
+            self.store.watches.describe(described.ns, described.keys, described.blobs)
         share = max(256, JOURNAL_REPLY_RECORDS // max(1, len(r.cursors)))
         pages = []
         for cursor in r.cursors:
@@ -272,7 +276,12 @@ class Handlers:
                 pages.append(p.JournalPage(cursor.ns, page.codes, page.keys, page.last, page.lost, page.more))
             client.watching.add(cursor.ns)
         held = [self.store.watches.held(part.ns, part.keys) for part in r.held]
-        return p.JournalPages(self.store.watches.journal.life, pages, held)
+        snapshot = []
+        for s in r.snapshot:  # after the pages: what a tier holds now, past the records read
+            share = p.SNAPSHOT_REPLY_BYTES // len(r.snapshot)
+            kept, bits = self.store.watches.snapshot(s.ns, s.after, s.held_in, p.SNAPSHOT_PAGE_KEYS, share)
+            snapshot.append(p.SnapshotPage(s.ns, kept.keys, kept.blobs, bits, kept.last, kept.more))
+        return p.JournalPages(self.store.watches.journal.life, pages, held, snapshot)
 
     def _on_Stats(self, r: p.Stats, client: ClientInfo) -> p.Reply:
         stats = self._stats()
@@ -282,6 +291,17 @@ class Handlers:
     def _check_ns(self, ns: str) -> None:
         if ns not in self.store.namespaces():
             raise UnknownNamespace(ns)
+
+
+def _check_described(r: p.Journal) -> None:
+    """A `Journal`'s descriptions and snapshots within the protocol's bounds (ValueError: `bad_request`)."""
+    if any(len(d.keys) != len(d.blobs) for d in r.describe):
+        raise ValueError("Journal.describe: one blob per key")
+    if sum(len(d.keys) for d in r.describe) > p.MAX_DESCRIBED:
+        raise ValueError(f"Journal.describe: more than {p.MAX_DESCRIBED} descriptions in one request")
+    if len(r.snapshot) > p.MAX_SNAPSHOTS or sum(len(s.held_in) for s in r.snapshot) > p.MAX_SNAPSHOT_NAMESPACES:
+        limits = f"{p.MAX_SNAPSHOTS} snapshots and {p.MAX_SNAPSHOT_NAMESPACES} held_in"
+        raise ValueError(f"Journal.snapshot: at most {limits} in one request")
 
 
 def namespace_page(namespaces: dict[str, NamespaceStats], r: p.Stats) -> tuple[dict[str, NamespaceStats], str | None]:

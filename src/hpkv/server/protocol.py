@@ -20,7 +20,10 @@ Holds: a reservation made with a `hold` name is not the reserving client's to co
 settles the whole hold, every client's part: the keys it names are aborted, the rest committed.
 The journal (for KV events): `Journal` watches namespaces (a cursor of -1) and reads what entered
 and left their tiers since a cursor, and asks which tiers hold some keys; a page says when records
-were lost (the server keeps a bounded number) and `life` changes with the server.
+were lost (the server keeps a bounded number) and `life` changes with the server. It also carries
+an engine's descriptions of its blocks (`describe`: opaque blobs the server keeps, bounded, after
+the engine is gone) and pages through those kept (`snapshot`), so that a restarted engine
+announces what the tiers still hold.
 The pool: the `Welcome` frame carries the pool file's descriptor (SCM_RIGHTS, `send_frame_fds` /
 `recv_frame_fds`), which the client maps instead of opening the file by name. `pool_bytes` and
 `pool_inode` are what it checks the descriptor against; `pool_path` is for messages only
@@ -35,9 +38,17 @@ import struct
 
 import msgspec
 
-PROTOCOL_VERSION = 6  # 6: Journal (the tier journal, for KV events)
+# 6: Journal (the tier journal, for KV events); 7: Journal's describe and snapshot (block
+# descriptions kept for the next engine: a server of 6 would refuse them as malformed)
+PROTOCOL_VERSION = 7
 MAX_FRAME_BYTES = 16 << 20
 STATS_PAGE_BYTES = 4 << 20  # the descriptions in one Stats reply, past its first (at most 1 MiB)
+MAX_BLOB_BYTES = 16 << 10  # one block description in `Journal.describe` (the store's bound: the same)
+MAX_DESCRIBED = 1 << 13  # block descriptions in one `Journal`: 128 MiB of blobs at most is past a frame anyway
+MAX_SNAPSHOTS = 64  # `Journal.snapshot`s in one request
+MAX_SNAPSHOT_NAMESPACES = 256  # their `held_in`, all together (a page's held bits: 4096 keys x these bytes)
+SNAPSHOT_PAGE_KEYS = 1 << 12  # descriptions one snapshot reads in one reply (kept or not)
+SNAPSHOT_REPLY_BYTES = 8 << 20  # the descriptions in one reply, shared by its snapshots (a reply fits a frame)
 SOCKET_NAME = "hpkv.sock"
 LOCK_NAME = "hpkv.lock"
 _LENGTH = struct.Struct(">I")
@@ -135,9 +146,30 @@ class Cursor(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     after: int
 
 
+class Described(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """An engine's descriptions of keys of one namespace: `blobs[i]` describes `keys[i]`, in the
+    engine's own encoding (the server never parses them). A blob over MAX_BLOB_BYTES is not kept."""
+
+    ns: str
+    keys: list[bytes]
+    blobs: list[bytes]
+
+
+class Snapshot(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """Page through the descriptions kept for `ns` numbered past `after` (0: from the first),
+    answering those whose keys a tier holds in some namespace of `held_in`, with their tiers
+    there (an engine's every rank)."""
+
+    ns: str
+    after: int
+    held_in: list[str]
+
+
 class Journal(Msg):
     cursors: list[Cursor]
     held: list[Part] = []  # keys whose tiers to answer (`JournalPages.held`), after the pages are read
+    describe: list[Described] = []  # kept before the pages are read; MAX_DESCRIBED keys at most
+    snapshot: list[Snapshot] = []  # answered after the pages are read; MAX_SNAPSHOTS at most
 
 
 Request = (
@@ -219,10 +251,24 @@ class JournalPage(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     more: bool
 
 
+class SnapshotPage(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """Descriptions of `ns` numbered on to `last` whose keys a tier holds: `held[j][i]` is the
+    tiers (bits: 1 DRAM, 2 storage) holding `keys[i]` in the `j`th namespace of `held_in`;
+    `more`: others past `last` wait for the next `Journal` (ask again from `last`)."""
+
+    ns: str
+    keys: list[bytes]
+    blobs: list[bytes]
+    held: list[bytes]
+    last: int
+    more: bool
+
+
 class JournalPages(Msg):
     life: str  # the server's journal: a cursor read from another life is lost
     pages: list[JournalPage]  # one per cursor
     held: list[bytes]  # per part of `Journal.held`: per key the tiers holding it, as bits (1 DRAM, 2 storage)
+    snapshot: list[SnapshotPage] = []  # one per `Journal.snapshot`
 
 
 class Error(_Stable):

@@ -9,24 +9,26 @@ LoRA name and extra keys, group index, as `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` 
 a consumer joins them with the device's events. What a tier holds is learnt from the server's
 journal (`store/journal.py`), in the order it happened there, and from this engine's own lease
 answers; both are applied on the scheduler's thread, which is why a removal is never published
-before the store it undoes. A block is described only once this engine has seen it in a request
+before the store it undoes. A block is described once this engine has seen it in a request
 (saved it, or leased it): blocks other engines of the same namespaces wrote are theirs to announce.
-When journal records were lost (the server's bound, or a server restarted) the tiers are asked
-again for every block described (`resync`), and the difference is published.
+Each description made is queued for the server (`outbox`, its first rank's namespace of the
+group), which keeps it for the engines that start later; at start an engine adopts those the
+server kept of keys a tier holds (`snapshots`, `adopt`), so what the tiers held before it
+started is announced without a request. When journal records were lost (the server's bound, or
+a server restarted) the tiers are asked again for every block described (`resync`), and the
+difference is published.
 
-Primitives: `attach`, `saving`, `leased`, `apply`, `resync`, `take`. Full-attention groups only
-(sliding-window and state groups publish nothing, as in vLLM's own offloading events).
-Must not know: the server's store, the poller's thread (`eventpoll.py`).
+Primitives: `attach`, `saving`, `leased`, `apply`, `snapshots`, `adopt`, `resync`, `take`;
+`outbox`. Full-attention groups only (sliding-window and state groups publish nothing, as in
+vLLM's own offloading events). Must not know: the server's store, the poller's thread (`eventfeed.py`).
 """
 
 from __future__ import annotations
 
 import logging
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import (
@@ -36,9 +38,12 @@ from vllm.v1.core.kv_cache_utils import (
     to_event_extra_keys,
 )
 
+from ...server import protocol as p
 from ...server.client import Client, LeaseHandle
 from ...tiers import Tier
+from . import blockdesc
 from . import layout as lay
+from .blockdesc import BlockMeta
 
 log = logging.getLogger("hpkv.vllm.events")
 
@@ -49,22 +54,9 @@ MAX_UNHELD = 1 << 17  # blocks described and held in no tier (saves not committe
 # blocks are not announced (never a stale one); those announced keep theirs until removed.
 MAX_DESCRIBED = 1 << 20
 HELD_BATCH = 1 << 15  # keys asked per `Journal` when learning the tiers again
+MAX_OUTBOX = 1 << 16  # descriptions waiting for the poller to give them to the server: the oldest dropped past it
 
 BlockId = tuple[int, bytes]  # (KV cache group, entry key)
-
-
-@dataclass(slots=True)
-class BlockMeta:
-    """One block as vLLM's own `BlockStored` describes it."""
-
-    block_hash: Any
-    parent: Any
-    token_ids: array  # 4 bytes a token, not a list of int objects
-    block_size: int
-    extra_keys: tuple | None
-    lora_name: str | None
-    lora_id: int | None
-    session_id: str | None
 
 
 class TierEvents:
@@ -80,6 +72,8 @@ class TierEvents:
         self._announced: dict[Tier, set[BlockId]] = {tier: set() for tier in Tier}
         self._events: list[KVCacheEvent] = []
         self._said_full = False
+        # (ns, key, blob) of the descriptions made, for the server; read by the poller's thread.
+        self.outbox: deque[tuple[str, bytes, bytes]] = deque(maxlen=MAX_OUTBOX)
 
     def attach(self, namespaces: Sequence[str]) -> None:
         """This engine's namespaces, rank-major as `layout.namespaces` gives them."""
@@ -126,9 +120,9 @@ class TierEvents:
                 break
             begin, end = i * layout.block_size, (i + 1) * layout.block_size
             extra, _ = generate_block_hash_extra_keys(request, begin, end, 0)
-            self._meta[block] = BlockMeta(
-                maybe_convert_block_hash(hashes[i]),
-                maybe_convert_block_hash(hashes[i - 1]) if i else None,
+            meta = self._meta[block] = BlockMeta(
+                bytes(hashes[i]),
+                bytes(hashes[i - 1]) if i else None,
                 array("i", request.all_token_ids[begin:end]),
                 layout.block_size,
                 extra,
@@ -137,6 +131,9 @@ class TierEvents:
                 getattr(request, "session_id", None),
             )
             self._unheld[block] = None
+            blob = blockdesc.encode(meta)
+            if len(blob) <= p.MAX_BLOB_BYTES:  # a larger one is announced on its next touch only
+                self.outbox.append((self.namespaces[group], key, blob))
         while len(self._unheld) > MAX_UNHELD:  # saves that never committed (skipped: held already, no room)
             self._meta.pop(self._unheld.popitem(last=False)[0], None)
         return keys
@@ -154,6 +151,40 @@ class TierEvents:
                 if number > cursor and ((group, key) in self._meta or (not stored and key in self._held[tier][index])):
                     self._set(index, group, tier, key, stored)
         self.cursors[ns] = max(cursor, last)
+
+    def snapshots(self) -> list[p.Snapshot]:
+        """What to ask the server at start: per full-attention group, the descriptions kept in its
+        first rank's namespace, with the tiers holding each in every rank's."""
+        num_groups, ns = len(self.layouts), self.namespaces
+        return [
+            p.Snapshot(ns[group], 0, [ns[r * num_groups + group] for r in range(self.num_ranks)])
+            for group in sorted(set(self._group_of.values()))
+        ]
+
+    def adopt(self, page: p.SnapshotPage) -> None:
+        """Descriptions the server kept (of keys a tier holds), with the tiers holding each on
+        every rank (`page.held`, as `snapshots` asked): described here as if seen in a request,
+        and announced where every rank holds them. One that does not decode is skipped."""
+        group = self._group_of.get(page.ns)
+        if group is None or len(page.held) != self.num_ranks:
+            return
+        layout = self.layouts[group]
+        for i, (key, blob) in enumerate(zip(page.keys, page.blobs)):
+            block = (group, key)
+            if block not in self._meta:
+                meta = blockdesc.decode(blob, layout.block_size)
+                if meta is None:
+                    continue
+                if len(self._meta) >= MAX_DESCRIBED:
+                    self._full()
+                    return
+                self._meta[block] = meta
+                self._unheld[block] = None
+            for rank, bits in enumerate(page.held):
+                for tier in Tier:
+                    self._set(rank * len(self.layouts) + group, group, tier, key, bool(bits[i] & tier))
+        while len(self._unheld) > MAX_UNHELD:
+            self._meta.pop(self._unheld.popitem(last=False)[0], None)
 
     def resync(self, client: Client) -> str:
         """Learn again what the tiers hold of every block described (journal records were lost):
@@ -191,7 +222,8 @@ class TierEvents:
         elif not now and block in announced:
             announced.discard(block)
             meta = self._meta[block]
-            self._events.append(BlockRemoved(block_hashes=[meta.block_hash], medium=MEDIUMS[tier], group_idx=group))
+            removed = [maybe_convert_block_hash(meta.block_hash)]
+            self._events.append(BlockRemoved(block_hashes=removed, medium=MEDIUMS[tier], group_idx=group))
             if not any(block in self._announced[t] for t in Tier):
                 self._forget(block)
 
@@ -213,8 +245,8 @@ class TierEvents:
     def _stored(self, block: BlockId, tier: Tier) -> BlockStored:
         meta = self._meta[block]
         return BlockStored(
-            block_hashes=[meta.block_hash],
-            parent_block_hash=meta.parent,
+            block_hashes=[maybe_convert_block_hash(meta.block_hash)],
+            parent_block_hash=maybe_convert_block_hash(meta.parent) if meta.parent is not None else None,
             token_ids=meta.token_ids.tolist(),
             block_size=meta.block_size,
             lora_id=meta.lora_id,

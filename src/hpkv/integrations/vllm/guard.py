@@ -91,7 +91,11 @@ class GuardedScheduler:
 
     def has_events(self) -> bool:
         feed = self.scheduler.feed
-        return feed is not None and feed.pending()
+        try:
+            return feed is not None and feed.pending()  # attaches the feed at the engine's start
+        except Exception:
+            self._bug("the KV events")
+            return False
 
     def _bug(self, what: str, *recover) -> None:
         """Called inside an `except`: log the exception (throttled), then run the `recover`

@@ -69,8 +69,8 @@ class HpkvScheduler:
         self._pending_loads: list[LoadJob] = []
         self._step_loads: list[LoadJob] = []  # the loads of the step being built
         self.kv_cache_manager = None  # vLLM's, once bound: to un-hash blocks that failed to load
-        if eventfeed.enabled(vllm_config):  # --kv-events-config
-            self.feed = eventfeed.EventFeed(self.layouts, self.num_ranks, self.client)
+        if eventfeed.enabled(vllm_config):  # --kv-events-config; attached at start (`namespaces`), not on a request
+            self.feed = eventfeed.EventFeed(self.layouts, self.num_ranks, self.client, self.namespaces, self.identity)
         modelid.warn_if_hashes_unstable(vllm_config)
 
     def namespaces(self) -> list[str] | None:
