@@ -51,7 +51,7 @@ cluster-libs:
 		else echo "the cluster tier needs$$missing (libibverbs.so.1, libnuma.so.1): install them" >&2; exit 1; fi; \
 	fi
 
-.PHONY: setup demo demo-sglang test test-vllm-engines test-rest test-core test-engine lint bench
+.PHONY: setup demo demo-sglang test test-vllm-engines test-rest test-netfs test-core test-engine lint bench
 setup: $(STAMP) $(SGLANG_STAMP)
 
 demo: $(STAMP)
@@ -60,19 +60,22 @@ demo: $(STAMP)
 demo-sglang: $(SGLANG_STAMP)
 	PYTHONPATH=tests/sglang_cpu $(SGLANG_VENV)/bin/hpkv demo --engine sglang
 
-# Two pytest sessions side by side, of about the same length: the vLLM engine tests (they mostly
-# wait on engine starts and requests), and the rest (the tests without an engine, SGLang's, and
-# every test on the machine's one network file system bed, which only one session may hold).
+# Three pytest sessions side by side: the vLLM engine tests; the tests without an engine with
+# SGLang's and the two demos; and the tests on the machine's one network file system bed (they
+# mostly wait on the file systems' leases and caches, and only one session may hold the bed).
 # Each one's output is shown as it ends (-O), with its slowest tests.
-VLLM_ENGINES = engine and vllm and not sglang and not netfs
+VLLM_ENGINES = engine and vllm and not sglang and not netfs and not demo
 test: lint $(SGLANG_STAMP)
-	$(MAKE) --no-print-directory -j2 -O test-vllm-engines test-rest
+	$(MAKE) --no-print-directory -j3 -O test-vllm-engines test-rest test-netfs
 
 test-vllm-engines: $(STAMP)
 	$(VENV)/bin/pytest -q --durations=10 -m "$(VLLM_ENGINES)"
 
 test-rest: $(STAMP) $(SGLANG_STAMP)
-	$(VENV)/bin/pytest -q --durations=10 -m "not ($(VLLM_ENGINES))"
+	$(VENV)/bin/pytest -q --durations=10 -m "not netfs and not ($(VLLM_ENGINES))"
+
+test-netfs: $(STAMP) $(SGLANG_STAMP)
+	$(VENV)/bin/pytest -q --durations=10 -m netfs
 
 # Configured in pyproject.toml ([tool.ruff], [tool.mypy]).
 lint: $(STAMP)

@@ -13,7 +13,7 @@ from helpers.cli import assert_demo_walk
 
 HPKV = Path(sys.executable).with_name("hpkv")
 
-pytestmark = [pytest.mark.engine, pytest.mark.vllm]  # `hpkv demo` starts vLLM twice
+pytestmark = [pytest.mark.engine, pytest.mark.vllm, pytest.mark.demo]  # `hpkv demo` starts vLLM twice
 
 
 # What a user who followed the quick start and tuned it may have exported: the demo walks the

@@ -297,8 +297,9 @@ def test_the_first_storage_hit_after_a_restart_costs_what_a_later_one_does(engin
         ttft_ms.append(answer.ttft_s * 1e3)
 
     first, later = ttft_ms[0], statistics.median(ttft_ms[1:])
-    # A few times a later one (the slack: a 2-core machine's scheduling noise on a 30 ms hit).
-    assert first <= 4 * later + 100, f"first storage hit {first:.0f} ms, later ones {ttft_ms[1:]}"
+    # A few times a later one, not the seconds a start on the first request costs (the slack: a
+    # 2-core machine's scheduling noise on a 30 ms hit, 0.3 s seen with three test sessions beside).
+    assert first <= 4 * later + 500, f"first storage hit {first:.0f} ms, later ones {ttft_ms[1:]}"
 
 
 def test_after_a_restart_the_prompt_is_served_from_storage(engine_b, node, plain):
