@@ -11,7 +11,8 @@ import pytest
 from helpers import sglang_serving as ss
 from helpers.cli import assert_demo_walk
 
-pytestmark = [pytest.mark.engine, pytest.mark.sglang, pytest.mark.demo]  # `hpkv demo --engine sglang` starts SGLang twice
+# `hpkv demo --engine sglang` starts SGLang twice
+pytestmark = [pytest.mark.engine, pytest.mark.sglang, pytest.mark.demo]
 
 
 @pytest.mark.timeout(1200)
