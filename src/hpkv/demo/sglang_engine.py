@@ -32,8 +32,9 @@ CPU_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 def cpu_flags(max_total_tokens: int = 20000) -> list[str]:
     """SGLang's generic platform with pure-torch ops; a device pool sized for a small machine
     (SGLang would otherwise take about 1.8M tokens, and HiCache twice that in host memory), and
-    HiCache's default ratio said outright: SGLang sizes it from the free host memory otherwise, and
-    refuses to start with under 10 GiB free (engines beside each other on a 24 GiB machine)."""
+    HiCache's default ratio said outright, so that SGLang does not size it from the free host
+    memory. SGLang still wants the host pool free beyond a 10 GiB reserve, so a 24 GiB machine runs
+    few engines beside one."""
     return [
         "--device",
         "cpu",
